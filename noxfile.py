@@ -1,0 +1,97 @@
+"""Sessions: one per package (installs it with its internal dependencies, runs its tests), ``all`` (everything,
+top-level ``tests/`` included: what CI runs), ``lint`` (ruff).
+
+    python3 -m pip install nox && python3 -m nox -s all
+    python3 -m nox -s meshes            # one package
+    MOESHARD_TORCH="torch==2.11.0" python3 -m nox -s ep   # another torch (>= 2.11 supported)
+
+Virtual environments are reused between runs (``--no-reuse-existing-virtualenvs`` for a fresh one).
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["lint", "all"]
+
+# The CPU build of torch; an open range could pull a multi-GB CUDA build from PyPI.
+TORCH = os.environ.get("MOESHARD_TORCH", "torch==2.13.0")
+TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3"]
+
+# package folder -> the internal packages it needs (in install order), and extra test-only needs.
+PACKAGES: dict[str, tuple[list[str], list[str]]] = {
+    "meshes": (["packages/meshes"], []),
+    "ep": (["packages/meshes", "packages/ep"], []),
+    "fsdp_moe": (
+        ["packages/meshes", "packages/ep", "packages/fsdp_moe", "packages/models_qwen3moe"],
+        [],  # tests compare against the model package and transformers
+    ),
+    "prefetch": (
+        ["packages/meshes", "packages/ep", "packages/fsdp_moe", "packages/prefetch", "packages/models_qwen3moe"],
+        [],
+    ),
+    "qwen3moe": (["packages/meshes", "packages/ep", "packages/models_qwen3moe"], []),
+    "train": (
+        [
+            "packages/meshes",
+            "packages/ep",
+            "packages/fsdp_moe",
+            "packages/prefetch",
+            "packages/models_qwen3moe",
+            "apps/train",
+        ],
+        [],
+    ),
+}
+TEST_DIRS = {
+    "meshes": ["packages/meshes/tests"],
+    "ep": ["packages/ep/tests"],
+    "fsdp_moe": ["packages/fsdp_moe/tests"],
+    "prefetch": ["packages/prefetch/tests"],
+    "qwen3moe": ["packages/models_qwen3moe/tests"],
+    "train": ["apps/train/tests"],
+}
+
+
+def _install(session: nox.Session, paths: list[str], extra: list[str]) -> None:
+    session.install(TORCH)
+    session.install(*TEST_DEPS, *extra)
+    editable = [arg for p in paths for arg in ("-e", p)]
+    session.install(*editable)
+
+
+def _pytest(session: nox.Session, dirs: list[str]) -> None:
+    session.run("python", "-m", "pytest", *dirs, *session.posargs, env={"OMP_NUM_THREADS": "1"})
+
+
+def _make_package_session(name: str) -> None:
+    paths, extra = PACKAGES[name]
+
+    @nox.session(name=name)
+    def _session(session: nox.Session) -> None:
+        _install(session, paths, extra)
+        _pytest(session, TEST_DIRS[name])
+
+    _session.__doc__ = f"Install {name} with its internal dependencies and run its tests."
+
+
+for _name in PACKAGES:
+    _make_package_session(_name)
+
+
+@nox.session(name="all")
+def all_tests(session: nox.Session) -> None:
+    """Every package and the app installed together; all tests, top-level tests/ included."""
+    _install(session, PACKAGES["train"][0], [])
+    _pytest(session, [d for dirs in TEST_DIRS.values() for d in dirs] + ["tests"])
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the whole tree."""
+    session.install("ruff>=0.5")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")

@@ -1,0 +1,189 @@
+"""Run one device-agnostic test body on N CPU processes with the gloo backend.
+
+    from moeshard.meshes.testing import run_distributed
+
+    def _body(scale):                      # module level: each rank re-loads it from its file
+        import torch.distributed as dist
+        return dist.get_rank() * scale
+
+    def test_ranks():
+        assert run_distributed(_body, 4, 10) == [0, 10, 20, 30]
+
+Each rank gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (from ``ranks_per_node``) set, a
+default gloo process group already initialised through a TCPStore on a free port (no port races), and one
+thread. On success the harness runs ``barrier`` then ``destroy_process_group`` (gloo aborts at exit
+otherwise). A failure on any rank fails the call with that rank's traceback; a hang fails after ``timeout``
+seconds with every live rank's Python stack printed to stderr.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib.util
+import os
+import queue
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["DistributedTestError", "run_distributed"]
+
+_LOADED: dict[str, Any] = {}
+
+
+class DistributedTestError(AssertionError):
+    """One or more ranks failed or hung; the message holds their tracebacks."""
+
+
+def _resolve(path: str, module_name: str, qualname: str) -> Callable[..., Any]:
+    mod = sys.modules.get(module_name)
+    if mod is None or getattr(mod, "__file__", None) != path:
+        mod = _LOADED.get(path)
+        if mod is None:
+            spec = importlib.util.spec_from_file_location(f"_moeshard_dist_{abs(hash(path))}", path)
+            assert spec is not None and spec.loader is not None, path
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = mod
+            spec.loader.exec_module(mod)
+            _LOADED[path] = mod
+    obj: Any = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _worker(rank, world_size, ranks_per_node, port, backend, fn_ref, args, kwargs, results, timeout, extra_env):
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % ranks_per_node),
+        LOCAL_WORLD_SIZE=str(ranks_per_node),
+        GROUP_RANK=str(rank // ranks_per_node),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    os.environ.update(extra_env)
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(max(timeout - 5.0, 1.0), exit=False)  # a hang shows where it hangs
+    try:
+        fn = _resolve(*fn_ref)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=_td(timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_td(timeout))
+        out = fn(*args, **kwargs)
+        dist.barrier()
+        dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _td(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    ranks_per_node: int | None = None,
+    timeout: float = 240.0,
+    backend: str = "gloo",
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh processes and return each rank's result.
+
+    Args:
+        fn: a module-level function (each rank loads it from its source file); it runs with the default
+            process group initialised.
+        world_size: number of processes.
+        ranks_per_node: ``LOCAL_WORLD_SIZE`` given to each rank (stands in for GPUs per node);
+            defaults to ``world_size`` (one node).
+        timeout: seconds before a hang fails the call.
+        backend: process-group backend (``gloo`` on CPU).
+        env: extra environment variables for every rank.
+
+    Returns:
+        The picklable return values, indexed by rank.
+
+    Raises:
+        DistributedTestError: a rank raised (its traceback is in the message) or the run timed out.
+    """
+    ranks_per_node = ranks_per_node or world_size
+    path = os.path.abspath(fn.__code__.co_filename)
+    fn_ref = (path, fn.__module__, fn.__qualname__)
+    # The parent owns the store on port 0 (the OS picks a free port), so concurrent tests never collide.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=_td(timeout))
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(
+                r,
+                world_size,
+                ranks_per_node,
+                store.port,
+                backend,
+                fn_ref,
+                args,
+                kwargs,
+                results,
+                timeout,
+                env or {},
+            ),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if errors:  # the other ranks are probably blocked on the failed one: give them a moment, then stop
+                remaining = min(remaining, 5.0)
+            if remaining <= 0:
+                break
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
+                dead = [r for r in dead if r not in errors]
+                for r in dead:
+                    errors[r] = f"process exited with code {procs[r].exitcode} without reporting"
+                continue
+            (outputs if ok else errors)[rank] = payload
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        del store
+    if errors or len(outputs) < world_size:
+        missing = [r for r in range(world_size) if r not in outputs and r not in errors]
+        parts = [f"--- rank {r} failed ---\n{errors[r]}" for r in sorted(errors)]
+        if missing:
+            parts.append(
+                f"--- ranks {missing} did not finish within {timeout:.0f}s "
+                "(hung or blocked on a failed rank; their stacks were dumped to stderr) ---"
+            )
+        raise DistributedTestError(f"{fn.__qualname__} on {world_size} processes:\n" + "\n".join(parts))
+    return [outputs[r] for r in range(world_size)]

@@ -1,0 +1,40 @@
+"""Layout arithmetic and validation, no process group."""
+
+import pytest
+
+from moeshard.meshes import plan_layout
+
+
+def test_worked_example_16_ranks():
+    lay = plan_layout(16, 8, 8)
+    assert lay.ep_fsdp_size == 2 and lay.num_nodes == 2
+    assert lay.ep_groups() == [list(range(8)), list(range(8, 16))]
+    assert lay.ep_fsdp_groups() == [[j, j + 8] for j in range(8)]
+    assert [lay.node_of(r) for r in range(16)] == [0] * 8 + [1] * 8
+    assert not lay.ep_crosses_nodes()
+    text = lay.describe()
+    assert "[0..7], [8..15]" in text and "[0,8], [1,9]" in text
+
+
+@pytest.mark.parametrize(
+    ("world", "per_node", "ep", "needles"),
+    [
+        (8, 4, 0, ["ep_size must be an integer >= 1", "0"]),
+        (8, 4, -2, ["ep_size must be an integer >= 1", "-2"]),
+        (12, 4, 8, ["ep_size 8 does not divide world size 12"]),
+        (16, 8, 16, ["ep_size 16", "cross a node boundary", "8 ranks per node"]),
+        (12, 6, 4, ["ep_size 4", "cross a node boundary", "6 ranks per node"]),
+        (10, 4, 2, ["world size 10 is not a multiple of ranks per node 4"]),
+    ],
+)
+def test_validation_errors_name_the_numbers(world, per_node, ep, needles):
+    with pytest.raises(ValueError) as info:
+        plan_layout(world, per_node, ep)
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+def test_cross_node_ep_allowed_explicitly():
+    lay = plan_layout(16, 8, 16, allow_cross_node_ep=True)
+    assert lay.ep_crosses_nodes()
+    assert lay.ep_fsdp_groups() == [[j] for j in range(16)]

@@ -1,0 +1,69 @@
+"""Real meshes on gloo (4 processes as 2 nodes x 2) and planned meshes on the fake backend (world 16)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moeshard.meshes import build_meshes, fake_process_group
+from moeshard.meshes.testing import DistributedTestError, run_distributed
+
+
+def _groups_by_all_gather():
+    meshes = build_meshes(ep_size=2)
+    out = {}
+    for axis, mesh in (("ep", meshes.ep), ("ep_fsdp", meshes.ep_fsdp), ("fsdp", meshes.fsdp)):
+        group = mesh.get_group()
+        ranks = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(ranks, torch.tensor([dist.get_rank()]), group=group)
+        out[axis] = [int(r) for r in ranks]
+    out["node"] = meshes.node_index
+    return out
+
+
+def test_gloo_meshes_two_nodes_of_two():
+    res = run_distributed(_groups_by_all_gather, 4, ranks_per_node=2)
+    assert [r["ep"] for r in res] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["ep_fsdp"] for r in res] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert all(r["fsdp"] == [0, 1, 2, 3] for r in res)
+    assert [r["node"] for r in res] == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("rank", range(16))
+def test_fake_world_16(rank):
+    with fake_process_group(16, rank):
+        meshes = build_meshes(ep_size=8, ranks_per_node=8, device_type="cpu")
+        assert meshes.ep.mesh.tolist() == list(range(8 * (rank // 8), 8 * (rank // 8) + 8))
+        assert meshes.ep_fsdp.mesh.tolist() == [rank % 8, rank % 8 + 8]
+        assert meshes.fsdp.mesh.tolist() == list(range(16))
+        assert dist.get_world_size(meshes.ep.get_group()) == 8
+        assert dist.get_world_size(meshes.ep_fsdp.get_group()) == 2
+        assert meshes.node_index == rank // 8 and meshes.ep_rank == rank % 8
+
+
+def test_build_meshes_needs_process_group():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        build_meshes(ep_size=1)
+
+
+def _fails_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank one")
+    dist.barrier()  # the others block on the failed rank: the harness must not hang
+
+
+def _hangs():
+    import time
+
+    if dist.get_rank() == 0:
+        time.sleep(3600)
+
+
+def test_harness_reports_failing_rank_traceback():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_fails_on_rank_one, 2, timeout=60)
+    assert "rank 1 failed" in str(info.value) and "boom on rank one" in str(info.value)
+
+
+def test_harness_times_out_on_hang():
+    with pytest.raises(DistributedTestError, match="did not finish within"):
+        run_distributed(_hangs, 2, timeout=15)
