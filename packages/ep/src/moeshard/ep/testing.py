@@ -1,0 +1,80 @@
+"""Test helpers: a plain reference for the routed experts and a toy MoE model with a parallel plan.
+
+# T tokens, K top-k, D hidden, E experts, F expert width
+
+The reference shares no code with :func:`moeshard.ep.routed_experts`: it loops over tokens and their K
+choices in plain torch, with all experts in one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from moeshard.ep._plan import ParallelPlan
+
+__all__ = ["ToyExperts", "ToyMoE", "reference_routed_experts", "toy_plan"]
+
+
+def reference_routed_experts(
+    x_TD: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    w_gate_up_EXD: torch.Tensor,
+    w_down_EDF: torch.Tensor,
+) -> torch.Tensor:
+    """``y_t = Σ_k w_tk · down_e(silu(gate_e x_t) * up_e x_t)`` token by token, all experts local (slow)."""
+    T, D = x_TD.shape
+    F_ = w_down_EDF.shape[2]
+    rows = []
+    for t in range(T):
+        acc_D = torch.zeros(D, dtype=torch.float32, device=x_TD.device)
+        for k in range(topk_ids_TK.shape[1]):
+            e = int(topk_ids_TK[t, k])
+            h_X = w_gate_up_EXD[e] @ x_TD[t]
+            a_F = F.silu(h_X[:F_]) * h_X[F_:]
+            acc_D = acc_D + topk_weights_TK[t, k].float() * (w_down_EDF[e] @ a_F).float()
+        rows.append(acc_D)
+    y_TD = torch.stack(rows) if rows else torch.zeros(0, D, dtype=torch.float32, device=x_TD.device)
+    return y_TD.to(x_TD.dtype)
+
+
+class ToyExperts(nn.Module):
+    """Fused experts in the transformers 5.x layout: ``gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]``."""
+
+    def __init__(self, num_experts: int, hidden: int, width: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(num_experts, 2 * width, hidden) / hidden**0.5)
+        self.down_proj = nn.Parameter(torch.randn(num_experts, hidden, width) / width**0.5)
+
+
+class _ToyMLP(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, width: int):
+        super().__init__()
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = ToyExperts(num_experts, hidden, width)
+
+
+class _ToyLayer(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.mlp = _ToyMLP(num_experts, hidden, width)
+
+
+class ToyMoE(nn.Module):
+    """``layers.{i}.mlp.experts.{gate_up_proj, down_proj}`` plus a router and a norm per layer."""
+
+    def __init__(self, num_layers: int = 2, num_experts: int = 8, hidden: int = 16, width: int = 8):
+        super().__init__()
+        self.layers = nn.ModuleList(_ToyLayer(num_experts, hidden, width) for _ in range(num_layers))
+
+
+def toy_plan() -> ParallelPlan:
+    """The plan of :class:`ToyMoE`."""
+    return ParallelPlan(
+        ep_plan={"layers.*.mlp.experts.gate_up_proj": Shard(0), "layers.*.mlp.experts.down_proj": Shard(0)},
+        fsdp_units=("layers.*",),
+    )
