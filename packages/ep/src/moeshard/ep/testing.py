@@ -8,14 +8,19 @@ choices in plain torch, with all experts in one process.
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeshard.ep._plan import ParallelPlan
 
-__all__ = ["ToyExperts", "ToyMoE", "reference_routed_experts", "toy_plan"]
+__all__ = ["ToyExperts", "ToyMoE", "count_host_syncs", "reference_routed_experts", "toy_plan"]
 
 
 def reference_routed_experts(
@@ -78,3 +83,46 @@ def toy_plan() -> ParallelPlan:
         ep_plan={"layers.*.mlp.experts.gate_up_proj": Shard(0), "layers.*.mlp.experts.down_proj": Shard(0)},
         fsdp_units=("layers.*",),
     )
+
+
+# aten ops that read a device value on the host, or whose output shape depends on the data (so CUDA must sync).
+_SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "bincount", "unique", "_unique2", "equal", "is_nonzero"}
+
+
+class _SyncOpCounter(TorchDispatchMode):
+    def __init__(self, counts: Counter):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name.split("::")[-1]
+        if name in _SYNC_OPS:
+            self.counts[name] += 1
+        elif name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 3:
+            self.counts["repeat_interleave without output_size"] += 1
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def count_host_syncs() -> Iterator[Counter]:
+    """Count what would make a device→host sync on CUDA, while running on any device.
+
+    Counts ``Tensor.tolist()`` calls (patched for the duration) and the aten ops that read a value on the host
+    (``.item()``, ``bool()``, ``int()`` all reach ``_local_scalar_dense``) or have data-dependent output shapes
+    (``nonzero``, ``masked_select``, ``bincount``, ``unique``, ``repeat_interleave`` without ``output_size``).
+    Yields a ``Counter``; ``sum(counter.values())`` is the number of syncs. Not thread-safe.
+    """
+    counts: Counter = Counter()
+    original = torch.Tensor.tolist
+
+    def tolist(self):
+        counts["tolist"] += 1
+        return original(self)
+
+    torch.Tensor.tolist = tolist
+    try:
+        with _SyncOpCounter(counts):
+            yield counts
+    finally:
+        torch.Tensor.tolist = original
