@@ -15,7 +15,7 @@ import os
 import nox
 
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "all"]
+nox.options.sessions = ["lint", "all"]  # `job` runs the main job
 
 # The CPU build of torch; an open range could pull a multi-GB CUDA build from PyPI.
 TORCH = os.environ.get("MOESHARD_TORCH", "torch==2.13.0")
@@ -95,3 +95,18 @@ def lint(session: nox.Session) -> None:
     session.install("ruff>=0.5")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def job(session: nox.Session) -> None:
+    """The main job on its embedded default: tiny Qwen3-MoE, 2 "nodes" x 2 CPU processes on localhost, EP 2."""
+    import time
+
+    _install(session, PACKAGES["train"][0], [])
+    out = f"outputs/job-{time.strftime('%Y%m%d-%H%M%S')}"
+    session.run(
+        "moeshard-train", "launch-local", "--nnodes", "2", "--nproc-per-node", "2", "--",
+        "--config", "apps/train/configs/default.yaml", f"--logging.output_dir={out}", *session.posargs,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    session.log(f"metrics: {out}/metrics.jsonl, TensorBoard: {out}/tensorboard")

@@ -1,0 +1,151 @@
+"""Atomic, layout-independent training checkpoints with torch.distributed.checkpoint (DCP).
+
+A checkpoint ``<dir>/step_00000120/`` becomes visible only when complete on every rank: all ranks write into
+``<dir>/.tmp-step_00000120/``; after a barrier rank 0 writes ``COMPLETE`` and renames the folder. ``resume: auto``
+takes the newest folder that has ``COMPLETE``; pruning (``keep_last``) deletes only older complete checkpoints and
+our own stale temporary folders, never the newest complete one and never anything else in the directory.
+A failed save (e.g. a full disk) removes its temporary folder and raises; the previous checkpoint is untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+COMPLETE = "COMPLETE"
+_NAME = re.compile(r"^step_(\d{8})$")
+_TMP = re.compile(r"^\.tmp-step_(\d{8})$")
+
+
+def checkpoint_name(step: int) -> str:
+    """Folder name of the checkpoint taken after ``step`` optimizer steps."""
+    return f"step_{step:08d}"
+
+
+def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Complete checkpoints in ``ckpt_dir``, oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [p for p in ckpt_dir.iterdir() if _NAME.match(p.name) and (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def newest_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest complete checkpoint, or None."""
+    done = complete_checkpoints(ckpt_dir)
+    return done[-1] if done else None
+
+
+def read_marker(path: Path) -> dict[str, Any]:
+    """The JSON content of a checkpoint's ``COMPLETE`` marker."""
+    marker = path / COMPLETE
+    if not marker.is_file():
+        raise ValueError(
+            f"{path} is not a complete checkpoint (no {COMPLETE} marker): it was interrupted while saving; "
+            "resume from an older one or use checkpoint.resume=auto"
+        )
+    return json.loads(marker.read_text())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    ckpt_dir: Path,
+    step: int,
+    app_state: dict[str, Any],
+    extra: dict[str, Any],
+    rank_state: dict[str, Any],
+    *,
+    keep_last: int,
+) -> Path:
+    """Save atomically on every rank; returns the final folder.
+
+    Args:
+        app_state: DCP-ready state (``{"model": ..., "optim": ...}`` with DTensors), saved layout-independently.
+        extra: small picklable state shared by all ranks (scheduler, step, config), written by rank 0.
+        rank_state: per-rank picklable state (RNG), one file per rank.
+        keep_last: complete checkpoints to keep after this one is written.
+    """
+    rank = dist.get_rank()
+    final = ckpt_dir / checkpoint_name(step)
+    tmp = ckpt_dir / f".tmp-{checkpoint_name(step)}"
+    if rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # a stale attempt of ours at this step
+        tmp.mkdir()
+    dist.barrier()
+    error = None
+    try:
+        dcp.save(app_state, checkpoint_id=str(tmp))
+        torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")
+        if rank == 0:
+            torch.save(extra, tmp / "extra.pt")
+    except Exception as e:  # noqa: BLE001 - every rank must learn of any rank's failure
+        error = e
+    failed = torch.tensor([0 if error is None else 1])
+    dist.all_reduce(failed)
+    if failed.item():
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = newest_checkpoint(ckpt_dir)
+        raise RuntimeError(
+            f"saving the checkpoint of step {step} failed on {int(failed.item())} rank(s)"
+            + (f" ({type(error).__name__}: {error})" if error is not None else "")
+            + f"; nothing was published, the previous checkpoint {previous or '(none)'} is intact. "
+            "Free disk space or point checkpoint.dir elsewhere, then resume"
+        ) from error
+    if rank == 0:
+        for f in tmp.iterdir():
+            if f.is_file():
+                with f.open("rb") as fh:
+                    os.fsync(fh.fileno())
+        marker = {"step": step, "world_size": dist.get_world_size(), "time": time.time()}
+        (tmp / COMPLETE).write_text(json.dumps(marker))
+        _fsync_dir(tmp)
+        if final.exists():  # an older save of the same step (resumed from before it): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(ckpt_dir)
+        prune(ckpt_dir, keep_last)
+    dist.barrier()
+    return final
+
+
+def prune(ckpt_dir: Path, keep_last: int) -> list[Path]:
+    """Delete complete checkpoints older than the newest ``keep_last`` and our stale temporary folders."""
+    keep_last = max(1, keep_last)
+    done = complete_checkpoints(ckpt_dir)
+    removed = done[:-keep_last]
+    newest_step = int(_NAME.match(done[-1].name).group(1)) if done else -1
+    stale = [p for p in ckpt_dir.iterdir() if (m := _TMP.match(p.name)) and int(m.group(1)) <= newest_step]
+    for p in removed + stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+def load_checkpoint(path: Path, app_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Load DCP state in place (any layout); returns ``(extra, this rank's rank_state or None)``."""
+    read_marker(path)
+    dcp.load(app_state, checkpoint_id=str(path))
+    extra = torch.load(path / "extra.pt", weights_only=False)
+    rank_file = path / f"rank_{dist.get_rank():05d}.pt"
+    same_world = extra.get("world_size") == dist.get_world_size()
+    rank_state = torch.load(rank_file, weights_only=False) if same_world and rank_file.is_file() else None
+    return extra, rank_state

@@ -1,0 +1,253 @@
+"""The job's configuration: one frozen dataclass per section, loaded from YAML plus ``--section.key=value``.
+
+Unknown keys and wrong types are errors that name the key. The defaults *are* the embedded default job
+(a tiny Qwen3-MoE on CPU, 4 processes as 2 nodes x 2, EP 2); ``apps/train/configs/default.yaml`` spells them out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model: a named preset or a local HF directory (config + weights), plus field overrides."""
+
+    preset: str | None = "tiny"
+    path: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "auto"  # compute dtype: auto (bf16 on GPU, float32 on CPU) | float32 | bfloat16
+    init_seed: int = 0  # random init when no path is given (presets)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Expert parallelism; the rest is derived from the launch (ranks per node from LOCAL_WORLD_SIZE)."""
+
+    ep_size: int = 2
+    allow_cross_node_ep: bool = False
+    prefetch_depth: int = 1  # 0 leaves FSDP's default order
+    reshard_after_forward: bool = True
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training data: JSONL/Parquet with "text" or "input_ids", or generated sequences (synthetic)."""
+
+    path: str | None = None
+    tokenizer: str | None = None
+    seq_len: int = 64
+    packing: bool = True
+    shuffle: bool = False
+    seed: int = 0
+    synthetic: bool = True
+    synthetic_samples: int = 4096
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation. ``global_batch_size`` counts sequences over all ranks per optimizer step."""
+
+    steps: int = 60
+    global_batch_size: int = 16
+    micro_batch_size: int = 2
+    lr: float = 3e-3
+    warmup_steps: int = 5
+    schedule: str = "cosine"  # cosine | constant
+    min_lr: float = 3e-4
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    activation_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Distributed checkpoints (DCP); layout independent, atomic."""
+
+    dir: str | None = None  # default: <output_dir>/checkpoints
+    every_steps: int = 0  # 0: only at the end
+    keep_last: int = 2
+    resume: str = "auto"  # auto | none | a checkpoint path
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Where metrics, TensorBoard events and checkpoints go."""
+
+    output_dir: str = "outputs/default"
+    every_steps: int = 1
+    tensorboard: bool = True
+    expert_load_every: int = 10
+    comm_accounting: bool = False
+    progress_bar: bool = True
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """The whole job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict (YAML/JSON-safe)."""
+
+        def conv(v: Any) -> Any:
+            if isinstance(v, tuple):
+                return list(v)
+            if isinstance(v, dict):
+                return {k: conv(x) for k, x in v.items()}
+            return v
+
+        return {s.name: {k: conv(v) for k, v in dataclasses.asdict(getattr(self, s.name)).items()} for s in dataclasses.fields(self)}
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that cannot be used; the message names the key."""
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, value, a)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key} must be a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(key, v, a) for v, a in zip(value, args))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _section_from_dict(cls: type, name: str, raw: dict[str, Any]) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"section {name!r} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {name}.{near[0]}?" if near else f"; known keys: {', '.join(sorted(known))}"
+            raise ConfigError(f"unknown config key {name}.{key}{hint}")
+    return cls(**{k: _coerce(f"{name}.{k}", v, hints[k]) for k, v in raw.items()})
+
+
+def _parse_value(text: str) -> Any:
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Load a YAML file (optional) and apply ``section.key=value`` overrides; validate everything.
+
+    Raises:
+        ConfigError: unknown section/key, wrong type, malformed override, or an inconsistent value.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
+        raw = {k: dict(v or {}) if isinstance(v, dict) or v is None else v for k, v in loaded.items()}
+    for item in overrides:
+        text = item[2:] if item.startswith("--") else item
+        if "=" not in text or "." not in text.split("=", 1)[0]:
+            raise ConfigError(f"override {item!r} must look like --section.key=value")
+        dotted, value = text.split("=", 1)
+        section, key = dotted.split(".", 1)
+        if "." in key:  # model.overrides.num_hidden_layers=2
+            key, sub = key.split(".", 1)
+            raw.setdefault(section, {}).setdefault(key, {})[sub] = _parse_value(value)
+        else:
+            raw.setdefault(section, {})[key] = _parse_value(value)
+    sections = {f.name: f.type for f in dataclasses.fields(JobConfig)}
+    hints = typing.get_type_hints(JobConfig)
+    for name in raw:
+        if name not in sections:
+            near = difflib.get_close_matches(name, sections, n=1)
+            hint = f"; did you mean {near[0]}?" if near else f"; sections: {', '.join(sections)}"
+            raise ConfigError(f"unknown config section {name!r}{hint}")
+    model_raw = raw.get("model", {})
+    if isinstance(model_raw, dict) and model_raw.get("path") is not None and "preset" not in model_raw:
+        model_raw["preset"] = None  # a path replaces the default preset
+    cfg = JobConfig(**{name: _section_from_dict(hints[name], name, raw[name]) for name in raw})
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: JobConfig) -> None:
+    """Checks that need no process group (world-size checks happen at launch)."""
+    m, d, t, c = cfg.model, cfg.data, cfg.train, cfg.checkpoint
+    if (m.preset is None) == (m.path is None):
+        raise ConfigError("model: set exactly one of model.preset or model.path")
+    if m.dtype not in ("auto", "float32", "bfloat16"):
+        raise ConfigError(f"model.dtype must be auto, float32 or bfloat16, got {m.dtype!r}")
+    if cfg.parallel.prefetch_depth not in (0, 1, 2):
+        raise ConfigError(f"parallel.prefetch_depth must be 0 (off), 1 or 2, got {cfg.parallel.prefetch_depth}")
+    if d.seq_len < 2:
+        raise ConfigError(f"data.seq_len must be >= 2, got {d.seq_len}")
+    if not d.synthetic and d.path is None:
+        raise ConfigError("data: set data.path to a JSONL/Parquet file, or data.synthetic=true")
+    for key in ("steps", "global_batch_size", "micro_batch_size"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+    if t.schedule not in ("cosine", "constant"):
+        raise ConfigError(f"train.schedule must be cosine or constant, got {t.schedule!r}")
+    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"train.lr must be > 0 and 0 <= train.min_lr <= train.lr (got lr={t.lr}, min_lr={t.min_lr})")
+    if c.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last must be >= 1 (the newest checkpoint is always kept), got {c.keep_last}")
+    if c.every_steps < 0:
+        raise ConfigError(f"checkpoint.every_steps must be >= 0, got {c.every_steps}")

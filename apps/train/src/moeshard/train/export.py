@@ -1,0 +1,58 @@
+"""``moeshard-train export-hf``: a training checkpoint (any layout) → a Hub-layout folder transformers loads."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from moeshard.train import checkpoint as ckpt
+from moeshard.train.config import JobConfig, _section_from_dict
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+
+
+def _job_config(raw: dict) -> JobConfig:
+    import typing
+
+    hints = typing.get_type_hints(JobConfig)
+    return JobConfig(**{k: _section_from_dict(hints[k], k, v) for k, v in raw.items()})
+
+
+def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write ``config.json``, per-expert safetensors shards + index (and the run's tokenizer files) to ``out``.
+
+    Raises:
+        ValueError: ``checkpoint`` is not a complete checkpoint, or ``out`` exists and is not empty.
+    """
+    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
+    from moeshard.train.trainer import resolve_model_config
+
+    src, dst = Path(checkpoint), Path(out)
+    ckpt.read_marker(src)
+    if dst.exists() and any(dst.iterdir()):
+        raise ValueError(f"--out {dst} exists and is not empty; nothing was overwritten. Choose a new folder")
+    extra = torch.load(src / "extra.pt", weights_only=False)
+    cfg = _job_config(extra["config"])
+    model = Qwen3MoeForCausalLM(resolve_model_config(cfg))  # full, unsharded, on CPU
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(src), no_dist=True)  # global-shape keys: independent of the saving layout
+    model.load_state_dict(state["model"], strict=True)
+    model.save_pretrained(dst)
+    if cfg.data.tokenizer:
+        for name in _TOKENIZER_FILES:
+            f = Path(cfg.data.tokenizer) / name
+            if f.is_file():
+                shutil.copy2(f, dst / name)
+    return dst

@@ -1,0 +1,152 @@
+"""``moeshard-train plan``: the job's layout on the fake backend, no GPU and no communication.
+
+Prints the meshes and groups, one row per parameter (global shape, this rank's local shape and placement), the
+estimated memory per rank and the estimated communication per step by kind and by link (intra/inter-node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moeshard.train.config import JobConfig
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank; ``total`` is what to compare with the peak allocated memory."""
+
+    params: int
+    grads: int
+    optimizer: int
+    unsharded: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        """Sum of the parts."""
+        return self.params + self.grads + self.optimizer + self.unsharded + self.activations
+
+
+def _placement(p: Any, expert_meta: Any) -> str:
+    from torch.distributed.tensor import DTensor
+
+    parts = []
+    if expert_meta is not None:
+        parts.append(f"ep:Shard(0)x{expert_meta.ep_size}")
+    if isinstance(p, DTensor):
+        names = p.device_mesh.mesh_dim_names or ("?",)
+        parts += [f"{n}:{pl}x{p.device_mesh.size(i)}" for i, (n, pl) in enumerate(zip(names, p.placements))]
+    return " ".join(parts) or "replicated"
+
+
+def _local(p: Any) -> torch.Size:
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local().shape if isinstance(p, DTensor) else p.shape
+
+
+def activation_bytes_per_token(config: Any, compute_bytes: int) -> int:
+    """Saved activations per token for one training micro-batch (no activation checkpointing), all layers + loss."""
+    d, e, k, f = config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    attn = compute_bytes * (4 * d + 3 * q + 2 * kv) + 4 * config.num_attention_heads  # norms, qkv, sdpa out + lse
+    moe = compute_bytes * (2 * d + k * (2 * d + 4 * f)) + 4 * (2 * e + 3 * k)  # dispatch, gate_up, act, down, router
+    head = config.vocab_size * (compute_bytes + 4)  # logits and their fp32 loss input
+    return config.num_hidden_layers * (attn + moe) + head
+
+
+def plan(cfg: JobConfig, *, nnodes: int, nproc_per_node: int, rank: int = 0, micro_batch_size: int | None = None) -> str:
+    """Build the job on meta under the fake backend as ``rank`` and describe it."""
+    from moeshard.ep import apply_ep, get_ep_info
+    from moeshard.fsdp_moe import default_mp_policy, shard_model
+    from moeshard.meshes import build_meshes, fake_process_group
+    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
+    from moeshard.train.trainer import resolve_model_config
+
+    world = nnodes * nproc_per_node
+    mcfg = resolve_model_config(cfg)
+    gpu = cfg.model.dtype != "float32"
+    compute_bytes = 2 if gpu else 4
+    lines: list[str] = []
+    with fake_process_group(world, rank):
+        meshes = build_meshes(
+            cfg.parallel.ep_size,
+            ranks_per_node=nproc_per_node,
+            device_type="cpu",
+            allow_cross_node_ep=cfg.parallel.allow_cross_node_ep,
+        )
+        with torch.device("meta"):
+            model = Qwen3MoeForCausalLM(mcfg)
+        apply_ep(model, model.get_parallel_plan(), meshes.ep)
+        info = get_ep_info(model)
+        units = shard_model(model, meshes, mp_policy=default_mp_policy("cpu", torch.float32))
+        lines.append(meshes.describe())
+        lines.append("")
+        header = f"{'parameter':62s} {'global shape':>22s} {'local shape':>22s}  placement"
+        lines.append(header)
+        lines.append("-" * len(header))
+        local_numel = 0
+        total_numel = 0
+        for name, p in model.named_parameters():
+            meta = info.params.get(name) if info is not None else None
+            gshape = tuple(meta.global_shape) if meta is not None else tuple(p.shape)
+            lshape = tuple(_local(p))
+            local_numel += int(torch.Size(lshape).numel())
+            total_numel += int(torch.Size(gshape).numel())
+            lines.append(f"{name:62s} {str(list(gshape)):>22s} {str(list(lshape)):>22s}  {_placement(p, meta)}")
+        all_units = {id(m) for stage in units.stages for _, m in stage.modules} | {id(units.root)}
+        largest_unit = max(sum(_managed_numel(m, all_units) for _, m in stage.modules) for stage in units.stages)
+    mb = micro_batch_size or cfg.train.micro_batch_size
+    tokens = mb * cfg.data.seq_len
+    depth = cfg.parallel.prefetch_depth
+    est = MemoryEstimate(
+        params=4 * local_numel,
+        grads=4 * local_numel,
+        optimizer=8 * local_numel,
+        unsharded=compute_bytes * largest_unit * (1 + depth) + 4 * largest_unit,
+        activations=activation_bytes_per_token(mcfg, compute_bytes) * tokens,
+    )
+    lines.append("")
+    lines.append(f"parameters: {total_numel / 1e9:.3f} B in total, {local_numel / 1e6:.2f} M on rank {rank}")
+    lines.append(f"estimated memory per rank (micro batch {mb} x seq {cfg.data.seq_len}):")
+    for k in ("params", "grads", "optimizer", "unsharded", "activations"):
+        lines.append(f"  {k:12s} {getattr(est, k) / GiB:8.2f} GiB")
+    lines.append(f"  {'total':12s} {est.total / GiB:8.2f} GiB")
+    lines.append("")
+    lines += comm_estimate_lines(cfg, mcfg, world, nproc_per_node, total_numel, compute_bytes)
+    return "\n".join(lines)
+
+
+def _managed_numel(unit: torch.nn.Module, all_units: set[int]) -> int:
+    """Unsharded elements of the parameters one FSDP unit gathers (nested units excluded)."""
+    total, stack = 0, [unit]
+    while stack:
+        m = stack.pop()
+        total += sum(p.numel() for p in m.parameters(recurse=False))
+        stack.extend(c for c in m.children() if id(c) not in all_units)
+    return total
+
+
+def comm_estimate_lines(cfg: JobConfig, mcfg: Any, world: int, per_node: int, total_numel: int, elem: int) -> list[str]:
+    """Bytes per optimizer step per rank by collective kind, and which of them cross nodes."""
+    from moeshard.train.comm import estimate_comm_bytes
+
+    est = estimate_comm_bytes(
+        mcfg,
+        world_size=world,
+        ranks_per_node=per_node,
+        ep_size=cfg.parallel.ep_size,
+        tokens_per_rank=cfg.train.global_batch_size // world * cfg.data.seq_len,
+        micro_batches=max(1, cfg.train.global_batch_size // world // cfg.train.micro_batch_size),
+        compute_bytes=elem,
+        reshard_after_forward=cfg.parallel.reshard_after_forward,
+    )
+    out = ["estimated communication per optimizer step per rank:"]
+    for (kind, link), b in sorted(est.items()):
+        out.append(f"  {kind:16s} {link:11s} {b / 2**20:12.1f} MiB")
+    return out
