@@ -1,0 +1,60 @@
+"""moeshard.models.qwen3moe: Qwen3-MoE (30B-A3B) in plain PyTorch, numerically equal to transformers.
+
+Fused experts (``mlp.experts.gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]``) computed through
+``moeshard.ep.routed_experts``, transformers' FQNs, HF safetensors load/save (both expert layouts, lazily and per
+rank), and the model's parallel plan.
+
+    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
+
+    model = Qwen3MoeForCausalLM.from_pretrained("/ckpt/Qwen3-30B-A3B", dtype=torch.bfloat16)
+    out = model(input_ids, labels=input_ids, attention_mask=mask)    # .loss .aux_loss .logits
+    model.save_pretrained("/ckpt/finetuned")                         # transformers loads it too
+"""
+
+from moeshard.models.qwen3moe.checkpoint import LoadReport, load_hf_config, load_hf_weights, local_region
+from moeshard.models.qwen3moe.checkpoint_save import save_hf_checkpoint, save_hf_weights
+from moeshard.models.qwen3moe.model import (
+    IGNORE_INDEX,
+    CausalLMOutput,
+    DecoderLayer,
+    Qwen3MoeForCausalLM,
+    Qwen3MoeModel,
+    causal_lm_loss,
+)
+from moeshard.models.qwen3moe.moe import Experts, SparseMoeBlock, TopKRouter, load_balancing_loss
+from moeshard.models.qwen3moe.presets import (
+    MODEL_TYPE,
+    PRESETS,
+    check_config,
+    count_parameters,
+    get_preset_config,
+    is_moe_layer,
+)
+from moeshard.models.qwen3moe.safetensors_dir import CheckpointError, SafetensorsDir
+
+__all__ = [
+    "IGNORE_INDEX",
+    "MODEL_TYPE",
+    "PRESETS",
+    "CausalLMOutput",
+    "CheckpointError",
+    "DecoderLayer",
+    "Experts",
+    "LoadReport",
+    "Qwen3MoeForCausalLM",
+    "Qwen3MoeModel",
+    "SafetensorsDir",
+    "SparseMoeBlock",
+    "TopKRouter",
+    "causal_lm_loss",
+    "check_config",
+    "count_parameters",
+    "get_preset_config",
+    "is_moe_layer",
+    "load_balancing_loss",
+    "load_hf_config",
+    "load_hf_weights",
+    "local_region",
+    "save_hf_checkpoint",
+    "save_hf_weights",
+]

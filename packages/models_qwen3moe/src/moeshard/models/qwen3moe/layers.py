@@ -1,0 +1,156 @@
+"""Dense building blocks of Qwen3-MoE: RMSNorm, RoPE, GQA attention with q/k norm, and the dense SwiGLU MLP.
+
+Each block computes exactly what transformers' ``modeling_qwen3_moe`` computes (same dtype casts, same order), so
+a checkpoint gives the same numbers in both. Legend: B batch, S sequence, H query heads, G key/value heads,
+Dh head_dim, D hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3MoeConfig
+
+from moeshard.models.qwen3moe.presets import head_dim
+
+__all__ = ["Attention", "DenseMLP", "RMSNorm", "RotaryEmbedding", "apply_rotary", "build_attention_mask"]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, scaled by a learned weight in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def reset_parameters(self) -> None:
+        """Ones, as transformers initialises norms."""
+        nn.init.ones_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class RotaryEmbedding(nn.Module):
+    """Default RoPE: cos/sin tables for given positions, in the activations' dtype.
+
+    The inverse frequencies are computed in float32 on the CPU (as transformers does at construction) and cached
+    per device, not kept as a buffer: a model built on ``meta`` and materialised with ``to_empty`` then needs no
+    extra step to get them right.
+    """
+
+    def __init__(self, config: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.dim = head_dim(config)
+        self.base = float(config.rope_parameters["rope_theta"])
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        """``1 / base^(2i / Dh)`` for ``i < Dh/2``, float32, on ``device``."""
+        if device not in self._inv_freq:
+            exponent = torch.arange(0, self.dim, 2, dtype=torch.int64, device="cpu").float() / self.dim
+            self._inv_freq[device] = (1.0 / (self.base**exponent)).to(device)
+        return self._inv_freq[device]
+
+    def forward(self, position_ids_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos_BSDh, sin_BSDh)`` for integer positions ``[B, S]``."""
+        freqs = position_ids_BS[..., None].float() * self.inv_freq(position_ids_BS.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, base={self.base}"
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x_BHSDh: torch.Tensor, cos_BSDh: torch.Tensor, sin_BSDh: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (heads on dim 1) by the RoPE tables (non-interleaved halves, as transformers)."""
+    cos, sin = cos_BSDh.unsqueeze(1), sin_BSDh.unsqueeze(1)
+    return x_BHSDh * cos + _rotate_half(x_BHSDh) * sin
+
+
+def build_attention_mask(attention_mask_BS: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
+    """Boolean SDPA mask ``[B, 1, S, S]`` (True = attend): causal and not a padded key; None when no padding mask.
+
+    A query whose visible keys are all padding (left padding) gets a fully masked row; SDPA returns zeros there,
+    as in transformers, so padded positions stay finite.
+    """
+    if attention_mask_BS is None:
+        return None
+    if attention_mask_BS.dim() != 2 or attention_mask_BS.shape[1] != seq_len:
+        raise ValueError(
+            f"attention_mask must be [batch, seq_len={seq_len}] with 1 for tokens and 0 for padding, "
+            f"got shape {tuple(attention_mask_BS.shape)}"
+        )
+    device = attention_mask_BS.device
+    causal_SS = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    return causal_SS[None, None] & attention_mask_BS.bool()[:, None, None, :]
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with per-head RMSNorm on q and k before RoPE, through SDPA (causal)."""
+
+    def __init__(self, config: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.head_dim = head_dim(config)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.dropout = float(config.attention_dropout)
+        d, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos_BSDh: torch.Tensor,
+        sin_BSDh: torch.Tensor,
+        mask_B1SS: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention output ``[B, S, D]``; ``mask_B1SS`` from :func:`build_attention_mask` or None (plain causal)."""
+        b, s, _ = x_BSD.shape
+        q = self.q_norm(self.q_proj(x_BSD).view(b, s, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x_BSD).view(b, s, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x_BSD).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos_BSDh, sin_BSDh), apply_rotary(k, cos_BSDh, sin_BSDh)
+        out_BHSDh = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask_B1SS,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=mask_B1SS is None,
+            scale=self.head_dim**-0.5,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return self.o_proj(out_BHSDh.transpose(1, 2).reshape(b, s, -1))
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP of the layers without experts (``mlp_only_layers`` / ``decoder_sparse_step``)."""
+
+    def __init__(self, config: Qwen3MoeConfig) -> None:
+        super().__init__()
+        d, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, i, bias=False)
+        self.up_proj = nn.Linear(d, i, bias=False)
+        self.down_proj = nn.Linear(i, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,324 @@
+"""Qwen3-MoE causal LM: decoder stack, LM and load-balancing losses, init, parallel plan, HF load/save.
+
+Runs alone on one device with no process group; under expert parallelism the experts' all-to-all happens inside
+``moeshard.ep.routed_experts`` and nothing here changes. ``get_parallel_plan`` is the only place the model says
+anything about parallelism.
+
+    model = Qwen3MoeForCausalLM.from_pretrained("/ckpt/Qwen3-30B-A3B", dtype=torch.bfloat16)
+    out = model(input_ids, labels=input_ids)          # out.loss, out.aux_loss, out.logits
+
+    with torch.device("meta"):                        # sharded training: build, parallelise, then fill
+        model = Qwen3MoeForCausalLM(get_preset_config("qwen3-30b-a3b"))
+    ...apply_ep / fully_shard / to_empty...
+    load_hf_weights(model, "/ckpt/Qwen3-30B-A3B")     # or model.init_weights() to train from scratch
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Shard
+from torch.utils.checkpoint import checkpoint
+from transformers import Qwen3MoeConfig
+
+from moeshard.ep import ParallelPlan
+from moeshard.models.qwen3moe.layers import Attention, DenseMLP, RMSNorm, RotaryEmbedding, build_attention_mask
+from moeshard.models.qwen3moe.moe import Experts, SparseMoeBlock, TopKRouter, load_balancing_loss
+from moeshard.models.qwen3moe.presets import check_config, is_moe_layer
+
+__all__ = ["IGNORE_INDEX", "CausalLMOutput", "DecoderLayer", "Qwen3MoeForCausalLM", "Qwen3MoeModel", "causal_lm_loss"]
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class CausalLMOutput:
+    """What ``Qwen3MoeForCausalLM.forward`` returns.
+
+    Attributes:
+        loss: LM loss (plus ``router_aux_loss_coef * aux_loss`` when router logits are output), or None
+            without labels.
+        aux_loss: the load-balancing loss (unscaled), or None when router logits are not output.
+        logits: ``[B, S, V]`` in the model's dtype.
+        router_logits: one ``[B·S, E]`` tensor per MoE layer when output, else None.
+    """
+
+    loss: torch.Tensor | None
+    aux_loss: torch.Tensor | None
+    logits: torch.Tensor
+    router_logits: tuple[torch.Tensor, ...] | None = None
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; mlp is MoE or dense by layer index."""
+
+    def __init__(self, config: Qwen3MoeConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = Attention(config)
+        self.mlp: SparseMoeBlock | DenseMLP = (
+            SparseMoeBlock(config) if is_moe_layer(config, layer_idx) else DenseMLP(config)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos_BSDh: torch.Tensor,
+        sin_BSDh: torch.Tensor,
+        mask_B1SS: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(x_BSD, router_logits_TE or None for a dense layer)``."""
+        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos_BSDh, sin_BSDh, mask_B1SS)
+        h_BSD = self.post_attention_layernorm(x_BSD)
+        if isinstance(self.mlp, SparseMoeBlock):
+            y_BSD, logits_TE = self.mlp(h_BSD)
+            return x_BSD + y_BSD, logits_TE
+        return x_BSD + self.mlp(h_BSD), None
+
+
+class Qwen3MoeModel(nn.Module):
+    """Embeddings, decoder layers and the final norm (``model.*`` in checkpoints)."""
+
+    def __init__(self, config: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.activation_checkpointing = False
+
+    def forward(
+        self,
+        input_ids_BS: torch.Tensor,
+        attention_mask_BS: torch.Tensor | None = None,
+        position_ids_BS: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """``(hidden_BSD after the final norm, router logits of every MoE layer)``."""
+        x_BSD = self.embed_tokens(input_ids_BS)
+        s = input_ids_BS.shape[1]
+        if position_ids_BS is None:
+            # As transformers: positions 0..S-1 even with left padding (the mask alone hides the pads).
+            position_ids_BS = torch.arange(s, device=x_BSD.device)[None]
+        elif position_ids_BS.dim() == 1:
+            position_ids_BS = position_ids_BS[None]
+        cos, sin = self.rotary_emb(position_ids_BS, x_BSD.dtype)
+        mask = build_attention_mask(attention_mask_BS, s)
+        router_logits = []
+        for layer in self.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # Non-reentrant checkpoint of the call, not a wrapper module: FQNs stay ``model.layers.N.*``,
+                # and FSDP2 hooks on the layer run again (all-gather) during recomputation.
+                x_BSD, logits_TE = checkpoint(layer, x_BSD, cos, sin, mask, use_reentrant=False)
+            else:
+                x_BSD, logits_TE = layer(x_BSD, cos, sin, mask)
+            if logits_TE is not None:
+                router_logits.append(logits_TE)
+        return self.norm(x_BSD), tuple(router_logits)
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    """Qwen3-MoE causal LM with transformers' FQNs, numerics and ``from_pretrained``/``save_pretrained`` face.
+
+    Args:
+        config: a ``transformers.Qwen3MoeConfig`` (see ``get_preset_config``); checked by ``check_config``.
+    """
+
+    def __init__(self, config: Qwen3MoeConfig) -> None:
+        super().__init__()
+        check_config(config)
+        self.config = config
+        self.model = Qwen3MoeModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    # ---- forward -------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        output_router_logits: bool | None = None,
+    ) -> CausalLMOutput:
+        """Logits and, with ``labels``, the loss (transformers semantics).
+
+        Args:
+            input_ids: ``[B, S]`` token ids.
+            labels: ``[B, S]``, shifted inside (position t predicts ``labels[t + 1]``); ``-100`` is ignored.
+            attention_mask: ``[B, S]``, 1 for tokens and 0 for padding; also excludes padding from the aux loss.
+            position_ids: ``[B, S]`` or ``[S]``; default ``0..S-1``.
+            num_items_in_batch: when given, the LM loss is the sum over label tokens divided by it (for
+                gradient accumulation / data parallel), else the mean over this call's label tokens.
+            output_router_logits: compute ``aux_loss`` (and add ``router_aux_loss_coef * aux_loss`` to the loss);
+                default ``config.output_router_logits``.
+        """
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        hidden_BSD, router_logits = self.model(input_ids, attention_mask, position_ids)
+        logits_BSV = self.lm_head(hidden_BSD)
+
+        loss = None
+        if labels is not None:
+            loss = causal_lm_loss(logits_BSV, labels, num_items_in_batch)
+        aux_loss = None
+        if output_router_logits:
+            if router_logits:
+                aux_loss = load_balancing_loss(
+                    router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
+                )
+            else:  # no MoE layer at all
+                aux_loss = torch.zeros((), device=logits_BSV.device)
+            if loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+        return CausalLMOutput(
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=logits_BSV,
+            router_logits=router_logits if output_router_logits else None,
+        )
+
+    # ---- construction helpers --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Initialise every parameter as transformers does: normal(0, initializer_range) for linear, embedding,
+        router and expert weights (linear biases zero, the padding row of the embedding zero), ones for norms.
+
+        Works on a materialised model (after ``to_empty``), before or after EP/FSDP (DTensor parameters are
+        initialised through the DTensor random ops).
+        """
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
+                if module.padding_idx is not None:
+                    _zero_row(module.weight, module.padding_idx)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+            elif isinstance(module, TopKRouter):
+                nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
+            elif isinstance(module, Experts):
+                nn.init.normal_(module.gate_up_proj, mean=0.0, std=std, generator=generator)
+                nn.init.normal_(module.down_proj, mean=0.0, std=std, generator=generator)
+
+    def enable_activation_checkpointing(self, enabled: bool = True) -> None:
+        """Recompute each decoder layer in backward (non-reentrant ``torch.utils.checkpoint``); FQNs unchanged."""
+        self.model.activation_checkpointing = enabled
+
+    @staticmethod
+    def get_parallel_plan() -> ParallelPlan:
+        """Experts sharded on the expert dim for EP; embeddings, each decoder layer and the head as FSDP units.
+
+        Layers without experts (``mlp_only_layers``) simply do not match the expert patterns.
+        """
+        return ParallelPlan(
+            ep_plan={
+                "model.layers.*.mlp.experts.gate_up_proj": Shard(0),
+                "model.layers.*.mlp.experts.down_proj": Shard(0),
+            },
+            fsdp_units=("model.embed_tokens", "model.layers.*", "lm_head"),
+        )
+
+    # ---- HF checkpoints --------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        expert_range: tuple[int, int] | None = None,
+    ) -> Qwen3MoeForCausalLM:
+        """Build the model from a local HF directory (``config.json`` + safetensors) and load every weight.
+
+        The model is built on ``meta``, materialised on ``device`` (default CPU) in ``dtype`` (default: the
+        current default dtype, float32 unless changed) and filled by :func:`load_hf_weights`; float checkpoint
+        tensors are cast to ``dtype``. With ``expert_range=(start, end)`` the expert tensors hold only global
+        experts ``[start, end)`` and only those are read (for tools and converters; such a model runs forward
+        only once EP provides the other experts).
+
+        Raises:
+            FileNotFoundError / ValueError: see :func:`load_hf_weights`.
+        """
+        from moeshard.models.qwen3moe.checkpoint import load_hf_config, load_hf_weights
+
+        config = load_hf_config(path)
+        with torch.device("meta"):
+            model = cls(config)
+        if expert_range is not None:
+            model._slice_experts(expert_range)
+        model.to_empty(device=device or "cpu")
+        if dtype is not None:
+            model.to(dtype)
+        load_hf_weights(model, path, expert_range=expert_range)
+        return model
+
+    def save_pretrained(
+        self,
+        path: str | os.PathLike,
+        *,
+        max_shard_size: int | str = "5GB",
+        expert_layout: str = "per_expert",
+    ) -> None:
+        """Write ``config.json`` and safetensors shards (+ index when sharded) that transformers loads.
+
+        ``expert_layout="per_expert"`` (default) writes the Hub's one-tensor-per-expert keys; ``"fused"`` writes
+        ``gate_up_proj``/``down_proj`` as they are. The directory is replaced atomically (see
+        :func:`save_hf_checkpoint`). Needs plain, complete parameters: gather a sharded model first.
+        """
+        from moeshard.models.qwen3moe.checkpoint_save import save_hf_checkpoint
+
+        save_hf_checkpoint(self, path, max_shard_size=max_shard_size, expert_layout=expert_layout)
+
+    def _slice_experts(self, expert_range: tuple[int, int]) -> None:
+        start, end = expert_range
+        if not 0 <= start < end <= self.config.num_experts:
+            raise ValueError(
+                f"expert_range={expert_range} must satisfy 0 <= start < end <= num_experts={self.config.num_experts}"
+            )
+        for module in self.modules():
+            if isinstance(module, Experts):
+                for name in ("gate_up_proj", "down_proj"):
+                    old = getattr(module, name)
+                    setattr(module, name, nn.Parameter(old.detach()[start:end].clone(), old.requires_grad))
+
+
+def causal_lm_loss(
+    logits_BSV: torch.Tensor, labels_BS: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None
+) -> torch.Tensor:
+    """Next-token cross-entropy in float32, labels shifted inside, ``-100`` ignored (transformers semantics).
+
+    Mean over label tokens, or their sum divided by ``num_items_in_batch`` when it is given.
+    """
+    shift_labels_BS = F.pad(labels_BS, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    logits_NV = logits_BSV.float().reshape(-1, logits_BSV.shape[-1])
+    targets_N = shift_labels_BS.reshape(-1).to(logits_NV.device)
+    if num_items_in_batch is None:
+        return F.cross_entropy(logits_NV, targets_N, ignore_index=IGNORE_INDEX)
+    loss = F.cross_entropy(logits_NV, targets_N, ignore_index=IGNORE_INDEX, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def _zero_row(weight: torch.Tensor, row: int) -> None:
+    """Zero row ``row`` of a plain or DTensor (local shard only: no communication) weight."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor):
+        from moeshard.models.qwen3moe.checkpoint import local_region
+
+        offset, local = local_region(weight)
+        if offset[0] <= row < offset[0] + local.shape[0]:
+            local[row - offset[0]].zero_()
+    else:
+        weight[row].zero_()
