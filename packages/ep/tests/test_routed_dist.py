@@ -5,6 +5,8 @@ experts, runs routed_experts forward and backward; the parent compares outputs, 
 gradients and the local expert-weight gradients with the reference in float32.
 """
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -16,6 +18,7 @@ from moeshard.meshes.testing import run_distributed
 # T tokens, K top-k, D hidden, E experts, F expert width
 E, D, F = 8, 16, 8
 CASES = ("random", "one_expert", "rank_without_tokens", "skewed")
+BACKENDS = ("loop", "grouped_mm")  # grouped_mm runs on CPU at these shapes (16-byte aligned rows)
 
 
 def _problem(world: int, case: str):
@@ -68,18 +71,25 @@ def _ep_layer_body():
     experts = model.layers[0].mlp.experts
     group = ep_group(experts)
     out = {"info": info, "group_size": dist.get_world_size(group)}
-    for case in CASES:
+    for case, backend in itertools.product(CASES, BACKENDS):
         x_TD, ids_TK, w_TK, gy_TD = _problem(world, case)[rank]
         experts.zero_grad(set_to_none=True)
         x_TD.requires_grad_(True)
         w_TK.requires_grad_(True)
         with count_host_syncs() as fwd_syncs:
             y_TD = routed_experts(
-                x_TD, ids_TK, w_TK, experts.gate_up_proj, experts.down_proj, num_experts=E, ep_group=group
+                x_TD,
+                ids_TK,
+                w_TK,
+                experts.gate_up_proj,
+                experts.down_proj,
+                num_experts=E,
+                ep_group=group,
+                backend=backend,
             )
         with count_host_syncs() as bwd_syncs:
             (y_TD * gy_TD).sum().backward()
-        out[case] = {
+        out[case, backend] = {
             "y": y_TD.detach(),
             "dx": x_TD.grad,
             "dw": w_TK.grad,
@@ -128,8 +138,8 @@ def _check(results, world):
         y_TD = reference_routed_experts(x_TD, ids_TK, w_TK, w1r, w2r)
         (y_TD * gy_TD).sum().backward()
         bounds = torch.tensor([0] + [p[0].shape[0] for p in problem]).cumsum(0).tolist()
-        for r, res in enumerate(results):
-            got = res[case]
+        for (r, res), backend in itertools.product(enumerate(results), BACKENDS):
+            got = res[case, backend]
             rows = slice(bounds[r], bounds[r + 1])
             experts = slice(r * El, (r + 1) * El)
             for name, a, b in (
@@ -139,7 +149,9 @@ def _check(results, world):
                 ("dw_gate_up", got["dw1"], w1r.grad[experts]),
                 ("dw_down", got["dw2"], w2r.grad[experts]),
             ):
-                torch.testing.assert_close(torch.from_numpy(a), b, rtol=1e-5, atol=1e-5, msg=f"{case} rank {r} {name}")
+                torch.testing.assert_close(
+                    torch.from_numpy(a), b, rtol=1e-5, atol=1e-5, msg=f"{case} {backend} rank {r} {name}"
+                )
             # The one documented sync (the split sizes) and nothing in backward.
             assert got["fwd_syncs"] == {"tolist": 1}, (case, r, got["fwd_syncs"])
             assert got["bwd_syncs"] == {}, (case, r, got["bwd_syncs"])

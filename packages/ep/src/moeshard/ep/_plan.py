@@ -184,6 +184,7 @@ def apply_ep(model: nn.Module, plan: ParallelPlan, ep_mesh: DeviceMesh | None) -
                 f"(its parameters start with: {sample}); fix the pattern ('*' matches exactly one segment)"
             )
         matched.update(hits)
+    matched = {fqn: p for fqn, p in named if fqn in matched}  # model order, not pattern order
 
     # Validate everything before changing anything, so a failed call leaves the model as it was.
     for fqn, param in matched.items():

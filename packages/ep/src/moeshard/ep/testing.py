@@ -99,7 +99,7 @@ class _SyncOpCounter(TorchDispatchMode):
         name = func._schema.name.split("::")[-1]
         if name in _SYNC_OPS:
             self.counts[name] += 1
-        elif name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 3:
+        elif name == "repeat_interleave" and kwargs.get("output_size") is None:
             self.counts["repeat_interleave without output_size"] += 1
         return func(*args, **kwargs)
 

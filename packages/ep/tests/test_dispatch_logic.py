@@ -1,0 +1,67 @@
+"""The dispatch permutations without a process group: sort, regroup, inverse, combine; and the sync count."""
+
+import torch
+
+from moeshard.ep import routed_experts
+from moeshard.ep._dispatch import combine, inverse_permutation, regroup_by_local_expert, sort_by_expert
+from moeshard.ep.testing import count_host_syncs
+
+# T tokens, K top-k, D hidden, E experts, El local experts, P EP size, N copies, R received rows
+
+
+def test_sort_by_expert_is_stable_and_counts():
+    ids_TK = torch.tensor([[2, 0], [0, 3], [2, 1]])
+    order_N, counts_E = sort_by_expert(ids_TK, num_experts=5)
+    # copies t*K+k: expert 0 ← copies 1, 2 (tokens 0, 1 in token order), 1 ← 5, 2 ← 0, 4, 3 ← 3, 4 ← none
+    assert order_N.tolist() == [1, 2, 5, 0, 4, 3]
+    assert (order_N // 2).tolist() == [0, 1, 2, 0, 2, 1]
+    assert counts_E.tolist() == [2, 1, 2, 1, 0] and counts_E.dtype == torch.int64
+
+
+def test_sort_by_expert_empty_and_all_to_one():
+    order_N, counts_E = sort_by_expert(torch.zeros(0, 2, dtype=torch.int64), num_experts=3)
+    assert order_N.numel() == 0 and counts_E.tolist() == [0, 0, 0]
+    order_N, counts_E = sort_by_expert(torch.full((4, 1), 2), num_experts=3)
+    assert order_N.tolist() == [0, 1, 2, 3] and counts_E.tolist() == [0, 0, 4]
+
+
+def test_regroup_by_local_expert():
+    # P = 3 source ranks, El = 2 local experts; rows arrive grouped by rank, then expert:
+    # rank 0: e0 x2, e1 x1 | rank 1: e0 x0, e1 x2 | rank 2: e0 x1, e1 x0
+    recv_counts_PEl = torch.tensor([[2, 1], [0, 2], [1, 0]])
+    labels = ["r0e0a", "r0e0b", "r0e1a", "r1e1a", "r1e1b", "r2e0a"]
+    perm_R = regroup_by_local_expert(recv_counts_PEl, num_rows=6)
+    assert [labels[i] for i in perm_R.tolist()] == ["r0e0a", "r0e0b", "r2e0a", "r0e1a", "r1e1a", "r1e1b"]
+    assert regroup_by_local_expert(torch.zeros(2, 3, dtype=torch.int64), num_rows=0).numel() == 0
+
+
+def test_inverse_permutation():
+    perm = torch.randperm(17, generator=torch.Generator().manual_seed(0))
+    a = torch.arange(17) * 10
+    assert torch.equal(a[perm][inverse_permutation(perm)], a)
+
+
+def test_combine_weights_in_float32():
+    ids_TK = torch.tensor([[1, 0], [0, 1]])
+    order_N, _ = sort_by_expert(ids_TK, num_experts=2)
+    y_copy_ND = torch.tensor([[1.0], [2.0], [3.0], [4.0]])  # outputs in copy order t*K+k
+    w_TK = torch.tensor([[0.5, 0.25], [1.0, 2.0]], dtype=torch.bfloat16)
+    y_TD = combine(y_copy_ND[order_N], order_N, w_TK)
+    assert y_TD.dtype == torch.float32 and y_TD.flatten().tolist() == [1.0, 11.0]
+
+
+def test_ep1_host_syncs():
+    g = torch.Generator().manual_seed(0)
+    x_TD, ids_TK, w_TK = torch.randn(6, 8, generator=g), torch.randint(4, (6, 2), generator=g), torch.rand(6, 2)
+    w1, w2 = torch.randn(4, 8, 8, generator=g), torch.randn(4, 8, 4, generator=g)
+    with count_host_syncs() as syncs:
+        routed_experts(x_TD, ids_TK, w_TK, w1, w2, num_experts=4, backend="grouped_mm")
+    assert dict(syncs) == {}  # grouped_mm takes device offsets
+    with count_host_syncs() as syncs:
+        routed_experts(x_TD, ids_TK, w_TK, w1, w2, num_experts=4, backend="loop")
+    assert dict(syncs) == {"tolist": 1}  # the loop's row counts
+    with count_host_syncs() as syncs:
+        torch.tensor([1]).item()
+        torch.tensor([1, 0]).nonzero()
+        torch.repeat_interleave(torch.tensor([1, 2]))
+    assert dict(syncs) == {"_local_scalar_dense": 1, "nonzero": 1, "repeat_interleave without output_size": 1}
