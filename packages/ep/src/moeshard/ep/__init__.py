@@ -10,7 +10,7 @@ with no communication.
 
     plan = ParallelPlan({"layers.*.experts.gate_up_proj": Shard(0), "layers.*.experts.down_proj": Shard(0)})
     info = apply_ep(model, plan, meshes.ep)          # or None for EP size 1
-    experts = model.layers[0].experts
+    experts = model.layers[0].experts                # in the MoE layer's forward:
     y_TD = routed_experts(x_TD, ids_TK, weights_TK, experts.gate_up_proj, experts.down_proj,
                           num_experts=E, ep_group=ep_group(experts))
 """
