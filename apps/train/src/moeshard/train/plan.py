@@ -84,7 +84,7 @@ def plan(cfg: JobConfig, *, nnodes: int, nproc_per_node: int, rank: int = 0, mic
             model = Qwen3MoeForCausalLM(mcfg)
         apply_ep(model, model.get_parallel_plan(), meshes.ep)
         info = get_ep_info(model)
-        units = shard_model(model, meshes, mp_policy=default_mp_policy("cpu", torch.float32))
+        units = shard_model(model, meshes, mp_policy=default_mp_policy("cpu"))
         lines.append(meshes.describe())
         lines.append("")
         header = f"{'parameter':62s} {'global shape':>22s} {'local shape':>22s}  placement"

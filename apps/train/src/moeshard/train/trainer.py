@@ -172,7 +172,7 @@ def build_job(cfg: JobConfig, device: torch.device) -> Job:
     units = shard_model(
         model,
         meshes,
-        mp_policy=default_mp_policy(device.type, compute_dtype),
+        mp_policy=_mp_policy(compute_dtype) if cfg.model.dtype != "auto" else default_mp_policy(device.type),
         reshard_after_forward=cfg.parallel.reshard_after_forward,
     )
     schedule = None
@@ -193,22 +193,29 @@ def build_job(cfg: JobConfig, device: torch.device) -> Job:
     return Job(cfg, device, meshes, model, mcfg, optimizer, scheduler, units, schedule)
 
 
+def _mp_policy(dtype: torch.dtype):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
 def _compute_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
     if cfg.model.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, cfg.model.dtype)
 
 
-def train_step(job: Job, micro_batches: list[Batch]) -> dict[str, float]:
+def train_step(job: Job, micro_batches: list[Batch], want_counts: bool = False) -> dict[str, Any]:
     """One optimizer step over this rank's micro-batches; returns global loss, aux loss and grad norm."""
     from moeshard.fsdp_moe import clip_grad_norm_
 
     model, device, W = job.model, job.device, dist.get_world_size()
     coef = float(getattr(job.model_config, "router_aux_loss_coef", 0.0))
+    from moeshard.fsdp_moe import num_items_for_global_mean
+
     local_tokens = sum(int((b.labels[:, 1:] != -100).sum()) for b in micro_batches)  # CPU tensors: no sync
-    n_tokens = torch.tensor([float(local_tokens)], device=device)
-    dist.all_reduce(n_tokens)  # the global number of label tokens: the loss is their mean
-    num_items = n_tokens.clamp_min(1.0) / W  # stays on the device: no host sync before the forward
+    # N_global / W on the device (no host sync): each rank's loss is W * sum_r / N_global, FSDP averages over W.
+    num_items = num_items_for_global_mean(local_tokens).clamp_min(1.0 / W)
     lm_sum = torch.zeros((), device=device, dtype=torch.float32)
     aux_sum = torch.zeros((), device=device, dtype=torch.float32)
     counts = None
@@ -222,7 +229,7 @@ def train_step(job: Job, micro_batches: list[Batch]) -> dict[str, float]:
         (lm + coef * aux / len(micro_batches)).backward()
         lm_sum += lm.detach().float()
         aux_sum += aux.detach().float() / len(micro_batches)
-        if out.router_logits is not None:
+        if want_counts and out.router_logits is not None:
             counts = _expert_counts(out.router_logits, job.model_config, counts)
     grad_norm = clip_grad_norm_(model, job.cfg.train.max_grad_norm)
     stats = torch.stack([lm_sum, aux_sum])
@@ -262,7 +269,11 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     )
     start_step = 0
     if resume_path is not None:
-        extra, rank_state = ckpt.load_checkpoint(resume_path, _app_state(job))
+        from moeshard.fsdp_moe import set_state_dict
+
+        state = _app_state(job)
+        extra, rank_state = ckpt.load_checkpoint(resume_path, state)
+        set_state_dict(job.model, state, job.optimizer)
         job.scheduler.load_state_dict(extra["scheduler"])
         start_step = int(extra["step"])
         if rank_state is not None:
@@ -287,7 +298,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
         for step in range(start_step, cfg.train.steps):
             t0 = time.perf_counter()
             micro = [data.collate(ix) for ix in batches.micro_batches(step, rank)]
-            stats = train_step(job, micro)
+            want_counts = bool(cfg.logging.expert_load_every) and (step + 1) % cfg.logging.expert_load_every == 0
+            stats = train_step(job, micro, want_counts)
             if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
                 raise TrainingDiverged(
                     f"step {step + 1}: non-finite loss {stats['loss']} or grad norm {stats['grad_norm']}; "
@@ -335,14 +347,11 @@ def _first(x):
 def _app_state(job: Job) -> dict[str, Any]:
     from moeshard.fsdp_moe import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(job.model, job.optimizer)
-    return {"model": model_sd, "optim": optim_sd}
+    return get_state_dict(job.model, job.optimizer)
 
 
 def save(job: Job, ckpt_dir: Path, step: int) -> Path:
     """Save an atomic, layout-independent checkpoint after ``step`` steps."""
-    from moeshard.fsdp_moe import set_state_dict  # noqa: F401 - the pair that loads it back
-
     extra = {
         "step": step,
         "scheduler": job.scheduler.state_dict(),

@@ -1,0 +1,155 @@
+"""``moeshard-train bench``: throughput of the full training step on the Qwen3-30B-A3B geometry with L layers.
+
+    torchrun --nproc-per-node 2 -m moeshard.train bench --layers 8 --ep-size 2 --out bench.json
+    torchrun --nproc-per-node 1 -m moeshard.train bench --layers 8 --ep-size 1
+
+Synthetic tokens, seq 4096, 4 sequences per GPU per step by default, bf16 compute with fp32 master weights and
+fp32 gradient reduction, AdamW, clipping. Prints and writes (JSON) tokens/s/GPU (median of the steps after
+warm-up), MFU, peak memory, device→host syncs per step (``torch.cuda.set_sync_debug_mode``) and the layout.
+FLOPs/token = 6·(matmul params active per token) + 6·L·2·(S/2)·(heads·head_dim); MFU over 989 TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from moeshard.train.config import CheckpointConfig, DataConfig, JobConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainConfig
+from moeshard.train.data import Batch
+from moeshard.train.metrics import flops_per_token, mfu
+
+
+def main(argv: list[str]) -> int:
+    """Run the benchmark under torchrun; rank 0 prints the table and writes ``--out``."""
+    p = argparse.ArgumentParser(prog="moeshard-train bench")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--batch-per-gpu", type=int, default=4, help="sequences per GPU per optimizer step")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward (default: batch-per-gpu)")
+    p.add_argument("--ep-size", type=int, default=1)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--prefetch-depth", type=int, default=1)
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--no-reshard-after-forward", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--profile", default=None, help="write a torch.profiler trace of one step here")
+    args = p.parse_args(argv)
+
+    from moeshard.train.trainer import build_job, init_distributed, train_step
+
+    device = init_distributed()
+    world = dist.get_world_size()
+    mb = args.micro_batch or args.batch_per_gpu
+    cfg = JobConfig(
+        model=ModelConfig(preset="qwen3-30b-a3b", overrides={"num_hidden_layers": args.layers}, dtype="bfloat16"),
+        parallel=ParallelConfig(
+            ep_size=args.ep_size,
+            prefetch_depth=args.prefetch_depth,
+            reshard_after_forward=not args.no_reshard_after_forward,
+        ),
+        data=DataConfig(seq_len=args.seq_len, synthetic=True),
+        train=TrainConfig(
+            steps=args.steps,
+            global_batch_size=args.batch_per_gpu * world,
+            micro_batch_size=mb,
+            lr=1e-4,
+            warmup_steps=1,
+            min_lr=1e-5,
+            activation_checkpointing=args.activation_checkpointing,
+        ),
+        checkpoint=CheckpointConfig(resume="none"),
+        logging=LoggingConfig(tensorboard=False, progress_bar=False),
+    )
+    torch.manual_seed(0)
+    job = build_job(cfg, device)
+    vocab = job.model_config.vocab_size
+    g = torch.Generator().manual_seed(1234 + dist.get_rank())
+
+    def batches() -> list[Batch]:
+        out = []
+        for _ in range(args.batch_per_gpu // mb):
+            ids = torch.randint(0, vocab, (mb, args.seq_len), generator=g).pin_memory() if device.type == "cuda" else torch.randint(0, vocab, (mb, args.seq_len), generator=g)
+            out.append(Batch(ids, ids, None, ()))
+        return out
+
+    times, syncs, losses = [], [], []
+    for step in range(args.steps):
+        micro = batches()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        count = step >= args.warmup and device.type == "cuda"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if count:
+                torch.cuda.set_sync_debug_mode("warn")
+            t0 = time.perf_counter()
+            stats = train_step(job, micro)
+            job.optimizer.step()
+            job.scheduler.step()
+            job.optimizer.zero_grad(set_to_none=True)
+            if count:
+                torch.cuda.set_sync_debug_mode("default")
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+        losses.append(stats["loss"])
+        if step >= args.warmup:
+            times.append(dt)
+            syncs.append(sum(1 for w in caught if "synchroniz" in str(w.message)))
+    if args.profile and device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            train_step(job, batches())
+            job.optimizer.step()
+            job.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+        if dist.get_rank() == 0:
+            prof.export_chrome_trace(args.profile)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+    step_s = statistics.median(times)
+    tps = args.batch_per_gpu * args.seq_len / step_s
+    fpt = flops_per_token(job.model_config, args.seq_len)
+    result = {
+        "layers": args.layers,
+        "seq_len": args.seq_len,
+        "world_size": world,
+        "ep_size": args.ep_size,
+        "ep_fsdp_size": world // args.ep_size,
+        "batch_per_gpu": args.batch_per_gpu,
+        "micro_batch": mb,
+        "activation_checkpointing": args.activation_checkpointing,
+        "prefetch_depth": args.prefetch_depth,
+        "step_time_s_median": step_s,
+        "tokens_per_s_per_gpu": tps,
+        "flops_per_token": fpt,
+        "mfu": mfu(tps, fpt),
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None,
+        "syncs_per_step": statistics.median(syncs) if syncs else None,
+        "moe_layers": args.layers,
+        "losses": losses,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    }
+    if dist.get_rank() == 0:
+        print(
+            f"layers {args.layers} seq {args.seq_len} | world {world} = ep {args.ep_size} x ep_fsdp {world // args.ep_size} "
+            f"| {args.batch_per_gpu} seq/GPU (micro {mb}) | step {1000 * step_s:.1f} ms | {tps:,.0f} tok/s/GPU | "
+            f"MFU {100 * result['mfu']:.1f}% | peak alloc {result['peak_allocated_gib'] or 0:.1f} GiB "
+            f"reserved {result['peak_reserved_gib'] or 0:.1f} GiB | syncs/step {result['syncs_per_step']}"
+        )
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
