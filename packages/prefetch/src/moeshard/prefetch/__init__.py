@@ -1,0 +1,36 @@
+"""moeshard.prefetch: forward/backward prefetch schedules over nested FSDP2 units (layer and expert units).
+
+Example (after ``moeshard.fsdp_moe.shard_model``)::
+
+    from moeshard.prefetch import apply_schedule, build_schedule, record_unshard_order, stage_units
+
+    units = shard_model(model, meshes)
+    schedule = build_schedule(units.stages, depth=1)   # layer i prefetches layer i+1 (fwd) / i-1 (bwd)
+    apply_schedule(schedule)
+    print(schedule.describe())
+    with record_unshard_order(stage_units(units.stages)) as trace:   # evidence: the all-gather order
+        model(input_ids, labels=labels).loss.backward()
+    print(trace.describe())
+"""
+
+from moeshard.prefetch._record import TraceEvent, UnshardTrace, record_unshard_order
+from moeshard.prefetch._schedule import (
+    PrefetchSchedule,
+    StageLike,
+    StagePrefetch,
+    apply_schedule,
+    build_schedule,
+    stage_units,
+)
+
+__all__ = [
+    "PrefetchSchedule",
+    "StageLike",
+    "StagePrefetch",
+    "TraceEvent",
+    "UnshardTrace",
+    "apply_schedule",
+    "build_schedule",
+    "record_unshard_order",
+    "stage_units",
+]
