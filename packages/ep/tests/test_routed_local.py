@@ -91,3 +91,5 @@ def test_bad_arguments():
         grouped_expert_mlp(x, torch.tensor([12, 0, 0, 0]), w1, w2, backend="cutlass")
     with pytest.raises(ValueError, match="5 entries for 4 local experts"):
         grouped_expert_mlp(x, [12, 0, 0, 0, 0], w1, w2)
+    with pytest.raises(ValueError, match="sums to 11 but x has 12 rows"):
+        grouped_expert_mlp(x, [11, 0, 0, 0], w1, w2, backend="loop")

@@ -154,4 +154,6 @@ def grouped_expert_mlp(
     counts = tokens_per_expert_E if host_counts is None else host_counts
     if isinstance(counts, torch.Tensor):
         counts = counts.tolist()  # host sync: the loop needs the row counts on the host
+    if sum(counts) != x_ND.shape[0]:
+        raise ValueError(f"tokens_per_expert sums to {sum(counts)} but x has {x_ND.shape[0]} rows")
     return _loop_mlp(x_ND, counts, w_gate_up, w_down, act)
