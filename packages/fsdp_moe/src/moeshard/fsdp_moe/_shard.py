@@ -1,0 +1,278 @@
+"""Bottom-up, expert-aware FSDP2: experts on dim 1 over ep_fsdp, everything else on dim 0 over all ranks.
+
+Order of ``fully_shard`` calls (FSDP2 groups a module's parameters minus those already grouped, so children
+first): for each FSDP unit of the plan (deepest first), the expert modules inside it on ``meshes.ep_fsdp`` with
+``Shard(1)``, then the unit itself on ``meshes.fsdp``; expert modules in no unit next; the root last.
+
+Gradient divide factor: both kinds of parameter are divided by the world size W (see ``_divide_factors``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from moeshard.ep import EPParamMeta, ParallelPlan, apply_ep, fqn_matches, get_ep_info
+from moeshard.meshes import ParallelMeshes
+
+__all__ = ["FSDPUnits", "ShardingInfo", "Stage", "default_mp_policy", "get_sharding_info", "shard_model"]
+
+_SHARDING_ATTR = "_moeshard_fsdp_moe"
+EXPERT_DIM = 1  # experts are sharded on dim 0 by EP; FSDP takes dim 1 so ep x ep_fsdp need not equal E
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the forward order: the unit whose forward runs it, then the expert units inside it.
+
+    Attributes:
+        name: FQN of the stage's first module (e.g. ``model.layers.3``).
+        modules: ``(FQN, FSDP module)`` pairs; the first is the unit on the global mesh, the rest its experts.
+    """
+
+    name: str
+    modules: tuple[tuple[str, FSDPModule], ...]
+
+
+@dataclass
+class FSDPUnits:
+    """The FSDP units :func:`shard_model` created, in forward order, for prefetch schedules and inspection.
+
+    Attributes:
+        stages: the embedding stage first, one stage per decoder block (block unit, then its expert units), the
+            head last; generally one stage per unit matched by the plan's ``fsdp_units``, in plan order.
+        root: the model itself (holds whatever no unit claimed, e.g. the final norm).
+        experts: ``(FQN, FSDP module)`` for every expert unit, in module order.
+    """
+
+    stages: list[Stage]
+    root: FSDPModule
+    experts: tuple[tuple[str, FSDPModule], ...] = field(default=())
+
+    def __iter__(self) -> Iterator[tuple[str, FSDPModule]]:
+        """Every unit once, in forward order, the root last."""
+        for stage in self.stages:
+            yield from stage.modules
+        yield "", self.root
+
+    def describe(self) -> str:
+        """One line per stage: its units and their meshes."""
+        lines = []
+        for stage in self.stages:
+            parts = [f"{fqn} [{_mesh_name(m)}]" for fqn, m in stage.modules]
+            lines.append(f"{stage.name}: " + ", ".join(parts))
+        lines.append(f"<root>: [{_mesh_name(self.root)}]")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ShardingInfo:
+    """What :func:`shard_model` recorded on the model (read with :func:`get_sharding_info`).
+
+    Attributes:
+        meshes: the meshes the model was sharded on.
+        expert_params: expert-parameter FQN → EP metadata (global shape, experts held).
+    """
+
+    meshes: ParallelMeshes
+    expert_params: dict[str, EPParamMeta]
+
+
+def _mesh_name(module: FSDPModule) -> str:
+    groups = module._get_fsdp_state()._fsdp_param_groups  # only to label the mesh in a description
+    if not groups:
+        return "no params"
+    mesh = groups[0].mesh_info.mesh
+    return f"{','.join(mesh.mesh_dim_names or ('?',))} x{mesh.size()}"
+
+
+def default_mp_policy(device_type: str) -> MixedPrecisionPolicy:
+    """bf16 parameters with fp32 gradient reduction on GPU; plain fp32 elsewhere (CPU tests, reference runs)."""
+    if device_type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def get_sharding_info(model: nn.Module) -> ShardingInfo | None:
+    """The :class:`ShardingInfo` left on ``model`` by :func:`shard_model`, or None."""
+    return model.__dict__.get(_SHARDING_ATTR)
+
+
+def _validate(model: nn.Module, meshes: ParallelMeshes) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError("shard_model needs an initialised process group (torch.distributed.init_process_group)")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if meshes.world_size != world or meshes.rank != rank:
+        raise ValueError(
+            f"the meshes were built for rank {meshes.rank} of a world of {meshes.world_size}, but this process is "
+            f"rank {rank} of {world}; build the meshes in this job with moeshard.meshes.build_meshes(ep_size=...)"
+        )
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError("the model already has FSDP applied; call shard_model once, on a model without FSDP")
+
+
+def _ep_info(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPlan):
+    info = get_ep_info(model)
+    if info is None:
+        if meshes.ep_size > 1:
+            raise ValueError(
+                f"the model has no expert parallelism applied but meshes.ep_size is {meshes.ep_size}; call "
+                "moeshard.ep.apply_ep(model, model.get_parallel_plan(), meshes.ep) before shard_model, "
+                "or build the meshes with ep_size=1"
+            )
+        # EP size 1: recording the metadata slices nothing; it is how the expert parameters are found.
+        info = apply_ep(model, plan, None)
+    if info.ep_size != meshes.ep_size or info.ep_rank != meshes.ep_rank:
+        raise ValueError(
+            f"EP was applied with EP size {info.ep_size} (EP rank {info.ep_rank}) but the meshes have EP size "
+            f"{meshes.ep_size} (EP rank {meshes.ep_rank}); apply EP with the same meshes: apply_ep(model, plan, "
+            "meshes.ep)"
+        )
+    return info
+
+
+def _check_experts(model: nn.Module, info, meshes: ParallelMeshes) -> None:
+    n = meshes.ep_fsdp_size
+    for name in info.expert_modules:
+        for pname, param in model.get_submodule(name).named_parameters():
+            fqn = f"{name}.{pname}"
+            meta = info.params.get(fqn)
+            if meta is None:
+                raise ValueError(
+                    f"expert module {name} holds {fqn}, which the EP plan does not shard; an expert module "
+                    "must hold only expert parameters (its gradients are reduced over ep_fsdp only): add the "
+                    "parameter to the plan's ep_plan or move it out of the expert module"
+                )
+            if param.dim() <= EXPERT_DIM or param.shape[EXPERT_DIM] % n != 0:
+                size = param.shape[EXPERT_DIM] if param.dim() > EXPERT_DIM else "none"
+                raise ValueError(
+                    f"expert parameter {fqn} {tuple(param.shape)}: dim {EXPERT_DIM} (size {size}) is not divisible "
+                    f"by the ep_fsdp size {n} (FSDP2 on torch {torch.__version__} shards a non-zero dim evenly "
+                    f"only); choose ep_size so that world_size / ep_size divides {size}"
+                )
+
+
+def _match_units(model: nn.Module, plan: ParallelPlan, expert_names: set[str]) -> list[str]:
+    names = [name for name, _ in model.named_modules() if name]
+    units: list[str] = []
+    for pattern in plan.fsdp_units:
+        hits = [n for n in names if fqn_matches(pattern, n)]
+        if not hits:
+            raise ValueError(
+                f"fsdp_units pattern {pattern!r} matches no module of {type(model).__name__}; fix the plan "
+                "('*' matches exactly one dotted segment)"
+            )
+        for hit in hits:
+            if hit in expert_names or any(hit.startswith(e + ".") for e in expert_names):
+                raise ValueError(
+                    f"fsdp_units pattern {pattern!r} matches {hit}, an expert module or inside one; expert "
+                    "modules become their own units on the ep_fsdp mesh: keep them out of fsdp_units"
+                )
+            if hit not in units:
+                units.append(hit)
+    return units
+
+
+def _innermost_unit(expert: str, units: list[str]) -> str | None:
+    owners = [u for u in units if expert.startswith(u + ".")]
+    return max(owners, key=len) if owners else None
+
+
+def _divide_factors(module: FSDPModule, meshes: ParallelMeshes, mesh_size: int) -> None:
+    # Every rank's loss is its share of a global mean (mean over the global batch = mean over ranks of the
+    # per-rank means), so the wanted gradient is (1/W) * sum over all W ranks of the per-rank gradients.
+    # Non-expert: FSDP reduce-scatters over all W ranks; dividing by W gives exactly that.
+    # Expert: the EP all-to-all backward already summed, on the rank holding an expert, the gradients from the
+    # tokens of all ep ranks; the reduce-scatter over ep_fsdp then sums over the remaining W/ep ranks. The sum
+    # covers all W ranks once, so the divisor is W too, not the ep_fsdp size FSDP would use by default.
+    module.set_gradient_divide_factor(float(meshes.world_size))
+    # gloo has no PREMUL_SUM (FSDP's way to apply a custom factor): reduce with SUM and scale separately. Only
+    # where a collective runs: with a mesh of size 1, FSDP2 divides in its copy and would divide again after.
+    if mesh_size > 1 and dist.get_backend() == "gloo":
+        module.set_force_sum_reduction_for_comms(True)
+
+
+def shard_model(
+    model: nn.Module,
+    meshes: ParallelMeshes,
+    *,
+    plan: ParallelPlan | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool | int = True,
+    offload_policy: OffloadPolicy | None = None,
+) -> FSDPUnits:
+    """Apply FSDP2 bottom-up: experts on dim 1 over ``meshes.ep_fsdp``, units and root on dim 0 over ``meshes.fsdp``.
+
+    Expert modules are the ones ``apply_ep`` recorded (parents of the plan's ``ep_plan`` parameters); units are
+    the modules matched by the plan's ``fsdp_units``. Gradients of both are divided by the world size, so for a
+    loss that is each rank's share of the global-batch mean they equal single-process gradients.
+
+    Args:
+        model: the model with EP applied (``moeshard.ep.apply_ep(model, plan, meshes.ep)``); for EP size 1
+            an unapplied model is accepted (the EP metadata is recorded here).
+        meshes: from ``moeshard.meshes.build_meshes`` in this job.
+        plan: the parallel plan; defaults to ``model.get_parallel_plan()``.
+        mp_policy: FSDP2 mixed precision; defaults to :func:`default_mp_policy` of the meshes' device type.
+        reshard_after_forward: passed to every unit (the root keeps FSDP2's own root rule).
+        offload_policy: passed to every unit (e.g. ``CPUOffloadPolicy()``).
+
+    Returns:
+        The units in forward order (:class:`FSDPUnits`).
+
+    Raises:
+        ValueError: no EP applied while ``meshes.ep_size > 1``; EP applied with other meshes; meshes from
+            another world; an expert dim 1 not divisible by the ep_fsdp size; a plan unit matching nothing.
+    """
+    _validate(model, meshes)
+    if plan is None:
+        if not hasattr(model, "get_parallel_plan"):
+            raise ValueError(f"{type(model).__name__} has no get_parallel_plan(); pass plan=ParallelPlan(...)")
+        plan = model.get_parallel_plan()
+    info = _ep_info(model, meshes, plan)
+    _check_experts(model, info, meshes)
+    expert_names = list(info.expert_modules)
+    units = _match_units(model, plan, set(expert_names))
+
+    kwargs: dict = {
+        "mp_policy": mp_policy or default_mp_policy(meshes.device_type),
+        "reshard_after_forward": reshard_after_forward,
+    }
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+
+    def shard_dim1(_param: nn.Parameter) -> Shard:
+        return Shard(EXPERT_DIM)
+
+    experts_of: dict[str | None, list[str]] = {}
+    for name in expert_names:
+        experts_of.setdefault(_innermost_unit(name, units), []).append(name)
+
+    sharded: dict[str, FSDPModule] = {}
+
+    def shard_experts(names: list[str]) -> None:
+        for name in names:
+            mod = fully_shard(model.get_submodule(name), mesh=meshes.ep_fsdp, shard_placement_fn=shard_dim1, **kwargs)
+            _divide_factors(mod, meshes, meshes.ep_fsdp_size)
+            sharded[name] = mod
+
+    # Deepest units first, so nested units are grouped before the units that contain them.
+    for unit in sorted(units, key=lambda u: u.count("."), reverse=True):
+        shard_experts(experts_of.get(unit, []))
+        mod = fully_shard(model.get_submodule(unit), mesh=meshes.fsdp, **kwargs)
+        _divide_factors(mod, meshes, meshes.world_size)
+        sharded[unit] = mod
+    shard_experts(experts_of.get(None, []))
+    root_kwargs = {k: v for k, v in kwargs.items() if k != "reshard_after_forward"}
+    root = fully_shard(model, mesh=meshes.fsdp, **root_kwargs)
+    _divide_factors(root, meshes, meshes.world_size)
+
+    stages = [Stage(u, ((u, sharded[u]), *((e, sharded[e]) for e in experts_of.get(u, [])))) for u in units]
+    stages += [Stage(e, ((e, sharded[e]),)) for e in experts_of.get(None, [])]
+    setattr(model, _SHARDING_ATTR, ShardingInfo(meshes=meshes, expert_params=dict(info.params)))
+    return FSDPUnits(stages=stages, root=root, experts=tuple((e, sharded[e]) for e in expert_names))

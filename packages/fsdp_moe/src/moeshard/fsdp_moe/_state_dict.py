@@ -1,0 +1,175 @@
+"""EP-aware state dicts for ``torch.distributed.checkpoint`` (DCP): checkpoints independent of the layout.
+
+Format: ``{"model": {fqn: tensor}, "optimizer": {"state": {fqn: {...}}, "param_groups": [...]}}`` with FQN keys
+(torch's ``get_model_state_dict`` / ``get_optimizer_state_dict``). Every tensor has its global shape:
+
+- non-expert parameters and their optimizer state: FSDP2's ``Shard(0)`` DTensors on the ``fsdp`` mesh;
+- expert parameters and their optimizer state: DTensors of the *full* shape ``[E, d1, ...]`` on the 2-D expert
+  mesh ``("ep_fsdp", "ep")`` with placements ``(Shard(1), Shard(0))`` (EP on dim 0, ep_fsdp on dim 1), wrapping
+  the FSDP local shard without a copy.
+
+DCP stores each rank's pieces with their global offsets, so a checkpoint written with one EP size / world size
+loads into any other: ``dcp.load`` reads exactly the slices the loading rank holds.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, Shard
+
+from moeshard.ep import EPParamMeta
+from moeshard.fsdp_moe._shard import EXPERT_DIM, ShardingInfo, get_sharding_info
+from moeshard.meshes import ParallelMeshes
+
+__all__ = ["get_state_dict", "load_checkpoint", "save_checkpoint", "set_state_dict"]
+
+MODEL_KEY = "model"
+OPTIMIZER_KEY = "optimizer"
+# Placements on the expert mesh ("ep_fsdp", "ep"): ep_fsdp shards dim 1, ep shards dim 0 (the experts).
+EXPERT_PLACEMENTS = (Shard(EXPERT_DIM), Shard(0))
+
+
+def _info(model: nn.Module) -> ShardingInfo:
+    info = get_sharding_info(model)
+    if info is None:
+        raise ValueError("the model was not sharded with moeshard.fsdp_moe.shard_model; shard it first")
+    return info
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
+def _to_global(t: DTensor, meta: EPParamMeta, meshes: ParallelMeshes) -> DTensor:
+    """Re-label FSDP's ``Shard(1)`` shard on ep_fsdp as a piece of the full expert tensor (no copy)."""
+    local = t.to_local()
+    shape = tuple(meta.global_shape)
+    n = meshes.ep_fsdp_size
+    # Even sharding on dim 1 is checked by shard_model, so the chunk layouts of FSDP and DTensor agree.
+    expected = (meta.expert_end - meta.expert_start, shape[EXPERT_DIM] // n, *shape[2:])
+    assert tuple(local.shape) == expected, (meta.fqn, tuple(local.shape), expected)
+    return DTensor.from_local(
+        local,
+        meshes.expert,
+        EXPERT_PLACEMENTS,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=_contiguous_stride(shape),
+    )
+
+
+def _to_fsdp(value: Any, like: DTensor, meta: EPParamMeta, meshes: ParallelMeshes) -> DTensor:
+    """The inverse of :func:`_to_global`: the local piece as a DTensor shaped like FSDP's parameter ``like``."""
+    if isinstance(value, DTensor):
+        local = value.to_local()
+    elif isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(meta.global_shape):
+        # A full tensor (e.g. from a consolidated checkpoint): take this rank's experts and dim-1 chunk.
+        local = value[meta.expert_start : meta.expert_end].chunk(meshes.ep_fsdp_size, dim=EXPERT_DIM)
+        local = local[meshes.ep_fsdp_rank].contiguous()
+    else:
+        raise ValueError(f"{meta.fqn}: expected a DTensor or a tensor of shape {meta.global_shape}, got {value!r}")
+    if tuple(local.shape) != tuple(like.to_local().shape):
+        raise ValueError(
+            f"{meta.fqn}: the loaded piece has shape {tuple(local.shape)}, this rank holds "
+            f"{tuple(like.to_local().shape)}; load with dcp.load into a state dict from get_state_dict"
+        )
+    return DTensor.from_local(
+        local.to(like.device),
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """A DCP-ready state dict of a model sharded by ``shard_model`` (and its optimizer), experts in global shape.
+
+    The tensors alias the live parameters and optimizer state (nothing is copied), so ``dcp.load`` into this
+    dict writes the model in place; call :func:`set_state_dict` after it all the same.
+
+    Returns:
+        ``{"model": ..., "optimizer": ...}`` (no ``"optimizer"`` key without an optimizer).
+    """
+    info = _info(model)
+    msd = get_model_state_dict(model)
+    for fqn, meta in info.expert_params.items():
+        msd[fqn] = _to_global(msd[fqn], meta, info.meshes)
+    out: dict[str, Any] = {MODEL_KEY: msd}
+    if optimizer is not None:
+        osd = get_optimizer_state_dict(model, optimizer)
+        for fqn, state in osd["state"].items():
+            meta = info.expert_params.get(fqn)
+            if meta is None:
+                continue
+            # A new dict: ``state`` is the optimizer's own per-parameter dict, which must keep FSDP's DTensors.
+            # Per-element state (exp_avg, ...) is sharded like the parameter; scalars (step) stay as they are.
+            osd["state"][fqn] = {
+                key: _to_global(value, meta, info.meshes)
+                if isinstance(value, DTensor) and value.dim() > EXPERT_DIM
+                else value
+                for key, value in state.items()
+            }
+        out[OPTIMIZER_KEY] = osd
+    return out
+
+
+def set_state_dict(
+    model: nn.Module, state_dict: dict[str, Any], optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Load a state dict in the format of :func:`get_state_dict` (typically filled by ``dcp.load``).
+
+    Expert entries may be global-shape DTensors (any layout's) or full plain tensors; each rank keeps its slice.
+    """
+    info = _info(model)
+    params = dict(model.named_parameters())
+    msd = dict(state_dict[MODEL_KEY])
+    for fqn, meta in info.expert_params.items():
+        if fqn in msd:
+            msd[fqn] = _to_fsdp(msd[fqn], params[fqn], meta, info.meshes)
+    set_model_state_dict(model, msd)
+    if optimizer is None:
+        return
+    if OPTIMIZER_KEY not in state_dict:
+        raise ValueError("the state dict has no optimizer entry; save it with get_state_dict(model, optimizer)")
+    osd = state_dict[OPTIMIZER_KEY]
+    state = {}
+    for fqn, entry in osd["state"].items():
+        meta = info.expert_params.get(fqn)
+        if meta is not None:
+            entry = {
+                k: _to_fsdp(v, params[fqn], meta, info.meshes)
+                if isinstance(v, torch.Tensor) and v.dim() > EXPERT_DIM
+                else v
+                for k, v in entry.items()
+            }
+        state[fqn] = entry
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": osd["param_groups"]})
+
+
+def save_checkpoint(checkpoint_dir: str | os.PathLike, model: nn.Module, optimizer=None) -> None:
+    """``dcp.save`` of :func:`get_state_dict` into ``checkpoint_dir`` (every rank calls it)."""
+    dcp.save(get_state_dict(model, optimizer), checkpoint_id=os.fspath(checkpoint_dir))
+
+
+def load_checkpoint(checkpoint_dir: str | os.PathLike, model: nn.Module, optimizer=None) -> None:
+    """Load a checkpoint written by :func:`save_checkpoint` under any EP size / world size (every rank calls it)."""
+    state_dict = get_state_dict(model, optimizer)
+    dcp.load(state_dict, checkpoint_id=os.fspath(checkpoint_dir))
+    set_state_dict(model, state_dict, optimizer)

@@ -1,0 +1,115 @@
+"""A toy MoE language model with a parallel plan, for tests of sharding, prefetch and checkpoints.
+
+# T tokens, K top-k, D hidden, E experts, F expert width, V vocab
+
+``ToyMoELM``: embedding → layers (token mixer, router, fused experts) → norm → head, with
+``get_parallel_plan()`` naming ``embed``, ``layers.*`` and ``head`` as FSDP units. Its expert module calls
+:func:`moeshard.ep.routed_experts` from its own ``forward`` (FSDP2 gathers a unit's parameters when the unit is
+called), so it runs unchanged on one process or with EP + FSDP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from moeshard.ep import ParallelPlan, ep_group, routed_experts
+from moeshard.fsdp_moe._shard import get_sharding_info
+from moeshard.fsdp_moe._state_dict import _to_global
+
+__all__ = ["ToyExperts", "ToyMoELM", "full_tensors"]
+
+
+def full_tensors(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter (or gradient) of a sharded model as a full plain tensor, by FQN (all ranks gather).
+
+    For tests and debugging only: it all-gathers everything.
+    """
+    info = get_sharding_info(model)
+    out = {}
+    for fqn, param in model.named_parameters():
+        t = param.grad if grads else param.detach()
+        if t is None:
+            continue
+        meta = info.expert_params.get(fqn) if info is not None else None
+        if meta is not None:
+            t = _to_global(t, meta, info.meshes)
+        out[fqn] = t.full_tensor() if isinstance(t, DTensor) else t.clone()
+    return out
+
+
+class ToyExperts(nn.Module):
+    """Fused SwiGLU experts: ``gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]`` (E local after EP)."""
+
+    def __init__(self, num_experts: int, hidden: int, width: int):
+        super().__init__()
+        self.num_experts = num_experts  # global count; the parameters hold E / ep_size after apply_ep
+        self.gate_up_proj = nn.Parameter(torch.randn(num_experts, 2 * width, hidden) / hidden**0.5)
+        self.down_proj = nn.Parameter(torch.randn(num_experts, hidden, width) / width**0.5)
+
+    def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        return routed_experts(
+            x_TD,
+            ids_TK,
+            weights_TK,
+            self.gate_up_proj,
+            self.down_proj,
+            num_experts=self.num_experts,
+            ep_group=ep_group(self),
+        )
+
+
+class _Layer(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden: int, width: int):
+        super().__init__()
+        self.top_k = top_k
+        self.norm1 = nn.RMSNorm(hidden)
+        self.mixer = nn.Linear(hidden, hidden, bias=False)
+        self.norm2 = nn.RMSNorm(hidden)
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = ToyExperts(num_experts, hidden, width)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        x_TD = x_TD + self.mixer(self.norm1(x_TD))
+        h_TD = self.norm2(x_TD)
+        probs_TE = self.router(h_TD).float().softmax(-1)
+        weights_TK, ids_TK = probs_TE.topk(self.top_k, dim=-1)
+        weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+        return x_TD + self.experts(h_TD, ids_TK, weights_TK)
+
+
+class ToyMoELM(nn.Module):
+    """A tiny MoE LM; ``forward(ids_BS, labels_BS, num_items_in_batch=None) -> loss`` (next-token CE)."""
+
+    def __init__(
+        self, vocab: int = 32, hidden: int = 16, width: int = 8, num_experts: int = 8, top_k: int = 2, layers: int = 2
+    ):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(_Layer(num_experts, top_k, hidden, width) for _ in range(layers))
+        self.norm = nn.RMSNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def get_parallel_plan(self) -> ParallelPlan:
+        """Experts sharded on dim 0 by EP; embedding, each layer and the head are FSDP units."""
+        return ParallelPlan(
+            ep_plan={"layers.*.experts.gate_up_proj": Shard(0), "layers.*.experts.down_proj": Shard(0)},
+            fsdp_units=("embed", "layers.*", "head"),
+        )
+
+    def forward(
+        self, ids_BS: torch.Tensor, labels_BS: torch.Tensor, num_items_in_batch: torch.Tensor | float | None = None
+    ) -> torch.Tensor:
+        B, S = ids_BS.shape
+        x_TD = self.embed(ids_BS).view(B * S, -1)
+        for layer in self.layers:
+            x_TD = layer(x_TD)
+        logits_TV = self.head(self.norm(x_TD)).float()
+        # Next-token targets: the label of position s + 1; the last position of each sequence has none.
+        targets_BS = F.pad(labels_BS[:, 1:], (0, 1), value=-100)
+        total = F.cross_entropy(logits_TV, targets_BS.reshape(-1), ignore_index=-100, reduction="sum")
+        if num_items_in_batch is None:
+            num_items_in_batch = (targets_BS != -100).sum()
+        return total / num_items_in_batch
