@@ -80,8 +80,9 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, config: Qwen3MoeConfig) -> None:
         super().__init__()
-        self.gate = TopKRouter(config)
+        # Same registration order as transformers (experts, then gate), so state_dict orders match.
         self.experts = Experts(config)
+        self.gate = TopKRouter(config)
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(y_BSD, router_logits_TE)`` with T = B·S."""

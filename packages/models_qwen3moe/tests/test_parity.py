@@ -1,0 +1,95 @@
+"""Our model against transformers' Qwen3MoeForCausalLM on the same checkpoint, float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
+
+
+def _max_rel_grad_error(ref, ours) -> tuple[float, str]:
+    ref_params = dict(ref.named_parameters())
+    worst, where = 0.0, ""
+    for name, p in ours.named_parameters():
+        g_ref = ref_params[name].grad
+        assert p.grad is not None and g_ref is not None, name
+        err = ((p.grad - g_ref).abs().max() / g_ref.abs().max().clamp_min(1e-12)).item()
+        if err > worst:
+            worst, where = err, name
+    return worst, where
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "left-padding"])
+def test_logits_losses_and_grads_match_transformers(hf_dir, batch, load_reference, padded):
+    ids, mask, labels = batch
+    attention_mask = mask if padded else None
+    if not padded:
+        labels = ids
+    ref = load_reference(hf_dir)
+    ours = Qwen3MoeForCausalLM.from_pretrained(hf_dir)
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in ref.named_parameters()]
+
+    out_ref = ref(input_ids=ids, labels=labels, attention_mask=attention_mask)
+    out = ours(ids, labels=labels, attention_mask=attention_mask)
+    keep = mask.bool() if padded else torch.ones_like(ids, dtype=torch.bool)
+    torch.testing.assert_close(out.logits[keep], out_ref.logits[keep], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.aux_loss, out_ref.aux_loss, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=0, atol=1e-5)
+    assert len(out.router_logits) == 2  # the dense layer has no router
+
+    out_ref.loss.backward()
+    out.loss.backward()
+    worst, where = _max_rel_grad_error(ref, ours)
+    assert worst < 1e-4, f"gradient of {where} differs by {worst:.2e} (relative)"
+
+
+def test_num_items_in_batch_and_no_router_logits(hf_dir, batch, load_reference):
+    ids, mask, labels = batch
+    ref, ours = load_reference(hf_dir), Qwen3MoeForCausalLM.from_pretrained(hf_dir)
+    n = torch.tensor(37)
+    kwargs = dict(labels=labels, attention_mask=mask, num_items_in_batch=n, output_router_logits=False)
+    out_ref = ref(input_ids=ids, **kwargs)
+    out = ours(ids, **kwargs)
+    assert out.aux_loss is None and out.router_logits is None
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=0, atol=1e-5)
+    # sum / N: 20 label tokens after the shift, so the mean differs from the sum over 37
+    mean = ours(ids, labels=labels, attention_mask=mask, output_router_logits=False).loss
+    torch.testing.assert_close(out.loss, mean * 19 / 37, rtol=1e-5, atol=0)
+
+
+def test_logits_without_labels(hf_dir, batch):
+    ids, _, _ = batch
+    out = Qwen3MoeForCausalLM.from_pretrained(hf_dir)(ids)
+    assert out.loss is None and out.logits.shape == (2, 12, 512)
+
+
+def test_activation_checkpointing_same_loss_and_grads(hf_dir, batch):
+    ids, mask, labels = batch
+    plain, ac = Qwen3MoeForCausalLM.from_pretrained(hf_dir), Qwen3MoeForCausalLM.from_pretrained(hf_dir)
+    ac.enable_activation_checkpointing()
+    names = [n for n, _ in ac.named_parameters()]
+    assert names == [n for n, _ in plain.named_parameters()]  # FQNs unchanged (FSDP / the plan rely on them)
+    loss_plain = plain(ids, labels=labels, attention_mask=mask).loss
+    loss_ac = ac(ids, labels=labels, attention_mask=mask).loss
+    torch.testing.assert_close(loss_ac, loss_plain, rtol=0, atol=0)
+    loss_plain.backward()
+    loss_ac.backward()
+    for (name, p), q in zip(plain.named_parameters(), ac.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("expert_layout", ["per_expert", "fused"])
+def test_our_save_loads_in_transformers(hf_dir, batch, load_reference, tmp_path, expert_layout):
+    ids, mask, _ = batch
+    ours = Qwen3MoeForCausalLM.from_pretrained(hf_dir)
+    # A few kB per shard: several shards plus the index
+    ours.save_pretrained(tmp_path / "out", max_shard_size="100KB", expert_layout=expert_layout)
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
+    ref = load_reference(tmp_path / "out")
+    torch.testing.assert_close(
+        ref(input_ids=ids, attention_mask=mask).logits[mask.bool()],
+        ours(ids, attention_mask=mask).logits[mask.bool()],
+        rtol=0,
+        atol=1e-5,
+    )
