@@ -67,3 +67,12 @@ def test_harness_reports_failing_rank_traceback():
 def test_harness_times_out_on_hang():
     with pytest.raises(DistributedTestError, match="did not finish within"):
         run_distributed(_hangs, 2, timeout=15)
+
+
+def _returns_tensor():
+    return torch.full((3,), float(dist.get_rank()))
+
+
+def test_harness_returns_tensors_by_value():
+    out = run_distributed(_returns_tensor, 2)
+    assert [t.tolist() for t in out] == [[0.0] * 3, [1.0] * 3]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import faulthandler
 import importlib.util
 import os
+import pickle
 import queue
 import sys
 import traceback
@@ -77,7 +78,8 @@ def _worker(rank, world_size, ranks_per_node, port, backend, fn_ref, args, kwarg
         out = fn(*args, **kwargs)
         dist.barrier()
         dist.destroy_process_group()
-        results.put((rank, True, out))
+        # By value: the queue's own pickler would share tensor storage with a process that is about to exit.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -167,7 +169,10 @@ def run_distributed(
                 for r in dead:
                     errors[r] = f"process exited with code {procs[r].exitcode} without reporting"
                 continue
-            (outputs if ok else errors)[rank] = payload
+            if ok:
+                outputs[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
     finally:
         for p in procs:
             if p.is_alive():
