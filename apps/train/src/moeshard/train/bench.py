@@ -28,6 +28,7 @@ from moeshard.train.metrics import flops_per_token, mfu
 def main(argv: list[str]) -> int:
     """Run the benchmark under torchrun; rank 0 prints the table and writes ``--out``."""
     p = argparse.ArgumentParser(prog="moeshard-train bench")
+    p.add_argument("--preset", default="qwen3-30b-a3b", help="model geometry (tiny: a CPU smoke test)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--batch-per-gpu", type=int, default=4, help="sequences per GPU per optimizer step")
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--out", default=None)
-    p.add_argument("--profile", default=None, help="write a torch.profiler trace of one step here")
+    p.add_argument("--profile", default=None, help="write the torch.profiler kernel table of one step here")
     args = p.parse_args(argv)
 
     from moeshard.train.trainer import build_job, init_distributed, train_step
@@ -48,7 +49,11 @@ def main(argv: list[str]) -> int:
     world = dist.get_world_size()
     mb = args.micro_batch or args.batch_per_gpu
     cfg = JobConfig(
-        model=ModelConfig(preset="qwen3-30b-a3b", overrides={"num_hidden_layers": args.layers}, dtype="bfloat16"),
+        model=ModelConfig(
+            preset=args.preset,
+            overrides={"num_hidden_layers": args.layers},
+            dtype="bfloat16" if device.type == "cuda" else "float32",
+        ),
         parallel=ParallelConfig(
             ep_size=args.ep_size,
             prefetch_depth=args.prefetch_depth,
@@ -113,8 +118,10 @@ def main(argv: list[str]) -> int:
             job.optimizer.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
         if dist.get_rank() == 0:
-            prof.export_chrome_trace(args.profile)
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+            table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=70)
+            with open(args.profile, "w") as f:
+                f.write(table)
+            print(table)
     step_s = statistics.median(times)
     tps = args.batch_per_gpu * args.seq_len / step_s
     fpt = flops_per_token(job.model_config, args.seq_len)

@@ -70,10 +70,10 @@ def init_distributed() -> torch.device:
 
 def resolve_model_config(cfg: JobConfig):
     """The transformers config of the model to train (preset or local dir), with overrides applied."""
-    from moeshard.models.qwen3moe import get_preset_config, load_config
+    from moeshard.models.qwen3moe import get_preset_config, load_hf_config
 
     if cfg.model.path is not None:
-        config = load_config(cfg.model.path)
+        config = load_hf_config(cfg.model.path)
         for k, v in cfg.model.overrides.items():
             if not hasattr(config, k):
                 raise ValueError(f"model.overrides.{k}: Qwen3MoeConfig has no field {k!r}")
