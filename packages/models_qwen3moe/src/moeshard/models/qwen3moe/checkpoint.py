@@ -307,14 +307,17 @@ def _name(dtype: torch.dtype) -> str:
 
 def _check_keys(path: Path, expected: set[str], found: set[str]) -> None:
     missing, unexpected = sorted(expected - found), sorted(found - expected)
+    problems = []
     if missing:
-        raise CheckpointError(
-            f"checkpoint {path} is missing {len(missing)} tensor(s) the model needs, e.g. {missing[:5]}: the "
-            "checkpoint is incomplete (copy every shard) or was saved from a different config"
+        problems.append(
+            f"is missing {len(missing)} tensor(s) the model needs, e.g. {missing[:5]} (the checkpoint is incomplete: "
+            "copy every shard; or it was saved from a different config)"
         )
     if unexpected:
-        raise CheckpointError(
-            f"checkpoint {path} has {len(unexpected)} tensor(s) this model does not have, e.g. {unexpected[:5]}: "
-            "it was saved from a different architecture or config (or stores a layer's experts in both the fused "
-            "and the per-expert layout); remove them or load a matching checkpoint"
+        problems.append(
+            f"has {len(unexpected)} tensor(s) this model does not have, e.g. {unexpected[:5]} (saved from a different "
+            "architecture or config, or a layer's experts stored both fused and per expert: remove them or load a "
+            "matching checkpoint)"
         )
+    if problems:
+        raise CheckpointError(f"checkpoint {path} " + "; and it ".join(problems))
