@@ -13,6 +13,7 @@ Example (after ``moeshard.fsdp_moe.shard_model``)::
     print(trace.describe())
 """
 
+from moeshard.prefetch._overlap import CommOverlap, analyze_comm_overlap
 from moeshard.prefetch._record import TraceEvent, UnshardTrace, record_unshard_order
 from moeshard.prefetch._schedule import (
     PrefetchSchedule,
@@ -24,11 +25,13 @@ from moeshard.prefetch._schedule import (
 )
 
 __all__ = [
+    "CommOverlap",
     "PrefetchSchedule",
     "StageLike",
     "StagePrefetch",
     "TraceEvent",
     "UnshardTrace",
+    "analyze_comm_overlap",
     "apply_schedule",
     "build_schedule",
     "record_unshard_order",
