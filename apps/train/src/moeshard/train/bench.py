@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--profile", default=None, help="write the torch.profiler kernel table of one step here")
     args = p.parse_args(argv)
 
-    from moeshard.train.trainer import build_job, init_distributed, train_step
+    from moeshard.train.trainer import build_job, host_stats, init_distributed, train_step
 
     device = init_distributed()
     world = dist.get_world_size()
@@ -105,10 +105,14 @@ def main(argv: list[str]) -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-        losses.append(stats["loss"])
+        losses.append(host_stats(stats)["loss"])  # after the timed region
         if step >= args.warmup:
             times.append(dt)
-            syncs.append(sum(1 for w in caught if "synchroniz" in str(w.message)))
+            found = [w for w in caught if "synchroniz" in str(w.message)]
+            syncs.append(len(found))
+            if step == args.warmup and dist.get_rank() == 0:
+                for w in found:
+                    print(f"sync at {w.filename}:{w.lineno}")
     if args.profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
