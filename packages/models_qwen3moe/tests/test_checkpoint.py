@@ -41,10 +41,15 @@ def test_per_expert_and_fused_layouts_load_identically(hf_dir, tmp_path):
     per_expert.save_pretrained(tmp_path / "fused", expert_layout="fused")
     assert f"{EXPERTS0}.gate_up_proj" in load_file(tmp_path / "fused" / "model.safetensors")
     fused = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "fused")
-    a, b = _params(per_expert), _params(fused)
-    assert a.keys() == b.keys()
+    # Sharded per-expert (a layer's experts spread over several files, as on the Hub), read back by our loader
+    per_expert.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len({index["weight_map"][f"{EXPERTS0}.{e}.down_proj.weight"] for e in range(8)}) > 1
+    sharded = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "sharded")
+    a, b, c = _params(per_expert), _params(fused), _params(sharded)
+    assert a.keys() == b.keys() == c.keys()
     for name in a:
-        assert torch.equal(a[name], b[name]), name
+        assert torch.equal(a[name], b[name]) and torch.equal(a[name], c[name]), name
     # and the fused tensor is gate rows then up rows of each expert
     raw = load_file(hf_dir / "model.safetensors")
     gate_up = a[f"{EXPERTS0}.gate_up_proj"]

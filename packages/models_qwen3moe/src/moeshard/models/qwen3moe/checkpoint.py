@@ -142,7 +142,7 @@ class _Request:
 
 
 def _expert_requests(
-    fqn: str, ckpt: SafetensorsDir, global_shape: tuple[int, ...], offset: tuple[int, ...], local: torch.Tensor
+    fqn: str, global_shape: tuple[int, ...], offset: tuple[int, ...], local: torch.Tensor
 ) -> list[_Request]:
     """Reads that fill ``local`` (box ``offset`` + ``local.shape`` of a fused expert tensor) from per-expert keys."""
     prefix, _, name = fqn.rpartition(".")
@@ -164,11 +164,14 @@ def _expert_requests(
     return reqs
 
 
-def _per_expert_keys(fqn: str, num_experts: int) -> dict[str, tuple[int, ...]]:
-    """Per-expert key → expected stored shape, for all experts of one fused parameter (shape filled by caller)."""
+def _per_expert_keys(fqn: str, global_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Per-expert key → stored shape, for every expert of the fused parameter ``fqn`` of ``global_shape``."""
     prefix, _, name = fqn.rpartition(".")
-    projs = ("down_proj",) if name == "down_proj" else ("gate_proj", "up_proj")
-    return {f"{prefix}.{e}.{p}.weight": () for e in range(num_experts) for p in projs}
+    e, rows, cols = global_shape
+    if name == "down_proj":  # [E, D, F] -> E x [D, F]
+        return {f"{prefix}.{i}.down_proj.weight": (rows, cols) for i in range(e)}
+    # [E, 2F, D] -> E x gate [F, D] + up [F, D]
+    return {f"{prefix}.{i}.{p}.weight": (rows // 2, cols) for i in range(e) for p in ("gate_proj", "up_proj")}
 
 
 def _field(config: Qwen3MoeConfig, name: str) -> object:
@@ -259,13 +262,11 @@ def load_hf_weights(
                 requests.append(_Request(fqn, tuple(slice(o, o + n) for o, n in zip(offset, local.shape)), local))
             continue
         # Per-expert layout: the fused tensor's shape fixes each expert tensor's shape.
-        e, rows, cols = global_shape
-        shape = (rows, cols) if fqn.endswith("down_proj") else (rows // 2, cols)
-        keys = _per_expert_keys(fqn, e)
+        keys = _per_expert_keys(fqn, global_shape)
         expected.update(keys)
-        wanted_shape.update(dict.fromkeys(keys, shape))
+        wanted_shape.update(keys)
         if local.numel():
-            requests.extend(_expert_requests(fqn, ckpt, global_shape, offset, local))
+            requests.extend(_expert_requests(fqn, global_shape, offset, local))
 
     _check_keys(path, expected, ckpt.keys())
     for key in expected:

@@ -256,9 +256,9 @@ class Qwen3MoeForCausalLM(nn.Module):
             model = cls(config)
         if expert_range is not None:
             model._slice_experts(expert_range)
-        model.to_empty(device=device or "cpu")
         if dtype is not None:
-            model.to(dtype)
+            model.to(dtype)  # on meta: free, so memory is allocated once, in the final dtype
+        model.to_empty(device=device or "cpu")
         load_hf_weights(model, path, expert_range=expert_range)
         return model
 
