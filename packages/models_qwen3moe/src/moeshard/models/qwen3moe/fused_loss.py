@@ -1,0 +1,86 @@
+"""LM head + next-token cross-entropy without materialising the ``[tokens, vocab]`` logits.
+
+# N tokens, D hidden, V vocabulary, C tokens per chunk
+
+With a 151,936-word vocabulary the plain path holds bf16 logits, their fp32 copy and log-softmax (~5 + 10 + 10
+GB at 16k tokens) and makes several memory-bound passes over them. Here the tokens go through the head in chunks;
+each chunk's fp32 logits live only while its loss and its gradient (softmax − one-hot) are computed, in the
+forward. The gradients w.r.t. the hidden states and the head weight are kept (``[N, D]`` and ``[V, D]``) and
+scaled by the incoming gradient in backward, so no logits are recomputed: the same three matmuls as the plain
+path, numerically the same function (fp32 log-softmax of the logits in the compute dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_ND: torch.Tensor, w_VD: torch.Tensor, targets_N: torch.Tensor, chunk: int) -> torch.Tensor:  # noqa: D102
+        N = h_ND.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h_ND = torch.empty_like(h_ND) if need_h else None
+        grad_w_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need_w else None
+        loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+        for start in range(0, N, chunk):
+            h_CD = h_ND[start : start + chunk]
+            t_C = targets_N[start : start + chunk]
+            logits_CV = (h_CD @ w_VD.t()).float()
+            lse_C = torch.logsumexp(logits_CV, dim=-1)
+            valid_C = t_C != IGNORE_INDEX
+            safe_t_C = torch.where(valid_C, t_C, torch.zeros_like(t_C))
+            picked_C = logits_CV.gather(1, safe_t_C[:, None]).squeeze(1)
+            loss += torch.where(valid_C, lse_C - picked_C, torch.zeros_like(lse_C)).sum()
+            if not (need_h or need_w):
+                continue
+            # d(sum of losses)/d logits = softmax - one_hot(target), zero on ignored rows; in place on the chunk.
+            grad_CV = logits_CV.sub_(lse_C[:, None]).exp_()
+            grad_CV.scatter_add_(1, safe_t_C[:, None], torch.full_like(lse_C[:, None], -1.0))
+            grad_CV.mul_(valid_C[:, None])
+            g_CV = grad_CV.to(h_ND.dtype)
+            if need_h:
+                torch.mm(g_CV, w_VD, out=grad_h_ND[start : start + chunk])
+            if need_w:
+                grad_w_VD += (g_CV.t() @ h_CD).float()
+        ctx.save_for_backward(grad_h_ND, None if grad_w_VD is None else grad_w_VD.to(w_VD.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):  # noqa: D102
+        grad_h_ND, grad_w_VD = ctx.saved_tensors
+        scale = grad_loss.to(torch.float32)
+        gh = None if grad_h_ND is None else (grad_h_ND * scale).to(grad_h_ND.dtype)
+        gw = None if grad_w_VD is None else (grad_w_VD * scale).to(grad_w_VD.dtype)
+        return gh, gw, None, None
+
+
+def linear_cross_entropy(
+    h_ND: torch.Tensor,
+    w_VD: torch.Tensor,
+    targets_N: torch.Tensor,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    chunk_size: int = 4096,
+) -> torch.Tensor:
+    """Cross-entropy of ``h @ w.T`` against ``targets`` (-100 ignored), chunked; never holds all logits.
+
+    Args:
+        h_ND: hidden states (already shifted to align with ``targets_N``).
+        w_VD: the LM head weight.
+        targets_N: next-token ids, ``-100`` where ignored.
+        num_items_in_batch: divide the summed loss by this; None: mean over non-ignored targets.
+        chunk_size: tokens per chunk (fp32 logits of one chunk: ``chunk_size × V × 4`` bytes).
+
+    Returns:
+        The scalar loss in float32.
+    """
+    if h_ND.dim() != 2 or targets_N.shape != h_ND.shape[:1]:
+        raise ValueError(f"h must be [N, D] and targets [N], got {tuple(h_ND.shape)} and {tuple(targets_N.shape)}")
+    total = _LinearCrossEntropySum.apply(h_ND, w_VD, targets_N.to(h_ND.device), chunk_size)
+    if num_items_in_batch is None:
+        return total / (targets_N != IGNORE_INDEX).sum().clamp_min(1).to(total.device)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
