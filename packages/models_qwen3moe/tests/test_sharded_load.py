@@ -67,7 +67,8 @@ def test_each_rank_gets_its_slice(hf_dir, world, ep, rank):
         model.init_weights()  # also works on the sharded model
 
 
-def _ep_logits(path, ids, mask):
+def _ep_then_ep_fsdp(path, ids, mask):
+    """On 4 gloo ranks (EP 2 x ep_fsdp 2): an EP-only model (forward + backward), then an EP + FSDP2 one."""
     meshes = build_meshes(ep_size=2, device_type="cpu")
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(load_hf_config(path))
@@ -76,30 +77,22 @@ def _ep_logits(path, ids, mask):
     load_hf_weights(model, path)
     out = model(ids, labels=ids, attention_mask=mask)
     out.loss.backward()
-    return out.logits.detach(), out.loss.detach(), model.lm_head.weight.grad
+
+    sharded = _sharded_model(path, meshes)
+    load_hf_weights(sharded, path)
+    with torch.no_grad():
+        sharded_logits = sharded(ids, attention_mask=mask).logits
+    return out.logits.detach(), out.loss.detach(), model.lm_head.weight.grad, sharded_logits
 
 
-def test_ep2_on_gloo_matches_one_process(hf_dir, batch):
+def test_ep_and_ep_fsdp_on_gloo_match_one_process(hf_dir, batch):
     ids, mask, _ = batch
     ref = Qwen3MoeForCausalLM.from_pretrained(hf_dir)
     out = ref(ids, labels=ids, attention_mask=mask)
     out.loss.backward()
-    for logits, loss, head_grad in run_distributed(_ep_logits, 2, hf_dir, ids, mask):
-        torch.testing.assert_close(logits[mask.bool()], out.logits[mask.bool()], rtol=0, atol=1e-5)
+    keep = mask.bool()
+    for logits, loss, head_grad, sharded_logits in run_distributed(_ep_then_ep_fsdp, 4, hf_dir, ids, mask):
+        torch.testing.assert_close(logits[keep], out.logits[keep], rtol=0, atol=1e-5)
         torch.testing.assert_close(loss, out.loss, rtol=0, atol=1e-5)
         torch.testing.assert_close(head_grad, ref.lm_head.weight.grad, rtol=1e-4, atol=1e-7)
-
-
-def _ep_fsdp_logits(path, ids, mask):
-    meshes = build_meshes(ep_size=2, device_type="cpu")
-    model = _sharded_model(path, meshes)
-    load_hf_weights(model, path)
-    with torch.no_grad():
-        return model(ids, attention_mask=mask).logits
-
-
-def test_ep2_fsdp2_on_gloo_matches_one_process(hf_dir, batch):
-    ids, mask, _ = batch
-    ref = Qwen3MoeForCausalLM.from_pretrained(hf_dir)(ids, attention_mask=mask).logits.detach()
-    for logits in run_distributed(_ep_fsdp_logits, 4, hf_dir, ids, mask, ranks_per_node=2):
-        torch.testing.assert_close(logits[mask.bool()], ref[mask.bool()], rtol=0, atol=1e-5)
+        torch.testing.assert_close(sharded_logits[keep], out.logits[keep], rtol=0, atol=1e-5)
