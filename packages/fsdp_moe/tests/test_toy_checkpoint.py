@@ -1,0 +1,111 @@
+"""DCP checkpoints of the toy MoE LM move between layouts: saved with EP 2 x ep_fsdp 2, loaded with EP 4 x 1,
+EP 1 x 4 (4 processes) and EP 2 x 1, EP 1 x 2 (2 processes); parameters and optimizer state are identical."""
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from moeshard.fsdp_moe.testing import ToyMoELM
+from moeshard.meshes.testing import run_distributed
+
+B, S, VOCAB = 8, 6, 32
+
+
+def _batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (B, S), generator=g)
+    return ids, ids.clone()
+
+
+def _build(ep_size, seed, lr):
+    from moeshard.ep import apply_ep
+    from moeshard.fsdp_moe import shard_model
+    from moeshard.meshes import build_meshes
+
+    meshes = build_meshes(ep_size=ep_size, allow_cross_node_ep=True)  # EP 4 spans the two 2-rank nodes
+    torch.manual_seed(seed)
+    model = ToyMoELM()
+    apply_ep(model, model.get_parallel_plan(), meshes.ep)
+    shard_model(model, meshes)
+    return meshes, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+
+
+def _step(model, opt, meshes, seed):
+    ids, labels = _batch(seed)
+    ids, labels = ids.chunk(meshes.world_size)[meshes.rank], labels.chunk(meshes.world_size)[meshes.rank]
+    model(ids, labels).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _snapshot(model, opt):
+    """Full parameters and optimizer state (numpy, by FQN), gathered through the checkpoint format itself."""
+    from torch.distributed.tensor import DTensor
+
+    from moeshard.fsdp_moe import get_state_dict
+
+    sd = get_state_dict(model, opt)
+
+    def full(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone().numpy()
+
+    out = {f"model.{k}": full(v) for k, v in sd["model"].items()}
+    for fqn, state in sd["optimizer"]["state"].items():
+        out.update({f"optim.{fqn}.{k}": full(v) for k, v in state.items()})
+    out["lr"] = np.array([g["lr"] for g in sd["optimizer"]["param_groups"]])
+    return out
+
+
+def _save_then_load(path):
+    from moeshard.fsdp_moe import load_checkpoint, save_checkpoint
+
+    meshes, model, opt = _build(2, seed=0, lr=1e-2)
+    _step(model, opt, meshes, seed=1)
+    save_checkpoint(path, model, opt)
+    saved = _snapshot(model, opt)
+    _step(model, opt, meshes, seed=2)
+    after = _snapshot(model, opt)
+    loaded = {}
+    for ep in (4, 1):
+        meshes, model, opt = _build(ep, seed=7, lr=5e-3)  # other weights and lr: all must come from the file
+        load_checkpoint(path, model, opt)
+        loaded[ep] = _snapshot(model, opt)
+        _step(model, opt, meshes, seed=2)  # the restored optimizer state must drive the next step the same way
+        loaded[f"{ep}-next"] = _snapshot(model, opt)
+    return saved, after, loaded
+
+
+def _load(path):
+    from moeshard.fsdp_moe import load_checkpoint
+
+    out = {}
+    for ep in (2, 1):
+        _, model, opt = _build(ep, seed=7, lr=5e-3)
+        load_checkpoint(path, model, opt)
+        out[ep] = _snapshot(model, opt)
+    return out
+
+
+def _same(a, b, what, exact=True):
+    assert a.keys() == b.keys(), what
+    for k in a:
+        if exact:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=f"{what}: {k}")
+        else:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-7, err_msg=f"{what}: {k}")
+
+
+def test_checkpoint_moves_between_layouts(tmp_path):
+    path = str(tmp_path / "ckpt")
+    out = run_distributed(_save_then_load, 4, path, ranks_per_node=2)
+    saved, after, loaded = out[0]
+    # The file holds experts in their global shape [E, 2F, D], whatever layout wrote it.
+    meta = FileSystemReader(path).read_metadata().state_dict_metadata
+    assert tuple(meta["model.layers.0.experts.gate_up_proj"].size) == (8, 16, 16)
+    assert tuple(meta["optimizer.state.layers.1.experts.down_proj.exp_avg"].size) == (8, 16, 8)
+    assert any(k.endswith("exp_avg") for k in saved) and float(saved["lr"][0]) == 1e-2
+    for ep in (4, 1):
+        _same(loaded[ep], saved, f"EP {ep} x {4 // ep} load")
+        _same(loaded[f"{ep}-next"], after, f"EP {ep} x {4 // ep} step after load", exact=False)
+    for ep, snap in run_distributed(_load, 2, path)[0].items():
+        _same(snap, saved, f"world 2, EP {ep} x {2 // ep} load")
