@@ -1,5 +1,6 @@
-"""DCP checkpoints of the toy MoE LM move between layouts: saved with EP 2 x ep_fsdp 2, loaded with EP 4 x 1,
-EP 1 x 4 (4 processes) and EP 2 x 1, EP 1 x 2 (2 processes); parameters and optimizer state are identical."""
+"""DCP checkpoints of the toy MoE LM move between layouts: saved with EP 2 x ep_fsdp 2 (with activation
+checkpointing wrappers in the FQNs), loaded without them with EP 4 x 1, EP 1 x 4 (4 processes) and EP 2 x 1,
+EP 1 x 2 (2 processes); parameters and optimizer state are identical."""
 
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ def _batch(seed):
     return ids, ids.clone()
 
 
-def _build(ep_size, seed, lr):
+def _build(ep_size, seed, lr, wrap=False):
     from moeshard.ep import apply_ep
     from moeshard.fsdp_moe import shard_model
     from moeshard.meshes import build_meshes
@@ -26,6 +27,11 @@ def _build(ep_size, seed, lr):
     torch.manual_seed(seed)
     model = ToyMoELM()
     apply_ep(model, model.get_parallel_plan(), meshes.ep)
+    if wrap:  # activation checkpointing after EP inserts a segment into every FQN below the layers
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer)
     shard_model(model, meshes)
     return meshes, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
 
@@ -59,7 +65,8 @@ def _snapshot(model, opt):
 def _save_then_load(path):
     from moeshard.fsdp_moe import load_checkpoint, save_checkpoint
 
-    meshes, model, opt = _build(2, seed=0, lr=1e-2)
+    meshes, model, opt = _build(2, seed=0, lr=1e-2, wrap=True)  # loaded below into unwrapped models
+    assert "layers.0._checkpoint_wrapped_module.experts.gate_up_proj" in dict(model.named_parameters())
     _step(model, opt, meshes, seed=1)
     save_checkpoint(path, model, opt)
     saved = _snapshot(model, opt)

@@ -18,12 +18,22 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from moeshard.ep import EPParamMeta, ParallelPlan, apply_ep, fqn_matches, get_ep_info
+from moeshard.ep import EPParamMeta, ParallelPlan, apply_ep, find_expert_modules, fqn_matches, get_ep_info
 from moeshard.meshes import ParallelMeshes
 
-__all__ = ["FSDPUnits", "ShardingInfo", "Stage", "default_mp_policy", "get_sharding_info", "shard_model"]
+__all__ = ["FSDPUnits", "ShardingInfo", "Stage", "default_mp_policy", "clean_fqn", "get_sharding_info", "shard_model"]
 
 _SHARDING_ATTR = "_moeshard_fsdp_moe"
+# Name segments that wrappers (activation checkpointing, torch.compile) insert; EP metadata and DCP use FQNs
+# without them.
+_WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+def clean_fqn(fqn: str) -> str:
+    """``fqn`` without the segments wrappers insert (the model's own FQN, as EP metadata and DCP use)."""
+    return ".".join(seg for seg in fqn.split(".") if seg not in _WRAPPER_SEGMENTS)
+
+
 EXPERT_DIM = 1  # experts are sharded on dim 0 by EP; FSDP takes dim 1 so ep x ep_fsdp need not equal E
 
 
@@ -137,11 +147,14 @@ def _ep_info(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPlan):
     return info
 
 
-def _check_experts(model: nn.Module, info, meshes: ParallelMeshes) -> None:
+def _check_experts(model: nn.Module, info, meshes: ParallelMeshes) -> list[str]:
+    """The expert modules' current FQNs, after checking every parameter they hold."""
     n = meshes.ep_fsdp_size
-    for name in info.expert_modules:
+    # Found by the mark apply_ep leaves on them, so wrappers added after apply_ep do not hide them.
+    names = [name for name, _ in find_expert_modules(model)]
+    for name in names:
         for pname, param in model.get_submodule(name).named_parameters():
-            fqn = f"{name}.{pname}"
+            fqn = clean_fqn(f"{name}.{pname}")
             meta = info.params.get(fqn)
             if meta is None:
                 raise ValueError(
@@ -156,6 +169,7 @@ def _check_experts(model: nn.Module, info, meshes: ParallelMeshes) -> None:
                     f"by the ep_fsdp size {n} (FSDP2 on torch {torch.__version__} shards a non-zero dim evenly "
                     f"only); choose ep_size so that world_size / ep_size divides {size}"
                 )
+    return names
 
 
 def _match_units(model: nn.Module, plan: ParallelPlan, expert_names: set[str]) -> list[str]:
@@ -235,8 +249,7 @@ def shard_model(
             raise ValueError(f"{type(model).__name__} has no get_parallel_plan(); pass plan=ParallelPlan(...)")
         plan = model.get_parallel_plan()
     info = _ep_info(model, meshes, plan)
-    _check_experts(model, info, meshes)
-    expert_names = list(info.expert_modules)
+    expert_names = _check_experts(model, info, meshes)
     units = _match_units(model, plan, set(expert_names))
 
     kwargs: dict = {

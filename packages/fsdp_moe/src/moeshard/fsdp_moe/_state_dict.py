@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard
 
 from moeshard.ep import EPParamMeta
-from moeshard.fsdp_moe._shard import EXPERT_DIM, ShardingInfo, get_sharding_info
+from moeshard.fsdp_moe._shard import EXPERT_DIM, ShardingInfo, clean_fqn, get_sharding_info
 from moeshard.meshes import ParallelMeshes
 
 __all__ = ["get_state_dict", "load_checkpoint", "save_checkpoint", "set_state_dict"]
@@ -138,7 +138,7 @@ def set_state_dict(
     Expert entries may be global-shape DTensors (any layout's) or full plain tensors; each rank keeps its slice.
     """
     info = _info(model)
-    params = dict(model.named_parameters())
+    params = {clean_fqn(n): p for n, p in model.named_parameters()}
     msd = dict(state_dict[MODEL_KEY])
     for fqn, meta in info.expert_params.items():
         if fqn in msd:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from moeshard.ep import ParallelPlan, ep_group, routed_experts
-from moeshard.fsdp_moe._shard import get_sharding_info
+from moeshard.fsdp_moe._shard import clean_fqn, get_sharding_info
 from moeshard.fsdp_moe._state_dict import _to_global
 
 __all__ = ["ToyExperts", "ToyMoELM", "full_tensors"]
@@ -29,7 +29,8 @@ def full_tensors(model: nn.Module, grads: bool = False) -> dict[str, torch.Tenso
     """
     info = get_sharding_info(model)
     out = {}
-    for fqn, param in model.named_parameters():
+    for raw_fqn, param in model.named_parameters():
+        fqn = clean_fqn(raw_fqn)
         t = param.grad if grads else param.detach()
         if t is None:
             continue
