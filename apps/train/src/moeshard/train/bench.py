@@ -20,7 +20,15 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from moeshard.train.config import CheckpointConfig, DataConfig, JobConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainConfig
+from moeshard.train.config import (
+    CheckpointConfig,
+    DataConfig,
+    JobConfig,
+    LoggingConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from moeshard.train.data import Batch
 from moeshard.train.metrics import flops_per_token, mfu
 
@@ -39,6 +47,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prefetch-depth", type=int, default=1)
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile-fused RMSNorm, RoPE and SwiGLU kernels")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, help="write the torch.profiler kernel table of one step here")
     args = p.parse_args(argv)
@@ -46,6 +55,12 @@ def main(argv: list[str]) -> int:
     from moeshard.train.trainer import build_job, host_stats, init_distributed, train_step
 
     device = init_distributed()
+    if args.compile:
+        from moeshard.ep import set_compiled_activation
+        from moeshard.models.qwen3moe import set_compiled_pointwise
+
+        set_compiled_pointwise(True)
+        set_compiled_activation(True)
     world = dist.get_world_size()
     mb = args.micro_batch or args.batch_per_gpu
     cfg = JobConfig(
@@ -80,7 +95,11 @@ def main(argv: list[str]) -> int:
     def batches() -> list[Batch]:
         out = []
         for _ in range(args.batch_per_gpu // mb):
-            ids = torch.randint(0, vocab, (mb, args.seq_len), generator=g).pin_memory() if device.type == "cuda" else torch.randint(0, vocab, (mb, args.seq_len), generator=g)
+            ids = (
+                torch.randint(0, vocab, (mb, args.seq_len), generator=g).pin_memory()
+                if device.type == "cuda"
+                else torch.randint(0, vocab, (mb, args.seq_len), generator=g)
+            )
             out.append(Batch(ids, ids, None, ()))
         return out
 
@@ -139,6 +158,7 @@ def main(argv: list[str]) -> int:
         "micro_batch": mb,
         "activation_checkpointing": args.activation_checkpointing,
         "prefetch_depth": args.prefetch_depth,
+        "compile": args.compile,
         "step_time_s_median": step_s,
         "tokens_per_s_per_gpu": tps,
         "flops_per_token": fpt,

@@ -190,8 +190,12 @@ def build_job(cfg: JobConfig, device: torch.device) -> Job:
     # optimizer step was the largest single item of the step's profile); CPU keeps the reference for-loop.
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay,
-        fused=fused, foreach=False if fused else None,
+        model.parameters(),
+        lr=t.lr,
+        betas=t.betas,
+        weight_decay=t.weight_decay,
+        fused=fused,
+        foreach=False if fused else None,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / t.lr)
     return Job(cfg, device, meshes, model, mcfg, optimizer, scheduler, units, schedule)
@@ -227,7 +231,14 @@ def train_step(job: Job, micro_batches: list[Batch], want_counts: bool = False) 
         ids = b.input_ids.to(device, non_blocking=True)
         labels = b.labels.to(device, non_blocking=True)
         mask = b.attention_mask.to(device, non_blocking=True) if b.attention_mask is not None else None
-        out = model(ids, labels=labels, attention_mask=mask, num_items_in_batch=num_items, output_router_logits=True)
+        out = model(
+            ids,
+            labels=labels,
+            attention_mask=mask,
+            num_items_in_batch=num_items,
+            output_router_logits=True,
+            return_logits=False,
+        )
         aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=device)
         lm = out.loss - coef * aux  # our model's loss includes coef * aux, as transformers'
         (lm + coef * aux / len(micro_batches)).backward()
@@ -250,7 +261,9 @@ def host_stats(stats: dict[str, Any]) -> dict[str, Any]:
 
 def _expert_counts(router_logits, config, acc):
     k = config.num_experts_per_tok
-    per_layer = [torch.bincount(lg.topk(k, dim=-1).indices.flatten(), minlength=config.num_experts) for lg in router_logits]
+    per_layer = [
+        torch.bincount(lg.topk(k, dim=-1).indices.flatten(), minlength=config.num_experts) for lg in router_logits
+    ]
     counts = torch.stack(per_layer).cpu()
     return counts if acc is None else acc + counts
 
@@ -273,7 +286,12 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     job = build_job(cfg, device)
     print0(job.meshes.describe())
     tok_cfg = job.model_config
-    data = build_dataset(cfg.data, vocab_size=tok_cfg.vocab_size, eos_id=_first(tok_cfg.eos_token_id), pad_id=tok_cfg.pad_token_id if hasattr(tok_cfg, "pad_token_id") else None)
+    data = build_dataset(
+        cfg.data,
+        vocab_size=tok_cfg.vocab_size,
+        eos_id=_first(tok_cfg.eos_token_id),
+        pad_id=tok_cfg.pad_token_id if hasattr(tok_cfg, "pad_token_id") else None,
+    )
     batches = GlobalBatches(
         len(data), cfg.train.global_batch_size, world, cfg.train.micro_batch_size, cfg.data.shuffle, cfg.data.seed
     )
@@ -340,7 +358,11 @@ def run(cfg: JobConfig) -> dict[str, Any]:
                         "step_time_s": dt,
                     }
                 )
-            if stats["counts"] is not None and cfg.logging.expert_load_every and done % cfg.logging.expert_load_every == 0:
+            if (
+                stats["counts"] is not None
+                and cfg.logging.expert_load_every
+                and done % cfg.logging.expert_load_every == 0
+            ):
                 sink.expert_load(done, stats["counts"])
             sink.advance()
             if (cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0) or done == cfg.train.steps:
@@ -369,7 +391,9 @@ def save(job: Job, ckpt_dir: Path, step: int) -> Path:
         "config": job.cfg.to_dict(),
     }
     rank_state = {"cpu_rng": torch.get_rng_state()}
-    return ckpt.save_checkpoint(ckpt_dir, step, _app_state(job), extra, rank_state, keep_last=job.cfg.checkpoint.keep_last)
+    return ckpt.save_checkpoint(
+        ckpt_dir, step, _app_state(job), extra, rank_state, keep_last=job.cfg.checkpoint.keep_last
+    )
 
 
 def _yaml(cfg: JobConfig) -> str:

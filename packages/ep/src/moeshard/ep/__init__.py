@@ -21,6 +21,7 @@ from moeshard.ep._grouped import (
     Backend,
     get_grouped_mm_backend,
     grouped_expert_mlp,
+    set_compiled_activation,
     set_grouped_mm_backend,
 )
 from moeshard.ep._plan import (
@@ -51,5 +52,6 @@ __all__ = [
     "grouped_expert_mlp",
     "is_expert_module",
     "routed_experts",
+    "set_compiled_activation",
     "set_grouped_mm_backend",
 ]

@@ -21,7 +21,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ACTIVATIONS", "Backend", "get_grouped_mm_backend", "grouped_expert_mlp", "set_grouped_mm_backend"]
+__all__ = [
+    "ACTIVATIONS",
+    "Backend",
+    "get_grouped_mm_backend",
+    "grouped_expert_mlp",
+    "set_compiled_activation",
+    "set_grouped_mm_backend",
+]
 
 Backend = Literal["auto", "grouped_mm", "loop"]
 _BACKENDS = ("auto", "grouped_mm", "loop")
@@ -63,6 +70,20 @@ def _resolve_backend(backend: Backend | None, x: torch.Tensor, w: torch.Tensor) 
     return "grouped_mm" if ok else "loop"
 
 
+def _gated(act: Callable[[torch.Tensor], torch.Tensor], h_NX: torch.Tensor) -> torch.Tensor:
+    gate_NF, up_NF = h_NX.chunk(2, dim=-1)
+    return act(gate_NF) * up_NF
+
+
+_gated_impl: Callable = _gated
+
+
+def set_compiled_activation(enabled: bool) -> None:
+    """Use a ``torch.compile``-fused gated activation (``act(gate) * up``, one kernel each way) or the eager one."""
+    global _gated_impl
+    _gated_impl = torch.compile(_gated, dynamic=True) if enabled else _gated
+
+
 def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     try:
         return ACTIVATIONS[name]
@@ -85,8 +106,7 @@ class _ContiguousGrad(torch.autograd.Function):
 def _grouped_mm_mlp(x_ND, counts_E, w_gate_up_EXD, w_down_EDF, act):
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     h_NX = _ContiguousGrad.apply(F.grouped_mm(x_ND, w_gate_up_EXD.transpose(-2, -1), offs=offs_E))
-    gate_NF, up_NF = h_NX.chunk(2, dim=-1)
-    a_NF = (act(gate_NF) * up_NF).contiguous()
+    a_NF = _gated_impl(act, h_NX).contiguous()
     return _ContiguousGrad.apply(F.grouped_mm(a_NF, w_down_EDF.transpose(-2, -1), offs=offs_E))
 
 

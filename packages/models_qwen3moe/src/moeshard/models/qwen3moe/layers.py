@@ -14,7 +14,39 @@ from transformers import Qwen3MoeConfig
 
 from moeshard.models.qwen3moe.presets import head_dim
 
-__all__ = ["Attention", "DenseMLP", "RMSNorm", "RotaryEmbedding", "apply_rotary", "build_attention_mask"]
+__all__ = [
+    "Attention",
+    "DenseMLP",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "build_attention_mask",
+    "rms_norm",
+    "set_compiled_pointwise",
+]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / rms(x))`` with the statistics in float32 (transformers' Qwen3 RMSNorm)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rotary(x_BHSDh: torch.Tensor, cos_BSDh: torch.Tensor, sin_BSDh: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_BSDh.unsqueeze(1), sin_BSDh.unsqueeze(1)
+    return x_BHSDh * cos + _rotate_half(x_BHSDh) * sin
+
+
+# Pointwise kernels; set_compiled_pointwise(True) swaps in torch.compile'd versions (one fused kernel each way).
+_KERNELS = {"rms_norm": rms_norm, "rotary": _rotary}
+
+
+def set_compiled_pointwise(enabled: bool) -> None:
+    """Use ``torch.compile``-fused RMSNorm and RoPE kernels (GPU speed; same function) or the eager ones."""
+    _KERNELS["rms_norm"] = torch.compile(rms_norm, dynamic=False) if enabled else rms_norm
+    _KERNELS["rotary"] = torch.compile(_rotary, dynamic=False) if enabled else _rotary
 
 
 class RMSNorm(nn.Module):
@@ -26,10 +58,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return _KERNELS["rms_norm"](x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         """Ones, as transformers initialises norms."""
@@ -77,8 +106,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x_BHSDh: torch.Tensor, cos_BSDh: torch.Tensor, sin_BSDh: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (heads on dim 1) by the RoPE tables (non-interleaved halves, as transformers)."""
-    cos, sin = cos_BSDh.unsqueeze(1), sin_BSDh.unsqueeze(1)
-    return x_BHSDh * cos + _rotate_half(x_BHSDh) * sin
+    return _KERNELS["rotary"](x_BHSDh, cos_BSDh, sin_BSDh)
 
 
 def build_attention_mask(attention_mask_BS: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:

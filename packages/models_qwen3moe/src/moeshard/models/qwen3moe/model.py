@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3MoeConfig
 
 from moeshard.ep import ParallelPlan
+from moeshard.models.qwen3moe.fused_loss import linear_cross_entropy
 from moeshard.models.qwen3moe.layers import Attention, DenseMLP, RMSNorm, RotaryEmbedding, build_attention_mask
 from moeshard.models.qwen3moe.moe import Experts, SparseMoeBlock, TopKRouter, load_balancing_loss
 from moeshard.models.qwen3moe.presets import check_config, is_moe_layer
@@ -134,7 +135,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         check_config(config)
         self.config = config
         self.model = Qwen3MoeModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
 
     # ---- forward -------------------------------------------------------------------------------------------
     def forward(
@@ -145,6 +146,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         output_router_logits: bool | None = None,
+        return_logits: bool = True,
     ) -> CausalLMOutput:
         """Logits and, with ``labels``, the loss (transformers semantics).
 
@@ -157,15 +159,20 @@ class Qwen3MoeForCausalLM(nn.Module):
                 gradient accumulation / data parallel), else the mean over this call's label tokens.
             output_router_logits: compute ``aux_loss`` (and add ``router_aux_loss_coef * aux_loss`` to the loss);
                 default ``config.output_router_logits``.
+            return_logits: with ``labels``, False computes the loss in chunks through the head without ever
+                holding the ``[B, S, V]`` logits (training); ``logits`` is then None.
         """
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         hidden_BSD, router_logits = self.model(input_ids, attention_mask, position_ids)
-        logits_BSV = self.lm_head(hidden_BSD)
-
-        loss = None
-        if labels is not None:
-            loss = causal_lm_loss(logits_BSV, labels, num_items_in_batch)
+        loss = logits_BSV = None
+        if labels is not None and not return_logits:
+            shift_labels_BS = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+            loss = self.lm_head(hidden_BSD, targets_BS=shift_labels_BS, num_items_in_batch=num_items_in_batch)
+        else:
+            logits_BSV = self.lm_head(hidden_BSD)
+            if labels is not None:
+                loss = causal_lm_loss(logits_BSV, labels, num_items_in_batch)
         aux_loss = None
         if output_router_logits:
             if router_logits:
@@ -173,7 +180,7 @@ class Qwen3MoeForCausalLM(nn.Module):
                     router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
                 )
             else:  # no MoE layer at all
-                aux_loss = torch.zeros((), device=logits_BSV.device)
+                aux_loss = torch.zeros((), device=hidden_BSD.device)
             if loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
         return CausalLMOutput(
@@ -290,6 +297,27 @@ class Qwen3MoeForCausalLM(nn.Module):
                 for name in ("gate_up_proj", "down_proj"):
                     old = getattr(module, name)
                     setattr(module, name, nn.Parameter(old.detach()[start:end].clone(), old.requires_grad))
+
+
+class LMHead(nn.Linear):
+    """The output projection; given next-token targets it returns the loss instead of logits (chunked, see
+    :func:`moeshard.models.qwen3moe.fused_loss.linear_cross_entropy`). A module of its own so that FSDP's hooks
+    gather its weight in both cases; its parameter name stays ``lm_head.weight``."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__(hidden_size, vocab_size, bias=False)
+
+    def forward(  # noqa: D102
+        self,
+        x_BSD: torch.Tensor,
+        targets_BS: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if targets_BS is None:
+            return super().forward(x_BSD)
+        return linear_cross_entropy(
+            x_BSD.reshape(-1, x_BSD.shape[-1]), self.weight, targets_BS.reshape(-1), num_items_in_batch
+        )
 
 
 def causal_lm_loss(
