@@ -21,8 +21,9 @@ from torch.distributed.tensor import Shard
 from moeshard.ep import EPParamMeta, ParallelPlan, apply_ep, find_expert_modules, fqn_matches, get_ep_info
 from moeshard.meshes import ParallelMeshes
 
-__all__ = ["FSDPUnits", "ShardingInfo", "Stage", "default_mp_policy", "clean_fqn", "get_sharding_info", "shard_model"]
+__all__ = ["FSDPUnits", "ShardingInfo", "Stage", "clean_fqn", "default_mp_policy", "get_sharding_info", "shard_model"]
 
+EXPERT_DIM = 1  # experts are sharded on dim 0 by EP; FSDP takes dim 1 so ep x ep_fsdp need not equal E
 _SHARDING_ATTR = "_moeshard_fsdp_moe"
 # Name segments that wrappers (activation checkpointing, torch.compile) insert; EP metadata and DCP use FQNs
 # without them.
@@ -32,9 +33,6 @@ _WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp
 def clean_fqn(fqn: str) -> str:
     """``fqn`` without the segments wrappers insert (the model's own FQN, as EP metadata and DCP use)."""
     return ".".join(seg for seg in fqn.split(".") if seg not in _WRAPPER_SEGMENTS)
-
-
-EXPERT_DIM = 1  # experts are sharded on dim 0 by EP; FSDP takes dim 1 so ep x ep_fsdp need not equal E
 
 
 @dataclass(frozen=True)
@@ -95,7 +93,8 @@ class ShardingInfo:
 
 
 def _mesh_name(module: FSDPModule) -> str:
-    groups = module._get_fsdp_state()._fsdp_param_groups  # only to label the mesh in a description
+    # FSDP2's private state, read only to label the mesh in a description.
+    groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None)
     if not groups:
         return "no params"
     mesh = groups[0].mesh_info.mesh
@@ -241,7 +240,8 @@ def shard_model(
 
     Raises:
         ValueError: no EP applied while ``meshes.ep_size > 1``; EP applied with other meshes; meshes from
-            another world; an expert dim 1 not divisible by the ep_fsdp size; a plan unit matching nothing.
+            another world; an expert dim 1 not divisible by the ep_fsdp size; a non-expert parameter inside an
+            expert module; a plan unit matching nothing or an expert module; FSDP already applied.
     """
     _validate(model, meshes)
     if plan is None:
