@@ -24,10 +24,14 @@ class StageLike(Protocol):
     """What the schedule needs of a stage (``moeshard.fsdp_moe.Stage`` fits)."""
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The stage's name (e.g. the FQN of its first module)."""
+        ...
 
     @property
-    def modules(self) -> Sequence[tuple[str, nn.Module]]: ...
+    def modules(self) -> Sequence[tuple[str, nn.Module]]:
+        """``(name, FSDP module)`` pairs; the first is the unit whose forward runs the stage."""
+        ...
 
 
 @dataclass(frozen=True)

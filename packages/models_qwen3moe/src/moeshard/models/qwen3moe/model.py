@@ -34,6 +34,7 @@ from moeshard.models.qwen3moe.presets import check_config, is_moe_layer
 __all__ = ["IGNORE_INDEX", "CausalLMOutput", "DecoderLayer", "Qwen3MoeForCausalLM", "Qwen3MoeModel", "causal_lm_loss"]
 
 IGNORE_INDEX = -100
+"""Label value that the loss ignores (padding, prompts), as in transformers and ``torch.nn.CrossEntropyLoss``."""
 
 
 @dataclass

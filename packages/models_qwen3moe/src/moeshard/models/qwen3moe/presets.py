@@ -17,6 +17,7 @@ from transformers import Qwen3MoeConfig
 __all__ = ["MODEL_TYPE", "PRESETS", "check_config", "count_parameters", "get_preset_config", "is_moe_layer"]
 
 MODEL_TYPE = "qwen3_moe"
+"""The ``model_type`` of the configs and checkpoints this package accepts."""
 
 # Values of Qwen/Qwen3-30B-A3B's config.json (head_dim is 128 although hidden / heads = 64).
 _QWEN3_30B_A3B: dict[str, Any] = dict(
@@ -67,6 +68,7 @@ _TINY: dict[str, Any] = dict(
 )
 
 PRESETS: dict[str, dict[str, Any]] = {"qwen3-30b-a3b": _QWEN3_30B_A3B, "tiny": _TINY}
+"""Preset name -> ``Qwen3MoeConfig`` fields (read through :func:`get_preset_config`)."""
 
 # Keys a Qwen3MoeConfig understands: its dataclass fields plus the ones it reads through kwargs.
 _CONFIG_KEYS = frozenset(f.name for f in dataclasses.fields(Qwen3MoeConfig)) | {
