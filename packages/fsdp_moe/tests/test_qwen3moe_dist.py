@@ -175,7 +175,10 @@ def _compare(steps, ref, what):
         _close(extra["with_plain"], (rn**2 + 0.75) ** 0.5, f"{what} step {i} norm with a plain tensor")
         assert grads.keys() == rg.keys() and params.keys() == rp.keys(), what
         for k in rg:
-            _close(torch.from_numpy(grads[k]), rg[k], f"{what} step {i} gradient of {k}")
+            # Step 0 entry by entry; later steps start from parameters that already differ by float32 rounding
+            # amplified by Adam (see _close_norm), so their gradients are compared in norm.
+            check = _close if i == 0 else _close_norm
+            check(torch.from_numpy(grads[k]), rg[k], f"{what} step {i} gradient of {k}")
             _close_norm(torch.from_numpy(params[k]), rp[k], f"{what} step {i} parameter {k}")
 
 

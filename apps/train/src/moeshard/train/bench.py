@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import time
+import traceback
 import warnings
 
 import torch
@@ -56,11 +57,9 @@ def main(argv: list[str]) -> int:
 
     device = init_distributed()
     if args.compile:
-        from moeshard.ep import set_compiled_activation
-        from moeshard.models.qwen3moe import set_compiled_pointwise
+        from moeshard.models.qwen3moe import set_compiled_kernels
 
-        set_compiled_pointwise(True)
-        set_compiled_activation(True)
+        set_compiled_kernels(True)
     world = dist.get_world_size()
     mb = args.micro_batch or args.batch_per_gpu
     cfg = JobConfig(
@@ -110,8 +109,13 @@ def main(argv: list[str]) -> int:
             torch.cuda.synchronize()
         dist.barrier()
         count = step >= args.warmup and device.type == "cuda"
-        with warnings.catch_warnings(record=True) as caught:
+        caught: list[tuple[str, list[str]]] = []
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            # Keep each sync warning's Python stack: the warning's own location is often inside torch.
+            warnings.showwarning = lambda msg, *a, _c=caught, **k: _c.append(
+                (str(msg), traceback.format_stack(limit=12))
+            )
             if count:
                 torch.cuda.set_sync_debug_mode("warn")
             t0 = time.perf_counter()
@@ -124,14 +128,15 @@ def main(argv: list[str]) -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-        losses.append(host_stats(stats)["loss"])  # after the timed region
         if step >= args.warmup:
             times.append(dt)
-            found = [w for w in caught if "synchroniz" in str(w.message)]
+            found = [stack for msg, stack in caught if "synchroniz" in msg]
             syncs.append(len(found))
             if step == args.warmup and dist.get_rank() == 0:
-                for w in found:
-                    print(f"sync at {w.filename}:{w.lineno}")
+                for stack in found:
+                    where = [f.strip().splitlines()[0] for f in stack if "moeshard" in f or "torch/optim" in f]
+                    print("sync at", " <- ".join(reversed(where[-3:])))
+        losses.append(host_stats(stats)["loss"])  # after the timed region
     if args.profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 

@@ -15,13 +15,12 @@ with no communication.
                           num_experts=E, ep_group=ep_group(experts))
 """
 
-from moeshard.ep._dispatch import all_to_all, routed_experts
+from moeshard.ep._dispatch import all_to_all, routed_experts, set_compiled_kernels
 from moeshard.ep._grouped import (
     ACTIVATIONS,
     Backend,
     get_grouped_mm_backend,
     grouped_expert_mlp,
-    set_compiled_activation,
     set_grouped_mm_backend,
 )
 from moeshard.ep._plan import (
@@ -52,6 +51,6 @@ __all__ = [
     "grouped_expert_mlp",
     "is_expert_module",
     "routed_experts",
-    "set_compiled_activation",
+    "set_compiled_kernels",
     "set_grouped_mm_backend",
 ]

@@ -23,9 +23,24 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moeshard.ep._grouped import Backend, _activation, grouped_expert_mlp
+from moeshard.ep._grouped import KERNELS, Backend, _activation, _gated, grouped_expert_mlp
 
-__all__ = ["routed_experts"]
+__all__ = ["routed_experts", "set_compiled_kernels"]
+
+
+def _weighted_sum(y_TKD: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    # Products and sum in float32: the routing weights are applied in float32 whatever the compute dtype.
+    return (y_TKD.float() * w_TK.float().unsqueeze(-1)).sum(dim=1)
+
+
+KERNELS["weighted_sum"] = _weighted_sum
+
+
+def set_compiled_kernels(enabled: bool) -> None:
+    """Use ``torch.compile``-fused pointwise kernels on the expert path (the gated activation; the weighted
+    combine of the K copies, reading each copy once) or the eager ones. Same functions; a GPU speed option."""
+    KERNELS["gated"] = torch.compile(_gated, dynamic=True) if enabled else _gated
+    KERNELS["weighted_sum"] = torch.compile(_weighted_sum, dynamic=True) if enabled else _weighted_sum
 
 
 def sort_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +132,7 @@ def combine(
     T, K = topk_weights_TK.shape
     inv_N = inverse_permutation(order_N) if inv_N is None else inv_N
     y_NkD = permute_rows(y_sorted_ND, inv_N, order_N)  # back to copy order t * K + k
-    y_TKD = y_NkD.reshape(T, K, y_sorted_ND.shape[-1]).float()
-    return torch.bmm(topk_weights_TK.float().unsqueeze(1), y_TKD).squeeze(1)
+    return KERNELS["weighted_sum"](y_NkD.reshape(T, K, y_sorted_ND.shape[-1]), topk_weights_TK)
 
 
 class _AllToAll(torch.autograd.Function):

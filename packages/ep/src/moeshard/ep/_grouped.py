@@ -26,7 +26,6 @@ __all__ = [
     "Backend",
     "get_grouped_mm_backend",
     "grouped_expert_mlp",
-    "set_compiled_activation",
     "set_grouped_mm_backend",
 ]
 
@@ -75,13 +74,8 @@ def _gated(act: Callable[[torch.Tensor], torch.Tensor], h_NX: torch.Tensor) -> t
     return act(gate_NF) * up_NF
 
 
-_gated_impl: Callable = _gated
-
-
-def set_compiled_activation(enabled: bool) -> None:
-    """Use a ``torch.compile``-fused gated activation (``act(gate) * up``, one kernel each way) or the eager one."""
-    global _gated_impl
-    _gated_impl = torch.compile(_gated, dynamic=True) if enabled else _gated
+# Pointwise kernels of the expert path; set_compiled_kernels(True) swaps in torch.compile'd versions.
+KERNELS: dict[str, Callable] = {"gated": _gated}
 
 
 def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -106,7 +100,7 @@ class _ContiguousGrad(torch.autograd.Function):
 def _grouped_mm_mlp(x_ND, counts_E, w_gate_up_EXD, w_down_EDF, act):
     offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     h_NX = _ContiguousGrad.apply(F.grouped_mm(x_ND, w_gate_up_EXD.transpose(-2, -1), offs=offs_E))
-    a_NF = _gated_impl(act, h_NX).contiguous()
+    a_NF = KERNELS["gated"](act, h_NX).contiguous()
     return _ContiguousGrad.apply(F.grouped_mm(a_NF, w_down_EDF.transpose(-2, -1), offs=offs_E))
 
 

@@ -29,10 +29,14 @@ def num_items_for_global_mean(
     Returns:
         A float32 scalar tensor (on the GPU with NCCL, else on the CPU).
     """
-    count = torch.as_tensor(local_num_items, dtype=torch.float32).detach().clone()
     if not dist.is_initialized():
-        return count
+        return torch.as_tensor(local_num_items, dtype=torch.float32).detach().clone()
+    device = torch.device("cpu")
     if "nccl" in str(dist.get_backend(group)) and torch.cuda.is_available():
-        count = count.to(torch.device("cuda", torch.cuda.current_device()))
+        device = torch.device("cuda", torch.cuda.current_device())
+    if isinstance(local_num_items, torch.Tensor):
+        count = local_num_items.detach().to(device=device, dtype=torch.float32, copy=True)
+    else:  # a host int: a fill kernel, not a host→device copy (which would synchronise)
+        count = torch.full((), float(local_num_items), dtype=torch.float32, device=device)
     dist.all_reduce(count, group=group)
     return count / dist.get_world_size(group)

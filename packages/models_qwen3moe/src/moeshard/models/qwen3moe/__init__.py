@@ -13,7 +13,7 @@ rank), and the model's parallel plan.
 
 from moeshard.models.qwen3moe.checkpoint import LoadReport, load_hf_config, load_hf_weights, local_region
 from moeshard.models.qwen3moe.checkpoint_save import save_hf_checkpoint, save_hf_weights
-from moeshard.models.qwen3moe.layers import set_compiled_pointwise
+from moeshard.models.qwen3moe.kernels import set_compiled_kernels
 from moeshard.models.qwen3moe.model import (
     IGNORE_INDEX,
     CausalLMOutput,
@@ -58,5 +58,5 @@ __all__ = [
     "local_region",
     "save_hf_checkpoint",
     "save_hf_weights",
-    "set_compiled_pointwise",
+    "set_compiled_kernels",
 ]

@@ -14,7 +14,29 @@ from __future__ import annotations
 
 import torch
 
+from moeshard.models.qwen3moe.kernels import KERNELS
+
 IGNORE_INDEX = -100
+
+
+def ce_chunk(logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of one chunk and its gradient w.r.t. the logits (in the logits' dtype).
+
+    Statistics in float32; ``-100`` targets contribute nothing.
+    """
+    x_CV = logits_CV.float()
+    lse_C = torch.logsumexp(x_CV, dim=-1)
+    valid_C = targets_C != IGNORE_INDEX
+    safe_C = torch.where(valid_C, targets_C, torch.zeros_like(targets_C))
+    picked_C = x_CV.gather(1, safe_C[:, None]).squeeze(1)
+    loss = torch.where(valid_C, lse_C - picked_C, torch.zeros_like(lse_C)).sum()
+    # d(sum of losses)/d logits = softmax - one_hot(target), zero on ignored rows.
+    one_hot_CV = torch.arange(x_CV.shape[1], device=x_CV.device)[None, :] == safe_C[:, None]
+    grad_CV = (torch.exp(x_CV - lse_C[:, None]) - one_hot_CV.float()) * valid_C[:, None].float()
+    return loss, grad_CV.to(logits_CV.dtype)
+
+
+KERNELS["ce_chunk"] = ce_chunk
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
@@ -28,19 +50,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         for start in range(0, N, chunk):
             h_CD = h_ND[start : start + chunk]
             t_C = targets_N[start : start + chunk]
-            logits_CV = (h_CD @ w_VD.t()).float()
-            lse_C = torch.logsumexp(logits_CV, dim=-1)
-            valid_C = t_C != IGNORE_INDEX
-            safe_t_C = torch.where(valid_C, t_C, torch.zeros_like(t_C))
-            picked_C = logits_CV.gather(1, safe_t_C[:, None]).squeeze(1)
-            loss += torch.where(valid_C, lse_C - picked_C, torch.zeros_like(lse_C)).sum()
-            if not (need_h or need_w):
-                continue
-            # d(sum of losses)/d logits = softmax - one_hot(target), zero on ignored rows; in place on the chunk.
-            grad_CV = logits_CV.sub_(lse_C[:, None]).exp_()
-            grad_CV.scatter_add_(1, safe_t_C[:, None], torch.full_like(lse_C[:, None], -1.0))
-            grad_CV.mul_(valid_C[:, None])
-            g_CV = grad_CV.to(h_ND.dtype)
+            chunk_loss, g_CV = KERNELS["ce_chunk"](h_CD @ w_VD.t(), t_C)
+            loss += chunk_loss
             if need_h:
                 torch.mm(g_CV, w_VD, out=grad_h_ND[start : start + chunk])
             if need_w:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3MoeConfig
 
+from moeshard.models.qwen3moe.kernels import KERNELS
 from moeshard.models.qwen3moe.presets import head_dim
 
 __all__ = [
@@ -22,7 +23,6 @@ __all__ = [
     "apply_rotary",
     "build_attention_mask",
     "rms_norm",
-    "set_compiled_pointwise",
 ]
 
 
@@ -39,14 +39,8 @@ def _rotary(x_BHSDh: torch.Tensor, cos_BSDh: torch.Tensor, sin_BSDh: torch.Tenso
     return x_BHSDh * cos + _rotate_half(x_BHSDh) * sin
 
 
-# Pointwise kernels; set_compiled_pointwise(True) swaps in torch.compile'd versions (one fused kernel each way).
-_KERNELS = {"rms_norm": rms_norm, "rotary": _rotary}
-
-
-def set_compiled_pointwise(enabled: bool) -> None:
-    """Use ``torch.compile``-fused RMSNorm and RoPE kernels (GPU speed; same function) or the eager ones."""
-    _KERNELS["rms_norm"] = torch.compile(rms_norm, dynamic=False) if enabled else rms_norm
-    _KERNELS["rotary"] = torch.compile(_rotary, dynamic=False) if enabled else _rotary
+KERNELS["rms_norm"] = rms_norm
+KERNELS["rotary"] = _rotary
 
 
 class RMSNorm(nn.Module):
@@ -58,7 +52,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _KERNELS["rms_norm"](x, self.weight, self.eps)
+        return KERNELS["rms_norm"](x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         """Ones, as transformers initialises norms."""
@@ -106,7 +100,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x_BHSDh: torch.Tensor, cos_BSDh: torch.Tensor, sin_BSDh: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (heads on dim 1) by the RoPE tables (non-interleaved halves, as transformers)."""
-    return _KERNELS["rotary"](x_BHSDh, cos_BSDh, sin_BSDh)
+    return KERNELS["rotary"](x_BHSDh, cos_BSDh, sin_BSDh)
 
 
 def build_attention_mask(attention_mask_BS: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:

@@ -1,0 +1,26 @@
+"""Pointwise kernels of the model, swappable for ``torch.compile``-fused versions (a GPU speed option).
+
+Each entry is a pure function; :func:`set_compiled_kernels` replaces them with compiled versions of the same
+functions (one fused kernel each way instead of several memory passes), and switches the expert path's kernels
+in ``moeshard.ep`` too. Eager is the default: nothing compiles unless asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+KERNELS: dict[str, Callable] = {}
+_EAGER: dict[str, Callable] = {}
+
+
+def set_compiled_kernels(enabled: bool) -> None:
+    """Use ``torch.compile``-fused RMSNorm, RoPE, chunked cross-entropy and expert-path kernels, or eager ones."""
+    from moeshard.ep import set_compiled_kernels as set_ep_kernels
+
+    if not _EAGER:
+        _EAGER.update(KERNELS)
+    for name, fn in _EAGER.items():
+        KERNELS[name] = torch.compile(fn, dynamic=name == "ce_chunk") if enabled else fn
+    set_ep_kernels(enabled)
