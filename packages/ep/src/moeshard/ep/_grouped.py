@@ -30,6 +30,7 @@ __all__ = [
 ]
 
 Backend = Literal["auto", "grouped_mm", "loop"]
+"""Expert-GEMM backends: ``grouped_mm`` (one kernel), ``loop`` (two matmuls per expert), ``auto`` (by device)."""
 _BACKENDS = ("auto", "grouped_mm", "loop")
 _backend: Backend = "auto"
 
@@ -38,6 +39,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
 }
+"""Activation name -> function, for the ``activation=`` argument of the expert MLP (gated as ``act(gate) * up``)."""
 
 
 def set_grouped_mm_backend(backend: Backend) -> None:
