@@ -110,3 +110,24 @@ def job(session: nox.Session) -> None:
         env={"OMP_NUM_THREADS": "1"},
     )
     session.log(f"metrics: {out}/metrics.jsonl, TensorBoard: {out}/tensorboard")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Each package's sdist and wheel (built from the sdist), with its own version, into dist/."""
+    session.install("build", "hatchling", "packaging")
+    session.run("python", "tools/release.py", "build", "--no-isolation", "--outdir", "dist", *session.posargs)
+
+
+@nox.session
+def release_check(session: nox.Session) -> None:
+    """Fail when a package changed since its last ``<name>-v<version>`` tag without a version bump (and more)."""
+    session.install("packaging")
+    session.run("python", "tools/release.py", "check")
+
+
+@nox.session
+def public_api(session: nox.Session) -> None:
+    """Check each package's ``__all__``, docstrings and README list; ``-- write`` refreshes the README lists."""
+    _install(session, PACKAGES["train"][0], [])
+    session.run("python", "tools/public_api.py", *(session.posargs or ["check"]))

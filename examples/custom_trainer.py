@@ -1,0 +1,146 @@
+"""Your own training loop on moeshard's pieces (no ``moeshard.train``): EP + expert FSDP2 for Qwen3-MoE.
+
+    python examples/make_tiny_inputs.py /tmp/tiny
+    torchrun --nproc-per-node 4 examples/custom_trainer.py --model /tmp/tiny/model --data /tmp/tiny/data.jsonl \
+        --ep-size 2 --ranks-per-node 2 --losses /tmp/tiny/losses.json        # CPU: 4 gloo ranks as 2 nodes x 2
+
+Order of composition: meshes -> model on meta -> EP plan -> expert-aware FSDP2 -> prefetch -> weights -> loop.
+The loss is the mean over every label token of the global batch: each rank passes ``N_global / W`` as
+``num_items_in_batch`` and FSDP averages gradients over the W ranks. Data order: step s trains on records
+s*B .. s*B+B-1 (B = global batch), rank r on its contiguous share, in micro-batches (gradient accumulation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moeshard.ep import apply_ep
+from moeshard.fsdp_moe import clip_grad_norm_, num_items_for_global_mean, save_checkpoint, shard_model
+from moeshard.meshes import build_meshes
+from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, load_hf_config, load_hf_weights
+from moeshard.prefetch import apply_schedule, build_schedule
+
+IGNORE = -100
+
+
+def print0(*args: object) -> None:
+    """Print on rank 0 only."""
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def load_samples(path: Path, seq_len: int, pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One ``(input_ids, labels, attention_mask)`` of ``seq_len`` per JSONL record: cut, right-padded, pads ignored."""
+    samples = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        doc = json.loads(line)["input_ids"][:seq_len]
+        ids = torch.full((seq_len,), pad_id, dtype=torch.long)
+        ids[: len(doc)] = torch.tensor(doc)
+        labels = torch.full((seq_len,), IGNORE, dtype=torch.long)
+        labels[: len(doc)] = ids[: len(doc)]
+        mask = (labels != IGNORE).long()
+        samples.append((ids, labels, mask))
+    return samples
+
+
+def my_micro_batches(step: int, rank: int, world: int, global_batch: int, micro: int, n: int) -> list[list[int]]:
+    """This rank's micro-batches (record indices) of ``step``; the records wrap around at the end of the data."""
+    per_rank = global_batch // world
+    mine = [(step * global_batch + rank * per_rank + j) % n for j in range(per_rank)]
+    return [mine[i : i + micro] for i in range(0, per_rank, micro)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="A hand-written EP + expert-FSDP2 training loop for Qwen3-MoE.")
+    p.add_argument("--model", type=Path, required=True, help="local HF checkpoint (config.json + safetensors)")
+    p.add_argument("--data", type=Path, required=True, help='JSONL, one {"input_ids": [...]} per line')
+    p.add_argument("--seq-len", type=int, default=24)
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, all ranks")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95))
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--ep-size", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=None, help="default: LOCAL_WORLD_SIZE")
+    p.add_argument("--prefetch-depth", type=int, default=1)
+    p.add_argument("--losses", type=Path, default=None, help="write the per-step losses here (JSON)")
+    p.add_argument("--checkpoint", type=Path, default=None, help="DCP checkpoint folder written at the end")
+    args = p.parse_args()
+
+    # 1. Process group and meshes: EP groups inside a node, expert FSDP across nodes.
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    meshes = build_meshes(args.ep_size, device_type=device.type, ranks_per_node=args.ranks_per_node)
+    print0(meshes.describe())
+
+    # 2. The model on meta (no memory), its EP plan, expert-aware FSDP2, the prefetch schedule.
+    config = load_hf_config(args.model)
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config)
+    apply_ep(model, model.get_parallel_plan(), meshes.ep)  # experts sliced on dim 0 to this EP rank's share
+    units = shard_model(model, meshes)  # experts: dim 1 over ep_fsdp; the rest: dim 0 over all ranks
+    apply_schedule(build_schedule(units.stages, depth=args.prefetch_depth))
+
+    # 3. Memory, then weights: every rank reads only the slices it holds.
+    model.to_empty(device=device)
+    load_hf_weights(model, args.model)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay
+    )
+
+    pad = next((t for t in (getattr(config, "pad_token_id", None), config.eos_token_id) if t is not None), 0)
+    pad = pad[0] if isinstance(pad, list) else pad
+    samples = load_samples(args.data, args.seq_len, pad)
+    coef = config.router_aux_loss_coef
+    losses, grad_norms = [], []
+    for step in range(args.steps):
+        micro = my_micro_batches(step, rank, world, args.global_batch, args.micro_batch, len(samples))
+        batches = [[torch.stack(t).to(device) for t in zip(*(samples[i] for i in mb))] for mb in micro]
+        # N_global / W: with it each rank's loss is W * (its token-loss sum) / N_global, and FSDP's average over
+        # W ranks is the global-batch mean however unevenly label tokens fall on ranks.
+        local_items = sum(int((labels[:, 1:] != IGNORE).sum()) for _, labels, _ in batches)
+        num_items = num_items_for_global_mean(local_items).clamp_min(1.0 / world)
+        lm_sum = torch.zeros((), device=device)
+        for ids, labels, mask in batches:
+            out = model(
+                ids, labels=labels, attention_mask=mask, num_items_in_batch=num_items, output_router_logits=True
+            )
+            lm = out.loss - coef * out.aux_loss  # the model's loss includes coef * aux, as in transformers
+            # The router's load-balancing loss is a per-micro-batch mean: average it over the accumulation steps.
+            (lm + coef * out.aux_loss / len(batches)).backward()
+            lm_sum += lm.detach()
+        grad_norm = clip_grad_norm_(model, args.max_grad_norm)  # one norm over both meshes
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(lm_sum)
+        losses.append(lm_sum.item() / world)
+        grad_norms.append(grad_norm.item())
+        print0(f"step {step + 1}: loss {losses[-1]:.6f} grad_norm {grad_norms[-1]:.4f}")
+
+    # 4. A DCP checkpoint with experts in their global shape: it loads into any EP size / world size.
+    if args.checkpoint is not None:
+        save_checkpoint(args.checkpoint, model, optimizer)
+    if rank == 0 and args.losses is not None:
+        args.losses.write_text(json.dumps({"loss": losses, "grad_norm": grad_norms}))
+    dist.barrier()  # gloo aborts at exit without it (torch 2.13)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

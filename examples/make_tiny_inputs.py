@@ -1,0 +1,65 @@
+"""Write a tiny Qwen3-MoE checkpoint (HF layout, random weights) and a small JSONL data set for the examples.
+
+    python examples/make_tiny_inputs.py /tmp/tiny       # -> /tmp/tiny/model/, /tmp/tiny/data.jsonl
+
+The checkpoint is written by transformers' own ``Qwen3MoeForCausalLM.save_pretrained`` (the Hub's layout); the
+data are records ``{"input_ids": [...]}`` of varied lengths, so ranks see different numbers of label tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+# Small enough for 4 CPU processes in seconds, with top-k > 1, GQA and every layer MoE.
+TINY = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    moe_intermediate_size=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    router_aux_loss_coef=0.001,
+    tie_word_embeddings=False,
+)
+
+
+def write_model(path: Path, seed: int = 0) -> Path:
+    """A randomly initialised tiny Qwen3-MoE saved by transformers in ``path``."""
+    torch.manual_seed(seed)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY)).save_pretrained(path)
+    return path
+
+
+def write_data(path: Path, num_records: int = 64, seq_len: int = 24, seed: int = 0) -> Path:
+    """``num_records`` JSONL records of 8..seq_len token ids (learnable: arithmetic sequences)."""
+    g = torch.Generator().manual_seed(seed)
+    with path.open("w") as f:
+        for _ in range(num_records):
+            n = int(torch.randint(8, seq_len + 1, (), generator=g))
+            start, stride = (int(v) for v in torch.randint(1, 40, (2,), generator=g))
+            ids = [(start + stride * j) % TINY["vocab_size"] for j in range(n)]
+            f.write(json.dumps({"input_ids": ids}) + "\n")
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="folder for model/ and data.jsonl")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(write_model(args.out / "model"), write_data(args.out / "data.jsonl"))
+
+
+if __name__ == "__main__":
+    main()

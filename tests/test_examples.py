@@ -1,0 +1,128 @@
+"""The examples compose the packages without ``moeshard.train`` and get the same numbers as the app / one process.
+
+- ``examples/custom_trainer.py`` under torchrun (4 CPU ranks, ``build_meshes(ep_size=2, ranks_per_node=2)``) gives
+  the per-step losses and gradient norms of ``moeshard-train`` run through its real entry point (``launch-local``,
+  2 nodes x 2) on the same checkpoint, data and hyper-parameters;
+- ``examples/toy_moe.py`` (a MoE with other module names) on 4 ranks gives the losses and gradients of the plain
+  module in one process.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TIMEOUT = 300
+
+# One config for both: packing/shuffle off (step s = records s*B .. s*B+B-1), a constant lr without warm-up,
+# gradient accumulation (2 micro-batches per rank), a clipping threshold the gradients exceed.
+HYPER = dict(seq_len=24, global_batch=8, micro_batch=1, steps=4, lr=3e-3, weight_decay=0.01, max_grad_norm=0.5)
+APP_CONFIG = f"""
+parallel: {{ep_size: 2, prefetch_depth: 1}}
+data: {{synthetic: false, packing: false, shuffle: false, seq_len: {HYPER["seq_len"]}}}
+train:
+  steps: {HYPER["steps"]}
+  global_batch_size: {HYPER["global_batch"]}
+  micro_batch_size: {HYPER["micro_batch"]}
+  lr: {HYPER["lr"]}
+  warmup_steps: 0
+  schedule: constant
+  weight_decay: {HYPER["weight_decay"]}
+  betas: [0.9, 0.95]
+  max_grad_norm: {HYPER["max_grad_norm"]}
+checkpoint: {{resume: none}}
+logging: {{tensorboard: false, progress_bar: false, expert_load_every: 0}}
+"""
+
+
+def _run(cmd: list[str], cwd: Path) -> str:
+    res = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+    assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-4000:]}\n{res.stderr[-8000:]}"
+    return res.stdout
+
+
+def _torchrun(nproc: int, script: Path, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(script),
+        *args,
+    ]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """A tiny HF checkpoint and JSONL data, written by examples/make_tiny_inputs.py."""
+    spec = importlib.util.spec_from_file_location("_make_tiny_inputs", EXAMPLES / "make_tiny_inputs.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    out = tmp_path_factory.mktemp("tiny")
+    make.write_model(out / "model")
+    make.write_data(out / "data.jsonl", seq_len=HYPER["seq_len"])
+    return out
+
+
+def test_examples_do_not_use_the_app():
+    for script in sorted(EXAMPLES.glob("*.py")):
+        tree = ast.parse(script.read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not any(m == "moeshard.train" or m.startswith("moeshard.train.") for m in imported), script
+
+
+@pytest.mark.slow
+def test_custom_trainer_matches_the_app(tiny, tmp_path):
+    (tmp_path / "app.yaml").write_text(APP_CONFIG)
+    app_out = tmp_path / "app"
+    _run(
+        [
+            sys.executable, "-m", "moeshard.train", "launch-local", "--nnodes", "2", "--nproc-per-node", "2", "--",
+            "--config", str(tmp_path / "app.yaml"), f"--data.path={tiny / 'data.jsonl'}",
+            f"--model.path={tiny / 'model'}", f"--logging.output_dir={app_out}",
+        ],
+        cwd=tmp_path,
+    )  # fmt: skip
+    app = [json.loads(line) for line in (app_out / "metrics.jsonl").read_text().splitlines()]
+
+    losses_file, ckpt = tmp_path / "example_losses.json", tmp_path / "example_ckpt"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in HYPER.items()]
+    _run(
+        _torchrun(
+            4, EXAMPLES / "custom_trainer.py", f"--model={tiny / 'model'}", f"--data={tiny / 'data.jsonl'}",
+            "--ep-size=2", "--ranks-per-node=2", *flags, f"--losses={losses_file}", f"--checkpoint={ckpt}",
+        ),
+        cwd=tmp_path,
+    )  # fmt: skip
+    example = json.loads(losses_file.read_text())
+
+    assert [m["step"] for m in app] == list(range(1, HYPER["steps"] + 1))
+    assert example["loss"] == pytest.approx([m["loss"] for m in app], rel=1e-5)
+    assert example["grad_norm"] == pytest.approx([m["grad_norm"] for m in app], rel=1e-4)
+    assert max(example["grad_norm"]) > HYPER["max_grad_norm"], "pick a threshold that clipping acts on"
+    assert (ckpt / ".metadata").is_file()  # the DCP checkpoint of save_checkpoint
+
+
+@pytest.mark.slow
+def test_toy_moe_matches_one_process(tmp_path):
+    _run([sys.executable, str(EXAMPLES / "toy_moe.py"), f"--out={tmp_path / 'one.pt'}"], cwd=tmp_path)
+    _run(_torchrun(4, EXAMPLES / "toy_moe.py", "--ranks-per-node=2", f"--out={tmp_path / 'four.pt'}"), cwd=tmp_path)
+    one, four = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "four.pt")
+    assert four["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert sorted(four["grads"]) == sorted(one["grads"])
+    assert any(".ffn.routed.w_in" in fqn for fqn in one["grads"])
+    for fqn, grad in one["grads"].items():
+        torch.testing.assert_close(four["grads"][fqn], grad, rtol=1e-4, atol=1e-6, msg=fqn)

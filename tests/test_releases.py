@@ -1,0 +1,277 @@
+"""Independent releases: ``tools/release.py check`` on a temporary git repository and on this one, and every
+built wheel installed with only what it declares.
+
+Wheel sets are installed into fresh virtual environments that share one torch installation through a ``.pth``
+file (torch and its own dependencies only), so the torch wheel is installed once; each environment holds exactly
+the wheel set of the package under test (a set is extended only by a package whose closure contains it).
+"""
+
+from __future__ import annotations
+
+import email.parser
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import textwrap
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH = os.environ.get("MOESHARD_TORCH", "torch==2.13.0")
+
+
+def _load_release():
+    spec = importlib.util.spec_from_file_location("_moeshard_tools_release", ROOT / "tools" / "release.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+release = _load_release()
+
+
+# ---- the check on a temporary repository -----------------------------------------------------------------------
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t"}
+    env["GIT_COMMITTER_EMAIL"] = "t@t"
+    res = subprocess.run(["git", *args], cwd=repo, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def _write_package(repo: Path, short: str, version: str, deps: list[str], imports: str = "") -> Path:
+    folder = repo / "packages" / short
+    (folder / "src" / "moeshard" / short).mkdir(parents=True, exist_ok=True)
+    (folder / "tests").mkdir(exist_ok=True)
+    deps_toml = ", ".join(f'"{d}"' for d in deps)
+    (folder / "pyproject.toml").write_text(
+        f'[project]\nname = "moeshard-{short}"\nversion = "{version}"\ndependencies = [{deps_toml}]\n'
+    )
+    (folder / "CHANGELOG.md").write_text(f"# Changelog\n\n## {version}\n- First release.\n")
+    (folder / "README.md").write_text(f"# moeshard-{short}\n")
+    (folder / "src" / "moeshard" / short / "__init__.py").write_text(f'"""{short}."""\n{imports}')
+    return folder
+
+
+def _bump(folder: Path, old: str, new: str, changelog: bool = True) -> None:
+    pyproject = folder / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace(f'version = "{old}"', f'version = "{new}"'))
+    if changelog:
+        with (folder / "CHANGELOG.md").open("a") as f:
+            f.write(f"\n## {new}\n- A change.\n")
+
+
+@pytest.fixture
+def repo(tmp_path) -> Path:
+    """A monorepo with ``moeshard-a`` 0.1.0 and ``moeshard-b`` 0.1.0 (needs a), committed, no tags."""
+    _git(tmp_path, "init", "-q")
+    _write_package(tmp_path, "a", "0.1.0", ["torch>=2.11"])
+    _write_package(tmp_path, "b", "0.1.0", ["moeshard-a>=0.1,<0.2"], imports="from moeshard.a import *\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "initial")
+    return tmp_path
+
+
+def _problems(repo: Path) -> list[str]:
+    return release.check(repo)[1]
+
+
+def test_check_passes_without_tags_and_says_so(repo):
+    report, problems = release.check(repo)
+    assert problems == []
+    assert report == [
+        "a 0.1.0: no release tag yet (a release of this version is tagged a-v0.1.0)",
+        "b 0.1.0: no release tag yet (a release of this version is tagged b-v0.1.0)",
+    ]
+
+
+def test_a_change_since_the_tag_needs_a_version_bump(repo):
+    _git(repo, "tag", "a-v0.1.0")
+    _git(repo, "tag", "b-v0.1.0")
+    assert release.check(repo)[0] == ["a 0.1.0: unchanged since a-v0.1.0", "b 0.1.0: unchanged since b-v0.1.0"]
+
+    init = repo / "packages/a/src/moeshard/a/__init__.py"
+    init.write_text(init.read_text() + "X = 1\n")  # uncommitted
+    assert _problems(repo) == [
+        "moeshard-a: packages/a/src/moeshard/a/__init__.py changed since a-v0.1.0 but the version is still 0.1.0; "
+        "bump the version in packages/a/pyproject.toml and add a CHANGELOG.md entry"
+    ]
+    _git(repo, "commit", "-qam", "change a")  # committed: the same
+    assert len(_problems(repo)) == 1
+
+    _bump(repo / "packages/a", "0.1.0", "0.1.1")
+    report, problems = release.check(repo)
+    assert problems == []
+    assert "a 0.1.1: unreleased (last release a-v0.1.0); tag a-v0.1.1 on release" in report
+
+
+def test_new_untracked_source_file_counts_and_docs_do_not(repo):
+    _git(repo, "tag", "a-v0.1.0")
+    (repo / "packages/a/README.md").write_text("# moeshard-a\n\nMore words.\n")
+    (repo / "packages/a/tests/test_new.py").write_text("")
+    assert _problems(repo) == []
+    (repo / "packages/a/src/moeshard/a/new.py").write_text("")
+    assert "packages/a/src/moeshard/a/new.py changed since a-v0.1.0" in _problems(repo)[0]
+
+
+def test_versions_changelog_ranges_and_imports(repo):
+    _git(repo, "tag", "a-v0.2.0")
+    assert _problems(repo) == ["moeshard-a: version 0.1.0 is lower than the released 0.2.0 (a-v0.2.0)"]
+    _git(repo, "tag", "-d", "a-v0.2.0")
+
+    _bump(repo / "packages/a", "0.1.0", "0.2.0", changelog=False)
+    assert _problems(repo) == [
+        "moeshard-a: CHANGELOG.md has no '## 0.2.0' entry",
+        "moeshard-b: requirement 'moeshard-a<0.2,>=0.1' excludes moeshard-a 0.2.0 of this tree; "
+        "widen the range (and release this package) or hold the dependency back",
+    ]
+    _bump(repo / "packages/a", "0.2.0", "0.1.0", changelog=False)
+
+    _write_package(repo, "b", "0.1.0", ["moeshard-a>=0.1"], imports="import moeshard.a\n")
+    assert _problems(repo) == [
+        "moeshard-b: requirement 'moeshard-a>=0.1' needs an upper bound, e.g. 'moeshard-a>=0.1,<0.2'"
+    ]
+    _write_package(repo, "b", "0.1.0", [], imports="def f():\n    from moeshard.a import x\n")
+    assert _problems(repo) == ["moeshard-b: its source imports moeshard.a but does not declare moeshard-a"]
+
+
+def test_check_passes_on_this_repository():
+    res = subprocess.run([sys.executable, str(ROOT / "tools/release.py"), "check"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(res.stdout.strip().splitlines()) == len(release.discover(ROOT)) + 1
+
+
+# ---- wheels and sdists ------------------------------------------------------------------------------------------
+
+# Smoke code per distribution, run in its environment after the import.
+SMOKE = {
+    "moeshard-meshes": "from moeshard.meshes import plan_layout; assert plan_layout(16, 8, 8).ep_fsdp_size == 2",
+    "moeshard-ep": "from moeshard.ep import ParallelPlan, fqn_matches; assert fqn_matches('a.*.b', 'a.3.b')",
+    "moeshard-fsdp-moe": "from moeshard.fsdp_moe import num_items_for_global_mean as n; assert float(n(3)) == 3.0",
+    "moeshard-prefetch": "from moeshard.prefetch import build_schedule; assert callable(build_schedule)",
+    "moeshard-qwen3moe": textwrap.dedent(
+        """
+        import torch
+        from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, get_preset_config
+        model = Qwen3MoeForCausalLM(get_preset_config("tiny", num_hidden_layers=1))
+        model.init_weights()
+        ids = torch.randint(0, 512, (1, 8))
+        assert model(ids, labels=ids).loss.isfinite()
+        """
+    ),
+    "moeshard-train": "from moeshard.train import load_config; assert load_config().parallel.ep_size == 2",
+}
+# Chains of wheel sets, one fresh environment each: every step's environment is exactly its package's closure.
+CHAINS = [
+    ["moeshard-meshes", "moeshard-ep", "moeshard-fsdp-moe"],
+    ["moeshard-prefetch"],
+    ["moeshard-qwen3moe", "moeshard-train"],
+]
+
+
+def _run(*cmd: str | Path, cwd: Path | None = None) -> str:
+    res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=cwd)
+    assert res.returncode == 0, f"{' '.join(map(str, cmd))}:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    return res.stdout
+
+
+def _bin(env: Path, name: str) -> Path:
+    return env / ("Scripts" if os.name == "nt" else "bin") / name
+
+
+def _site_packages(env: Path) -> Path:
+    return Path(sysconfig.get_path("purelib", vars={"base": str(env), "platbase": str(env)}))
+
+
+def _wheel_requires(wheel: Path) -> list[Requirement]:
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        parsed = email.parser.Parser().parsestr(z.read(meta).decode())
+    return [Requirement(r) for r in parsed.get_all("Requires-Dist") or []]
+
+
+def _closure(name: str, wheels: dict[str, Path]) -> set[str]:
+    out, todo = set(), [name]
+    while todo:
+        n = todo.pop()
+        if n in out:
+            continue
+        out.add(n)
+        todo += [canonicalize_name(r.name) for r in _wheel_requires(wheels[n]) if canonicalize_name(r.name) in wheels]
+    return out
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
+    """Every distribution built by ``tools/release.py build`` (sdist, then the wheel from it) in a build venv."""
+    tmp = tmp_path_factory.mktemp("release")
+    venv.EnvBuilder(with_pip=True).create(tmp / "build-env")
+    py = _bin(tmp / "build-env", "python")
+    _run(py, "-m", "pip", "install", "-q", "build", "hatchling", "packaging")
+    dist = tmp / "dist"
+    _run(py, ROOT / "tools/release.py", "build", "--no-isolation", "--outdir", dist)
+    wheels = {}
+    for d in release.discover(ROOT):
+        stem = f"{d.name.replace('-', '_')}-{d.version}"
+        wheels[d.name] = dist / f"{stem}-py3-none-any.whl"
+        assert wheels[d.name].is_file() and (dist / f"{stem}.tar.gz").is_file(), d.name
+    return dist, wheels
+
+
+@pytest.mark.slow
+def test_wheels_and_sdists_hold_their_package_only(built):
+    dist, wheels = built
+    for d in release.discover(ROOT):
+        package_dir = d.import_name.replace(".", "/") + "/"
+        with zipfile.ZipFile(wheels[d.name]) as z:
+            code = [n for n in z.namelist() if ".dist-info/" not in n]
+        assert code and all(n.startswith(package_dir) for n in code), (d.name, code)  # moeshard/ stays a namespace
+        with tarfile.open(dist / f"{d.name.replace('-', '_')}-{d.version}.tar.gz") as t:
+            names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+        assert {"pyproject.toml", "README.md", "CHANGELOG.md", f"src/{package_dir}__init__.py"} <= names, d.name
+
+
+@pytest.mark.slow
+def test_each_wheel_set_installs_with_only_what_it_declares(built, tmp_path):
+    dist, wheels = built
+    assert sorted(n for chain in CHAINS for n in chain) == sorted(wheels)
+    torch_env = tmp_path / "torch-env"
+    venv.EnvBuilder(with_pip=True).create(torch_env)
+    pip = [_bin(torch_env, "python"), "-m", "pip"]
+    _run(*pip, "install", "-q", TORCH)
+    for chain in CHAINS:
+        env = tmp_path / f"env-{chain[0]}"
+        venv.EnvBuilder(with_pip=False).create(env)
+        (_site_packages(env) / "_torch_layer.pth").write_text(str(_site_packages(torch_env)) + "\n")
+        py = _bin(env, "python")
+        for name in chain:
+            closure = _closure(name, wheels)
+            external = {
+                str(r) for n in closure for r in _wheel_requires(wheels[n]) if canonicalize_name(r.name) not in wheels
+            }
+            _run(*pip, "--python", py, "install", "-q", *sorted(external))  # from the index: what is declared
+            # Our wheels only from dist/, never from an index: pip can use nothing undeclared.
+            version = wheels[name].name.split("-")[1]
+            _run(*pip, "--python", py, "install", "-q", "--no-index", "--find-links", dist, f"{name}=={version}")
+            probe = (
+                "import importlib.metadata as m, importlib.util as u, json; "
+                "print(json.dumps([sorted(d.metadata['Name'] for d in m.distributions() "
+                "if d.metadata['Name'].startswith('moeshard')), bool(u.find_spec('transformers'))]))"
+            )
+            installed, has_transformers = json.loads(_run(py, "-c", probe))
+            assert {canonicalize_name(n) for n in installed} == closure, name
+            assert has_transformers == ("moeshard-qwen3moe" in closure), name
+            _run(py, "-c", SMOKE[name], cwd=tmp_path)
+    _run(_bin(tmp_path / "env-moeshard-qwen3moe", "moeshard-train"), "plan", "--nnodes", "2", "--nproc-per-node", "2")
