@@ -1,9 +1,9 @@
-"""The dispatch permutations without a process group: sort, regroup, inverse, combine; and the sync count."""
+"""The dispatch permutations without a process group: sort, inverse, combine; and the sync count."""
 
 import torch
 
 from moeshard.ep import routed_experts
-from moeshard.ep._dispatch import combine, inverse_permutation, regroup_by_local_expert, sort_by_expert
+from moeshard.ep._dispatch import combine, inverse_permutation, sort_by_expert
 from moeshard.ep.testing import count_host_syncs
 
 # T tokens, K top-k, D hidden, E experts, El local experts, P EP size, N copies, R received rows
@@ -23,16 +23,6 @@ def test_sort_by_expert_empty_and_all_to_one():
     assert order_N.numel() == 0 and counts_E.tolist() == [0, 0, 0]
     order_N, counts_E = sort_by_expert(torch.full((4, 1), 2), num_experts=3)
     assert order_N.tolist() == [0, 1, 2, 3] and counts_E.tolist() == [0, 0, 4]
-
-
-def test_regroup_by_local_expert():
-    # P = 3 source ranks, El = 2 local experts; rows arrive grouped by rank, then expert:
-    # rank 0: e0 x2, e1 x1 | rank 1: e0 x0, e1 x2 | rank 2: e0 x1, e1 x0
-    recv_counts_PEl = torch.tensor([[2, 1], [0, 2], [1, 0]])
-    labels = ["r0e0a", "r0e0b", "r0e1a", "r1e1a", "r1e1b", "r2e0a"]
-    perm_R = regroup_by_local_expert(recv_counts_PEl, num_rows=6)
-    assert [labels[i] for i in perm_R.tolist()] == ["r0e0a", "r0e0b", "r2e0a", "r0e1a", "r1e1a", "r1e1b"]
-    assert regroup_by_local_expert(torch.zeros(2, 3, dtype=torch.int64), num_rows=0).numel() == 0
 
 
 def test_inverse_permutation():
