@@ -118,8 +118,14 @@ def main() -> None:
         num_items = num_items_for_global_mean(local_items).clamp_min(1.0 / world)
         lm_sum = torch.zeros((), device=device)
         for ids, labels, mask in batches:
+            # return_logits=False: the loss goes through the head in chunks, never holding the [B, S, V] logits.
             out = model(
-                ids, labels=labels, attention_mask=mask, num_items_in_batch=num_items, output_router_logits=True
+                ids,
+                labels=labels,
+                attention_mask=mask,
+                num_items_in_batch=num_items,
+                output_router_logits=True,
+                return_logits=False,
             )
             lm = out.loss - coef * out.aux_loss  # the model's loss includes coef * aux, as in transformers
             # The router's load-balancing loss is a per-micro-batch mean: average it over the accumulation steps.
