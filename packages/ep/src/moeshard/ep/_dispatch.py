@@ -103,6 +103,29 @@ class _ExpandRows(torch.autograd.Function):
         return grad_ND.index_select(0, inv_N).view(-1, ctx.K, D).sum(dim=1), None, None, None
 
 
+class _SlotGather(torch.autograd.Function):
+    """``x[slot // S]`` for unique slots of an ``[rows, S]`` grid; backward puts each gradient row in its slot
+    (a plain copy, no atomics) and sums each row's S slots, instead of an atomic index_add."""
+
+    @staticmethod
+    def forward(ctx, x_RD: torch.Tensor, slot_N: torch.Tensor, S: int) -> torch.Tensor:  # noqa: D102
+        ctx.save_for_backward(slot_N)
+        ctx.rows, ctx.S = x_RD.shape[0], S
+        return x_RD.index_select(0, torch.div(slot_N, S, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad_ND: torch.Tensor):  # noqa: D102
+        (slot_N,) = ctx.saved_tensors
+        buf = grad_ND.new_zeros((ctx.rows * ctx.S, grad_ND.shape[-1])).index_copy_(0, slot_N, grad_ND)
+        return buf.view(ctx.rows, ctx.S, grad_ND.shape[-1]).sum(dim=1), None, None
+
+
+def _to_slots(y_ND: torch.Tensor, slot_N: torch.Tensor, rows: int, S: int) -> torch.Tensor:
+    """``[rows, S, D]`` zeros with ``y_ND`` placed at the unique ``slot_N`` (differentiable: a gather back)."""
+    buf = y_ND.new_zeros((rows * S, y_ND.shape[-1])).index_copy(0, slot_N, y_ND)
+    return buf.view(rows, S, y_ND.shape[-1])
+
+
 def permute_rows(x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor | None = None) -> torch.Tensor:
     """``x[perm]`` along dim 0 for a permutation, differentiable with a gather (not a scatter) backward."""
     return _PermuteRows.apply(x, perm, inverse_permutation(perm) if inv is None else inv)
@@ -212,7 +235,6 @@ def routed_experts(
 
 def _ep_routed(x_TD, ids_TK, w_TK, w_gate_up_EXD, w_down_EDF, P, group, activation, backend):
     T, K = ids_TK.shape
-    D = x_TD.shape[1]
     El = w_gate_up_EXD.shape[0]
     dev = x_TD.device
     dest_TK = torch.div(ids_TK, El, rounding_mode="floor")
@@ -239,16 +261,18 @@ def _ep_routed(x_TD, ids_TK, w_TK, w_gate_up_EXD, w_down_EDF, P, group, activati
     mine_SK = dest_TK.index_select(0, tok_S) == dest_S[:, None]  # copies of this token on that rank
     ids_SK = torch.where(mine_SK, ids_TK.index_select(0, tok_S) % El, El)  # El: not on that rank
     w_SK = torch.where(mine_SK, w_TK.index_select(0, tok_S), torch.zeros((), dtype=w_TK.dtype, device=dev))
-    x_RD = all_to_all(x_TD.index_select(0, tok_S), out_splits, in_splits, group)
+    slot_S = tok_S * P + dest_S  # token t's copy for rank r sits in slot (t, r) of a [T, P] grid
+    x_RD = all_to_all(_SlotGather.apply(x_TD, slot_S, P), out_splits, in_splits, group)
     w_RK = all_to_all(w_SK, out_splits, in_splits, group)
     ids_RK = torch.empty((sum(out_splits), K), dtype=ids_SK.dtype, device=dev)
     dist.all_to_all_single(ids_RK, ids_SK.contiguous(), out_splits, in_splits, group=group)
 
-    # Receiver: copies grouped by local expert ("not here" sorts last and is cut off), one grouped GEMM.
+    # Receiver: copies grouped by local expert ("not here" sorts last and is cut off), one grouped GEMM; a copy
+    # of received token i for its k-th expert is slot (i, k) of an [R, K] grid.
+    R = x_RD.shape[0]
     order_C = sort_by_expert(ids_RK, El + 1)[0][:n_copies]
-    tok_C = torch.div(order_C, K, rounding_mode="floor")
     y_CD = grouped_expert_mlp(
-        x_RD.index_select(0, tok_C),
+        _SlotGather.apply(x_RD, order_C, K),
         recv_meta_PM[:, 1:].sum(dim=0),
         w_gate_up_EXD,
         w_down_EDF,
@@ -256,8 +280,8 @@ def _ep_routed(x_TD, ids_TK, w_TK, w_gate_up_EXD, w_down_EDF, P, group, activati
         activation=activation,
         backend=backend,
     )
-    weighted_CD = y_CD.float() * w_RK.reshape(-1).index_select(0, order_C).float()[:, None]
-    y_RD = torch.zeros((x_RD.shape[0], D), dtype=torch.float32, device=dev).index_add(0, tok_C, weighted_CD)
+    # Each received token's copies weighted and added in float32 (empty slots hold zeros and weight 0).
+    y_RD = KERNELS["weighted_sum"](_to_slots(y_CD, order_C, R, K), w_RK)
     # Partial outputs (one per received token) go home and are added per token, in float32.
     y_SD = all_to_all(y_RD.to(x_TD.dtype), in_splits, out_splits, group)
-    return torch.zeros((T, D), dtype=torch.float32, device=dev).index_add(0, tok_S, y_SD.float())
+    return _to_slots(y_SD, slot_S, T, P).sum(dim=1, dtype=torch.float32)
