@@ -76,12 +76,16 @@ def tiny(tmp_path_factory) -> Path:
     return out
 
 
-def test_examples_do_not_use_the_app():
+def _imports(script: Path) -> set[str]:
+    tree = ast.parse(script.read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    return imported | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+
+def test_examples_do_not_use_the_app_and_the_toy_not_the_model():
     for script in sorted(EXAMPLES.glob("*.py")):
-        tree = ast.parse(script.read_text())
-        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        assert not any(m == "moeshard.train" or m.startswith("moeshard.train.") for m in imported), script
+        assert not any(m == "moeshard.train" or m.startswith("moeshard.train.") for m in _imports(script)), script
+    assert not any(m.startswith("moeshard.models") for m in _imports(EXAMPLES / "toy_moe.py"))
 
 
 @pytest.mark.slow
