@@ -10,7 +10,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from moeshard.ep import apply_ep, ep_group, get_ep_info, routed_experts
+from moeshard.ep import apply_ep, ep_group, get_ep_info, routed_experts, set_ep_dispatch
 from moeshard.ep.testing import ToyMoE, count_host_syncs, reference_routed_experts, toy_plan
 from moeshard.meshes import build_meshes
 from moeshard.meshes.testing import run_distributed
@@ -19,6 +19,8 @@ from moeshard.meshes.testing import run_distributed
 E, D, F = 8, 16, 8
 CASES = ("random", "one_expert", "rank_without_tokens", "skewed")
 BACKENDS = ("loop", "grouped_mm")  # grouped_mm runs on CPU at these shapes (16-byte aligned rows)
+# (expert GEMM backend, EP dispatch): both dispatch modes with the loop, de-duplicated tokens with grouped_mm.
+VARIANTS = (("loop", "tokens"), ("loop", "copies"), ("grouped_mm", "tokens"))
 
 
 def _problem(world: int, case: str):
@@ -71,7 +73,8 @@ def _ep_layer_body():
     experts = model.layers[0].mlp.experts
     group = ep_group(experts)
     out = {"info": info, "group_size": dist.get_world_size(group)}
-    for case, backend in itertools.product(CASES, BACKENDS):
+    for case, (backend, dispatch) in itertools.product(CASES, VARIANTS):
+        set_ep_dispatch(dispatch)
         x_TD, ids_TK, w_TK, gy_TD = _problem(world, case)[rank]
         experts.zero_grad(set_to_none=True)
         x_TD.requires_grad_(True)
@@ -89,7 +92,7 @@ def _ep_layer_body():
             )
         with count_host_syncs() as bwd_syncs:
             (y_TD * gy_TD).sum().backward()
-        out[case, backend] = {
+        out[case, backend, dispatch] = {
             "y": y_TD.detach(),
             "dx": x_TD.grad,
             "dw": w_TK.grad,
@@ -138,8 +141,8 @@ def _check(results, world):
         y_TD = reference_routed_experts(x_TD, ids_TK, w_TK, w1r, w2r)
         (y_TD * gy_TD).sum().backward()
         bounds = torch.tensor([0] + [p[0].shape[0] for p in problem]).cumsum(0).tolist()
-        for (r, res), backend in itertools.product(enumerate(results), BACKENDS):
-            got = res[case, backend]
+        for (r, res), (backend, dispatch) in itertools.product(enumerate(results), VARIANTS):
+            got = res[case, backend, dispatch]
             rows = slice(bounds[r], bounds[r + 1])
             experts = slice(r * El, (r + 1) * El)
             for name, a, b in (
@@ -150,7 +153,7 @@ def _check(results, world):
                 ("dw_down", got["dw2"], w2r.grad[experts]),
             ):
                 torch.testing.assert_close(
-                    torch.from_numpy(a), b, rtol=1e-5, atol=1e-5, msg=f"{case} {backend} rank {r} {name}"
+                    torch.from_numpy(a), b, rtol=1e-5, atol=1e-5, msg=f"{case} {backend} {dispatch} rank {r} {name}"
                 )
             # The one documented sync (the split sizes) and nothing in backward.
             assert got["fwd_syncs"] == {"tolist": 1}, (case, r, got["fwd_syncs"])

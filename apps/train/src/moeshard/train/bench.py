@@ -49,6 +49,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile-fused RMSNorm, RoPE and SwiGLU kernels")
+    p.add_argument("--dispatch", choices=("tokens", "copies"), default="tokens", help="EP token dispatch mode")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, help="write the torch.profiler kernel table of one step here")
     args = p.parse_args(argv)
@@ -56,6 +57,9 @@ def main(argv: list[str]) -> int:
     from moeshard.train.trainer import build_job, host_stats, init_distributed, train_step
 
     device = init_distributed()
+    from moeshard.ep import set_ep_dispatch
+
+    set_ep_dispatch(args.dispatch)
     if args.compile:
         from moeshard.models.qwen3moe import set_compiled_kernels
 
@@ -164,6 +168,7 @@ def main(argv: list[str]) -> int:
         "activation_checkpointing": args.activation_checkpointing,
         "prefetch_depth": args.prefetch_depth,
         "compile": args.compile,
+        "dispatch": args.dispatch,
         "step_time_s_median": step_s,
         "tokens_per_s_per_gpu": tps,
         "flops_per_token": fpt,

@@ -15,7 +15,14 @@ with no communication.
                           num_experts=E, ep_group=ep_group(experts))
 """
 
-from moeshard.ep._dispatch import all_to_all, routed_experts, set_compiled_kernels
+from moeshard.ep._dispatch import (
+    Dispatch,
+    all_to_all,
+    get_ep_dispatch,
+    routed_experts,
+    set_compiled_kernels,
+    set_ep_dispatch,
+)
 from moeshard.ep._grouped import (
     ACTIVATIONS,
     Backend,
@@ -36,6 +43,7 @@ from moeshard.ep._plan import (
 )
 
 __all__ = [
+    "Dispatch",
     "ACTIVATIONS",
     "Backend",
     "EPInfo",
@@ -47,10 +55,12 @@ __all__ = [
     "find_expert_modules",
     "fqn_matches",
     "get_ep_info",
+    "get_ep_dispatch",
     "get_grouped_mm_backend",
     "grouped_expert_mlp",
     "is_expert_module",
     "routed_experts",
     "set_compiled_kernels",
+    "set_ep_dispatch",
     "set_grouped_mm_backend",
 ]

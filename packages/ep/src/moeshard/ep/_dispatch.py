@@ -23,12 +23,31 @@ gradients come home to the rank that owns them.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.distributed as dist
 
 from moeshard.ep._grouped import KERNELS, Backend, _activation, _gated, grouped_expert_mlp
 
-__all__ = ["routed_experts", "set_compiled_kernels"]
+__all__ = ["Dispatch", "get_ep_dispatch", "routed_experts", "set_compiled_kernels", "set_ep_dispatch"]
+
+Dispatch = Literal["tokens", "copies"]
+"""How tokens travel with EP > 1: ``"tokens"`` (de-duplicated: once per destination rank, partial outputs come
+back) or ``"copies"`` (every routed copy travels; fewer, simpler collectives)."""
+_dispatch: list[Dispatch] = ["tokens"]
+
+
+def set_ep_dispatch(mode: Dispatch) -> None:
+    """Set the process-wide EP dispatch mode (see :data:`Dispatch`); both give the same results."""
+    if mode not in ("tokens", "copies"):
+        raise ValueError(f"EP dispatch must be 'tokens' or 'copies', got {mode!r}")
+    _dispatch[0] = mode
+
+
+def get_ep_dispatch() -> Dispatch:
+    """The process-wide EP dispatch mode."""
+    return _dispatch[0]
 
 
 def _weighted_sum(y_TKD: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
@@ -66,6 +85,22 @@ def inverse_permutation(perm_N: torch.Tensor) -> torch.Tensor:
     inv_N = torch.empty_like(perm_N)
     inv_N[perm_N] = torch.arange(perm_N.numel(), device=perm_N.device, dtype=perm_N.dtype)
     return inv_N
+
+
+def regroup_by_local_expert(recv_counts_PEl: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Permutation taking received rows from (source rank, local expert) order to (local expert, source rank).
+
+    Args:
+        recv_counts_PEl: ``[P, El]`` rows received from each rank for each local expert (device tensor).
+        num_rows: the total ``R`` (known on the host; passing it spares repeat_interleave a sync).
+
+    Returns:
+        ``perm_R`` such that ``rows[perm_R]`` is grouped by local expert, source ranks in order within each.
+    """
+    P, El = recv_counts_PEl.shape
+    expert_of_block = torch.arange(El, device=recv_counts_PEl.device).repeat(P)
+    expert_of_row_R = torch.repeat_interleave(expert_of_block, recv_counts_PEl.reshape(-1), output_size=num_rows)
+    return torch.sort(expert_of_row_R, stable=True)[1]
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -218,7 +253,7 @@ def routed_experts(
             f"num_experts={num_experts} but the EP group of {ep_size} ranks holds {E_local} experts each "
             f"({E_local * ep_size} in all); pass the weights after apply_ep and the model's global expert count"
         )
-    if ep_size > 1:
+    if ep_size > 1 and _dispatch[0] == "tokens":
         y_TD = _ep_routed(
             x_TD, topk_ids_TK, topk_weights_TK, w_gate_up_EXD, w_down_EDF, ep_size, ep_group, activation, backend
         )
@@ -285,3 +320,34 @@ def _ep_routed(x_TD, ids_TK, w_TK, w_gate_up_EXD, w_down_EDF, P, group, activati
     # Partial outputs (one per received token) go home and are added per token, in float32.
     y_SD = all_to_all(y_RD.to(x_TD.dtype), in_splits, out_splits, group)
     return _to_slots(y_SD, slot_S, T, P).sum(dim=1, dtype=torch.float32)
+
+
+def _copies_routed(x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, P, group, activation, backend):
+    # Every routed copy travels (no de-duplication): more bytes, fewer and simpler collectives.
+    El = w_gate_up_EXD.shape[0]
+    recv_counts_E = torch.empty_like(counts_E)
+    dist.all_to_all_single(recv_counts_E, counts_E, group=group)  # El counts to and from each rank
+    # The one device→host sync of the layer: the all-to-all split sizes must be host ints. Both count
+    # tensors go in one .tolist() so there is a single sync, not two.
+    host = torch.cat([counts_E, recv_counts_E]).tolist()
+    send_counts, recv_counts = host[: P * El], host[P * El :]
+    in_splits = [sum(send_counts[r * El : (r + 1) * El]) for r in range(P)]
+    out_splits = [sum(recv_counts[r * El : (r + 1) * El]) for r in range(P)]
+    local_counts = [sum(recv_counts[r * El + e] for r in range(P)) for e in range(El)]
+    R = sum(out_splits)
+
+    x_recv_RD = all_to_all(x_sorted_ND, out_splits, in_splits, group)
+    recv_counts_PEl = recv_counts_E.view(P, El)
+    perm_R = regroup_by_local_expert(recv_counts_PEl, R)
+    inv_R = inverse_permutation(perm_R)
+    y_grouped_RD = grouped_expert_mlp(
+        permute_rows(x_recv_RD, perm_R, inv_R),
+        recv_counts_PEl.sum(0),
+        w_gate_up_EXD,
+        w_down_EDF,
+        host_counts=local_counts,
+        activation=activation,
+        backend=backend,
+    )
+    y_recv_RD = permute_rows(y_grouped_RD, inv_R, perm_R)
+    return all_to_all(y_recv_RD, in_splits, out_splits, group)
