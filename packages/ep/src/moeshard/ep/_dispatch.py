@@ -262,9 +262,14 @@ def routed_experts(
     order_N, counts_E = sort_by_expert(topk_ids_TK, num_experts)
     inv_N = inverse_permutation(order_N)
     x_sorted_ND = _ExpandRows.apply(x_TD, order_N, inv_N, K)
-    y_sorted_ND = grouped_expert_mlp(
-        x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, activation=activation, backend=backend
-    )
+    if ep_size == 1:
+        y_sorted_ND = grouped_expert_mlp(
+            x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, activation=activation, backend=backend
+        )
+    else:
+        y_sorted_ND = _copies_routed(
+            x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, ep_size, ep_group, activation, backend
+        )
     return combine(y_sorted_ND, order_N, topk_weights_TK, inv_N).to(x_TD.dtype)
 
 
