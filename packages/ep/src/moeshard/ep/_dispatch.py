@@ -303,9 +303,9 @@ def _ep_routed(x_TD, ids_TK, w_TK, w_gate_up_EXD, w_down_EDF, P, group, activati
     w_SK = torch.where(mine_SK, w_TK.index_select(0, tok_S), torch.zeros((), dtype=w_TK.dtype, device=dev))
     slot_S = tok_S * P + dest_S  # token t's copy for rank r sits in slot (t, r) of a [T, P] grid
     x_RD = all_to_all(_SlotGather.apply(x_TD, slot_S, P), out_splits, in_splits, group)
-    w_RK = all_to_all(w_SK, out_splits, in_splits, group)
-    ids_RK = torch.empty((sum(out_splits), K), dtype=ids_SK.dtype, device=dev)
-    dist.all_to_all_single(ids_RK, ids_SK.contiguous(), out_splits, in_splits, group=group)
+    # Ids and weights travel together in one float32 exchange (ids < 2**24 are exact; so are bf16 weights).
+    meta_RK2 = all_to_all(torch.cat([ids_SK.float(), w_SK.float()], dim=1), out_splits, in_splits, group)
+    ids_RK, w_RK = meta_RK2[:, :K].long(), meta_RK2[:, K:]
 
     # Receiver: copies grouped by local expert ("not here" sorts last and is cut off), one grouped GEMM; a copy
     # of received token i for its k-th expert is slot (i, k) of an [R, K] grid.
