@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile-fused RMSNorm, RoPE and SwiGLU kernels")
-    p.add_argument("--dispatch", choices=("tokens", "copies"), default="tokens", help="EP token dispatch mode")
+    p.add_argument("--dispatch", choices=("tokens", "copies"), default="copies", help="EP token dispatch mode")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, help="write the torch.profiler kernel table of one step here")
     args = p.parse_args(argv)
