@@ -6,8 +6,13 @@
 Flow with EP size 1: sort the N = T*K token copies by expert (stable), one grouped GEMM, un-sort and add each
 token's K copies, weighted, in float32.
 
-Flow with EP size P > 1 (token de-duplication: a token travels once to each rank that holds any of its
-experts, not once per expert; with top-8 of 128 experts on 2 ranks that is ~4x fewer bytes):
+Flow with EP size P > 1, dispatch "copies" (the default): every copy travels. Sort the copies by global expert
+(grouped by destination rank too, since expert g lives on rank g // El), exchange per-expert counts, one
+``.tolist()`` (the layer's host sync), all-to-all the copies, regroup them by local expert, one grouped GEMM,
+undo the regrouping, all-to-all back, un-sort and combine weighted in float32.
+
+Flow with EP size P > 1, dispatch "tokens" (de-duplication: a token travels once to each rank that holds any of
+its experts, not once per expert; with top-8 of 128 experts on 2 ranks that is ~4x fewer bytes):
 
 1. per destination rank: which tokens go there (``hit_PT``) and how many copies each of its local experts gets;
 2. exchange those counts with one small ``all_to_all_single``;
