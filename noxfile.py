@@ -105,8 +105,17 @@ def job(session: nox.Session) -> None:
     _install(session, PACKAGES["train"][0], [])
     out = f"outputs/job-{time.strftime('%Y%m%d-%H%M%S')}"
     session.run(
-        "moeshard-train", "launch-local", "--nnodes", "2", "--nproc-per-node", "2", "--",
-        "--config", "apps/train/configs/default.yaml", f"--logging.output_dir={out}", *session.posargs,
+        "moeshard-train",
+        "launch-local",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "--config",
+        "apps/train/configs/default.yaml",
+        f"--logging.output_dir={out}",
+        *session.posargs,
         env={"OMP_NUM_THREADS": "1"},
     )
     session.log(f"metrics: {out}/metrics.jsonl, TensorBoard: {out}/tensorboard")

@@ -1,8 +1,9 @@
 """Conventions the repository promises: README's test command is what CI runs; namespace packages; one version each."""
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = sorted([*ROOT.glob("packages/*/pyproject.toml"), ROOT / "apps/train/pyproject.toml"])

@@ -1,7 +1,6 @@
 """Installing one package pulls in only what it declares (a fresh venv per check)."""
 
 import subprocess
-import sys
 import venv
 from pathlib import Path
 
