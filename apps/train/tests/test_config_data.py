@@ -72,12 +72,16 @@ def test_unpacked_order_is_reproducible(tmp_path):
     assert gb.micro_batches(1, rank=2) == [[12], [13]]
     assert gb.global_indices(2) == [16, 17, 18, 19, 0, 1, 2, 3]
     shuffled = GlobalBatches(20, 8, 4, 1, shuffle=True, seed=3)
-    assert sorted(shuffled.global_indices(0) + shuffled.global_indices(1) + shuffled.global_indices(2)[:4]) == list(range(20))
+    assert sorted(shuffled.global_indices(0) + shuffled.global_indices(1) + shuffled.global_indices(2)[:4]) == list(
+        range(20)
+    )
     assert shuffled.global_indices(1) == GlobalBatches(20, 8, 4, 1, shuffle=True, seed=3).global_indices(1)
 
 
 def test_packing_cuts_the_stream(tmp_path):
-    cfg = DataConfig(path=_jsonl(tmp_path, [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]), synthetic=False, seq_len=3)
+    cfg = DataConfig(
+        path=_jsonl(tmp_path, [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]), synthetic=False, seq_len=3
+    )
     ds = build_dataset(cfg, vocab_size=64, eos_id=9, pad_id=None)
     assert [x.tolist() for x in ds.ids] == [[1, 2, 3], [9, 4, 5]]
 
@@ -86,14 +90,23 @@ def test_bad_data_errors(tmp_path):
     with pytest.raises(ValueError, match="token id 70 outside the vocabulary \\[0, 64\\)"):
         build_dataset(
             DataConfig(path=_jsonl(tmp_path, [{"input_ids": [1, 70]}]), synthetic=False, seq_len=2),
-            vocab_size=64, eos_id=None, pad_id=None,
+            vocab_size=64,
+            eos_id=None,
+            pad_id=None,
         )
     with pytest.raises(ValueError, match="no training sample"):
         build_dataset(DataConfig(path=_jsonl(tmp_path, []), synthetic=False), vocab_size=64, eos_id=None, pad_id=None)
     with pytest.raises(ValueError, match="has 'text' but data.tokenizer is not set"):
-        build_dataset(DataConfig(path=_jsonl(tmp_path, [{"text": "hi"}]), synthetic=False), vocab_size=64, eos_id=None, pad_id=None)
+        build_dataset(
+            DataConfig(path=_jsonl(tmp_path, [{"text": "hi"}]), synthetic=False),
+            vocab_size=64,
+            eos_id=None,
+            pad_id=None,
+        )
     with pytest.raises(FileNotFoundError, match="data.path .* does not exist"):
-        build_dataset(DataConfig(path=str(tmp_path / "none.jsonl"), synthetic=False), vocab_size=64, eos_id=None, pad_id=None)
+        build_dataset(
+            DataConfig(path=str(tmp_path / "none.jsonl"), synthetic=False), vocab_size=64, eos_id=None, pad_id=None
+        )
     with pytest.raises(ValueError, match="fewer than one global batch of 16"):
         GlobalBatches(10, 16, 4, 1, False, 0)
     with pytest.raises(ValueError, match="global_batch_size 10 is not divisible by the world size 4"):

@@ -1,18 +1,23 @@
 """Command line of the training job.
 
-    torchrun [torchrun args] -m moeshard.train --config FILE.yaml [--section.key=value ...]    # train
-    moeshard-train plan --config FILE.yaml --nnodes N --nproc-per-node G [--rank R]           # dry run, no GPU
-    moeshard-train export-hf --checkpoint DIR --out DIR                                        # Hub layout
-    moeshard-train launch-local --nnodes 2 --nproc-per-node 2 -- --config FILE.yaml            # nodes on localhost
+torchrun [torchrun args] -m moeshard.train --config FILE.yaml [--section.key=value ...]    # train
+moeshard-train plan --config FILE.yaml --nnodes N --nproc-per-node G [--rank R]           # dry run, no GPU
+moeshard-train export-hf --checkpoint DIR --out DIR                                        # Hub layout
+moeshard-train launch-local --nnodes 2 --nproc-per-node 2 -- --config FILE.yaml            # nodes on localhost
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
+import warnings
 
 from moeshard.train.config import ConfigError, load_config
 
+# Messages of gloo / NCCL / c10d when a peer process is gone.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted", "Broken pipe")
 COMMANDS = ("train", "plan", "export-hf", "launch-local", "bench")
 
 
@@ -21,11 +26,15 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--config", default=None, help="YAML file; omitted: the embedded default job")
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
-    from moeshard.train.trainer import run
-
-    run(cfg)
     import torch.distributed as dist
 
+    from moeshard.train.runner import run
+
+    # Known and harmless here: DTensor's note on CPU random ops (initialisation), and FSDP2's note on a view
+    # output of the expert unit (the model never writes into it in place; the parity tests check the gradients).
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPExperts\) returned a view tensor")
+    run(cfg)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -43,7 +52,15 @@ def _plan(argv: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     from moeshard.train.plan import plan
 
-    print(plan(cfg, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, rank=args.rank, micro_batch_size=args.micro_batch_size))
+    print(
+        plan(
+            cfg,
+            nnodes=args.nnodes,
+            nproc_per_node=args.nproc_per_node,
+            rank=args.rank,
+            micro_batch_size=args.micro_batch_size,
+        )
+    )
     return 0
 
 
@@ -71,16 +88,59 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+def _report(message: str, *, every_rank: bool) -> None:
+    """One line on stderr: from rank 0 only for errors every rank raises alike, else from each failing rank."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if rank == 0 or every_rank:
+        where = f" (rank {rank})" if every_rank and world > 1 else ""
+        print(f"moeshard-train: error{where}: {message}", file=sys.stderr, flush=True)
+
+
+def _close_process_group() -> None:
+    # Without a barrier (a peer may be gone): enough for a clean exit of the failing process.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``moeshard-train`` and ``python -m moeshard.train``."""
+    """Entry point of ``moeshard-train`` and ``python -m moeshard.train``.
+
+    Returns the exit status: 0, 2 for a config error, 1 for any other error. Errors every rank raises alike
+    (config, data, model, checkpoint, divergence) print one line from rank 0 and no traceback; unexpected ones
+    print one line from each failing rank, plus the traceback with ``MOESHARD_TRACEBACK=1``.
+    """
+    from moeshard.train.errors import JobError
+
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
     handler = {"train": _train, "plan": _plan, "export-hf": _export, "launch-local": _launch_local, "bench": _bench}
+    debug = os.environ.get("MOESHARD_TRACEBACK") == "1"
     try:
         return handler[command](argv)
     except ConfigError as e:
-        print(f"moeshard-train: config error: {e}", file=sys.stderr)
-        return 2
+        _report(f"config: {e}", every_rank=False)
+        code = 2
+    except (JobError, ValueError, FileNotFoundError) as e:  # ValueError/FileNotFoundError: plan and export-hf
+        _report(str(e), every_rank=not isinstance(e, JobError))
+        code = 1
+    except KeyboardInterrupt:
+        _report("interrupted", every_rank=False)
+        code = 130
+    except Exception as e:  # noqa: BLE001 - one line per failing rank instead of a wall of tracebacks
+        first = f"{type(e).__name__}: {e}".splitlines()[0]
+        lost_peer = any(m in str(e) for m in _PEER_LOST)
+        if lost_peer:
+            first = f"lost contact with another rank (it failed or was killed; see its message) [{first[:160]}]"
+        _report(first, every_rank=True)
+        code = 1
+        debug = debug or not lost_peer  # anything but a lost peer is unexpected: keep its traceback
+    if debug:
+        traceback.print_exc()
+    _close_process_group()
+    return code
 
 
 if __name__ == "__main__":

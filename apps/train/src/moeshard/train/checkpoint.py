@@ -4,7 +4,9 @@ A checkpoint ``<dir>/step_00000120/`` becomes visible only when complete on ever
 ``<dir>/.tmp-step_00000120/``; after a barrier rank 0 writes ``COMPLETE`` and renames the folder. ``resume: auto``
 takes the newest folder that has ``COMPLETE``; pruning (``keep_last``) deletes only older complete checkpoints and
 our own stale temporary folders, never the newest complete one and never anything else in the directory.
-A failed save (e.g. a full disk) removes its temporary folder and raises; the previous checkpoint is untouched.
+A failed save (e.g. a full disk) on any rank removes the temporary folder and raises
+:class:`~moeshard.train.errors.CheckpointSaveError` on every rank; the previous checkpoint is untouched. A rank
+killed while saving leaves only a ``.tmp-`` folder, which ``resume: auto`` ignores and a later save replaces.
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from moeshard.train import faults
+from moeshard.train.errors import CheckpointSaveError
+
 COMPLETE = "COMPLETE"
 _NAME = re.compile(r"^step_(\d{8})$")
 _TMP = re.compile(r"^\.tmp-step_(\d{8})$")
+_OLD = re.compile(r"^\.old-step_(\d{8})$")
 
 
 def checkpoint_name(step: int) -> str:
@@ -92,7 +98,7 @@ def save_checkpoint(
     dist.barrier()
     error = None
     try:
-        dcp.save(app_state, checkpoint_id=str(tmp))
+        dcp.save(app_state, storage_writer=faults.storage_writer(tmp, step))
         torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")
         if rank == 0:
             torch.save(extra, tmp / "extra.pt")
@@ -105,7 +111,7 @@ def save_checkpoint(
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         previous = newest_checkpoint(ckpt_dir)
-        raise RuntimeError(
+        raise CheckpointSaveError(
             f"saving the checkpoint of step {step} failed on {int(failed.item())} rank(s)"
             + (f" ({type(error).__name__}: {error})" if error is not None else "")
             + f"; nothing was published, the previous checkpoint {previous or '(none)'} is intact. "
@@ -119,22 +125,33 @@ def save_checkpoint(
         marker = {"step": step, "world_size": dist.get_world_size(), "time": time.time()}
         (tmp / COMPLETE).write_text(json.dumps(marker))
         _fsync_dir(tmp)
-        if final.exists():  # an older save of the same step (resumed from before it): replace it
-            shutil.rmtree(final)
+        old = ckpt_dir / f".old-{checkpoint_name(step)}"
+        if final.exists():  # an earlier save of the same step (resumed from before it): move it aside first
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)  # a crash from here on still leaves the older complete checkpoints
         os.rename(tmp, final)
         _fsync_dir(ckpt_dir)
+        shutil.rmtree(old, ignore_errors=True)
         prune(ckpt_dir, keep_last)
     dist.barrier()
     return final
 
 
 def prune(ckpt_dir: Path, keep_last: int) -> list[Path]:
-    """Delete complete checkpoints older than the newest ``keep_last`` and our stale temporary folders."""
+    """Delete complete checkpoints older than the newest ``keep_last`` and our stale temporary folders.
+
+    Only ``step_XXXXXXXX`` folders holding ``COMPLETE`` and our own ``.tmp-``/``.old-`` folders are candidates;
+    the newest complete checkpoint is always kept and nothing else in ``ckpt_dir`` is touched.
+    """
     keep_last = max(1, keep_last)
     done = complete_checkpoints(ckpt_dir)
     removed = done[:-keep_last]
     newest_step = int(_NAME.match(done[-1].name).group(1)) if done else -1
-    stale = [p for p in ckpt_dir.iterdir() if (m := _TMP.match(p.name)) and int(m.group(1)) <= newest_step]
+    stale = [
+        p
+        for p in ckpt_dir.iterdir()
+        if ((m := _TMP.match(p.name)) and int(m.group(1)) <= newest_step) or _OLD.match(p.name)
+    ]
     for p in removed + stale:
         shutil.rmtree(p, ignore_errors=True)
     return removed
@@ -143,6 +160,10 @@ def prune(ckpt_dir: Path, keep_last: int) -> list[Path]:
 def load_checkpoint(path: Path, app_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Load DCP state in place (any layout); returns ``(extra, this rank's rank_state or None)``."""
     read_marker(path)
+    if not (path / "extra.pt").is_file():
+        raise ValueError(
+            f"{path} has no extra.pt: it is not a moeshard-train checkpoint; point checkpoint.resume elsewhere"
+        )
     dcp.load(app_state, checkpoint_id=str(path))
     extra = torch.load(path / "extra.pt", weights_only=False)
     rank_file = path / f"rank_{dist.get_rank():05d}.pt"

@@ -1,8 +1,34 @@
-"""Communication estimates per optimizer step (for ``plan``): bytes per rank by collective kind and link."""
+"""Communication estimates per optimizer step (for ``plan``): bytes per rank by collective kind and link.
+
+Same convention as the measurement (:mod:`moeshard.train.comm_accounting`): the bytes one rank sends to its peers,
+counted per peer, so the share of peers on other nodes is the inter-node share. All-gather ``(n-1)·shard``,
+reduce-scatter ``(n-1)/n·full``, all-to-all the rows sent to each peer. A test checks the all-gather and
+reduce-scatter figures against the measured ones within 2 %; the all-to-all depends on where the router sends
+tokens, so it is given for uniform routing together with its upper bound (every token to every EP peer).
+"""
 
 from __future__ import annotations
 
+from math import comb
 from typing import Any
+
+
+def moe_layer_count(config: Any) -> int:
+    """Number of decoder layers with routed experts."""
+    dense = set(config.mlp_only_layers or [])
+    step = config.decoder_sparse_step or 1
+    return sum(1 for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+
+
+def a2a_rows_per_token(config: Any, ep_size: int, dispatch: str, uniform: bool = True) -> float:
+    """Rows one token sends to the other EP ranks: ``copies`` sends each routed copy, ``tokens`` sends a token
+    once to each rank that holds any of its experts. Expected value under uniform routing, or the upper bound."""
+    e, k, p = config.num_experts, config.num_experts_per_tok, ep_size
+    if dispatch == "copies":
+        return k * (p - 1) / p if uniform else float(k)
+    if not uniform:
+        return float(min(p - 1, k))
+    return (p - 1) * (1.0 - comb(e - e // p, k) / comb(e, k))  # P(one of its K experts lives on a given peer)
 
 
 def estimate_comm_bytes(
@@ -15,21 +41,30 @@ def estimate_comm_bytes(
     micro_batches: int,
     compute_bytes: int,
     reshard_after_forward: bool,
+    root_numel: int = 0,
+    activation_checkpointing: bool = False,
+    dispatch: str = "tokens",
+    uniform_routing: bool = True,
 ) -> dict[tuple[str, str], float]:
     """Bytes leaving one rank per optimizer step, keyed by ``(kind, "intra-node" | "inter-node")``.
 
-    all-to-all: 4 passes per MoE layer (dispatch and combine, forward and backward) of the routed token copies
-    that go to the other ``ep_size - 1`` ranks of the EP group (uniform routing assumed). all-gather: each
-    parameter once per micro-batch in forward, again in backward when resharded after forward (compute dtype).
-    reduce-scatter: fp32 gradients once per micro-batch. A group's traffic is inter-node for the share of peers
-    on other nodes.
+    Args:
+        tokens_per_rank: tokens this rank processes per optimizer step (all micro-batches).
+        micro_batches: gradient-accumulation steps; FSDP gathers and reduce-scatters once per micro-batch.
+        compute_bytes: bytes per element of the gathered parameters and the exchanged activations.
+        reshard_after_forward: units are gathered again in backward (FSDP2 never reshards the root unit, whose
+            ``root_numel`` parameters are therefore gathered once per micro-batch).
+        activation_checkpointing: the recomputed forward repeats the dispatch all-to-alls.
+        dispatch: moeshard.ep's mode, ``tokens`` (de-duplicated) or ``copies``.
+        uniform_routing: False gives the all-to-all upper bound (every token to every EP peer).
+
+    all-to-all per MoE layer and token: the token's hidden state out and its partial output back, in forward and
+    backward (4 passes, 6 with activation checkpointing), plus, for ``tokens``, its K expert ids and weights
+    (float32, forward and backward). Reduce-scatter is float32.
     """
     d = config.hidden_size
-    moe_layers = sum(
-        1
-        for i in range(config.num_hidden_layers)
-        if i not in set(config.mlp_only_layers or []) and (i + 1) % (config.decoder_sparse_step or 1) == 0
-    )
+    k = config.num_experts_per_tok
+    moe_layers = moe_layer_count(config)
     ep_fsdp = world_size // ep_size
     nodes = world_size // ranks_per_node
     out: dict[tuple[str, str], float] = {}
@@ -38,24 +73,35 @@ def estimate_comm_bytes(
         if group <= 1 or total == 0:
             return
         peers = group - 1
-        inter = 0 if group_nodes <= 1 else (group - group // group_nodes) / peers
+        inter = 0.0 if group_nodes <= 1 else (group - group // group_nodes) / peers
         for link, share in (("intra-node", 1 - inter), ("inter-node", inter)):
             if share > 0:
                 out[(kind, link)] = out.get((kind, link), 0.0) + total * share
 
-    a2a = 4 * moe_layers * tokens_per_rank * config.num_experts_per_tok * d * compute_bytes * (ep_size - 1) / ep_size
-    ep_nodes = max(1, ep_size // ranks_per_node) if ep_size > ranks_per_node else 1
+    rows = a2a_rows_per_token(config, ep_size, dispatch, uniform_routing)
+    passes = 6 if activation_checkpointing else 4  # hidden states out + partial outputs back, fwd (x2 with AC) + bwd
+    per_row = passes * d * compute_bytes
+    forwards = 2 if activation_checkpointing else 1
+    el = config.num_experts // ep_size
+    if dispatch == "tokens":
+        per_row += (forwards + 1) * 2 * k * 4  # ids + weights (float32), forward(s) and the weights' gradient
+        counts = (ep_size - 1) * (el + 1) * 8  # per layer and forward: rows and copies per expert (int64)
+    else:
+        counts = (ep_size - 1) * el * 8
+    a2a = moe_layers * (tokens_per_rank * rows * per_row + micro_batches * forwards * counts)
+    ep_nodes = -(-ep_size // ranks_per_node) if ep_size > ranks_per_node else 1
     add("all_to_all", a2a, ep_size, ep_nodes)
+
     expert_numel = moe_layers * config.num_experts * 3 * d * config.moe_intermediate_size
-    total_numel = _total_numel(config)
-    dense_numel = total_numel - expert_numel
-    gathers = micro_batches * (2 if reshard_after_forward else 1)
+    dense_numel = _total_numel(config) - expert_numel
+    gathers = 2 if reshard_after_forward else 1
     ep_fsdp_nodes = min(nodes, ep_fsdp)
-    for numel, group, group_nodes in (
-        (dense_numel, world_size, nodes),
-        (expert_numel / ep_size, ep_fsdp, ep_fsdp_nodes),
+    for numel, root, group, group_nodes in (
+        (dense_numel, root_numel, world_size, nodes),
+        (expert_numel / ep_size, 0, ep_fsdp, ep_fsdp_nodes),
     ):
-        add("all_gather", gathers * numel * compute_bytes * (group - 1) / group, group, group_nodes)
+        gathered = micro_batches * (gathers * (numel - root) + root)
+        add("all_gather", gathered * compute_bytes * (group - 1) / group, group, group_nodes)
         add("reduce_scatter", micro_batches * numel * 4 * (group - 1) / group, group, group_nodes)
     return out
 

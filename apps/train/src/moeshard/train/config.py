@@ -113,7 +113,10 @@ class JobConfig:
                 return {k: conv(x) for k, x in v.items()}
             return v
 
-        return {s.name: {k: conv(v) for k, v in dataclasses.asdict(getattr(self, s.name)).items()} for s in dataclasses.fields(self)}
+        return {
+            s.name: {k: conv(v) for k, v in dataclasses.asdict(getattr(self, s.name)).items()}
+            for s in dataclasses.fields(self)
+        }
 
 
 class ConfigError(ValueError):
@@ -248,6 +251,8 @@ def validate(cfg: JobConfig) -> None:
     if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"train.lr must be > 0 and 0 <= train.min_lr <= train.lr (got lr={t.lr}, min_lr={t.min_lr})")
     if c.keep_last < 1:
-        raise ConfigError(f"checkpoint.keep_last must be >= 1 (the newest checkpoint is always kept), got {c.keep_last}")
+        raise ConfigError(
+            f"checkpoint.keep_last must be >= 1 (the newest checkpoint is always kept), got {c.keep_last}"
+        )
     if c.every_steps < 0:
         raise ConfigError(f"checkpoint.every_steps must be >= 0, got {c.every_steps}")

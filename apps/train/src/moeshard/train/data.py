@@ -1,5 +1,9 @@
 """Training data: JSONL / Parquet records with "text" or "input_ids", or generated sequences.
 
+Samples: with ``packing: true`` all documents are concatenated (an EOS token after each, when the model has one)
+and cut into ``seq_len`` pieces; with ``packing: false`` each non-empty record is one sample, truncated to
+``seq_len`` or right-padded (padding masked out of attention and loss).
+
 Sample order is a pure function of (step, config): with ``shuffle: false`` step ``s`` trains on samples
 ``s*B .. s*B+B-1`` of the global batch ``B`` in file order (wrapping into the next epoch), each rank taking its
 contiguous share ``[r*B/W, (r+1)*B/W)``; with ``shuffle: true`` each epoch is a seeded permutation. Resuming at a
@@ -64,7 +68,9 @@ def _read_records(path: Path) -> list[dict]:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+                raise ValueError(
+                    f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object"
+                ) from None
             if not isinstance(rec, dict):
                 raise ValueError(f"{path}:{lineno}: each line must be a JSON object with 'text' or 'input_ids'")
             records.append(rec)
@@ -143,7 +149,7 @@ def build_dataset(cfg: DataConfig, *, vocab_size: int, eos_id: int | None, pad_i
         pad = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
         for doc in docs:
             if not doc:
-                continue
+                continue  # a fully masked row would make attention NaN; nothing to learn from it anyway
             doc = doc[:S]
             n = len(doc)
             x = torch.full((S,), pad, dtype=torch.long)
@@ -164,27 +170,47 @@ def build_dataset(cfg: DataConfig, *, vocab_size: int, eos_id: int | None, pad_i
     return TokenDataset(ids, labels, masks_out)
 
 
+def check_batch_sizes(global_batch: int, world_size: int, micro_batch: int) -> int:
+    """Gradient accumulation steps of ``global_batch`` over ``world_size`` ranks in micro-batches of ``micro_batch``.
+
+    Raises:
+        ValueError: the global batch does not split evenly into ranks and micro-batches.
+    """
+    if global_batch % world_size:
+        raise ValueError(
+            f"train.global_batch_size {global_batch} is not divisible by the world size {world_size}; "
+            f"use a multiple of {world_size}"
+        )
+    per_rank = global_batch // world_size
+    if per_rank % micro_batch:
+        raise ValueError(
+            f"per-rank batch {per_rank} (global {global_batch} / world {world_size}) is not divisible by "
+            f"train.micro_batch_size {micro_batch}; pick a micro batch that divides {per_rank}"
+        )
+    return per_rank // micro_batch
+
+
 class GlobalBatches:
     """Deterministic assignment of samples to (step, rank, micro-batch)."""
 
-    def __init__(self, num_samples: int, global_batch: int, world_size: int, micro_batch: int, shuffle: bool, seed: int):
+    def __init__(
+        self, num_samples: int, global_batch: int, world_size: int, micro_batch: int, shuffle: bool, seed: int
+    ):
+        check_batch_sizes(global_batch, world_size, micro_batch)
         if num_samples < global_batch:
             raise ValueError(
                 f"the dataset has {num_samples} samples, fewer than one global batch of {global_batch}; "
                 "add data or lower train.global_batch_size"
             )
-        if global_batch % world_size:
-            raise ValueError(
-                f"train.global_batch_size {global_batch} is not divisible by the world size {world_size}; "
-                f"use a multiple of {world_size}"
-            )
         per_rank = global_batch // world_size
-        if per_rank % micro_batch:
-            raise ValueError(
-                f"per-rank batch {per_rank} (global {global_batch} / world {world_size}) is not divisible by "
-                f"train.micro_batch_size {micro_batch}; pick a micro batch that divides {per_rank}"
-            )
-        self.n, self.B, self.W, self.mb, self.shuffle, self.seed = num_samples, global_batch, world_size, micro_batch, shuffle, seed
+        self.n, self.B, self.W, self.mb, self.shuffle, self.seed = (
+            num_samples,
+            global_batch,
+            world_size,
+            micro_batch,
+            shuffle,
+            seed,
+        )
         self.accum = per_rank // micro_batch
         self._perm_cache: dict[int, list[int]] = {}
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import resource
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +53,31 @@ def max_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in record.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        else:
+            out[prefix + k] = v
+    return out
+
+
 class MetricsSink:
     """Rank-0 writer of ``metrics.jsonl`` and TensorBoard scalars/images; a no-op elsewhere."""
 
-    def __init__(self, output_dir: Path, *, enabled: bool, tensorboard: bool, total_steps: int, progress: bool):
+    def __init__(
+        self,
+        output_dir: Path,
+        *,
+        enabled: bool,
+        tensorboard: bool,
+        total_steps: int,
+        progress: bool,
+        start_step: int = 0,
+    ):
+        """Open the sinks; a run that (re)starts at ``start_step`` first drops the records of later steps that an
+        interrupted attempt had written, so every step appears once."""
         self.enabled = enabled
         self.path = output_dir / "metrics.jsonl"
         self.writer = None
@@ -65,21 +85,22 @@ class MetricsSink:
         if not enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            kept = [
+                ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= start_step
+            ]
+            self.path.write_text("".join(ln + "\n" for ln in kept))
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+            # purge_step hides the events an interrupted attempt wrote after the checkpoint we resume from.
+            self.writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=start_step + 1)
         if progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
-        self._t0 = time.time()
-
-    def set_start(self, step: int) -> None:
-        """Position the progress bar after a resume."""
-        if self.bar is not None:
-            self.bar.n = step
-            self.bar.refresh()
+            self.bar = tqdm(
+                total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr
+            )
 
     def log(self, record: dict[str, Any]) -> None:
         """Append one record (``step`` included) to metrics.jsonl, TensorBoard and the console."""
@@ -89,7 +110,7 @@ class MetricsSink:
             f.write(json.dumps(record) + "\n")
         step = record["step"]
         if self.writer is not None:
-            for k, v in record.items():
+            for k, v in _flatten(record).items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.writer.add_scalar(k, v, step)
         line = (

@@ -50,17 +50,27 @@ def _local(p: Any) -> torch.Size:
     return p.to_local().shape if isinstance(p, DTensor) else p.shape
 
 
-def activation_bytes_per_token(config: Any, compute_bytes: int) -> int:
-    """Saved activations per token for one training micro-batch (no activation checkpointing), all layers + loss."""
+def activation_bytes_per_token(config: Any, compute_bytes: int, activation_checkpointing: bool = False) -> int:
+    """Saved activations per token of one training micro-batch, all layers + the loss head.
+
+    Without activation checkpointing every layer keeps its activations; with it, each layer keeps only its input
+    and one layer at a time is recomputed in backward. The loss head is chunked (the trainer never holds the
+    ``[tokens, vocab]`` logits): it keeps the hidden states and their gradient.
+    """
     d, e, k, f = config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     attn = compute_bytes * (4 * d + 3 * q + 2 * kv) + 4 * config.num_attention_heads  # norms, qkv, sdpa out + lse
     moe = compute_bytes * (2 * d + k * (2 * d + 4 * f)) + 4 * (2 * e + 3 * k)  # dispatch, gate_up, act, down, router
-    head = config.vocab_size * (compute_bytes + 4)  # logits and their fp32 loss input
-    return config.num_hidden_layers * (attn + moe) + head
+    head = 2 * d * compute_bytes
+    layers = config.num_hidden_layers
+    if activation_checkpointing:
+        return layers * d * compute_bytes + (attn + moe) + head
+    return layers * (attn + moe) + head
 
 
-def plan(cfg: JobConfig, *, nnodes: int, nproc_per_node: int, rank: int = 0, micro_batch_size: int | None = None) -> str:
+def plan(
+    cfg: JobConfig, *, nnodes: int, nproc_per_node: int, rank: int = 0, micro_batch_size: int | None = None
+) -> str:
     """Build the job on meta under the fake backend as ``rank`` and describe it."""
     from moeshard.ep import apply_ep, get_ep_info
     from moeshard.fsdp_moe import default_mp_policy, shard_model
@@ -101,6 +111,7 @@ def plan(cfg: JobConfig, *, nnodes: int, nproc_per_node: int, rank: int = 0, mic
             lines.append(f"{name:62s} {str(list(gshape)):>22s} {str(list(lshape)):>22s}  {_placement(p, meta)}")
         all_units = {id(m) for stage in units.stages for _, m in stage.modules} | {id(units.root)}
         largest_unit = max(sum(_managed_numel(m, all_units) for _, m in stage.modules) for stage in units.stages)
+        root_numel = _managed_numel(units.root, all_units)
     mb = micro_batch_size or cfg.train.micro_batch_size
     tokens = mb * cfg.data.seq_len
     depth = cfg.parallel.prefetch_depth
@@ -109,16 +120,20 @@ def plan(cfg: JobConfig, *, nnodes: int, nproc_per_node: int, rank: int = 0, mic
         grads=4 * local_numel,
         optimizer=8 * local_numel,
         unsharded=compute_bytes * largest_unit * (1 + depth) + 4 * largest_unit,
-        activations=activation_bytes_per_token(mcfg, compute_bytes) * tokens,
+        activations=activation_bytes_per_token(mcfg, compute_bytes, cfg.train.activation_checkpointing) * tokens,
     )
     lines.append("")
     lines.append(f"parameters: {total_numel / 1e9:.3f} B in total, {local_numel / 1e6:.2f} M on rank {rank}")
-    lines.append(f"estimated memory per rank (micro batch {mb} x seq {cfg.data.seq_len}):")
+    ac = "with" if cfg.train.activation_checkpointing else "without"
+    lines.append(
+        f"estimated memory per rank (micro batch {mb} x seq {cfg.data.seq_len}, {ac} activation checkpointing, "
+        f"{'bf16' if compute_bytes == 2 else 'fp32'} compute, fp32 master weights, AdamW):"
+    )
     for k in ("params", "grads", "optimizer", "unsharded", "activations"):
         lines.append(f"  {k:12s} {getattr(est, k) / GiB:8.2f} GiB")
     lines.append(f"  {'total':12s} {est.total / GiB:8.2f} GiB")
     lines.append("")
-    lines += comm_estimate_lines(cfg, mcfg, world, nproc_per_node, total_numel, compute_bytes)
+    lines += comm_estimate_lines(cfg, mcfg, world, nproc_per_node, compute_bytes, root_numel)
     return "\n".join(lines)
 
 
@@ -132,11 +147,14 @@ def _managed_numel(unit: torch.nn.Module, all_units: set[int]) -> int:
     return total
 
 
-def comm_estimate_lines(cfg: JobConfig, mcfg: Any, world: int, per_node: int, total_numel: int, elem: int) -> list[str]:
-    """Bytes per optimizer step per rank by collective kind, and which of them cross nodes."""
+def comm_estimate(
+    cfg: JobConfig, mcfg: Any, world: int, per_node: int, elem: int, root_numel: int, *, uniform_routing: bool = True
+) -> dict[tuple[str, str], float]:
+    """Bytes per optimizer step per rank by ``(kind, link)`` for this job (see :mod:`moeshard.train.comm`)."""
+    from moeshard.ep import get_ep_dispatch
     from moeshard.train.comm import estimate_comm_bytes
 
-    est = estimate_comm_bytes(
+    return estimate_comm_bytes(
         mcfg,
         world_size=world,
         ranks_per_node=per_node,
@@ -145,8 +163,20 @@ def comm_estimate_lines(cfg: JobConfig, mcfg: Any, world: int, per_node: int, to
         micro_batches=max(1, cfg.train.global_batch_size // world // cfg.train.micro_batch_size),
         compute_bytes=elem,
         reshard_after_forward=cfg.parallel.reshard_after_forward,
+        root_numel=root_numel,
+        activation_checkpointing=cfg.train.activation_checkpointing,
+        dispatch=get_ep_dispatch(),
+        uniform_routing=uniform_routing,
     )
-    out = ["estimated communication per optimizer step per rank:"]
+
+
+def comm_estimate_lines(cfg: JobConfig, mcfg: Any, world: int, per_node: int, elem: int, root_numel: int) -> list[str]:
+    """Bytes per optimizer step per rank by collective kind, and which of them cross nodes."""
+    est = comm_estimate(cfg, mcfg, world, per_node, elem, root_numel)
+    bound = comm_estimate(cfg, mcfg, world, per_node, elem, root_numel, uniform_routing=False)
+    out = ["estimated communication per optimizer step per rank (bytes sent to peers; all-to-all for uniform routing):"]
     for (kind, link), b in sorted(est.items()):
-        out.append(f"  {kind:16s} {link:11s} {b / 2**20:12.1f} MiB")
+        extra = f"   (at most {bound[(kind, link)] / 2**20:.1f} MiB)" if kind == "all_to_all" else ""
+        out.append(f"  {kind:16s} {link:11s} {b / 2**20:12.1f} MiB{extra}")
+    out.append("  all_reduce       (loss, token count, gradient norm: a few scalars per step)")
     return out

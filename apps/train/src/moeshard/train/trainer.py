@@ -4,6 +4,8 @@
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \
         -m moeshard.train --config apps/train/configs/qwen3_30b_a3b_2x8.yaml
 
+The run itself (checks, resume, loop, checkpoints) is in ``moeshard.train.runner``.
+
 Loss: the mean over every label token of the global batch. FSDP averages gradients over the world (experts
 included, see moeshard.fsdp_moe), so each rank back-propagates ``W · (sum of its token losses) / N_global``.
 """
@@ -11,31 +13,16 @@ included, see moeshard.fsdp_moe), so each rank back-propagates ``W · (sum of it
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from moeshard.train import checkpoint as ckpt
 from moeshard.train.config import JobConfig
-from moeshard.train.data import Batch, GlobalBatches, build_dataset
-from moeshard.train.metrics import MetricsSink, flops_per_token, max_memory_gib, mfu
-
-
-def print0(*args: Any) -> None:
-    """Print on rank 0 only."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, flush=True)
-
-
-class TrainingDiverged(RuntimeError):
-    """A non-finite loss or gradient norm; the last good checkpoint is kept."""
+from moeshard.train.data import Batch
 
 
 def init_distributed() -> torch.device:
@@ -80,38 +67,6 @@ def resolve_model_config(cfg: JobConfig):
             setattr(config, k, v)
         return config
     return get_preset_config(cfg.model.preset, **cfg.model.overrides)
-
-
-def _run_identity(cfg: JobConfig) -> dict[str, Any]:
-    # What makes two runs "the same run": model and data (steps, layout, logging and checkpointing may change).
-    d = cfg.to_dict()
-    train = {k: v for k, v in d["train"].items() if k != "steps"}
-    return {"model": d["model"], "data": d["data"], "train": train}
-
-
-def guard_output_dir(cfg: JobConfig, output_dir: Path, resuming: bool) -> None:
-    """Refuse an output_dir that holds a different run, or the same run without resuming it."""
-    run_file = output_dir / "run.json"
-    if not run_file.is_file():
-        return
-    previous = json.loads(run_file.read_text())
-    ident = _run_identity(cfg)
-    if previous != ident:
-        diff = [
-            f"{s}.{k}"
-            for s in ident
-            for k in set(ident[s]) | set(previous.get(s, {}))
-            if ident[s].get(k) != previous.get(s, {}).get(k)
-        ]
-        raise ValueError(
-            f"logging.output_dir {output_dir} holds a different run (differs in {', '.join(sorted(diff))}); "
-            "choose another logging.output_dir, or restore that run's settings to resume it"
-        )
-    if not resuming:
-        raise ValueError(
-            f"logging.output_dir {output_dir} already holds this run and checkpoint.resume is 'none'; "
-            "nothing was overwritten. Use checkpoint.resume=auto to continue it, or another logging.output_dir"
-        )
 
 
 def lr_at(step: int, cfg: JobConfig) -> float:
@@ -266,137 +221,3 @@ def _expert_counts(router_logits, config, acc):
     ]
     counts = torch.stack(per_layer).cpu()
     return counts if acc is None else acc + counts
-
-
-def run(cfg: JobConfig) -> dict[str, Any]:
-    """Run the job under torchrun (or as a single process); returns a summary on every rank."""
-    device = init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    output_dir = Path(cfg.logging.output_dir)
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else output_dir / "checkpoints"
-    resume_path = None
-    if cfg.checkpoint.resume == "auto":
-        resume_path = ckpt.newest_checkpoint(ckpt_dir)
-    elif cfg.checkpoint.resume != "none":
-        resume_path = Path(cfg.checkpoint.resume)
-        if not resume_path.is_dir():
-            raise ValueError(f"checkpoint.resume {resume_path} does not exist; use auto, none or a checkpoint folder")
-    guard_output_dir(cfg, output_dir, resuming=cfg.checkpoint.resume != "none")
-    torch.manual_seed(cfg.train.seed)
-    job = build_job(cfg, device)
-    print0(job.meshes.describe())
-    tok_cfg = job.model_config
-    data = build_dataset(
-        cfg.data,
-        vocab_size=tok_cfg.vocab_size,
-        eos_id=_first(tok_cfg.eos_token_id),
-        pad_id=tok_cfg.pad_token_id if hasattr(tok_cfg, "pad_token_id") else None,
-    )
-    batches = GlobalBatches(
-        len(data), cfg.train.global_batch_size, world, cfg.train.micro_batch_size, cfg.data.shuffle, cfg.data.seed
-    )
-    start_step = 0
-    if resume_path is not None:
-        from moeshard.fsdp_moe import set_state_dict
-
-        state = _app_state(job)
-        extra, rank_state = ckpt.load_checkpoint(resume_path, state)
-        set_state_dict(job.model, state, job.optimizer)
-        job.scheduler.load_state_dict(extra["scheduler"])
-        start_step = int(extra["step"])
-        if rank_state is not None:
-            torch.set_rng_state(rank_state["cpu_rng"])
-        print0(f"resumed from {resume_path} at step {start_step}")
-    if rank == 0:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "run.json").write_text(json.dumps(_run_identity(cfg), indent=1))
-        (output_dir / "config.yaml").write_text(_yaml(cfg))
-    sink = MetricsSink(
-        output_dir,
-        enabled=rank == 0,
-        tensorboard=cfg.logging.tensorboard,
-        total_steps=cfg.train.steps,
-        progress=cfg.logging.progress_bar,
-    )
-    sink.set_start(start_step)
-    fpt = flops_per_token(tok_cfg, cfg.data.seq_len)
-    losses: list[float] = []
-    last_saved = ckpt.newest_checkpoint(ckpt_dir)
-    try:
-        for step in range(start_step, cfg.train.steps):
-            t0 = time.perf_counter()
-            micro = [data.collate(ix) for ix in batches.micro_batches(step, rank)]
-            want_counts = bool(cfg.logging.expert_load_every) and (step + 1) % cfg.logging.expert_load_every == 0
-            stats = host_stats(train_step(job, micro, want_counts))
-            if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
-                raise TrainingDiverged(
-                    f"step {step + 1}: non-finite loss {stats['loss']} or grad norm {stats['grad_norm']}; "
-                    f"parameters were not updated and the last good checkpoint ({last_saved or 'none'}) is kept. "
-                    "Lower train.lr or check the data"
-                )
-            job.optimizer.step()
-            job.scheduler.step()
-            job.optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            done = step + 1
-            losses.append(stats["loss"])
-            tokens = cfg.train.global_batch_size * cfg.data.seq_len / world
-            if done % cfg.logging.every_steps == 0 or done == cfg.train.steps:
-                tps = tokens / dt
-                sink.log(
-                    {
-                        "step": done,
-                        "loss": stats["loss"],
-                        "aux_loss": stats["aux_loss"],
-                        "grad_norm": stats["grad_norm"],
-                        "lr": job.scheduler.get_last_lr()[0],
-                        "tokens_per_s_per_gpu": tps,
-                        "mfu": mfu(tps, fpt),
-                        "max_memory_gib": max_memory_gib(device),
-                        "step_time_s": dt,
-                    }
-                )
-            if (
-                stats["counts"] is not None
-                and cfg.logging.expert_load_every
-                and done % cfg.logging.expert_load_every == 0
-            ):
-                sink.expert_load(done, stats["counts"])
-            sink.advance()
-            if (cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0) or done == cfg.train.steps:
-                last_saved = save(job, ckpt_dir, done)
-    finally:
-        sink.close()
-    return {"losses": losses, "start_step": start_step, "checkpoint": str(last_saved) if last_saved else None}
-
-
-def _first(x):
-    return x[0] if isinstance(x, (list, tuple)) else x
-
-
-def _app_state(job: Job) -> dict[str, Any]:
-    from moeshard.fsdp_moe import get_state_dict
-
-    return get_state_dict(job.model, job.optimizer)
-
-
-def save(job: Job, ckpt_dir: Path, step: int) -> Path:
-    """Save an atomic, layout-independent checkpoint after ``step`` steps."""
-    extra = {
-        "step": step,
-        "scheduler": job.scheduler.state_dict(),
-        "world_size": dist.get_world_size(),
-        "config": job.cfg.to_dict(),
-    }
-    rank_state = {"cpu_rng": torch.get_rng_state()}
-    return ckpt.save_checkpoint(
-        ckpt_dir, step, _app_state(job), extra, rank_state, keep_last=job.cfg.checkpoint.keep_last
-    )
-
-
-def _yaml(cfg: JobConfig) -> str:
-    import yaml
-
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,118 @@
+"""Fault injection for tests of crash safety: a testing aid, never needed (nor read) in normal runs.
+
+Set ``MOESHARD_FAULT`` to one or more comma-separated faults; steps count from 1 like ``metrics.jsonl``:
+
+    kill_rank:R:step:S          SIGKILL rank R in step S, after its backward, before the optimizer step
+    kill_rank:R:during_save:S   SIGKILL rank R while saving the checkpoint of step S, after its shard is written
+    nan_loss:R:step:S           rank R's loss of step S becomes NaN (its gradients too)
+    enospc:R:during_save:S      rank R's checkpoint write of step S fails with OSError(ENOSPC)
+
+Each fault fires once per output directory (a marker under ``<output_dir>/.faults_fired/`` is written first), so a
+job restarted by ``torchrun --max-restarts`` with the same environment does not fail again.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "MOESHARD_FAULT"
+_KINDS = {"kill_rank": ("step", "during_save"), "nan_loss": ("step",), "enospc": ("during_save",)}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault: ``kind`` on ``rank`` at ``where`` (``step`` or ``during_save``) of ``step``."""
+
+    kind: str
+    rank: int
+    where: str
+    step: int
+
+    @property
+    def name(self) -> str:
+        """The spec as written, also the marker's file name."""
+        return f"{self.kind}:{self.rank}:{self.where}:{self.step}"
+
+
+def parse(spec: str) -> list[Fault]:
+    """Parse a ``MOESHARD_FAULT`` value.
+
+    Raises:
+        ValueError: a malformed item, naming it and the accepted forms.
+    """
+    faults = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        m = re.fullmatch(r"(\w+):(\d+):(\w+):(\d+)", item)
+        if not m or m.group(1) not in _KINDS or m.group(3) not in _KINDS[m.group(1)]:
+            forms = ", ".join(f"{k}:RANK:{w}:STEP" for k, ws in _KINDS.items() for w in ws)
+            raise ValueError(f"{ENV}: cannot parse {item!r}; use one of {forms}")
+        faults.append(Fault(m.group(1), int(m.group(2)), m.group(3), int(m.group(4))))
+    return faults
+
+
+_state: dict[str, object] = {"faults": [], "marker_dir": None, "rank": 0}
+
+
+def configure(output_dir: Path, rank: int) -> None:
+    """Read ``MOESHARD_FAULT`` for this rank; markers go under ``output_dir`` (call once per run)."""
+    _state["faults"] = [f for f in parse(os.environ.get(ENV, "")) if f.rank == rank]
+    _state["marker_dir"] = Path(output_dir) / ".faults_fired"
+    _state["rank"] = rank
+
+
+def _take(kind: str, where: str, step: int) -> bool:
+    """True once for a matching fault of this rank; records that it fired before the caller acts."""
+    for f in _state["faults"]:  # type: ignore[union-attr]
+        if (f.kind, f.where, f.step) == (kind, where, step):
+            marker = _state["marker_dir"] / f.name  # type: ignore[operator]
+            if marker.exists():
+                return False
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            with open(marker, "w") as fh:
+                fh.write("fired\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            return True
+    return False
+
+
+def _kill() -> None:
+    print(f"{ENV}: killing rank {_state['rank']} (pid {os.getpid()}) with SIGKILL", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def at_step(step: int) -> None:
+    """Called by the training loop after the backward of step ``step``."""
+    if _state["faults"] and _take("kill_rank", "step", step):
+        _kill()
+
+
+def poison_loss(step: int) -> bool:
+    """Whether this rank's loss of step ``step`` must become NaN."""
+    return bool(_state["faults"]) and _take("nan_loss", "step", step)
+
+
+def storage_writer(path: Path, step: int):
+    """The DCP storage writer for a checkpoint of ``step``: a plain ``FileSystemWriter`` unless a fault is due."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    due = [f for f in _state["faults"] if f.where == "during_save" and f.step == step]  # type: ignore[union-attr]
+    if not due:
+        return FileSystemWriter(str(path))
+
+    class _FaultyWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            if _take("enospc", "during_save", step):
+                raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV})", str(path))
+            future = super().write_data(plan, planner)
+            future.wait()  # this rank's shard is on disk; the checkpoint is not published yet
+            if _take("kill_rank", "during_save", step):
+                _kill()
+            return future
+
+    return _FaultyWriter(str(path))
