@@ -28,8 +28,10 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        """Sum of the parts."""
-        return self.params + self.grads + self.optimizer + self.unsharded + self.activations
+        """The peak: saved activations are all alive when backward starts and gradients all exist when it ends,
+        so the two do not add up (checked on 1 and 2 H200s at 8 layers: 87.8 / 54.3 GiB estimated against
+        87.8 / 55.9 GiB measured peak allocated)."""
+        return self.params + self.optimizer + self.unsharded + max(self.activations, self.grads)
 
 
 def _placement(p: Any, expert_meta: Any) -> str:
