@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moeshard.train import faults
 from moeshard.train.errors import CheckpointSaveError
@@ -102,7 +103,7 @@ def save_checkpoint(
         torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")
         if rank == 0:
             torch.save(extra, tmp / "extra.pt")
-    except Exception as e:  # noqa: BLE001 - every rank must learn of any rank's failure
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn of any rank's failure
         error = e
     failed = torch.tensor([0 if error is None else 1])
     dist.all_reduce(failed)
@@ -112,8 +113,8 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
         previous = newest_checkpoint(ckpt_dir)
         raise CheckpointSaveError(
-            f"saving the checkpoint of step {step} failed on {int(failed.item())} rank(s)"
-            + (f" ({type(error).__name__}: {error})" if error is not None else "")
+            f"saving the checkpoint of step {step} failed"
+            + (f" ({_describe(error)})" if error is not None else f" on {int(failed.item())} other rank(s)")
             + f"; nothing was published, the previous checkpoint {previous or '(none)'} is intact. "
             "Free disk space or point checkpoint.dir elsewhere, then resume"
         ) from error
@@ -135,6 +136,16 @@ def save_checkpoint(
         prune(ckpt_dir, keep_last)
     dist.barrier()
     return final
+
+
+def _describe(error: BaseException) -> str:
+    """One line per failed rank (DCP reports every rank's failure to every rank)."""
+    if isinstance(error, CheckpointException):
+        return "; ".join(
+            f"rank {r}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            for r, (exc, _) in sorted(error.failures.items())
+        )
+    return f"{type(error).__name__}: {error}"
 
 
 def prune(ckpt_dir: Path, keep_last: int) -> list[Path]:

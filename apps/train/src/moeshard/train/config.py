@@ -225,6 +225,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     model_raw = raw.get("model", {})
     if isinstance(model_raw, dict) and model_raw.get("path") is not None and "preset" not in model_raw:
         model_raw["preset"] = None  # a path replaces the default preset
+    data_raw = raw.get("data", {})
+    if isinstance(data_raw, dict) and data_raw.get("path") is not None and "synthetic" not in data_raw:
+        data_raw["synthetic"] = False  # a path replaces the default generated data
     cfg = JobConfig(**{name: _section_from_dict(hints[name], name, raw[name]) for name in raw})
     validate(cfg)
     return cfg
@@ -243,6 +246,20 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"data.seq_len must be >= 2, got {d.seq_len}")
     if not d.synthetic and d.path is None:
         raise ConfigError("data: set data.path to a JSONL/Parquet file, or data.synthetic=true")
+    if d.synthetic and d.path is not None:
+        raise ConfigError("data: data.synthetic=true ignores data.path; set data.synthetic=false or drop data.path")
+    if t.warmup_steps < 0 or t.max_grad_norm <= 0 or t.weight_decay < 0:
+        raise ConfigError(
+            "train.warmup_steps must be >= 0, train.max_grad_norm > 0 and train.weight_decay >= 0 "
+            f"(got {t.warmup_steps}, {t.max_grad_norm}, {t.weight_decay})"
+        )
+    if cfg.logging.every_steps < 1 or cfg.logging.expert_load_every < 0:
+        raise ConfigError(
+            f"logging.every_steps must be >= 1 and logging.expert_load_every >= 0 (0: off), got "
+            f"{cfg.logging.every_steps} and {cfg.logging.expert_load_every}"
+        )
+    if c.resume == "":
+        raise ConfigError("checkpoint.resume must be auto, none or a checkpoint folder")
     for key in ("steps", "global_batch_size", "micro_batch_size"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")

@@ -280,7 +280,8 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     """Run the job under torchrun (or as a single process); returns a summary on every rank.
 
     Returns:
-        ``{"losses": [...] (steps run by this call), "start_step": int, "checkpoint": newest saved or None}``.
+        ``{"losses": [...] (steps run by this call), "start_step": int, "checkpoint": newest saved or None,
+        "job": the trained Job (model, optimizer, meshes)}``.
 
     Raises:
         JobError: bad inputs, a diverged loss, a failed checkpoint save (every rank raises it alike).
@@ -368,7 +369,12 @@ def run(cfg: JobConfig) -> dict[str, Any]:
                     last_saved = save(job, prep.ckpt_dir, done)
     finally:
         sink.close()
-    return {"losses": losses, "start_step": start_step, "checkpoint": str(last_saved) if last_saved else None}
+    return {
+        "losses": losses,
+        "start_step": start_step,
+        "checkpoint": str(last_saved) if last_saved else None,
+        "job": job,
+    }
 
 
 def _yaml(cfg: JobConfig) -> str:

@@ -1,0 +1,222 @@
+"""The job against transformers, resume, and resume at other layouts (gloo, in-process ranks).
+
+One 4-rank run (2 "nodes" x 2, EP 2 x ep_fsdp 2) trains a transformers-saved tiny Qwen3-MoE on JSONL token ids of
+varying lengths without packing (padding, uneven label counts per rank, a wrap into the next epoch); its losses
+must equal a single-process transformers training on the same global batches within 1e-5. The same ranks then
+resume its step-2 checkpoint (same layout: the same losses) and at EP 4 x 1; a 2-rank run resumes it at EP 2 x 1.
+Each resumed model's full parameters equal the saved ones and its next losses equal the uninterrupted run's. The
+checkpoint also exports to a Hub folder that transformers loads with the same logits.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeshard.meshes.testing import run_distributed
+
+STEPS = 4
+HPARAMS = [
+    "--data.packing=false",
+    "--data.seq_len=32",
+    f"--train.steps={STEPS}",
+    "--train.global_batch_size=8",
+    "--train.micro_batch_size=1",
+    "--train.lr=1e-3",
+    "--train.warmup_steps=2",
+    "--train.min_lr=1e-4",
+    "--train.weight_decay=0.01",
+    "--train.betas=[0.9,0.95]",
+    "--train.max_grad_norm=0.5",
+    "--checkpoint.every_steps=2",
+    "--checkpoint.keep_last=3",
+    "--logging.tensorboard=false",
+    "--logging.progress_bar=false",
+    "--logging.expert_load_every=0",
+]
+
+
+def _cfg(paths: dict, out: str, *extra: str):
+    from moeshard.train.config import load_config
+
+    return load_config(
+        None,
+        [
+            f"--model.path={paths['hf']}",
+            f"--data.path={paths['data']}",
+            f"--data.tokenizer={paths['tok']}",
+            *HPARAMS,
+            f"--logging.output_dir={paths['root']}/{out}",
+            *extra,
+        ],
+    )
+
+
+def _full_params(job) -> dict[str, torch.Tensor] | None:
+    """Full (unsharded) parameters on rank 0, from the layout-independent state dict (collective)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from moeshard.fsdp_moe import get_state_dict
+
+    sd = get_state_dict(job.model)["model"]
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in sd.items()}
+    return full if dist.get_rank() == 0 else None
+
+
+def _metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _four_ranks(paths: dict) -> dict:
+    import os
+
+    from moeshard.train.runner import run
+
+    step2 = f"{paths['root']}/a/checkpoints/step_00000002"
+    a = run(_cfg(paths, "a"))
+    b = run(_cfg(paths, "b", f"--checkpoint.resume={step2}"))
+    os.environ["LOCAL_WORLD_SIZE"] = "4"  # one node of 4: EP 4 x ep_fsdp 1
+    loaded = run(_cfg(paths, "c0", "--parallel.ep_size=4", "--train.steps=2", f"--checkpoint.resume={step2}"))
+    c = run(_cfg(paths, "c", "--parallel.ep_size=4", f"--checkpoint.resume={step2}"))
+    return {
+        "a": a["losses"],
+        "b": (b["start_step"], b["losses"]),
+        "c": (c["start_step"], c["losses"]),
+        "c_params": _full_params(loaded["job"]),
+        "layout_c": loaded["job"].meshes.describe(),
+    }
+
+
+def _two_ranks(paths: dict) -> dict:
+    from moeshard.train.errors import CheckpointSaveError
+    from moeshard.train.runner import run
+
+    step2 = f"{paths['root']}/a/checkpoints/step_00000002"
+    loaded = run(_cfg(paths, "d0", "--parallel.ep_size=2", "--train.steps=2", f"--checkpoint.resume={step2}"))
+    d = run(_cfg(paths, "d", "--parallel.ep_size=2", f"--checkpoint.resume={step2}"))
+    # A full disk on rank 1 while saving step 4: every rank raises, step 2 stays the newest complete checkpoint.
+    import os
+
+    os.environ["MOESHARD_FAULT"] = "enospc:1:during_save:4"
+    try:
+        run(_cfg(paths, "e"))
+        error = None
+    except CheckpointSaveError as e:
+        error = str(e)
+    finally:
+        del os.environ["MOESHARD_FAULT"]
+    return {"d": (d["start_step"], d["losses"]), "d_params": _full_params(loaded["job"]), "enospc": error}
+
+
+def _reference_losses(paths: dict) -> tuple[list[float], list[float]]:
+    """Single-process transformers training on the same global batches (loss = token-loss sum / label tokens)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from moeshard.train.config import DataConfig
+    from moeshard.train.data import GlobalBatches, build_dataset
+    from moeshard.train.trainer import lr_at
+
+    cfg = _cfg(paths, "unused")
+    model = Qwen3MoeForCausalLM.from_pretrained(paths["hf"], dtype=torch.float32)
+    model.train()
+    mc = model.config
+    data = build_dataset(
+        DataConfig(path=paths["data"], synthetic=False, packing=False, seq_len=32),
+        vocab_size=mc.vocab_size,
+        eos_id=mc.eos_token_id,
+        pad_id=getattr(mc, "pad_token_id", None),
+    )
+    batches = GlobalBatches(len(data), 8, 1, 8, shuffle=False, seed=0)
+    t = cfg.train
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg) / t.lr)
+    losses, norms = [], []
+    for step in range(STEPS):
+        b = data.collate(batches.global_indices(step))
+        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits.float()
+        targets = b.labels[:, 1:]
+        n = (targets != -100).sum()
+        loss = (
+            torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum"
+            )
+            / n
+        )
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, norms
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3MoeForCausalLM
+
+    from moeshard.models.qwen3moe import get_preset_config
+
+    root = tmp_path_factory.mktemp("parity")
+    torch.manual_seed(0)
+    config = get_preset_config("tiny", num_hidden_layers=2, router_aux_loss_coef=0.0)
+    Qwen3MoeForCausalLM(config).save_pretrained(root / "hf")
+    tok = Tokenizer(models.WordLevel({**{f"w{i}": i for i in range(100)}, "[UNK]": 100}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(root / "tok")
+    rng = random.Random(0)
+    records = [{"input_ids": [rng.randrange(512) for _ in range(rng.randint(3, 45))]} for _ in range(20)]
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return {"hf": str(root / "hf"), "data": str(root / "data.jsonl"), "tok": str(root / "tok"), "root": str(root)}
+
+
+def test_parity_resume_layouts_export(paths):
+    from transformers import AutoModelForCausalLM
+
+    from moeshard.train.export import export_hf, load_full_model
+
+    four = run_distributed(_four_ranks, 4, paths, ranks_per_node=2, timeout=400)[0]
+    ref_losses, ref_norms = _reference_losses(paths)
+    root = Path(paths["root"])
+
+    # Equal to transformers: losses within 1e-5 relative, gradient norms (before clipping) close too.
+    assert four["a"] == pytest.approx(ref_losses, rel=1e-5)
+    norms = [r["grad_norm"] for r in _metrics(root / "a/metrics.jsonl")]
+    assert norms == pytest.approx(ref_norms, rel=1e-4)
+    assert max(ref_norms) > 0.5  # clipping was active
+
+    # Resumed at the same layout: the same losses as uninterrupted.
+    assert four["b"][0] == 2 and four["b"][1] == pytest.approx(four["a"][2:], rel=1e-6)
+    # Resumed at EP 4 x 1: the saved parameters exactly, then the same training.
+    assert "ep 4 x ep_fsdp 1" in four["layout_c"]
+    saved, _ = load_full_model(root / "a/checkpoints/step_00000002")
+    for name, value in saved.state_dict().items():
+        assert torch.equal(four["c_params"][name], value), name
+    assert four["c"][0] == 2 and four["c"][1] == pytest.approx(four["a"][2:], rel=1e-5)
+
+    two = run_distributed(_two_ranks, 2, paths, timeout=300)[0]
+    for name, value in saved.state_dict().items():
+        assert torch.equal(two["d_params"][name], value), name
+    assert two["d"][0] == 2 and two["d"][1] == pytest.approx(four["a"][2:], rel=1e-5)
+    # Out of disk space while saving: one clear error, the previous checkpoint survives, nothing half-published.
+    assert "saving the checkpoint of step 4 failed (rank 1: OSError" in two["enospc"]
+    assert "No space left on device" in two["enospc"]
+    ckpts = sorted(p.name for p in (root / "e/checkpoints").iterdir())
+    assert ckpts == ["step_00000002"] and (root / "e/checkpoints/step_00000002/COMPLETE").is_file()
+
+    # export-hf: transformers loads the Hub folder; its logits equal our model's; the tokenizer came along.
+    out = export_hf(root / "a/checkpoints/step_00000004", root / "export")
+    assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+    ours, _ = load_full_model(root / "a/checkpoints/step_00000004")
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(hf(input_ids=ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        export_hf(root / "a/checkpoints/step_00000004", out)
