@@ -34,6 +34,10 @@ class MemoryEstimate:
         return self.params + self.optimizer + self.unsharded + max(self.activations, self.grads)
 
 
+def _size(n: float) -> str:
+    return f"{n / GiB:8.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:8.2f} MiB"
+
+
 def _placement(p: Any, expert_meta: Any) -> str:
     from torch.distributed.tensor import DTensor
 
@@ -70,10 +74,32 @@ def activation_bytes_per_token(config: Any, compute_bytes: int, activation_check
     return layers * (attn + moe) + head
 
 
+@dataclass(frozen=True)
+class PlanReport:
+    """The dry run's findings: the printed text and the figures behind it."""
+
+    text: str
+    memory: MemoryEstimate
+    comm: dict[tuple[str, str], float]  # (kind, "intra-node" | "inter-node") -> bytes per rank per step
+    comm_bound: dict[tuple[str, str], float]  # the same with the all-to-all upper bound
+
+
 def plan(
     cfg: JobConfig, *, nnodes: int, nproc_per_node: int, rank: int = 0, micro_batch_size: int | None = None
 ) -> str:
-    """Build the job on meta under the fake backend as ``rank`` and describe it."""
+    """Build the job on meta under the fake backend as ``rank`` and describe it (see :func:`plan_report`)."""
+    return plan_report(
+        cfg, nnodes=nnodes, nproc_per_node=nproc_per_node, rank=rank, micro_batch_size=micro_batch_size
+    ).text
+
+
+def plan_report(
+    cfg: JobConfig, *, nnodes: int, nproc_per_node: int, rank: int = 0, micro_batch_size: int | None = None
+) -> PlanReport:
+    """Build the job on meta under the fake backend as ``rank``: meshes, parameter rows, memory and communication.
+
+    Compute precision: ``model.dtype`` float32 means fp32, anything else bf16 (the GPU default).
+    """
     from moeshard.ep import apply_ep, get_ep_info
     from moeshard.fsdp_moe import default_mp_policy, shard_model
     from moeshard.meshes import build_meshes, fake_process_group
@@ -132,11 +158,13 @@ def plan(
         f"{'bf16' if compute_bytes == 2 else 'fp32'} compute, fp32 master weights, AdamW):"
     )
     for k in ("params", "grads", "optimizer", "unsharded", "activations"):
-        lines.append(f"  {k:12s} {getattr(est, k) / GiB:8.2f} GiB")
-    lines.append(f"  {'total':12s} {est.total / GiB:8.2f} GiB")
+        lines.append(f"  {k:12s} {_size(getattr(est, k))}")
+    lines.append(f"  {'total':12s} {_size(est.total)}  (peak: activations and gradients are not alive together)")
     lines.append("")
-    lines += comm_estimate_lines(cfg, mcfg, world, nproc_per_node, compute_bytes, root_numel)
-    return "\n".join(lines)
+    comm = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, root_numel)
+    bound = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, root_numel, uniform_routing=False)
+    lines += comm_estimate_lines(comm, bound)
+    return PlanReport("\n".join(lines), est, comm, bound)
 
 
 def _managed_numel(unit: torch.nn.Module, all_units: set[int]) -> int:
@@ -172,10 +200,8 @@ def comm_estimate(
     )
 
 
-def comm_estimate_lines(cfg: JobConfig, mcfg: Any, world: int, per_node: int, elem: int, root_numel: int) -> list[str]:
+def comm_estimate_lines(est: dict[tuple[str, str], float], bound: dict[tuple[str, str], float]) -> list[str]:
     """Bytes per optimizer step per rank by collective kind, and which of them cross nodes."""
-    est = comm_estimate(cfg, mcfg, world, per_node, elem, root_numel)
-    bound = comm_estimate(cfg, mcfg, world, per_node, elem, root_numel, uniform_routing=False)
     out = ["estimated communication per optimizer step per rank (bytes sent to peers; all-to-all for uniform routing):"]
     for (kind, link), b in sorted(est.items()):
         extra = f"   (at most {bound[(kind, link)] / 2**20:.1f} MiB)" if kind == "all_to_all" else ""
