@@ -92,9 +92,21 @@ def _report(message: str, *, every_rank: bool) -> None:
     """One line on stderr: from rank 0 only for errors every rank raises alike, else from each failing rank."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    _record_for_torchrun(message)
     if rank == 0 or every_rank:
         where = f" (rank {rank})" if every_rank and world > 1 else ""
         print(f"moeshard-train: error{where}: {message}", file=sys.stderr, flush=True)
+
+
+def _record_for_torchrun(message: str) -> None:
+    """Write the message where torchrun looks for a worker's error, so its failure summary shows it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and not os.path.exists(path):
+        import json
+        import time
+
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
 
 
 def _close_process_group() -> None:
