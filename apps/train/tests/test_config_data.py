@@ -113,3 +113,43 @@ def test_bad_data_errors(tmp_path):
         GlobalBatches(100, 10, 4, 1, False, 0)
     with pytest.raises(ValueError, match="not divisible by train.micro_batch_size 3"):
         GlobalBatches(100, 16, 4, 3, False, 0)
+
+
+def test_data_path_replaces_synthetic_data():
+    cfg = load_config(None, ["--data.path=/d.jsonl"])
+    assert cfg.data.synthetic is False and cfg.data.path == "/d.jsonl"
+
+
+def test_parquet_and_text_with_a_local_tokenizer(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"a": 1, "b": 2, "c": 3, "[UNK]": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+    pq.write_table(pa.table({"text": ["a b c", "c b"]}), tmp_path / "d.parquet")
+    cfg = DataConfig(path=str(tmp_path / "d.parquet"), tokenizer=str(tmp_path / "tok"), synthetic=False, seq_len=3)
+    ds = build_dataset(cfg, vocab_size=64, eos_id=9, pad_id=None)
+    assert [x.tolist() for x in ds.ids] == [[1, 2, 3], [9, 3, 2]]
+    pq.write_table(pa.table({"input_ids": [[5, 6, 7, 8]]}), tmp_path / "ids.parquet")
+    ds = build_dataset(
+        DataConfig(path=str(tmp_path / "ids.parquet"), synthetic=False, packing=False, seq_len=6),
+        vocab_size=64,
+        eos_id=None,
+        pad_id=0,
+    )
+    assert ds.labels[0].tolist() == [5, 6, 7, 8, -100, -100]
+
+
+def test_lr_schedule():
+    from moeshard.train.trainer import lr_at
+
+    cfg = load_config(None, ["--train.steps=10", "--train.warmup_steps=2", "--train.lr=1.0", "--train.min_lr=0.1"])
+    lrs = [lr_at(s, cfg) for s in range(10)]
+    assert lrs[:3] == [0.5, 1.0, 1.0] and lrs[-1] > 0.1 and all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+    const = load_config(
+        None, ["--train.schedule=constant", "--train.warmup_steps=0", "--train.lr=0.5", "--train.min_lr=0"]
+    )
+    assert {lr_at(s, const) for s in range(5)} == {0.5}

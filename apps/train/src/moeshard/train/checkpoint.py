@@ -170,7 +170,7 @@ def prune(ckpt_dir: Path, keep_last: int) -> list[Path]:
 
 def load_checkpoint(path: Path, app_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Load DCP state in place (any layout); returns ``(extra, this rank's rank_state or None)``."""
-    read_marker(path)
+    marker = read_marker(path)
     if not (path / "extra.pt").is_file():
         raise ValueError(
             f"{path} has no extra.pt: it is not a moeshard-train checkpoint; point checkpoint.resume elsewhere"
@@ -178,6 +178,6 @@ def load_checkpoint(path: Path, app_state: dict[str, Any]) -> tuple[dict[str, An
     dcp.load(app_state, checkpoint_id=str(path))
     extra = torch.load(path / "extra.pt", weights_only=False)
     rank_file = path / f"rank_{dist.get_rank():05d}.pt"
-    same_world = extra.get("world_size") == dist.get_world_size()
+    same_world = marker.get("world_size") == dist.get_world_size()  # else the per-rank files do not map
     rank_state = torch.load(rank_file, weights_only=False) if same_world and rank_file.is_file() else None
     return extra, rank_state

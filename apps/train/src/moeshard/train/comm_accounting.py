@@ -118,7 +118,8 @@ class CommAccounting:
     """
 
     def __init__(self, labels: dict[Any, str], ranks_per_node: int) -> None:
-        self._labels = {self._key(g): name for g, name in labels.items()}
+        # Groups this rank is not part of (``new_group`` gives them as a sentinel) are left out.
+        self._labels = {self._key(g): name for g, name in labels.items() if hasattr(g, "group_name")}
         self._rpn = ranks_per_node
         self._groups: dict[str, _Group] = {}
         self._stats: dict[str, CommStat] = {}

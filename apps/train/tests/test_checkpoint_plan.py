@@ -1,0 +1,138 @@
+"""Checkpoint folder rules (atomic publication, pruning, failures), fault specs, and ``plan`` for the 30B preset."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moeshard.train import checkpoint as ckpt
+from moeshard.train import faults
+from moeshard.train.errors import CheckpointSaveError
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    faults.configure(tmp_path, 0)
+    yield
+    dist.destroy_process_group()
+    faults.configure(tmp_path, 0)
+
+
+def _save(d: Path, step: int, keep_last: int = 2) -> Path:
+    state = {"model": {"w": torch.full((4,), float(step))}}
+    return ckpt.save_checkpoint(d, step, state, {"step": step}, {"rng": step}, keep_last=keep_last)
+
+
+def test_atomic_publication_and_pruning(world_of_one, tmp_path):
+    d = tmp_path / "ckpts"
+    d.mkdir()
+    (d / "notes.txt").write_text("mine")
+    (d / "step_00000001").mkdir()  # someone else's folder without COMPLETE: never ours to delete
+    (d / ".tmp-step_00000002").mkdir()  # a save of ours that was killed
+    for step in (2, 3, 4, 5):
+        _save(d, step)
+    names = sorted(p.name for p in d.iterdir())
+    assert names == ["notes.txt", "step_00000001", "step_00000004", "step_00000005"]
+    assert ckpt.newest_checkpoint(d).name == "step_00000005"
+    assert ckpt.read_marker(d / "step_00000005")["step"] == 5
+    state = {"model": {"w": torch.zeros(4)}}
+    extra, rank_state = ckpt.load_checkpoint(d / "step_00000004", state)
+    assert extra["step"] == 4 and rank_state == {"rng": 4} and state["model"]["w"].tolist() == [4.0] * 4
+    # keep_last=1 keeps exactly the newest; a re-save of an existing step replaces it.
+    _save(d, 5, keep_last=1)
+    assert sorted(p.name for p in d.iterdir()) == ["notes.txt", "step_00000001", "step_00000005"]
+    # A half-written newer folder (killed before its marker) is invisible to resume.
+    (d / ".tmp-step_00000009").mkdir()
+    assert ckpt.newest_checkpoint(d).name == "step_00000005"
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        ckpt.read_marker(d / ".tmp-step_00000009")
+
+
+def test_failed_save_keeps_the_previous_checkpoint(world_of_one, tmp_path, monkeypatch):
+    d = tmp_path / "ckpts"
+    _save(d, 2)
+    monkeypatch.setenv(faults.ENV, "enospc:0:during_save:4")
+    faults.configure(tmp_path, 0)
+    with pytest.raises(CheckpointSaveError, match=r"step 4 failed \(rank 0: OSError: \[Errno 28\] No space left"):
+        _save(d, 4)
+    assert sorted(p.name for p in d.iterdir()) == ["step_00000002"]
+    assert (tmp_path / ".faults_fired/enospc:0:during_save:4").is_file()
+    _save(d, 4)  # fired once: the retry (e.g. after a restart) succeeds
+    assert ckpt.newest_checkpoint(d).name == "step_00000004"
+
+
+def test_fault_specs():
+    assert faults.parse("kill_rank:1:step:3, nan_loss:0:step:2") == [
+        faults.Fault("kill_rank", 1, "step", 3),
+        faults.Fault("nan_loss", 0, "step", 2),
+    ]
+    for bad in ("kill_rank:1:during_step:3", "nan_loss:0:during_save:1", "kill:1"):
+        with pytest.raises(ValueError, match="MOESHARD_FAULT: cannot parse"):
+            faults.parse(bad)
+
+
+def test_plan_30b_on_two_nodes_of_eight(capsys):
+    from moeshard.train.__main__ import main
+
+    config = Path(__file__).resolve().parents[1] / "configs/qwen3_30b_a3b_2x8.yaml"
+    assert main(["plan", "--config", str(config), "--nnodes", "2", "--nproc-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "world 16 = 2 node(s) x 8 ranks; ep 8 x ep_fsdp 2" in out
+    assert "ep_fsdp  (experts dim 1):          [0,8], [1,9]" in out
+    row = next(ln for ln in out.splitlines() if ln.startswith("model.layers.0.mlp.experts.down_proj "))
+    assert row.split()[1:] == ["[128,", "2048,", "768]", "[16,", "1024,", "768]", "ep:Shard(0)x8", "ep_fsdp:S(1)x2"]
+    embed = next(ln for ln in out.splitlines() if ln.startswith("model.embed_tokens.weight "))
+    assert "[9496, 2048]" in embed and "fsdp:S(0)x16" in embed
+    for key in ("params", "grads", "optimizer", "unsharded", "activations", "total"):
+        assert any(ln.strip().startswith(key) and "GiB" in ln for ln in out.splitlines()), key
+    assert "parameters: 30.532 B in total" in out
+    for kind in ("all_gather       inter-node", "all_to_all       intra-node", "reduce_scatter   inter-node"):
+        assert kind in out
+    assert "all_to_all       inter-node" not in out  # EP stays inside a node
+
+
+def test_plan_refuses_a_layout_that_does_not_fit(capsys):
+    from moeshard.train.__main__ import main
+
+    assert main(["plan", "--nnodes", "2", "--nproc-per-node", "2", "--parallel.ep_size=4"]) == 1
+    assert "would cross a node boundary" in capsys.readouterr().err
+
+
+def test_comm_accounting_counts_per_group(tmp_path):
+    from moeshard.meshes.testing import run_distributed
+
+    out = run_distributed(_comm_body, 4, ranks_per_node=2)
+    snap = out[0]
+    # all_gather_single of 16 floats over 4 ranks (2 nodes): 3 peers x 64 B, 2 of them on the other node.
+    assert snap["all_gather/world"] == {"calls": 1, "bytes": 192.0, "inter_node_bytes": 128.0, "max_call_bytes": 192.0}
+    # all_to_all_single with uneven splits inside the node group [0, 1]: rank 0 sends 3 rows of 8 B to rank 1.
+    assert snap["all_to_all/node"]["bytes"] == 24.0 and snap["all_to_all/node"]["inter_node_bytes"] == 0.0
+    assert snap["reduce_scatter/world"]["bytes"] == 3 * 16.0  # a 64 B chunk of 16 B per peer
+    assert snap["all_reduce/world"]["bytes"] == 2 * 3 / 4 * 8  # ring: 2 (n-1)/n S
+    assert "barrier/world" not in snap  # paused
+
+
+def _comm_body():
+    from moeshard.train.comm_accounting import CommAccounting
+
+    rank = dist.get_rank()
+    node_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    acct = CommAccounting(dict.fromkeys(node_groups, "node"), ranks_per_node=2)
+    with acct:  # looked up inside, as FSDP2 does (torch 2.13 names; *_into_tensor / *_tensor before)
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        all_gather(torch.empty(16 * 4), torch.ones(16))
+        x = torch.arange(4, dtype=torch.float64)
+        send, recv = ([1, 3], [1, 2]) if rank % 2 == 0 else ([2, 2], [3, 2])
+        out = torch.empty(sum(recv), dtype=torch.float64)
+        dist.all_to_all_single(out, x, recv, send, group=node_groups[rank // 2])
+        reduce_scatter(torch.empty(4), torch.ones(16))
+        dist.all_reduce(torch.ones(2))
+        with acct.paused():
+            dist.barrier()
+    return acct.snapshot() if rank == 0 else None
