@@ -203,3 +203,8 @@ def test_output_dir_guard_and_resume_checks(capsys, tmp_path):
     assert main([*base, "--logging.tensorboard=false", "--train.steps=3"]) == 0  # auto: resumes step 2
     assert "resumed from" in capsys.readouterr().out
     assert not tmp_ckpt.exists()  # the save of step 3 replaced our stale temporary folder
+    # Restarted by torchrun, a run started with resume 'none' continues itself instead of refusing its own folder.
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+    assert main([*base, "--logging.tensorboard=false", "--train.steps=4", "--checkpoint.resume=none"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]

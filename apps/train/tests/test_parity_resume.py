@@ -211,7 +211,10 @@ def test_parity_resume_layouts_export(paths):
     assert ckpts == ["step_00000002"] and (root / "e/checkpoints/step_00000002/COMPLETE").is_file()
 
     # export-hf: transformers loads the Hub folder; its logits equal our model's; the tokenizer came along.
-    out = export_hf(root / "a/checkpoints/step_00000004", root / "export")
+    from moeshard.train.__main__ import main
+
+    out = root / "export"
+    assert main(["export-hf", "--checkpoint", str(root / "a/checkpoints/step_00000004"), "--out", str(out)]) == 0
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
     ours, _ = load_full_model(root / "a/checkpoints/step_00000004")
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
