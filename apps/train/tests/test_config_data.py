@@ -153,3 +153,10 @@ def test_lr_schedule():
         None, ["--train.schedule=constant", "--train.warmup_steps=0", "--train.lr=0.5", "--train.min_lr=0"]
     )
     assert {lr_at(s, const) for s in range(5)} == {0.5}
+
+
+def test_a_path_on_the_command_line_replaces_the_files_preset():
+    cfg = load_config(CONFIGS / "qwen3_30b_a3b_2x8.yaml", ["--model.path=/models/q"])
+    assert cfg.model.path == "/models/q" and cfg.model.preset is None
+    with pytest.raises(ConfigError, match="exactly one of model.preset or model.path"):
+        load_config(CONFIGS / "qwen3_30b_a3b_2x8.yaml", ["--model.path=/models/q", "--model.preset=tiny"])

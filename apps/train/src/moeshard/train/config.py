@@ -204,12 +204,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
         raw = {k: dict(v or {}) if isinstance(v, dict) or v is None else v for k, v in loaded.items()}
+    from_cli: set[str] = set()
     for item in overrides:
         text = item[2:] if item.startswith("--") else item
         if "=" not in text or "." not in text.split("=", 1)[0]:
             raise ConfigError(f"override {item!r} must look like --section.key=value")
         dotted, value = text.split("=", 1)
         section, key = dotted.split(".", 1)
+        from_cli.add(dotted)
         if "." in key:  # model.overrides.num_hidden_layers=2
             key, sub = key.split(".", 1)
             raw.setdefault(section, {}).setdefault(key, {})[sub] = _parse_value(value)
@@ -222,12 +224,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             near = difflib.get_close_matches(name, sections, n=1)
             hint = f"; did you mean {near[0]}?" if near else f"; sections: {', '.join(sections)}"
             raise ConfigError(f"unknown config section {name!r}{hint}")
-    model_raw = raw.get("model", {})
-    if isinstance(model_raw, dict) and model_raw.get("path") is not None and "preset" not in model_raw:
-        model_raw["preset"] = None  # a path replaces the default preset
-    data_raw = raw.get("data", {})
-    if isinstance(data_raw, dict) and data_raw.get("path") is not None and "synthetic" not in data_raw:
-        data_raw["synthetic"] = False  # a path replaces the default generated data
+    # A path replaces the default preset / generated data; a path on the command line also replaces the YAML
+    # file's preset / synthetic setting (unless the command line sets that too).
+    for section, path_key, other, cleared in (("model", "path", "preset", None), ("data", "path", "synthetic", False)):
+        sec = raw.get(section, {})
+        if not isinstance(sec, dict) or sec.get(path_key) is None:
+            continue
+        path_from_cli = f"{section}.{path_key}" in from_cli
+        other_from_cli = f"{section}.{other}" in from_cli
+        if other not in sec or (path_from_cli and not other_from_cli):
+            sec[other] = cleared
     cfg = JobConfig(**{name: _section_from_dict(hints[name], name, raw[name]) for name in raw})
     validate(cfg)
     return cfg
