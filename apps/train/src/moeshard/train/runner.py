@@ -128,7 +128,11 @@ def prepare(cfg: JobConfig) -> Prepared:
     rank = _env_int("RANK", 0)
     p = cfg.parallel
     try:
-        plan_layout(world, per_node, p.ep_size, allow_cross_node_ep=p.allow_cross_node_ep)
+        try:
+            plan_layout(world, per_node, p.ep_size, allow_cross_node_ep=p.allow_cross_node_ep)
+        except ValueError as e:  # the package speaks of its argument; the user sets a config key
+            msg = str(e).replace("pass allow_cross_node_ep=True", "set parallel.allow_cross_node_ep=true")
+            raise ValueError(f"parallel.ep_size: {msg}") from None
         check_batch_sizes(cfg.train.global_batch_size, world, cfg.train.micro_batch_size)
         mcfg = resolve_model_config(cfg)
         if cfg.data.seq_len > mcfg.max_position_embeddings:
