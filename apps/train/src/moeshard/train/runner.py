@@ -147,6 +147,11 @@ def prepare(cfg: JobConfig) -> Prepared:
             )
         output_dir = Path(cfg.logging.output_dir)
         ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else output_dir / "checkpoints"
+        if _env_int("TORCHELASTIC_MAX_RESTARTS", 0) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            print0(
+                "note: torchrun shares its rendezvous store with the workers; restarted workers may then fail to "
+                "connect (torch 2.13, gloo). Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun to restart reliably"
+            )
         resume = cfg.checkpoint.resume
         if resume == "none" and _env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0:
             print0("restarted by torchrun: continuing this run from its newest complete checkpoint")
