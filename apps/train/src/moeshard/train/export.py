@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -54,7 +55,9 @@ def load_full_model(checkpoint: str | Path):
     mcfg = Qwen3MoeConfig.from_dict(extra["model_config"]) if "model_config" in extra else resolve_model_config(cfg)
     model = Qwen3MoeForCausalLM(mcfg)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(src), no_dist=True)  # global-shape keys: independent of the saving layout
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(src), no_dist=True)  # global-shape keys: independent of the saving layout
     model.load_state_dict(state["model"], strict=True)
     return model, cfg
 
