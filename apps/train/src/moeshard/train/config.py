@@ -68,6 +68,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile-fused pointwise kernels (a GPU speed option; same numerics)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class CheckpointConfig:
 
     dir: str | None = None  # default: <output_dir>/checkpoints
     every_steps: int = 0  # 0: only at the end
+    save_final: bool = True  # also save after the last step (off for throughput runs)
     keep_last: int = 2
     resume: str = "auto"  # auto | none | a checkpoint path
 

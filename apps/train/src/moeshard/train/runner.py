@@ -374,7 +374,9 @@ def run(cfg: JobConfig) -> dict[str, Any]:
                 if stats["counts"] is not None:
                     sink.expert_load(done, stats["counts"])
                 sink.advance()
-                if (cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0) or done == cfg.train.steps:
+                if (cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0) or (
+                    done == cfg.train.steps and cfg.checkpoint.save_final
+                ):
                     last_saved = save(job, prep.ckpt_dir, done)
     finally:
         sink.close()

@@ -122,6 +122,10 @@ def build_job(cfg: JobConfig, device: torch.device) -> Job:
         model = Qwen3MoeForCausalLM(mcfg)
     if cfg.train.activation_checkpointing:
         model.enable_activation_checkpointing()
+    if cfg.train.compile:
+        from moeshard.models.qwen3moe import set_compiled_kernels
+
+        set_compiled_kernels(True)
     apply_ep(model, model.get_parallel_plan(), meshes.ep)
     compute_dtype = _compute_dtype(cfg, device)
     units = shard_model(
