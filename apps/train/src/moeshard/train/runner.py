@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moeshard.models.qwen3moe import STRUCTURAL_CONFIG_KEYS
 from moeshard.train import checkpoint as ckpt
 from moeshard.train import faults
 from moeshard.train.config import JobConfig
@@ -30,19 +31,6 @@ from moeshard.train.data import GlobalBatches, TokenDataset, build_dataset, chec
 from moeshard.train.errors import JobError, TrainingDiverged
 from moeshard.train.metrics import MetricsSink, flops_per_token, max_memory_gib, mfu
 from moeshard.train.trainer import Job, build_job, host_stats, init_distributed, lr_at, resolve_model_config, train_step
-
-# Config fields that decide parameter shapes: a checkpoint of another model cannot be resumed.
-_STRUCTURAL = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "moe_intermediate_size",
-    "num_experts",
-    "intermediate_size",
-)
 
 
 def print0(*args: Any) -> None:
@@ -190,7 +178,7 @@ def _check_same_model(path: Path, mcfg: Any) -> None:
             f"{path} has no extra.pt: it is not a moeshard-train checkpoint; point checkpoint.resume elsewhere"
         )
     saved = torch.load(extra_file, weights_only=False).get("model_config") or {}
-    diff = [k for k in _STRUCTURAL if k in saved and saved[k] != getattr(mcfg, k, None)]
+    diff = [k for k in STRUCTURAL_CONFIG_KEYS if k in saved and saved[k] != getattr(mcfg, k, None)]
     if diff:
         raise ValueError(
             f"checkpoint {path} holds another model (differs in {', '.join(diff)}); resume it with its own model "

@@ -11,7 +11,13 @@ rank), and the model's parallel plan.
     model.save_pretrained("/ckpt/finetuned")                         # transformers loads it too
 """
 
-from moeshard.models.qwen3moe.checkpoint import LoadReport, load_hf_config, load_hf_weights, local_region
+from moeshard.models.qwen3moe.checkpoint import (
+    STRUCTURAL_CONFIG_KEYS,
+    LoadReport,
+    load_hf_config,
+    load_hf_weights,
+    local_region,
+)
 from moeshard.models.qwen3moe.checkpoint_save import save_hf_checkpoint, save_hf_weights
 from moeshard.models.qwen3moe.kernels import set_compiled_kernels
 from moeshard.models.qwen3moe.model import (
@@ -37,6 +43,7 @@ __all__ = [
     "IGNORE_INDEX",
     "MODEL_TYPE",
     "PRESETS",
+    "STRUCTURAL_CONFIG_KEYS",
     "CausalLMOutput",
     "CheckpointError",
     "DecoderLayer",

@@ -40,8 +40,7 @@ logger = logging.getLogger(__name__)
 _EXPERT_SUFFIXES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 # Segments that wrappers (activation checkpointing, torch.compile, FSDP1) insert into FQNs.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-# Config fields that decide parameter shapes; compared to give a clearer error than a shape mismatch.
-_STRUCTURAL = (
+STRUCTURAL_CONFIG_KEYS = (
     "vocab_size",
     "hidden_size",
     "num_hidden_layers",
@@ -54,6 +53,8 @@ _STRUCTURAL = (
     "decoder_sparse_step",
     "mlp_only_layers",
 )
+"""Config fields that decide parameter shapes: two configs that differ in one describe different models (used
+to give a clearer error than a shape mismatch when loading or resuming)."""
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ def _check_structure(model: nn.Module, path: Path) -> None:
         return
     raw = _read_config_json(path)
     ckpt_config = Qwen3MoeConfig.from_dict(raw)
-    for name in _STRUCTURAL:
+    for name in STRUCTURAL_CONFIG_KEYS:
         ours, theirs = _field(config, name), _field(ckpt_config, name)
         if ours != theirs:
             raise CheckpointError(
