@@ -232,7 +232,10 @@ def shard_model(
         meshes: from ``moeshard.meshes.build_meshes`` in this job.
         plan: the parallel plan; defaults to ``model.get_parallel_plan()``.
         mp_policy: FSDP2 mixed precision; defaults to :func:`default_mp_policy` of the meshes' device type.
-        reshard_after_forward: passed to every unit (the root keeps FSDP2's own root rule).
+        reshard_after_forward: passed to every unit, except two that backward needs at once anyway: the last unit
+            in forward order (the head: backward starts there) and expert units on an ep_fsdp mesh of one rank
+            (nothing to gather: resharding would only drop the compute-dtype copy and re-cast it in backward).
+            The root keeps FSDP2's own root rule.
         offload_policy: passed to every unit (e.g. ``CPUOffloadPolicy()``).
 
     Returns:
@@ -268,16 +271,23 @@ def shard_model(
 
     sharded: dict[str, FSDPModule] = {}
 
+    expert_kwargs = dict(kwargs)
+    if meshes.ep_fsdp_size == 1:
+        expert_kwargs["reshard_after_forward"] = False
+
     def shard_experts(names: list[str]) -> None:
         for name in names:
-            mod = fully_shard(model.get_submodule(name), mesh=meshes.ep_fsdp, shard_placement_fn=shard_dim1, **kwargs)
+            mod = fully_shard(
+                model.get_submodule(name), mesh=meshes.ep_fsdp, shard_placement_fn=shard_dim1, **expert_kwargs
+            )
             _divide_factors(mod, meshes, meshes.ep_fsdp_size)
             sharded[name] = mod
 
     # Deepest units first, so nested units are grouped before the units that contain them.
     for unit in sorted(units, key=lambda u: u.count("."), reverse=True):
         shard_experts(experts_of.get(unit, []))
-        mod = fully_shard(model.get_submodule(unit), mesh=meshes.fsdp, **kwargs)
+        unit_kwargs = {**kwargs, "reshard_after_forward": False} if unit == units[-1] else kwargs
+        mod = fully_shard(model.get_submodule(unit), mesh=meshes.fsdp, **unit_kwargs)
         _divide_factors(mod, meshes, meshes.world_size)
         sharded[unit] = mod
     shard_experts(experts_of.get(None, []))
