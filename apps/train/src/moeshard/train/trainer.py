@@ -27,9 +27,7 @@ from moeshard.train.data import Batch
 
 def init_distributed() -> torch.device:
     """Initialise the default process group from torchrun's environment (a world of one without it)."""
-    if dist.is_initialized():
-        rank = dist.get_rank()
-    else:
+    if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ.setdefault("LOCAL_RANK", "0")
@@ -41,7 +39,6 @@ def init_distributed() -> torch.device:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        rank = int(os.environ["RANK"])
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -51,7 +48,6 @@ def init_distributed() -> torch.device:
         device = torch.device("cpu")
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=timedelta(minutes=30))
-    del rank
     return device
 
 
