@@ -41,7 +41,7 @@ def estimate_comm_bytes(
     micro_batches: int,
     compute_bytes: int,
     reshard_after_forward: bool,
-    root_numel: int = 0,
+    once_numel: int = 0,
     activation_checkpointing: bool = False,
     dispatch: str = "tokens",
     uniform_routing: bool = True,
@@ -52,8 +52,9 @@ def estimate_comm_bytes(
         tokens_per_rank: tokens this rank processes per optimizer step (all micro-batches).
         micro_batches: gradient-accumulation steps; FSDP gathers and reduce-scatters once per micro-batch.
         compute_bytes: bytes per element of the gathered parameters and the exchanged activations.
-        reshard_after_forward: units are gathered again in backward (FSDP2 never reshards the root unit, whose
-            ``root_numel`` parameters are therefore gathered once per micro-batch).
+        reshard_after_forward: units are gathered again in backward, except the ``once_numel`` parameters of units
+            never resharded after forward (FSDP2's root; the head, which backward needs first), gathered once per
+            micro-batch.
         activation_checkpointing: the recomputed forward repeats the dispatch all-to-alls.
         dispatch: moeshard.ep's mode, ``tokens`` (de-duplicated) or ``copies``.
         uniform_routing: False gives the all-to-all upper bound (every token to every EP peer).
@@ -97,7 +98,7 @@ def estimate_comm_bytes(
     gathers = 2 if reshard_after_forward else 1
     ep_fsdp_nodes = min(nodes, ep_fsdp)
     for numel, root, group, group_nodes in (
-        (dense_numel, root_numel, world_size, nodes),
+        (dense_numel, once_numel, world_size, nodes),
         (expert_numel / ep_size, 0, ep_fsdp, ep_fsdp_nodes),
     ):
         gathered = micro_batches * (gathers * (numel - root) + root)

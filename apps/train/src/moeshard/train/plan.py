@@ -139,10 +139,12 @@ def plan_report(
             lines.append(f"{name:62s} {str(list(gshape)):>22s} {str(list(lshape)):>22s}  {_placement(p, meta)}")
         all_units = {id(m) for stage in units.stages for _, m in stage.modules} | {id(units.root)}
         largest_unit = max(sum(_managed_numel(m, all_units) for _, m in stage.modules) for stage in units.stages)
-        root_numel = _managed_numel(units.root, all_units)
+        head = units.stages[-1].modules[0][1]
+        # Gathered once per micro-batch (never resharded after forward): the root and the head (see shard_model).
+        once_numel = _managed_numel(units.root, all_units) + _managed_numel(head, all_units)
         # Units kept unsharded from forward to backward (see shard_model): the head, and the experts when
         # ep_fsdp has one rank; their compute-dtype copies live through the whole step.
-        kept = [units.stages[-1].modules[0][1]] + ([m for _, m in units.experts] if meshes.ep_fsdp_size == 1 else [])
+        kept = [head] + ([m for _, m in units.experts] if meshes.ep_fsdp_size == 1 else [])
         kept_numel = sum(_managed_numel(m, all_units) for m in kept)
     mb = micro_batch_size or cfg.train.micro_batch_size
     tokens = mb * cfg.data.seq_len
@@ -165,8 +167,8 @@ def plan_report(
         lines.append(f"  {k:12s} {_size(getattr(est, k))}")
     lines.append(f"  {'total':12s} {_size(est.total)}  (peak: activations and gradients are not alive together)")
     lines.append("")
-    comm = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, root_numel)
-    bound = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, root_numel, uniform_routing=False)
+    comm = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, once_numel)
+    bound = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, once_numel, uniform_routing=False)
     lines += comm_estimate_lines(comm, bound)
     return PlanReport("\n".join(lines), est, comm, bound)
 
@@ -182,7 +184,7 @@ def _managed_numel(unit: torch.nn.Module, all_units: set[int]) -> int:
 
 
 def comm_estimate(
-    cfg: JobConfig, mcfg: Any, world: int, per_node: int, elem: int, root_numel: int, *, uniform_routing: bool = True
+    cfg: JobConfig, mcfg: Any, world: int, per_node: int, elem: int, once_numel: int, *, uniform_routing: bool = True
 ) -> dict[tuple[str, str], float]:
     """Bytes per optimizer step per rank by ``(kind, link)`` for this job (see :mod:`moeshard.train.comm`)."""
     from moeshard.ep import get_ep_dispatch
@@ -197,7 +199,7 @@ def comm_estimate(
         micro_batches=max(1, cfg.train.global_batch_size // world // cfg.train.micro_batch_size),
         compute_bytes=elem,
         reshard_after_forward=cfg.parallel.reshard_after_forward,
-        root_numel=root_numel,
+        once_numel=once_numel,
         activation_checkpointing=cfg.train.activation_checkpointing,
         dispatch=get_ep_dispatch(),
         uniform_routing=uniform_routing,
