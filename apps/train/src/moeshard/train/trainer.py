@@ -40,6 +40,9 @@ def init_distributed() -> torch.device:
                 s.bind(("127.0.0.1", 0))
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     if torch.cuda.is_available():
+        # Expandable segments: same speed, ~5 GiB less reserved memory at the 8-layer benchmark (fewer fragments
+        # from the per-step varying expert token counts). A user's own setting wins.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         if not dist.is_initialized():
