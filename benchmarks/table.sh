@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device call: the benchmark table (compiled kernels) at EP 2, EP 1 x ep_fsdp 2 and 1 GPU; profile of EP 2.
+# The README table in one device call: EP 2 (with a profile), EP 1 x ep_fsdp 2 and 1 GPU, compiled kernels.
+#   bash benchmarks/table.sh      (on a machine with 2 GPUs; logs, JSON and the profile land in $OUT)
 set -u
 source benchmarks/gpu_env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
