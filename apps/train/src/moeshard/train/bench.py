@@ -138,7 +138,9 @@ def main(argv: list[str]) -> int:
             syncs.append(len(found))
             if step == args.warmup and dist.get_rank() == 0:
                 for stack in found:
-                    where = [f.strip().splitlines()[0] for f in stack if "moeshard" in f or "torch/optim" in f]
+                    # innermost project (or optimizer) frames first, the benchmark's own frames left out
+                    frames = [f.strip().splitlines()[0] for f in stack if "bench.py" not in f]
+                    where = [f for f in frames if "moeshard" in f or "torch/optim" in f]
                     print("sync at", " <- ".join(reversed(where[-3:])))
         losses.append(host_stats(stats)["loss"])  # after the timed region
     if args.profile and device.type == "cuda":

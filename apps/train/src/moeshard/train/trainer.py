@@ -126,11 +126,10 @@ def build_job(cfg: JobConfig, device: torch.device) -> Job:
 
         set_compiled_kernels(True)
     apply_ep(model, model.get_parallel_plan(), meshes.ep)
-    compute_dtype = _compute_dtype(cfg, device)
     units = shard_model(
         model,
         meshes,
-        mp_policy=_mp_policy(compute_dtype) if cfg.model.dtype != "auto" else default_mp_policy(device.type),
+        mp_policy=default_mp_policy(device.type) if cfg.model.dtype == "auto" else _mp_policy(cfg.model.dtype),
         reshard_after_forward=cfg.parallel.reshard_after_forward,
     )
     schedule = None
@@ -159,16 +158,11 @@ def build_job(cfg: JobConfig, device: torch.device) -> Job:
     return Job(cfg, device, meshes, model, mcfg, optimizer, scheduler, units, schedule)
 
 
-def _mp_policy(dtype: torch.dtype):
+def _mp_policy(dtype: str):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-
-
-def _compute_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
-    if cfg.model.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, cfg.model.dtype)
+    # An explicit model.dtype is the compute dtype; master weights and gradient reduction stay float32.
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, dtype), reduce_dtype=torch.float32)
 
 
 def train_step(job: Job, micro_batches: list[Batch], want_counts: bool = False) -> dict[str, Any]:
