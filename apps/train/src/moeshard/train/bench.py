@@ -52,6 +52,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dispatch", choices=("tokens", "copies"), default="copies", help="EP token dispatch mode")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, help="write the torch.profiler kernel table of one step here")
+    p.add_argument("--trace", default=None, help="write rank 0's Chrome trace of the profiled step here (.json.gz)")
     args = p.parse_args(argv)
 
     from moeshard.train.trainer import build_job, host_stats, init_distributed, train_step
@@ -143,7 +144,7 @@ def main(argv: list[str]) -> int:
                     where = [f for f in frames if "moeshard" in f or "torch/optim" in f]
                     print("sync at", " <- ".join(reversed(where[-3:])))
         losses.append(host_stats(stats)["loss"])  # after the timed region
-    if args.profile and device.type == "cuda":
+    if (args.profile or args.trace) and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -151,7 +152,9 @@ def main(argv: list[str]) -> int:
             job.optimizer.step()
             job.optimizer.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and args.trace:
+            prof.export_chrome_trace(args.trace)
+        if dist.get_rank() == 0 and args.profile:
             table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=70)
             with open(args.profile, "w") as f:
                 f.write(table)

@@ -39,6 +39,15 @@ def ce_chunk(logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tuple[torch.Te
 KERNELS["ce_chunk"] = ce_chunk
 
 
+def _accumulate_mm(acc_fp32: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` in float32. On CUDA with 16-bit inputs the addition happens in the GEMM's epilogue
+    (``addmm`` with ``out_dtype=float32``), not as two more passes over the ``[V, D]`` accumulator."""
+    if acc_fp32.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        torch.addmm(acc_fp32, a, b, out_dtype=torch.float32, out=acc_fp32)
+    else:
+        acc_fp32 += (a @ b).float()
+
+
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_ND: torch.Tensor, w_VD: torch.Tensor, targets_N: torch.Tensor, chunk: int) -> torch.Tensor:  # noqa: D102
@@ -55,7 +64,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             if need_h:
                 torch.mm(g_CV, w_VD, out=grad_h_ND[start : start + chunk])
             if need_w:
-                grad_w_VD += (g_CV.t() @ h_CD).float()
+                _accumulate_mm(grad_w_VD, g_CV.t(), h_CD)
         ctx.save_for_backward(grad_h_ND, None if grad_w_VD is None else grad_w_VD.to(w_VD.dtype))
         return loss
 

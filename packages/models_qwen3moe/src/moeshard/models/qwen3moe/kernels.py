@@ -18,9 +18,11 @@ _EAGER: dict[str, Callable] = {}
 def set_compiled_kernels(enabled: bool) -> None:
     """Use ``torch.compile``-fused RMSNorm, RoPE, chunked cross-entropy and expert-path kernels, or eager ones."""
     from moeshard.ep import set_compiled_kernels as set_ep_kernels
+    from moeshard.ep._dispatch import compile_rows_dynamic
 
     if not _EAGER:
         _EAGER.update(KERNELS)
     for name, fn in _EAGER.items():
-        KERNELS[name] = torch.compile(fn, dynamic=name == "ce_chunk") if enabled else fn
+        # The loss chunk's row count varies (the last chunk); the norms and RoPE see one shape per run.
+        KERNELS[name] = (compile_rows_dynamic(fn) if name == "ce_chunk" else torch.compile(fn)) if enabled else fn
     set_ep_kernels(enabled)

@@ -1,0 +1,147 @@
+"""Where a profiled step's GPU time goes, from a Chrome trace (``moeshard-train bench --trace step.json.gz``).
+
+    python3 benchmarks/trace_summary.py step.json.gz [--top 40]
+
+Prints: the step's GPU span; per stream, the busy time (union of its kernels); the compute stream's idle time
+split into "waiting while a collective runs" (exposed communication) and "nothing runs at all" (launch gaps,
+host syncs); kernel time by category; the largest kernels by total time; the longest idle gaps of the compute
+stream with the kernels on either side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from collections import defaultdict
+
+CATEGORIES = [
+    ("all-to-all / NCCL", r"nccl"),
+    ("attention", r"fmha|flash|sdpa|attention|cudnn"),
+    ("grouped GEMM", r"group"),
+    ("GEMM", r"gemm|nvjet|xmma|cutlass|matmul|cublas"),
+    ("AdamW", r"adam"),
+    ("compiled (triton)", r"triton"),
+    ("sort / scan", r"sort|radix|scan|cub::"),
+    ("gather / index", r"index|gather|scatter"),
+    ("copy / cast", r"copy|memcpy|cat|chunk|memset|fill"),
+    ("reduce", r"reduce"),
+    ("elementwise (eager)", r"elementwise|vectorized"),
+]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, pattern in CATEGORIES:
+        if re.search(pattern, low):
+            return cat
+    return "other"
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("trace")
+    p.add_argument("--top", type=int, default=40)
+    args = p.parse_args()
+    opener = gzip.open if args.trace.endswith(".gz") else open
+    with opener(args.trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [
+        e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("dur", 0) > 0
+    ]
+    if not kernels:
+        raise SystemExit("no GPU kernels in the trace")
+    by_stream: dict[object, list[dict]] = defaultdict(list)
+    for k in kernels:
+        by_stream[(k.get("pid"), k.get("tid"))].append(k)
+    t0 = min(k["ts"] for k in kernels)
+    t1 = max(k["ts"] + k["dur"] for k in kernels)
+    span = t1 - t0
+    print(f"GPU span {span / 1e3:.1f} ms, {len(kernels)} kernels")
+    busy = {}
+    for sid, ks in by_stream.items():
+        busy[sid] = union_length([(k["ts"], k["ts"] + k["dur"]) for k in ks])
+        nccl = sum(k["dur"] for k in ks if "nccl" in k["name"].lower())
+        print(f"  stream {sid}: {len(ks)} kernels, busy {busy[sid] / 1e3:.1f} ms (NCCL {nccl / 1e3:.1f} ms)")
+    compute_sid = max(
+        by_stream, key=lambda s: sum(k["dur"] for k in by_stream[s] if "nccl" not in k["name"].lower())
+    )
+    compute = merged([(k["ts"], k["ts"] + k["dur"]) for k in by_stream[compute_sid]])
+    comm = merged([(k["ts"], k["ts"] + k["dur"]) for k in kernels if "nccl" in k["name"].lower()])
+    other = merged(
+        [
+            (k["ts"], k["ts"] + k["dur"])
+            for sid, ks in by_stream.items()
+            if sid != compute_sid
+            for k in ks
+            if "nccl" not in k["name"].lower()
+        ]
+    )
+    # idle intervals of the compute stream inside the span
+    idle, cur = [], t0
+    for s, e in compute:
+        if s > cur:
+            idle.append((cur, s))
+        cur = max(cur, e)
+    if t1 > cur:
+        idle.append((cur, t1))
+
+    def covered(iv: tuple[float, float], by: list[tuple[float, float]]) -> float:
+        s, e = iv
+        return sum(max(0.0, min(e, b) - max(s, a)) for a, b in by if a < e and b > s)
+
+    idle_total = sum(e - s for s, e in idle)
+    idle_comm = sum(covered(iv, comm) for iv in idle)
+    idle_other = sum(covered(iv, other) for iv in idle)
+    print(
+        f"compute stream {compute_sid}: busy {busy[compute_sid] / 1e3:.1f} ms, idle {idle_total / 1e3:.1f} ms "
+        f"(of which a collective runs {idle_comm / 1e3:.1f} ms, other streams' compute {idle_other / 1e3:.1f} ms, "
+        f"nothing ~{(idle_total - idle_comm - idle_other) / 1e3:.1f} ms)"
+    )
+    cats: dict[str, float] = defaultdict(float)
+    names: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for k in kernels:
+        cats[category(k["name"])] += k["dur"]
+        names[k["name"]][0] += k["dur"]
+        names[k["name"]][1] += 1
+    print("kernel time by category (all streams):")
+    for cat, t in sorted(cats.items(), key=lambda x: -x[1]):
+        print(f"  {cat:22s} {t / 1e3:8.1f} ms")
+    print(f"top {args.top} kernels:")
+    for name, (t, n) in sorted(names.items(), key=lambda x: -x[1][0])[: args.top]:
+        print(f"  {t / 1e3:7.2f} ms {int(n):5d}x  {name[:150]}")
+    starts = {k["ts"]: k["name"] for k in by_stream[compute_sid]}
+    ends = {k["ts"] + k["dur"]: k["name"] for k in by_stream[compute_sid]}
+    print("longest idle gaps of the compute stream:")
+    for s, e in sorted(idle, key=lambda iv: iv[0] - iv[1])[:15]:
+        before = ends.get(s, "(span start)")[:60]
+        after = starts.get(e, "(span end)")[:60]
+        print(f"  {(e - s) / 1e3:6.2f} ms at +{(s - t0) / 1e3:6.1f} ms  comm {covered((s, e), comm) / 1e3:5.2f}  "
+              f"after {before!r} before {after!r}")
+
+
+if __name__ == "__main__":
+    main()
