@@ -19,8 +19,8 @@ from moeshard.meshes.testing import run_distributed
 E, D, F = 8, 16, 8
 CASES = ("random", "one_expert", "rank_without_tokens", "skewed")
 BACKENDS = ("loop", "grouped_mm")  # grouped_mm runs on CPU at these shapes (16-byte aligned rows)
-# (expert GEMM backend, EP dispatch): both dispatch modes with the loop, de-duplicated tokens with grouped_mm.
-VARIANTS = (("loop", "tokens"), ("loop", "copies"), ("grouped_mm", "tokens"))
+# (expert GEMM backend, EP dispatch): both dispatch modes with both backends.
+VARIANTS = (("loop", "tokens"), ("loop", "copies"), ("grouped_mm", "tokens"), ("grouped_mm", "copies"))
 
 
 def _problem(world: int, case: str):
@@ -101,9 +101,32 @@ def _ep_layer_body():
             "fwd_syncs": dict(fwd_syncs),
             "bwd_syncs": dict(bwd_syncs),
         }
+    out["checkpointed"] = _same_under_activation_checkpointing(experts, group, world, rank)
     if world == 4:
         out["fsdp"] = _metadata_survives_fully_shard()
     return _plain(out)
+
+
+def _same_under_activation_checkpointing(experts, group, world, rank):
+    """The layer under non-reentrant activation checkpointing (recomputed in backward) gives identical results."""
+    from torch.utils.checkpoint import checkpoint
+
+    set_ep_dispatch("copies")
+    x_TD, ids_TK, w_TK, _ = _problem(world, "random")[rank]
+    results = []
+    for use_checkpoint in (False, True):
+        experts.zero_grad(set_to_none=True)
+        x = x_TD.clone().requires_grad_(True)
+
+        def layer(a):
+            return routed_experts(
+                a.sin(), ids_TK, w_TK, experts.gate_up_proj, experts.down_proj, num_experts=E, ep_group=group
+            )
+
+        y = checkpoint(layer, x, use_reentrant=False) if use_checkpoint else layer(x)
+        y.square().sum().backward()
+        results.append([y.detach(), x.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()])
+    return all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def _metadata_survives_fully_shard():
@@ -159,6 +182,7 @@ def _check(results, world):
             assert got["fwd_syncs"] == {"tolist": 1}, (case, r, got["fwd_syncs"])
             assert got["bwd_syncs"] == {}, (case, r, got["bwd_syncs"])
     for r, res in enumerate(results):
+        assert res["checkpointed"], f"rank {r}: activation checkpointing changed the results"
         assert res["group_size"] == world
         meta = res["info"].params["layers.0.mlp.experts.down_proj"]
         assert (meta.ep_size, meta.ep_rank, meta.expert_start, meta.expert_end) == (world, r, r * El, (r + 1) * El)

@@ -28,6 +28,7 @@ gradients come home to the rank that owns them.
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import torch
@@ -358,10 +359,34 @@ def _copies_routed(x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, P, group, a
     El = w_gate_up_EXD.shape[0]
     recv_counts_E = torch.empty_like(counts_E)
     dist.all_to_all_single(recv_counts_E, counts_E, group=group)  # El counts to and from each rank
-    # The one device→host sync of the layer: the all-to-all split sizes must be host ints. Both count
-    # tensors go in one .tolist() so there is a single sync, not two.
+    # The one device→host sync of the layer: the exchange sizes must be host ints. Both count tensors go in
+    # one .tolist() so there is a single sync, not two.
     host = torch.cat([counts_E, recv_counts_E]).tolist()
     send_counts, recv_counts = host[: P * El], host[P * El :]
+    if not _OVERLAP[0]:
+        return _copies_routed_serial(
+            x_sorted_ND,
+            recv_counts_E,
+            send_counts,
+            recv_counts,
+            w_gate_up_EXD,
+            w_down_EDF,
+            P,
+            group,
+            activation,
+            backend,
+        )
+    ex = _Exchange(group, P, El, send_counts, recv_counts, counts_E, recv_counts_E, activation, backend)
+    return _OverlappedExperts.apply(x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex)
+
+
+_OVERLAP = [os.environ.get("MOESHARD_EP_OVERLAP", "1") != "0"]
+
+
+def _copies_routed_serial(
+    x_sorted_ND, recv_counts_E, send_counts, recv_counts, w_gate_up_EXD, w_down_EDF, P, group, activation, backend
+):
+    El = w_gate_up_EXD.shape[0]
     in_splits = [sum(send_counts[r * El : (r + 1) * El]) for r in range(P)]
     out_splits = [sum(recv_counts[r * El : (r + 1) * El]) for r in range(P)]
     local_counts = [sum(recv_counts[r * El + e] for r in range(P)) for e in range(El)]
@@ -382,3 +407,145 @@ def _copies_routed(x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, P, group, a
     )
     y_recv_RD = permute_rows(y_grouped_RD, inv_R, perm_R)
     return all_to_all(y_recv_RD, in_splits, out_splits, group)
+
+
+class _Exchange:
+    """Host-side layout of one layer's copies exchange (from the split sizes) and the device counts.
+
+    ``send``: ``(peer, first row, rows)`` of the sorted copies going to each other rank; ``recv``: the same for
+    the buffer of copies received from the other ranks (source-rank order, each source's rows grouped by local
+    expert); ``local``: this rank's own copies, which never travel.
+    """
+
+    def __init__(self, group, P, El, send_counts, recv_counts, counts_E, recv_counts_E, activation, backend):
+        self.group, self.activation, self.backend = group, activation, backend
+        me = dist.get_rank(group)
+        self.me = me
+        send = [sum(send_counts[r * El : (r + 1) * El]) for r in range(P)]
+        recv = [sum(recv_counts[r * El : (r + 1) * El]) for r in range(P)]
+        starts = [sum(send[:r]) for r in range(P)]
+        self.local = (starts[me], send[me])
+        self.send = [(dist.get_global_rank(group, r), starts[r], send[r]) for r in range(P) if r != me]
+        others = [r for r in range(P) if r != me]
+        rstarts = [sum(recv[o] for o in others[:i]) for i in range(len(others))]
+        self.recv = [(dist.get_global_rank(group, r), s, recv[r]) for r, s in zip(others, rstarts)]
+        self.rows_in = sum(recv[r] for r in others)
+        self.local_counts = counts_E.view(P, El)[me]
+        self.local_host = send_counts[me * El : (me + 1) * El]
+        recv_PEl = recv_counts_E.view(P, El)
+        self.remote_host = [sum(recv_counts[r * El + e] for r in others) for e in range(El)]
+        if P == 2:
+            # one source: its rows already come grouped by local expert
+            self.remote_counts, self.perm = recv_PEl[others[0]], None
+        else:
+            rest = recv_PEl[torch.tensor(others, device=recv_PEl.device)]
+            self.remote_counts = rest.sum(0)
+            perm = regroup_by_local_expert(rest, self.rows_in)
+            self.perm = (perm, inverse_permutation(perm))
+
+    def start(self, src: torch.Tensor, src_slices, dst: torch.Tensor, dst_slices) -> list:
+        """Post the sends of ``src``'s slices and the receives into ``dst``'s slices; returns the works."""
+        ops = [dist.P2POp(dist.isend, src[s : s + n], peer, self.group) for peer, s, n in src_slices if n]
+        ops += [dist.P2POp(dist.irecv, dst[s : s + n], peer, self.group) for peer, s, n in dst_slices if n]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+
+_SM_CARVEOUT = [int(os.environ.get("MOESHARD_EP_SM_CARVEOUT", "32"))]
+
+
+class _carveout:
+    """Leave SMs free for the communication kernel while a GEMM overlaps it: the grouped GEMM (and cuBLAS)
+    otherwise sizes its persistent grid to every SM and the exchange waits for the GEMM to finish."""
+
+    def __init__(self, device: torch.device, busy: bool):
+        self.on = busy and device.type == "cuda" and _SM_CARVEOUT[0] > 0
+        self.before = None
+
+    def __enter__(self):
+        if self.on:
+            self.before = torch._C._get_sm_carveout_experimental()
+            torch._C._set_sm_carveout_experimental(_SM_CARVEOUT[0])
+
+    def __exit__(self, *exc):
+        if self.on:
+            torch._C._set_sm_carveout_experimental(self.before)
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+def _grads(outputs, inputs, grad_outputs):
+    """``torch.autograd.grad`` over the inputs that require grad; None for the others and for unused ones."""
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    got = iter(torch.autograd.grad(outputs, wanted, grad_outputs, allow_unused=True) if wanted else ())
+    return [next(got) if t is not None and t.requires_grad else None for t in inputs]
+
+
+def _add(a, b):
+    if a is None:
+        return b
+    return a if b is None else a.add_(b)
+
+
+class _OverlappedExperts(torch.autograd.Function):
+    """The copies' trip through the experts of their EP ranks, with the exchange overlapped by local work.
+
+    Forward: post the sends of the copies bound for other ranks, run this rank's own copies (which never travel)
+    through the local experts meanwhile, then the received copies, and send their outputs home while the local
+    outputs are put in place. Backward mirrors it: the output gradients of remote copies travel while the local
+    copies' backward runs. The two expert passes are small autograd graphs built in forward; their weight
+    gradients are added. With 2 EP ranks the received rows need no regrouping (one source, already grouped by
+    local expert), so the two permutation gathers each way of the plain path disappear.
+    """
+
+    @staticmethod
+    def forward(ctx, x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex: _Exchange):  # noqa: D102
+        N, D = x_sorted_ND.shape
+        recv_MD = x_sorted_ND.new_empty((ex.rows_in, D))
+        works = ex.start(x_sorted_ND, ex.send, recv_MD, ex.recv)
+        lo, n = ex.local
+        kw = {"activation": ex.activation, "backend": ex.backend}
+        with torch.enable_grad(), _carveout(x_sorted_ND.device, bool(works)):
+            x_loc = x_sorted_ND[lo : lo + n].detach().requires_grad_(ctx.needs_input_grad[0])
+            w1 = w_gate_up_EXD.detach().requires_grad_(ctx.needs_input_grad[1])
+            w2 = w_down_EDF.detach().requires_grad_(ctx.needs_input_grad[2])
+            y_loc = grouped_expert_mlp(x_loc, ex.local_counts, w1, w2, host_counts=ex.local_host, **kw)
+        _wait(works)
+        with torch.enable_grad():
+            x_rem = recv_MD.requires_grad_(ctx.needs_input_grad[0])
+            x_in = x_rem if ex.perm is None else permute_rows(x_rem, *ex.perm)
+            y_rem = grouped_expert_mlp(x_in, ex.remote_counts, w1, w2, host_counts=ex.remote_host, **kw)
+            if ex.perm is not None:
+                y_rem = permute_rows(y_rem, ex.perm[1], ex.perm[0])
+        y_sorted_ND = x_sorted_ND.new_empty((N, D))
+        works = ex.start(y_rem.detach(), ex.recv, y_sorted_ND, ex.send)
+        y_sorted_ND[lo : lo + n].copy_(y_loc.detach())
+        _wait(works)
+        ctx.ex, ctx.graph = ex, (x_loc, y_loc, x_rem, y_rem, w1, w2)
+        return y_sorted_ND
+
+    @staticmethod
+    def backward(ctx, grad_ND):  # noqa: D102
+        ex = ctx.ex
+        x_loc, y_loc, x_rem, y_rem, w1, w2 = ctx.graph
+        ctx.graph = None
+        grad_ND = grad_ND.contiguous()
+        N, D = grad_ND.shape
+        lo, n = ex.local
+        grad_in_MD = grad_ND.new_empty((ex.rows_in, D))
+        works = ex.start(grad_ND, ex.send, grad_in_MD, ex.recv)
+        with _carveout(grad_ND.device, bool(works)):
+            gx_loc, gw1, gw2 = _grads(y_loc, (x_loc, w1, w2), grad_ND[lo : lo + n])
+        _wait(works)
+        gx_rem, gw1_rem, gw2_rem = _grads(y_rem, (x_rem, w1, w2), grad_in_MD)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = grad_ND.new_empty((N, D))
+            works = ex.start(gx_rem, ex.recv, gx, ex.send)
+            gx[lo : lo + n].copy_(gx_loc)
+        gw1, gw2 = _add(gw1, gw1_rem), _add(gw2, gw2_rem)  # while the input gradients travel
+        if gx is not None:
+            _wait(works)
+        return gx, gw1, gw2, None
