@@ -14,7 +14,13 @@ import torch.distributed as dist
 
 from moeshard.meshes import build_meshes
 from moeshard.meshes.testing import run_distributed
-from moeshard.prefetch import apply_schedule, build_schedule, record_unshard_order, stage_units
+from moeshard.prefetch import (
+    apply_schedule,
+    build_schedule,
+    prefetch_forward_at_host_sync,
+    record_unshard_order,
+    stage_units,
+)
 from moeshard.prefetch.testing import ToyMoE, shard_toy
 
 WORLD, RANKS_PER_NODE, EP = 4, 2, 2
@@ -22,10 +28,15 @@ DEPTHS = (0, 1, 2)
 STEPS, RECORDED_STEP = 3, 1
 
 
-def _train(model, stages, depth, batch_fn):
+def _train(model, stages, depth, batch_fn, at_host_sync=False):
     """Apply the schedule for ``depth``, train ``STEPS`` steps recording one; return what the tests check."""
     schedule = build_schedule(stages, depth=depth)
     apply_schedule(schedule)
+    hooks = None
+    if at_host_sync:
+        from moeshard.ep import register_host_sync_hook
+
+        hooks = prefetch_forward_at_host_sync(schedule, register_host_sync_hook)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, trace = [], None
     for step in range(STEPS):
@@ -39,6 +50,8 @@ def _train(model, stages, depth, batch_fn):
         optim.step()
         optim.zero_grad()
         losses.append(loss.item())
+    if hooks is not None:
+        hooks.remove()
     restored = all(
         "unshard" not in vars(g) for _, m in stage_units(stages) for g in _groups(m)
     )  # the recorder leaves nothing behind
@@ -74,7 +87,7 @@ def _qwen3_body():
     meshes = build_meshes(ep_size=EP, device_type="cpu")
     config = get_preset_config("tiny", num_hidden_layers=4)
     out = {}
-    for depth in (0, 1):
+    for depth in (0, 1, "sync"):
         model = Qwen3MoeForCausalLM(config)
         model.init_weights(torch.Generator().manual_seed(0))  # the same full model on every rank, before slicing
         apply_ep(model, model.get_parallel_plan(), meshes.ep)
@@ -85,7 +98,7 @@ def _qwen3_body():
             ids = torch.randint(0, config.vocab_size, (1, 16), generator=gen)
             return model(ids, labels=ids).loss
 
-        out[depth] = _train(model, units.stages, depth, batch)
+        out[depth] = _train(model, units.stages, 1 if depth == "sync" else depth, batch, at_host_sync=depth == "sync")
     return out
 
 
@@ -229,3 +242,22 @@ def test_qwen3_loss_identical_with_and_without_prefetch(qwen3_results):
         losses = rank_result[0]["losses"]
         assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
         assert rank_result[1]["losses"] == losses
+
+
+def test_qwen3_forward_prefetch_at_host_sync(qwen3_results):
+    """Issued at the EP split-size sync: each layer's units are all-gathered inside the previous layer's forward
+    (after its attention began, before it ended), the same units as the pre-forward schedule, same losses."""
+    for rank_result in qwen3_results:
+        result, scheduled = rank_result["sync"], rank_result[1]
+        events = result["events"]
+        assert sorted(_unshards(result, "forward")) == sorted(_unshards(scheduled, "forward"))
+        layers = _layer_stages(result["schedule"])
+        for (unit, _), (_, next_units) in zip(layers, layers[1:]):
+            begin, end = _pos(events, "forward_begin", unit, "forward"), _pos(events, "forward_end", unit, "forward")
+            # inside the layer, after its expert unit began (the sync is in the experts' forward)
+            experts_begin = _pos(events, "forward_begin", f"{unit}.mlp.experts", "forward")
+            for target in next_units:
+                issued = _pos(events, "unshard", target, "forward")
+                assert begin < experts_begin < issued < end, (unit, target)
+                assert events[issued]["prefetch"], target
+        assert result["losses"] == rank_result[0]["losses"]

@@ -46,6 +46,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--prefetch-depth", type=int, default=1)
+    p.add_argument(
+        "--no-prefetch-at-host-sync",
+        action="store_true",
+        help="issue forward prefetches in the pre-forward hooks (FSDP2's place) instead of at the EP host sync",
+    )
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile-fused RMSNorm, RoPE and SwiGLU kernels")
@@ -76,6 +81,7 @@ def main(argv: list[str]) -> int:
         parallel=ParallelConfig(
             ep_size=args.ep_size,
             prefetch_depth=args.prefetch_depth,
+            prefetch_at_host_sync=not args.no_prefetch_at_host_sync,
             reshard_after_forward=not args.no_reshard_after_forward,
         ),
         data=DataConfig(seq_len=args.seq_len, synthetic=True),

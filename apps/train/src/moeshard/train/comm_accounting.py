@@ -254,7 +254,10 @@ class CommAccounting:
         elif kind == "scatter" and a.get("src", 0) == dist.get_rank():
             per_peer = [float(_nbytes(t)) for t in a.get("scatter_list") or [tensor] * n]
         elif kind in ("reduce", "gather", "send"):
-            dst = a.get("dst", 0)
+            dst = a.get("dst")
+            if dst is None and a.get("group_dst") is not None:  # batch_isend_irecv passes the group rank
+                dst = g.ranks[a["group_dst"]]
+            dst = 0 if dst is None else dst
             if dst in g.ranks and g.ranks.index(dst) != me:
                 per_peer[g.ranks.index(dst)] = float(_nbytes(tensor))
         per_peer[me] = 0.0  # what stays on this rank is not communication

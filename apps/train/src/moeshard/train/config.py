@@ -35,6 +35,8 @@ class ParallelConfig:
     ep_size: int = 2
     allow_cross_node_ep: bool = False
     prefetch_depth: int = 1  # 0 leaves FSDP's default order
+    # With ep_size > 1: issue the forward prefetch at each MoE layer's host sync, not in the pre-forward hook.
+    prefetch_at_host_sync: bool = True
     reshard_after_forward: bool = True
 
 

@@ -136,6 +136,12 @@ def build_job(cfg: JobConfig, device: torch.device) -> Job:
     if cfg.parallel.prefetch_depth > 0:
         schedule = build_schedule(units.stages, depth=cfg.parallel.prefetch_depth)
         apply_schedule(schedule)
+        if cfg.parallel.prefetch_at_host_sync and meshes.ep_size > 1:
+            from moeshard.ep import register_host_sync_hook
+            from moeshard.prefetch import prefetch_forward_at_host_sync
+
+            # The next layer's all-gather is issued while the host waits at this layer's split-size sync.
+            prefetch_forward_at_host_sync(schedule, register_host_sync_hook)
     model.to_empty(device=device)
     if cfg.model.path is not None:
         load_hf_weights(model, cfg.model.path)

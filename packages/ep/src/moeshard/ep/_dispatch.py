@@ -29,14 +29,24 @@ gradients come home to the rank that owns them.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from moeshard.ep._grouped import KERNELS, Backend, _activation, _gated, grouped_expert_mlp
 
-__all__ = ["Dispatch", "get_ep_dispatch", "routed_experts", "set_compiled_kernels", "set_ep_dispatch"]
+__all__ = [
+    "Dispatch",
+    "get_ep_dispatch",
+    "register_host_sync_hook",
+    "routed_experts",
+    "set_compiled_kernels",
+    "set_ep_dispatch",
+]
 
 Dispatch = Literal["tokens", "copies"]
 """How tokens travel with EP > 1: ``"copies"`` (the default: every routed copy travels; few, simple collectives)
@@ -51,6 +61,27 @@ def set_ep_dispatch(mode: Dispatch) -> None:
     if mode not in ("tokens", "copies"):
         raise ValueError(f"EP dispatch must be 'tokens' or 'copies', got {mode!r}")
     _dispatch[0] = mode
+
+
+_HOST_SYNC_HOOKS: OrderedDict[int, Callable[[], None]] = OrderedDict()
+
+
+def register_host_sync_hook(hook: Callable[[], None]) -> RemovableHandle:
+    """Call ``hook()`` right before each EP layer's device→host sync (the split sizes, forward only).
+
+    At that point the host is about to wait for the device to catch up, so host-side work done there (e.g.
+    issuing the next layer's FSDP all-gather, see ``moeshard.prefetch``) costs no device time, whereas the same
+    work done after the sync delays the next kernel launches. Hooks must not launch work the sync depends on
+    or synchronise themselves. Returns a handle whose ``remove()`` unregisters the hook.
+    """
+    handle = RemovableHandle(_HOST_SYNC_HOOKS)
+    _HOST_SYNC_HOOKS[handle.id] = hook
+    return handle
+
+
+def _before_host_sync() -> None:
+    for hook in list(_HOST_SYNC_HOOKS.values()):
+        hook()
 
 
 def get_ep_dispatch() -> Dispatch:
@@ -314,6 +345,7 @@ def _ep_routed(x_TD, ids_TK, w_TK, w_gate_up_EXD, w_down_EDF, P, group, activati
     dist.all_to_all_single(recv_meta_PM, send_meta_PM, group=group)
     # The one device→host sync of the layer: all-to-all split sizes must be host ints. Sent and received counts
     # come in one .tolist() so there is a single sync, not two.
+    _before_host_sync()
     host = torch.cat([send_meta_PM[:, 0], recv_meta_PM.reshape(-1)]).tolist()
     in_splits = host[:P]
     recv = host[P:]
@@ -361,6 +393,7 @@ def _copies_routed(x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, P, group, a
     dist.all_to_all_single(recv_counts_E, counts_E, group=group)  # El counts to and from each rank
     # The one device→host sync of the layer: the exchange sizes must be host ints. Both count tensors go in
     # one .tolist() so there is a single sync, not two.
+    _before_host_sync()
     host = torch.cat([counts_E, recv_counts_E]).tolist()
     send_counts, recv_counts = host[: P * El], host[P * El :]
     if not _OVERLAP[0]:

@@ -13,6 +13,7 @@ Example (after ``moeshard.fsdp_moe.shard_model``)::
     print(trace.describe())
 """
 
+from moeshard.prefetch._at_sync import HostSyncPrefetch, prefetch_forward_at_host_sync
 from moeshard.prefetch._overlap import CommOverlap, analyze_comm_overlap
 from moeshard.prefetch._record import TraceEvent, UnshardTrace, record_unshard_order
 from moeshard.prefetch._schedule import (
@@ -26,12 +27,14 @@ from moeshard.prefetch._schedule import (
 
 __all__ = [
     "CommOverlap",
+    "HostSyncPrefetch",
     "PrefetchSchedule",
     "StageLike",
     "StagePrefetch",
     "TraceEvent",
     "UnshardTrace",
     "analyze_comm_overlap",
+    "prefetch_forward_at_host_sync",
     "apply_schedule",
     "build_schedule",
     "record_unshard_order",
