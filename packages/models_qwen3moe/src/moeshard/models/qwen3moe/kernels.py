@@ -13,10 +13,18 @@ import torch
 
 KERNELS: dict[str, Callable] = {}
 _EAGER: dict[str, Callable] = {}
+_COMPILED = [False]
+
+
+def compiled_kernels_enabled() -> bool:
+    """Whether :func:`set_compiled_kernels` turned the compiled kernels on."""
+    return _COMPILED[0]
 
 
 def set_compiled_kernels(enabled: bool) -> None:
-    """Use ``torch.compile``-fused RMSNorm, RoPE, chunked cross-entropy and expert-path kernels, or eager ones."""
+    """Use ``torch.compile``-fused RMSNorm, RoPE, chunked cross-entropy and expert-path kernels, or eager ones;
+    when on, each decoder layer's attention half (norms, projections, RoPE, attention, residual) runs as one
+    compiled graph (``layers.attention_block``)."""
     from moeshard.ep import set_compiled_kernels as set_ep_kernels
     from moeshard.ep._dispatch import compile_rows_dynamic
 
@@ -26,3 +34,4 @@ def set_compiled_kernels(enabled: bool) -> None:
         # The loss chunk's row count varies (the last chunk); the norms and RoPE see one shape per run.
         KERNELS[name] = (compile_rows_dynamic(fn) if name == "ce_chunk" else torch.compile(fn)) if enabled else fn
     set_ep_kernels(enabled)
+    _COMPILED[0] = enabled

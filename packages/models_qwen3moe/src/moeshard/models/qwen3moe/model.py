@@ -27,6 +27,7 @@ from transformers import Qwen3MoeConfig
 
 from moeshard.ep import ParallelPlan
 from moeshard.models.qwen3moe.fused_loss import linear_cross_entropy
+from moeshard.models.qwen3moe.kernels import KERNELS, compiled_kernels_enabled
 from moeshard.models.qwen3moe.layers import Attention, DenseMLP, RMSNorm, RotaryEmbedding, build_attention_mask
 from moeshard.models.qwen3moe.moe import Experts, SparseMoeBlock, TopKRouter, load_balancing_loss
 from moeshard.models.qwen3moe.presets import check_config, is_moe_layer
@@ -76,8 +77,32 @@ class DecoderLayer(nn.Module):
         mask_B1SS: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(x_BSD, router_logits_TE or None for a dense layer)``."""
-        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos_BSDh, sin_BSDh, mask_B1SS)
-        h_BSD = self.post_attention_layernorm(x_BSD)
+        if compiled_kernels_enabled():
+            a = self.self_attn
+            x_BSD, h_BSD = KERNELS["attention_block"](
+                x_BSD,
+                cos_BSDh,
+                sin_BSDh,
+                mask_B1SS,
+                self.input_layernorm.weight,
+                a.q_proj.weight,
+                a.q_proj.bias,
+                a.k_proj.weight,
+                a.k_proj.bias,
+                a.v_proj.weight,
+                a.v_proj.bias,
+                a.o_proj.weight,
+                a.o_proj.bias,
+                a.q_norm.weight,
+                a.k_norm.weight,
+                self.post_attention_layernorm.weight,
+                self.input_layernorm.eps,
+                a.head_dim,
+                a.dropout if self.training else 0.0,
+            )
+        else:
+            x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos_BSDh, sin_BSDh, mask_B1SS)
+            h_BSD = self.post_attention_layernorm(x_BSD)
         if isinstance(self.mlp, SparseMoeBlock):
             y_BSD, logits_TE = self.mlp(h_BSD)
             return x_BSD + y_BSD, logits_TE
