@@ -516,69 +516,115 @@ def _grads(outputs, inputs, grad_outputs):
     return [next(got) if t is not None and t.requires_grad else None for t in inputs]
 
 
-def _add(a, b):
-    if a is None:
-        return b
-    return a if b is None else a.add_(b)
+class _LocalHalf:
+    """A contiguous range of local experts and their rows among this rank's own (never travelling) copies."""
+
+    def __init__(self, ex: _Exchange, first: int, last: int):
+        lo, _ = ex.local
+        counts = ex.local_host
+        self.experts = slice(first, last)
+        self.rows = slice(lo + sum(counts[:first]), lo + sum(counts[:last]))
+        self.host = counts[first:last]
+        self.counts = ex.local_counts[first:last]
+
+
+def _local_forward(x_sorted_ND, part: _LocalHalf, w1_full, w2_full, needs, kw):
+    """Run one half of the local experts on its rows as a small graph with its own leaves."""
+    with torch.enable_grad():
+        x = x_sorted_ND[part.rows].detach().requires_grad_(needs[0])
+        w1 = w1_full[part.experts].detach().requires_grad_(needs[1])
+        w2 = w2_full[part.experts].detach().requires_grad_(needs[2])
+        y = grouped_expert_mlp(x, part.counts, w1, w2, host_counts=part.host, **kw)
+    return x, w1, w2, y
+
+
+def _add_slice(full, part, sl):
+    if part is not None and full is not None:
+        full[sl].add_(part)
 
 
 class _OverlappedExperts(torch.autograd.Function):
-    """The copies' trip through the experts of their EP ranks, with the exchange overlapped by local work.
+    """The copies' trip through the experts of their EP ranks, with both exchanges overlapped by local work.
 
-    Forward: post the sends of the copies bound for other ranks, run this rank's own copies (which never travel)
-    through the local experts meanwhile, then the received copies, and send their outputs home while the local
-    outputs are put in place. Backward mirrors it: the output gradients of remote copies travel while the local
-    copies' backward runs. The two expert passes are small autograd graphs built in forward; their weight
-    gradients are added. With 2 EP ranks the received rows need no regrouping (one source, already grouped by
-    local expert), so the two permutation gathers each way of the plain path disappear.
+    A rank's own copies (those routed to its own experts) never travel. Their experts are split in two halves,
+    A and B. Forward: post the sends of the copies bound for other ranks and run half A of the own copies
+    meanwhile; run the received copies; post their outputs home and run half B meanwhile. Backward mirrors it:
+    the output gradients of remote copies travel during half A's backward, the input gradients go home during
+    half B's. Each pass is a small autograd graph built in forward (each half with its own slice of the
+    weights, so no full-size zero gradients appear); the halves' weight gradients are added into the slices of
+    the remote pass's. With 2 EP ranks the received rows need no regrouping (one source, already grouped by
+    local expert), so the plain path's two permutation gathers each way disappear.
     """
 
     @staticmethod
     def forward(ctx, x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex: _Exchange):  # noqa: D102
         N, D = x_sorted_ND.shape
+        El = w_gate_up_EXD.shape[0]
+        needs = ctx.needs_input_grad[:3]
+        kw = {"activation": ex.activation, "backend": ex.backend}
+        half_a, half_b = _LocalHalf(ex, 0, El // 2), _LocalHalf(ex, El // 2, El)
+        dev = x_sorted_ND.device
+
         recv_MD = x_sorted_ND.new_empty((ex.rows_in, D))
         works = ex.start(x_sorted_ND, ex.send, recv_MD, ex.recv)
-        lo, n = ex.local
-        kw = {"activation": ex.activation, "backend": ex.backend}
-        with torch.enable_grad(), _carveout(x_sorted_ND.device, bool(works)):
-            x_loc = x_sorted_ND[lo : lo + n].detach().requires_grad_(ctx.needs_input_grad[0])
-            w1 = w_gate_up_EXD.detach().requires_grad_(ctx.needs_input_grad[1])
-            w2 = w_down_EDF.detach().requires_grad_(ctx.needs_input_grad[2])
-            y_loc = grouped_expert_mlp(x_loc, ex.local_counts, w1, w2, host_counts=ex.local_host, **kw)
+        with _carveout(dev, bool(works)):
+            graph_a = _local_forward(x_sorted_ND, half_a, w_gate_up_EXD, w_down_EDF, needs, kw) if El > 1 else None
         _wait(works)
         with torch.enable_grad():
-            x_rem = recv_MD.requires_grad_(ctx.needs_input_grad[0])
+            x_rem = recv_MD.requires_grad_(needs[0])
+            w1 = w_gate_up_EXD.detach().requires_grad_(needs[1])
+            w2 = w_down_EDF.detach().requires_grad_(needs[2])
             x_in = x_rem if ex.perm is None else permute_rows(x_rem, *ex.perm)
             y_rem = grouped_expert_mlp(x_in, ex.remote_counts, w1, w2, host_counts=ex.remote_host, **kw)
             if ex.perm is not None:
                 y_rem = permute_rows(y_rem, ex.perm[1], ex.perm[0])
         y_sorted_ND = x_sorted_ND.new_empty((N, D))
         works = ex.start(y_rem.detach(), ex.recv, y_sorted_ND, ex.send)
-        y_sorted_ND[lo : lo + n].copy_(y_loc.detach())
+        with _carveout(dev, bool(works)):
+            graph_b = _local_forward(x_sorted_ND, half_b, w_gate_up_EXD, w_down_EDF, needs, kw)
+        for part, graph in ((half_a, graph_a), (half_b, graph_b)):
+            if graph is not None:
+                y_sorted_ND[part.rows].copy_(graph[3].detach())
         _wait(works)
-        ctx.ex, ctx.graph = ex, (x_loc, y_loc, x_rem, y_rem, w1, w2)
+        ctx.ex, ctx.parts = ex, ((half_a, graph_a), (half_b, graph_b))
+        ctx.remote = (x_rem, y_rem, w1, w2)
         return y_sorted_ND
 
     @staticmethod
     def backward(ctx, grad_ND):  # noqa: D102
         ex = ctx.ex
-        x_loc, y_loc, x_rem, y_rem, w1, w2 = ctx.graph
-        ctx.graph = None
+        (half_a, graph_a), (half_b, graph_b) = ctx.parts
+        x_rem, y_rem, w1, w2 = ctx.remote
+        ctx.parts = ctx.remote = None
         grad_ND = grad_ND.contiguous()
         N, D = grad_ND.shape
-        lo, n = ex.local
+        dev = grad_ND.device
+
+        def local_backward(part, graph):
+            if graph is None:
+                return None, None, None
+            x, w1p, w2p, y = graph
+            return _grads(y, (x, w1p, w2p), grad_ND[part.rows])
+
         grad_in_MD = grad_ND.new_empty((ex.rows_in, D))
         works = ex.start(grad_ND, ex.send, grad_in_MD, ex.recv)
-        with _carveout(grad_ND.device, bool(works)):
-            gx_loc, gw1, gw2 = _grads(y_loc, (x_loc, w1, w2), grad_ND[lo : lo + n])
+        with _carveout(dev, bool(works)):
+            gx_a, gw1_a, gw2_a = local_backward(half_a, graph_a)
         _wait(works)
-        gx_rem, gw1_rem, gw2_rem = _grads(y_rem, (x_rem, w1, w2), grad_in_MD)
+        gx_rem, gw1, gw2 = _grads(y_rem, (x_rem, w1, w2), grad_in_MD)
         gx = None
+        works = []
         if ctx.needs_input_grad[0]:
             gx = grad_ND.new_empty((N, D))
             works = ex.start(gx_rem, ex.recv, gx, ex.send)
-            gx[lo : lo + n].copy_(gx_loc)
-        gw1, gw2 = _add(gw1, gw1_rem), _add(gw2, gw2_rem)  # while the input gradients travel
+        with _carveout(dev, bool(works)):
+            gx_b, gw1_b, gw2_b = local_backward(half_b, graph_b)
         if gx is not None:
-            _wait(works)
+            for part, g in ((half_a, gx_a), (half_b, gx_b)):
+                if g is not None:
+                    gx[part.rows].copy_(g)
+        for part, g1, g2 in ((half_a, gw1_a, gw2_a), (half_b, gw1_b, gw2_b)):
+            _add_slice(gw1, g1, part.experts)
+            _add_slice(gw2, g2, part.experts)
+        _wait(works)
         return gx, gw1, gw2, None
