@@ -202,8 +202,8 @@ def train_step(job: Job, micro_batches: list[Batch], want_counts: bool = False) 
         aux_sum += aux.detach().float() / len(micro_batches)
         if want_counts and out.router_logits is not None:
             counts = _expert_counts(out.router_logits, job.model_config, counts)
-    # With the fused AdamW (GPU) the clip coefficient is applied inside the caller's next job.optimizer.step()
-    # (no separate pass over the gradients); until then the gradients stay unclipped. Other optimizers: in place.
+    # With the fused AdamW (GPU) the clip coefficient is applied inside the caller's next job.optimizer.step() (no
+    # separate multiply kernel over the gradients); until then the gradients stay unclipped. Others clip in place.
     grad_norm = clip_grad_norm_(model, job.cfg.train.max_grad_norm, optimizer=job.optimizer)
     stats = torch.stack([lm_sum, aux_sum])
     dist.all_reduce(stats)

@@ -10,7 +10,8 @@ once, after the all-reduce.
 
 With ``optimizer=`` a fused torch Adam/AdamW, ``clip_grad_norm_`` leaves the gradients as they are and hands
 ``1 / clip_coef`` to the optimizer as its ``grad_scale`` (the attribute ``torch.amp.GradScaler`` uses): the fused
-kernel divides each gradient by it as it reads it, which saves the separate multiply pass over every gradient.
+kernel divides each gradient by it as it reads it (and stores the result back), so the separate multiply kernel
+and its read of every gradient are saved; the write remains, inside the optimizer's kernel.
 The hand-over lives for one ``optimizer.step()``: a step post-hook removes it, and a step pre-hook refuses to
 apply it to gradients other than the ones it was computed for.
 """
