@@ -100,8 +100,13 @@ def main() -> None:
     # 3. Memory, then weights: every rank reads only the slices it holds.
     model.to_empty(device=device)
     load_hf_weights(model, args.model)
+    # Fused on GPU: one kernel for the whole update, which also applies the clip coefficient (see below).
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay
+        model.parameters(),
+        lr=args.lr,
+        betas=tuple(args.betas),
+        weight_decay=args.weight_decay,
+        fused=device.type == "cuda",
     )
 
     pad = next((t for t in (getattr(config, "pad_token_id", None), config.eos_token_id) if t is not None), 0)
@@ -131,7 +136,8 @@ def main() -> None:
             # The router's load-balancing loss is a per-micro-batch mean: average it over the accumulation steps.
             (lm + coef * out.aux_loss / len(batches)).backward()
             lm_sum += lm.detach()
-        grad_norm = clip_grad_norm_(model, args.max_grad_norm)  # one norm over both meshes
+        # One norm over both meshes; a fused AdamW applies the clip in its step (no extra pass over the gradients).
+        grad_norm = clip_grad_norm_(model, args.max_grad_norm, optimizer=optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(lm_sum)

@@ -90,7 +90,8 @@ def _build(path, ep_size, **opt_kwargs):
     return meshes, model, units, torch.optim.AdamW(model.parameters(), **ADAM, **opt_kwargs)
 
 
-def _train(meshes, model, opt):
+def _train(meshes, model, opt, clip_into=False):
+    """``clip_into``: pass ``optimizer=opt`` to clip_grad_norm_ (a fused AdamW then applies the coefficient)."""
     import torch.distributed as dist
 
     from moeshard.fsdp_moe import clip_grad_norm_, get_total_norm, num_items_for_global_mean
@@ -111,8 +112,10 @@ def _train(meshes, model, opt):
             "inf": get_total_norm(model, float("inf")).item(),
             "with_plain": get_total_norm([*model.parameters(), plain]).item(),
         }
-        norm = clip_grad_norm_(model, MAX_NORM)
+        norm = clip_grad_norm_(model, MAX_NORM, optimizer=opt if clip_into else None)
+        assert hasattr(opt, "grad_scale") == (clip_into and bool(opt.defaults["fused"]))
         opt.step()
+        assert not hasattr(opt, "grad_scale")
         opt.zero_grad()
         logged = loss.detach().clone()
         dist.all_reduce(logged, op=dist.ReduceOp.AVG)  # the global-batch mean
@@ -141,14 +144,17 @@ def _layout(meshes, model, units):
 
 def _ep2x2(path):
     meshes, model, units, opt = _build(path, 2, foreach=True)  # foreach across the two meshes
-    return _layout(meshes, model, units), _train(meshes, model, opt)
+    # optimizer= with a foreach AdamW: the in-place multiply, as without it.
+    return _layout(meshes, model, units), _train(meshes, model, opt, clip_into=True)
 
 
 def _other_layouts(path):
     out = {}
     for ep in (4, 1):
         meshes, model, _, opt = _build(path, ep, fused=True)  # fused AdamW across the two meshes
-        out[ep] = _train(meshes, model, opt)
+        # EP 4: the clip coefficient goes to the fused kernel as grad_scale (a plain scalar tensor beside DTensors
+        # of two meshes); EP 1: the in-place clip.
+        out[ep] = _train(meshes, model, opt, clip_into=ep == 4)
     return out
 
 

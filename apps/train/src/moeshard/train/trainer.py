@@ -172,7 +172,11 @@ def _mp_policy(dtype: str):
 
 
 def train_step(job: Job, micro_batches: list[Batch], want_counts: bool = False) -> dict[str, Any]:
-    """One optimizer step over this rank's micro-batches; returns global loss, aux loss and grad norm."""
+    """Forward, backward and clipping over this rank's micro-batches; returns global loss, aux loss and grad norm.
+
+    The caller runs ``job.optimizer.step()`` next: with a fused optimizer the clipping happens in that step (see
+    ``moeshard.fsdp_moe.clip_grad_norm_``'s ``optimizer`` argument).
+    """
     from moeshard.fsdp_moe import clip_grad_norm_
 
     model, device, W = job.model, job.device, dist.get_world_size()
@@ -204,7 +208,9 @@ def train_step(job: Job, micro_batches: list[Batch], want_counts: bool = False) 
         aux_sum += aux.detach().float() / len(micro_batches)
         if want_counts and out.router_logits is not None:
             counts = _expert_counts(out.router_logits, job.model_config, counts)
-    grad_norm = clip_grad_norm_(model, job.cfg.train.max_grad_norm)
+    # With the fused AdamW (GPU) the clip coefficient is applied inside the caller's next job.optimizer.step() (no
+    # separate multiply kernel over the gradients); until then the gradients stay unclipped. Others clip in place.
+    grad_norm = clip_grad_norm_(model, job.cfg.train.max_grad_norm, optimizer=job.optimizer)
     stats = torch.stack([lm_sum, aux_sum])
     dist.all_reduce(stats)
     # Device tensors: the caller decides when to read them (one sync), so the step itself needs none.

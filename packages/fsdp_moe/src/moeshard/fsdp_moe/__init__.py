@@ -11,10 +11,11 @@ checkpoints work across the two meshes. Example (under torchrun)::
     meshes = build_meshes(ep_size=8)
     apply_ep(model, model.get_parallel_plan(), meshes.ep)
     units = shard_model(model, meshes)                       # units.stages -> moeshard.prefetch
-    optim = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
     n = num_items_for_global_mean((labels[:, 1:] != -100).sum())
     model(input_ids, labels=labels, num_items_in_batch=n).loss.backward()
-    clip_grad_norm_(model, 1.0); optim.step(); optim.zero_grad()
+    clip_grad_norm_(model, 1.0, optimizer=optim)             # fused: the clip is applied inside optim.step()
+    optim.step(); optim.zero_grad()
     save_checkpoint("ckpt/step_100", model, optim)           # loads into any EP size / world size
 """
 

@@ -7,11 +7,19 @@ Every rank holds disjoint pieces of the gradients:
 So the global ``sum |g|^p`` is the sum over the world of each rank's local sums: one all-reduce, no
 ``full_tensor()``, nothing counted twice. Plain (non-DTensor) gradients are copies on every rank and are added
 once, after the all-reduce.
+
+With ``optimizer=`` a fused torch Adam/AdamW, ``clip_grad_norm_`` leaves the gradients as they are and hands
+``1 / clip_coef`` to the optimizer as its ``grad_scale`` (the attribute ``torch.amp.GradScaler`` uses): the fused
+kernel divides each gradient by it as it reads it (and stores the result back), so the separate multiply kernel
+and its read of every gradient are saved; the write remains, inside the optimizer's kernel.
+The hand-over lives for one ``optimizer.step()``: a step post-hook removes it, and a step pre-hook refuses to
+apply it to gradients other than the ones it was computed for.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -129,6 +137,7 @@ def clip_grad_norm_(
     *,
     error_if_nonfinite: bool = False,
     group: dist.ProcessGroup | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> torch.Tensor:
     """Clip gradients in place by their global norm, as ``torch.nn.utils.clip_grad_norm_`` does in one process.
 
@@ -136,12 +145,25 @@ def clip_grad_norm_(
     gradients (``Shard(1)`` on ep_fsdp) and non-expert ones (``Shard(0)`` on fsdp) are covered by one
     all-reduce of local sums (see the module docstring).
 
+    With ``optimizer`` a fused ``torch.optim.Adam`` / ``AdamW`` (``fused=True`` in every parameter group) the
+    gradients are not multiplied here: ``optimizer.grad_scale`` is set to ``1 / scale`` (a float32 scalar tensor),
+    which the fused kernel of the next ``optimizer.step()`` divides every gradient by (and writes the clipped
+    gradient back), so the step is the same as after an in-place clip without a pass of its own. Until that step
+    ``p.grad`` holds the unclipped gradients. The hand-over is for that one step: a step post-hook removes
+    ``grad_scale`` again, and a step pre-hook raises ``RuntimeError`` if the gradients were replaced or modified
+    in place after the clip, or ``grad_scale`` was replaced (``torch.amp.GradScaler``: clip without
+    ``optimizer`` there). Any other optimizer (foreach, for-loop, other classes) gets the in-place multiply as
+    without the argument.
+
     Args:
         parameters: a sharded model or its parameters.
         max_norm: the largest allowed total norm.
         norm_type: p of the p-norm (``float("inf")`` for the max norm).
         error_if_nonfinite: raise when the total norm is nan or inf.
         group: the process group spanning the world; defaults to the default group.
+        optimizer: the optimizer whose next ``step()`` updates these parameters; a fused Adam/AdamW applies the
+            clipping itself. It must update exactly the parameters with gradients among ``parameters``
+            (``ValueError`` otherwise).
 
     Returns:
         The total norm before clipping (float32 scalar, equal on every rank).
@@ -154,9 +176,111 @@ def clip_grad_norm_(
             "error_if_nonfinite=False to clip anyway"
         )
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if optimizer is not None and _applies_grad_scale(optimizer):
+        _hand_to_optimizer(optimizer, params, clip_coef)
+        return total
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in _locals([p.grad for p in params if p.grad is not None]):
         by_device.setdefault(g.device, []).append(g)
     for device, gs in by_device.items():
         torch._foreach_mul_(gs, clip_coef.to(device))
     return total
+
+
+# ---- the clip coefficient handed to a fused Adam/AdamW --------------------------------------------------------
+# torch's Adam/AdamW.step() passes ``getattr(self, "grad_scale", None)`` to the fused kernel, which divides each
+# gradient by it (and stores the result back into .grad); ``found_inf`` stays unset (None: no step is skipped).
+_PENDING = "_moeshard_clip_pending"  # (the grad_scale tensor, fingerprint of the gradients it belongs to)
+_HOOKS = "_moeshard_clip_hooks"
+
+
+def _applies_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and all(
+        g.get("fused") for g in optimizer.param_groups
+    )
+
+
+def _grads_fingerprint(optimizer: torch.optim.Optimizer) -> list[tuple[weakref.ref, int, int]]:
+    # The gradient objects and their version counters (a DTensor and its local tensor count in-place ops
+    # separately): a zero_grad, a new backward or an in-place change between the clip and the step shows.
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is not None:
+                local = g._local_tensor if isinstance(g, DTensor) else g
+                out.append((weakref.ref(g), g._version, local._version))
+    return out
+
+
+def _same_grads(optimizer: torch.optim.Optimizer, recorded: list[tuple[weakref.ref, int, int]]) -> bool:
+    now = _grads_fingerprint(optimizer)
+    return len(now) == len(recorded) and all(
+        ref() is r() and v == rv and lv == rlv for (ref, v, lv), (r, rv, rlv) in zip(now, recorded, strict=True)
+    )
+
+
+def _hand_to_optimizer(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], clip_coef: torch.Tensor) -> None:
+    clipped = {id(p) for p in params if p.grad is not None}
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
+    if clipped != stepped:
+        raise ValueError(
+            f"clip_grad_norm_(..., optimizer=...): the optimizer steps {len(stepped - clipped)} parameter(s) with "
+            f"gradients that are not clipped here and {len(clipped - stepped)} clipped one(s) it does not step; "
+            "pass the optimizer only when it updates exactly the clipped parameters, or clip without it"
+        )
+    current = getattr(optimizer, "grad_scale", None)
+    pending = getattr(optimizer, _PENDING, None)
+    if current is not None and (pending is None or current is not pending[0]):
+        raise ValueError(
+            "clip_grad_norm_(..., optimizer=...): the optimizer already has a grad_scale set by other code "
+            "(torch.amp.GradScaler?); clip without optimizer= there"
+        )
+    if not hasattr(optimizer, _HOOKS):
+        setattr(
+            optimizer,
+            _HOOKS,
+            (optimizer.register_step_pre_hook(_check_pending), optimizer.register_step_post_hook(_clear_pending)),
+        )
+    devices = {g.device for g in _locals([p.grad for p in params if p.grad is not None])}
+    # The optimizer copies grad_scale to each gradient device. Keep it on the CPU when CPU gradients are among them:
+    # the CPU kernel reads it on the host, and a non-blocking device-to-host copy may not have landed by then.
+    if not devices:
+        device = clip_coef.device
+    elif any(d.type == "cpu" for d in devices):
+        device = torch.device("cpu")
+    else:
+        device = next(iter(devices))
+    scale = torch.reciprocal(clip_coef).to(device=device, dtype=torch.float32)
+    # A second clip before the step replaces the first hand-over (same gradients: the same coefficient).
+    optimizer.grad_scale = scale
+    setattr(optimizer, _PENDING, (scale, _grads_fingerprint(optimizer)))
+
+
+def _check_pending(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    pending = getattr(optimizer, _PENDING, None)
+    if pending is None:
+        return
+    scale, recorded = pending
+    if getattr(optimizer, "grad_scale", None) is not scale:
+        _clear_pending(optimizer, args, kwargs)
+        raise RuntimeError(
+            "optimizer.grad_scale was replaced after clip_grad_norm_(..., optimizer=...) (torch.amp.GradScaler?): "
+            "the clip coefficient would be lost; clip without optimizer= there"
+        )
+    if not _same_grads(optimizer, recorded):
+        _clear_pending(optimizer, args, kwargs)
+        raise RuntimeError(
+            "the gradients changed (zeroed, replaced or modified in place) between clip_grad_norm_(..., "
+            "optimizer=...) and optimizer.step(): the clip coefficient belongs to the old ones and was dropped; "
+            "call clip_grad_norm_ after the last change to the gradients"
+        )
+
+
+def _clear_pending(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    pending = getattr(optimizer, _PENDING, None)
+    if pending is None:
+        return
+    delattr(optimizer, _PENDING)
+    if getattr(optimizer, "grad_scale", None) is pending[0]:
+        del optimizer.grad_scale
