@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from moeshard.ep._grouped import KERNELS, Backend, _activation, _gated, grouped_expert_mlp
+from moeshard.ep._grouped import KERNELS, Backend, _activation, grouped_expert_mlp
 
 __all__ = [
     "Dispatch",
@@ -97,6 +97,46 @@ def _weighted_sum(y_TKD: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
 KERNELS["weighted_sum"] = _weighted_sum
 
 
+def _unsort_weighted_sum(y_sorted_ND: torch.Tensor, inv_N: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    # The un-sort gather folded into the weighted sum (compiled: one kernel, no un-sorted copy in memory).
+    T, K = w_TK.shape
+    y_TKD = y_sorted_ND.index_select(0, inv_N).view(T, K, y_sorted_ND.shape[-1])
+    return (y_TKD.float() * w_TK.float().unsqueeze(-1)).sum(dim=1)
+
+
+def _sorted_output_grad(g_TD: torch.Tensor, order_N: torch.Tensor, w_TK: torch.Tensor, dtype: torch.dtype):
+    # d y_TD / d y_sorted[n] = w of that copy, times the gradient of its token (gathered, not scattered).
+    K = w_TK.shape[1]
+    w_N = w_TK.reshape(-1).float().index_select(0, order_N)
+    return (g_TD.index_select(0, torch.div(order_N, K, rounding_mode="floor")) * w_N.unsqueeze(-1)).to(dtype)
+
+
+def _routing_weight_grad(g_TD: torch.Tensor, y_sorted_ND: torch.Tensor, inv_N: torch.Tensor, K: int):
+    T = g_TD.shape[0]
+    y_TKD = y_sorted_ND.index_select(0, inv_N).view(T, K, y_sorted_ND.shape[-1])
+    return (y_TKD.float() * g_TD.float().unsqueeze(1)).sum(dim=-1)
+
+
+def _gather_sum(grad_ND: torch.Tensor, inv_N: torch.Tensor, K: int) -> torch.Tensor:
+    # back to copy order t*K+k, then each token's K copies are adjacent: a sum (the gather folded in)
+    return grad_ND.index_select(0, inv_N).view(-1, K, grad_ND.shape[-1]).sum(dim=1)
+
+
+KERNELS["unsort_weighted_sum"] = _unsort_weighted_sum
+KERNELS["sorted_output_grad"] = _sorted_output_grad
+KERNELS["routing_weight_grad"] = _routing_weight_grad
+KERNELS["gather_sum"] = _gather_sum
+_EP_KERNELS = (
+    "gated",
+    "weighted_sum",
+    "unsort_weighted_sum",
+    "sorted_output_grad",
+    "routing_weight_grad",
+    "gather_sum",
+)
+_EP_EAGER = {name: KERNELS[name] for name in _EP_KERNELS}
+
+
 def compile_rows_dynamic(fn):
     """``torch.compile(fn)`` whose tensor arguments are dynamic in dim 0 (rows) only.
 
@@ -119,8 +159,8 @@ def compile_rows_dynamic(fn):
 def set_compiled_kernels(enabled: bool) -> None:
     """Use ``torch.compile``-fused pointwise kernels on the expert path (the gated activation; the weighted
     combine of the K copies, reading each copy once) or the eager ones. Same functions; a GPU speed option."""
-    KERNELS["gated"] = compile_rows_dynamic(_gated) if enabled else _gated
-    KERNELS["weighted_sum"] = compile_rows_dynamic(_weighted_sum) if enabled else _weighted_sum
+    for name in _EP_KERNELS:
+        KERNELS[name] = compile_rows_dynamic(_EP_EAGER[name]) if enabled else _EP_EAGER[name]
 
 
 def sort_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,9 +231,8 @@ class _ExpandRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ND: torch.Tensor):  # noqa: D102
         (inv_N,) = ctx.saved_tensors
-        D = grad_ND.shape[-1]
         # back to copy order t*K+k, then the K copies of token t are adjacent: a sum, no scatter.
-        return grad_ND.index_select(0, inv_N).view(-1, ctx.K, D).sum(dim=1), None, None, None
+        return KERNELS["gather_sum"](grad_ND.contiguous(), inv_N, ctx.K), None, None, None
 
 
 class _SlotGather(torch.autograd.Function):
@@ -232,10 +271,29 @@ def combine(
     Returns:
         ``y_TD`` in float32.
     """
-    T, K = topk_weights_TK.shape
     inv_N = inverse_permutation(order_N) if inv_N is None else inv_N
-    y_NkD = permute_rows(y_sorted_ND, inv_N, order_N)  # back to copy order t * K + k
-    return KERNELS["weighted_sum"](y_NkD.reshape(T, K, y_sorted_ND.shape[-1]), topk_weights_TK)
+    return _Combine.apply(y_sorted_ND, topk_weights_TK, order_N, inv_N)
+
+
+class _Combine(torch.autograd.Function):
+    """``Σ_k w_tk · y_sorted[inv[t*K+k]]`` in float32, each direction one fused gather-and-arithmetic kernel
+    (compiled kernels on) instead of a permutation gather followed by the weighted sum."""
+
+    @staticmethod
+    def forward(ctx, y_sorted_ND, w_TK, order_N, inv_N):  # noqa: D102
+        ctx.save_for_backward(y_sorted_ND, w_TK, order_N, inv_N)
+        return KERNELS["unsort_weighted_sum"](y_sorted_ND, inv_N, w_TK)
+
+    @staticmethod
+    def backward(ctx, g_TD):  # noqa: D102
+        y_sorted_ND, w_TK, order_N, inv_N = ctx.saved_tensors
+        g_TD = g_TD.contiguous()
+        gy = gw = None
+        if ctx.needs_input_grad[0]:
+            gy = KERNELS["sorted_output_grad"](g_TD, order_N, w_TK, y_sorted_ND.dtype)
+        if ctx.needs_input_grad[1]:
+            gw = KERNELS["routing_weight_grad"](g_TD, y_sorted_ND, inv_N, w_TK.shape[1]).to(w_TK.dtype)
+        return gy, gw, None, None
 
 
 class _AllToAll(torch.autograd.Function):
