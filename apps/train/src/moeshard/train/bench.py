@@ -181,6 +181,7 @@ def main(argv: list[str]) -> int:
         "compile": args.compile,
         "dispatch": args.dispatch,
         "step_time_s_median": step_s,
+        "step_times_s": times,
         "tokens_per_s_per_gpu": tps,
         "flops_per_token": fpt,
         "mfu": mfu(tps, fpt),
@@ -195,7 +196,8 @@ def main(argv: list[str]) -> int:
     if dist.get_rank() == 0:
         print(
             f"layers {args.layers} seq {args.seq_len} | world {world} = ep {args.ep_size} x ep_fsdp {world // args.ep_size} "
-            f"| {args.batch_per_gpu} seq/GPU (micro {mb}) | step {1000 * step_s:.1f} ms | {tps:,.0f} tok/s/GPU | "
+            f"| {args.batch_per_gpu} seq/GPU (micro {mb}) | step {1000 * step_s:.1f} ms "
+            f"(min {1000 * min(times):.1f}, max {1000 * max(times):.1f}) | {tps:,.0f} tok/s/GPU | "
             f"MFU {100 * result['mfu']:.1f}% | peak alloc {result['peak_allocated_gib'] or 0:.1f} GiB "
             f"reserved {result['peak_reserved_gib'] or 0:.1f} GiB | syncs/step {result['syncs_per_step']}"
         )

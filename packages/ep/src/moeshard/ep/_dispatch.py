@@ -6,10 +6,14 @@
 Flow with EP size 1: sort the N = T*K token copies by expert (stable), one grouped GEMM, un-sort and add each
 token's K copies, weighted, in float32.
 
-Flow with EP size P > 1, dispatch "copies" (the default): every copy travels. Sort the copies by global expert
-(grouped by destination rank too, since expert g lives on rank g // El), exchange per-expert counts, one
-``.tolist()`` (the layer's host sync), all-to-all the copies, regroup them by local expert, one grouped GEMM,
-undo the regrouping, all-to-all back, un-sort and combine weighted in float32.
+Flow with EP size P > 1, dispatch "copies" (the default): every copy bound for another rank travels, a rank's
+copies for its own experts never do. Sort the copies by global expert (grouped by destination rank too, since
+expert g lives on rank g // El), exchange per-expert counts, one ``.tolist()`` (the layer's host sync), then
+(``_OverlappedExperts``): post the sends/receives of the remote copies (one batch of point-to-point ops) and run
+half of the own copies' experts meanwhile; run the received copies (from one source they arrive grouped by local
+expert: no regrouping with P = 2; with more sources one permutation gather); post their outputs home and run the
+other half meanwhile; un-sort and combine weighted in float32 (one fused gather-and-sum). Backward mirrors the
+overlap. While a GEMM overlaps an exchange it leaves SMs to the communication kernel (SM carveout).
 
 Flow with EP size P > 1, dispatch "tokens" (de-duplication: a token travels once to each rank that holds any of
 its experts, not once per expert; with top-8 of 128 experts on 2 ranks that is ~4x fewer bytes):
@@ -28,7 +32,6 @@ gradients come home to the rank that owns them.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Literal
@@ -49,10 +52,11 @@ __all__ = [
 ]
 
 Dispatch = Literal["tokens", "copies"]
-"""How tokens travel with EP > 1: ``"copies"`` (the default: every routed copy travels; few, simple collectives)
-or ``"tokens"`` (de-duplicated: once per destination rank, partial outputs come back; ~4x fewer bytes at top-8 of
-128 experts on 2 ranks, but more passes over memory). On 2 H200s over NVLink (EP 2, 8 layers of Qwen3-30B-A3B)
-copies measured 48.4k / 47.9k tokens/s/GPU against 45.6k / 45.5k for tokens (benchmarks/NOTES.md)."""
+"""How tokens travel with EP > 1: ``"copies"`` (the default: every routed copy bound for another rank travels,
+overlapped with the own copies' experts) or ``"tokens"`` (de-duplicated: once per destination rank, partial
+outputs come back; ~4x fewer bytes at top-8 of 128 experts on 2 ranks, but more passes over memory and no
+overlap). On 2 H200s over NVLink (EP 2, 8 layers of Qwen3-30B-A3B) copies measured 48.4k / 47.9k tokens/s/GPU
+against 45.6k / 45.5k for tokens before the overlap (benchmarks/NOTES.md)."""
 _dispatch: list[Dispatch] = ["copies"]
 
 
@@ -454,50 +458,8 @@ def _copies_routed(x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, P, group, a
     _before_host_sync()
     host = torch.cat([counts_E, recv_counts_E]).tolist()
     send_counts, recv_counts = host[: P * El], host[P * El :]
-    if not _OVERLAP[0]:
-        return _copies_routed_serial(
-            x_sorted_ND,
-            recv_counts_E,
-            send_counts,
-            recv_counts,
-            w_gate_up_EXD,
-            w_down_EDF,
-            P,
-            group,
-            activation,
-            backend,
-        )
     ex = _Exchange(group, P, El, send_counts, recv_counts, counts_E, recv_counts_E, activation, backend)
     return _OverlappedExperts.apply(x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex)
-
-
-_OVERLAP = [os.environ.get("MOESHARD_EP_OVERLAP", "1") != "0"]
-
-
-def _copies_routed_serial(
-    x_sorted_ND, recv_counts_E, send_counts, recv_counts, w_gate_up_EXD, w_down_EDF, P, group, activation, backend
-):
-    El = w_gate_up_EXD.shape[0]
-    in_splits = [sum(send_counts[r * El : (r + 1) * El]) for r in range(P)]
-    out_splits = [sum(recv_counts[r * El : (r + 1) * El]) for r in range(P)]
-    local_counts = [sum(recv_counts[r * El + e] for r in range(P)) for e in range(El)]
-    R = sum(out_splits)
-
-    x_recv_RD = all_to_all(x_sorted_ND, out_splits, in_splits, group)
-    recv_counts_PEl = recv_counts_E.view(P, El)
-    perm_R = regroup_by_local_expert(recv_counts_PEl, R)
-    inv_R = inverse_permutation(perm_R)
-    y_grouped_RD = grouped_expert_mlp(
-        permute_rows(x_recv_RD, perm_R, inv_R),
-        recv_counts_PEl.sum(0),
-        w_gate_up_EXD,
-        w_down_EDF,
-        host_counts=local_counts,
-        activation=activation,
-        backend=backend,
-    )
-    y_recv_RD = permute_rows(y_grouped_RD, inv_R, perm_R)
-    return all_to_all(y_recv_RD, in_splits, out_splits, group)
 
 
 class _Exchange:
@@ -541,7 +503,7 @@ class _Exchange:
         return dist.batch_isend_irecv(ops) if ops else []
 
 
-_SM_CARVEOUT = [int(os.environ.get("MOESHARD_EP_SM_CARVEOUT", "32"))]
+_SM_CARVEOUT = [32]  # the SMs NCCL's send/recv kernel occupies on 2 H200s (its grid)
 
 
 class _carveout:
