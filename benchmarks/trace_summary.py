@@ -86,9 +86,7 @@ def main() -> None:
         busy[sid] = union_length([(k["ts"], k["ts"] + k["dur"]) for k in ks])
         nccl = sum(k["dur"] for k in ks if "nccl" in k["name"].lower())
         print(f"  stream {sid}: {len(ks)} kernels, busy {busy[sid] / 1e3:.1f} ms (NCCL {nccl / 1e3:.1f} ms)")
-    compute_sid = max(
-        by_stream, key=lambda s: sum(k["dur"] for k in by_stream[s] if "nccl" not in k["name"].lower())
-    )
+    compute_sid = max(by_stream, key=lambda s: sum(k["dur"] for k in by_stream[s] if "nccl" not in k["name"].lower()))
     compute = merged([(k["ts"], k["ts"] + k["dur"]) for k in by_stream[compute_sid]])
     comm = merged([(k["ts"], k["ts"] + k["dur"]) for k in kernels if "nccl" in k["name"].lower()])
     other = merged(
@@ -139,8 +137,10 @@ def main() -> None:
     for s, e in sorted(idle, key=lambda iv: iv[0] - iv[1])[:15]:
         before = ends.get(s, "(span start)")[:60]
         after = starts.get(e, "(span end)")[:60]
-        print(f"  {(e - s) / 1e3:6.2f} ms at +{(s - t0) / 1e3:6.1f} ms  comm {covered((s, e), comm) / 1e3:5.2f}  "
-              f"after {before!r} before {after!r}")
+        print(
+            f"  {(e - s) / 1e3:6.2f} ms at +{(s - t0) / 1e3:6.1f} ms  comm {covered((s, e), comm) / 1e3:5.2f}  "
+            f"after {before!r} before {after!r}"
+        )
 
 
 if __name__ == "__main__":

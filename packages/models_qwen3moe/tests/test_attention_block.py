@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, get_preset_config
-from moeshard.models.qwen3moe import kernels
+from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, get_preset_config, kernels
 
 
 @pytest.mark.parametrize("padded", [False, True])
