@@ -50,15 +50,18 @@ class _ToCompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None, None]:
         mesh, placements, shape, stride, dtype = ctx.spec
-        if ctx.scale != 1.0:
-            # A one-element tensor of the master dtype, not a Python scalar: type promotion then computes in the
-            # master dtype (float32) in the same kernel that reads the compute-dtype gradient — one pass, and the
-            # same values as FSDP2's cast into its float32 buffer followed by the division.
-            grad = torch.mul(grad, torch.full((1,), ctx.scale, dtype=dtype, device=grad.device))
-        elif grad.dtype != dtype:
-            grad = grad.to(dtype)
-        if not grad.is_contiguous():
-            grad = grad.contiguous()  # the parameter is contiguous; the optimizer expects the same layout
+        if ctx.scale != 1.0 or grad.dtype != dtype or not grad.is_contiguous():
+            # One pass into a contiguous master-dtype tensor (the parameter's layout, as the optimizer expects).
+            # The factor is a one-element tensor of the master dtype, not a Python scalar: type promotion then
+            # computes in the master dtype (float32) in the kernel that reads the compute-dtype gradient, as
+            # FSDP2's cast into its float32 buffer followed by its division by W (which CUDA computes as a
+            # multiplication by 1/W as well; on CPU the two agree exactly when W is a power of two).
+            out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+            if ctx.scale != 1.0:
+                torch.mul(grad, torch.full((1,), ctx.scale, dtype=dtype, device=grad.device), out=out)
+            else:
+                out.copy_(grad)
+            grad = out
         return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride), None, None
 
 
