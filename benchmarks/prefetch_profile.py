@@ -14,7 +14,8 @@ compute stream runs nothing; see ``moeshard.prefetch.analyze_comm_overlap``). Ra
 JSON to ``--out``.
 
 Expert all-gathers need ep_fsdp > 1: on 2 GPUs keep ``--ep-size 1`` (experts sharded 2 ways on dim 1); with
-``--ep-size 2`` only the non-expert units are all-gathered. On 1 GPU nothing is all-gathered at all.
+``--ep-size 2`` the experts are no FSDP units (ep_fsdp of one rank) and only the non-expert units are
+all-gathered. On 1 GPU nothing is all-gathered at all.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def main() -> None:
     device = init_distributed()
     model, stages, optim, vocab, meshes = build(args, device)
     if meshes.ep_fsdp_size == 1:
-        print0("note: ep_fsdp size 1: expert units are not all-gathered (only non-expert units are)")
+        print0("note: ep_fsdp size 1: the experts are no FSDP units (only non-expert units are all-gathered)")
     from moeshard.prefetch import build_schedule
 
     print0(build_schedule(stages, depth=1).describe())

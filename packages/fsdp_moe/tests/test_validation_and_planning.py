@@ -111,3 +111,25 @@ def test_worked_example_two_nodes_of_eight(rank):
         ["lm_head"],
     ]
     assert "model.layers.0.mlp.experts [ep_fsdp x2]" in units.describe()
+
+
+def test_ep_over_the_whole_world_keeps_experts_out_of_fsdp():
+    """1 node x 8, EP 8: ep_fsdp has one rank, so the experts get no FSDP unit; their parameters are still
+    ``Shard(1)`` DTensors on the one-rank ep_fsdp mesh (16 experts per rank, nothing split on dim 1)."""
+    units, params = _plan("qwen3-30b-a3b", 8, 3, 8, num_hidden_layers=2)
+    local, placements, mesh = params["model.layers.1.mlp.experts.down_proj"]
+    assert (local, placements, mesh) == ((16, 2048, 768), (Shard(1),), [3])
+    local, placements, mesh = params["model.layers.0.self_attn.q_proj.weight"]
+    assert (local, placements, mesh) == ((4096 // 8, 2048), (Shard(0),), list(range(8)))
+    assert [[n for n, _ in s.modules] for s in units.stages] == [
+        ["model.embed_tokens"],
+        ["model.layers.0"],
+        ["model.layers.1"],
+        ["lm_head"],
+    ]
+    experts = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert units.experts == () and [n for n, _ in units.local_experts] == experts
+    assert [s.local_experts for s in units.stages] == [(), (experts[0],), (experts[1],), ()]
+    assert "model.layers.0: model.layers.0 [fsdp x8], model.layers.0.mlp.experts [ep_fsdp x1, no FSDP]" in (
+        units.describe()
+    )

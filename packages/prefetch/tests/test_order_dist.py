@@ -79,12 +79,12 @@ def _toy_body():
     return out
 
 
-def _qwen3_body():
+def _qwen3_body(ep_size=EP):
     from moeshard.ep import apply_ep
     from moeshard.fsdp_moe import shard_model
     from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, get_preset_config
 
-    meshes = build_meshes(ep_size=EP, device_type="cpu")
+    meshes = build_meshes(ep_size=ep_size, device_type="cpu")
     config = get_preset_config("tiny", num_hidden_layers=4)
     out = {}
     for depth in (0, 1, "sync"):
@@ -99,6 +99,7 @@ def _qwen3_body():
             return model(ids, labels=ids).loss
 
         out[depth] = _train(model, units.stages, 1 if depth == "sync" else depth, batch, at_host_sync=depth == "sync")
+        out[depth]["local_experts"] = [name for name, _ in units.local_experts]
     return out
 
 
@@ -261,3 +262,26 @@ def test_qwen3_forward_prefetch_at_host_sync(qwen3_results):
                 assert begin < experts_begin < issued < end, (unit, target)
                 assert events[issued]["prefetch"], target
         assert result["losses"] == rank_result[0]["losses"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_ep4_results():
+    if _MISSING:
+        pytest.skip(f"needs {', '.join(_MISSING)} (installed by `nox -s prefetch`)")
+    return run_distributed(_qwen3_body, WORLD, WORLD, ranks_per_node=WORLD)
+
+
+def test_qwen3_without_expert_units(qwen3_ep4_results):
+    """EP 4 x ep_fsdp 1: the experts are no FSDP units (nothing to gather), so each layer's stage is its layer unit
+    alone; the schedule prefetches those, and training is the same with and without it."""
+    for rank_result in qwen3_ep4_results:
+        for depth in (0, 1):
+            result = rank_result[depth]
+            assert len(result["local_experts"]) == 4
+            assert all(len(units) == 1 for _, units in _layer_stages(result["schedule"]))
+            assert not any(".experts" in u for u in _unshards(result, "forward") + _unshards(result, "backward"))
+        check_default_order(rank_result[0])
+        check_scheduled_order(rank_result[1])
+        losses = rank_result[0]["losses"]
+        assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+        assert rank_result[1]["losses"] == losses

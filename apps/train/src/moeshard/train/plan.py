@@ -137,15 +137,26 @@ def plan_report(
             local_numel += int(torch.Size(lshape).numel())
             total_numel += int(torch.Size(gshape).numel())
             lines.append(f"{name:62s} {str(list(gshape)):>22s} {str(list(lshape)):>22s}  {_placement(p, meta)}")
+        # Expert modules kept out of FSDP (ep_fsdp of one rank) belong to no unit's gathered parameters.
+        local_experts = dict(units.local_experts)
         all_units = {id(m) for stage in units.stages for _, m in stage.modules} | {id(units.root)}
-        largest_unit = max(sum(_managed_numel(m, all_units) for _, m in stage.modules) for stage in units.stages)
+        skip = all_units | {id(m) for m in local_experts.values()}
+
+        def stage_numel(stage: Any) -> int:
+            # A stage's local experts count as if gathered with it: their compute-dtype copies are made in its
+            # forward (the same figure as when they were FSDP units).
+            gathered = sum(_managed_numel(m, skip) for _, m in stage.modules)
+            return gathered + sum(_managed_numel(local_experts[e], skip) for e in stage.local_experts)
+
+        largest_unit = max(stage_numel(stage) for stage in units.stages)
         head = units.stages[-1].modules[0][1]
         # Gathered once per micro-batch (never resharded after forward): the root and the head (see shard_model).
-        once_numel = _managed_numel(units.root, all_units) + _managed_numel(head, all_units)
-        # Units kept unsharded from forward to backward (see shard_model): the head, and the experts when
-        # ep_fsdp has one rank; their compute-dtype copies live through the whole step.
+        once_numel = _managed_numel(units.root, skip) + _managed_numel(head, skip)
+        # Unsharded from forward to backward: the head (see shard_model), and the experts when ep_fsdp has one
+        # rank (their compute-dtype copies, saved for backward); these live through the whole step.
         kept = [head] + ([m for _, m in units.experts] if meshes.ep_fsdp_size == 1 else [])
-        kept_numel = sum(_managed_numel(m, all_units) for m in kept)
+        kept += list(local_experts.values())
+        kept_numel = sum(_managed_numel(m, skip) for m in kept)
     mb = micro_batch_size or cfg.train.micro_batch_size
     tokens = mb * cfg.data.seq_len
     depth = cfg.parallel.prefetch_depth
@@ -173,13 +184,14 @@ def plan_report(
     return PlanReport("\n".join(lines), est, comm, bound)
 
 
-def _managed_numel(unit: torch.nn.Module, all_units: set[int]) -> int:
-    """Unsharded elements of the parameters one FSDP unit gathers (nested units excluded)."""
+def _managed_numel(unit: torch.nn.Module, skip: set[int]) -> int:
+    """Unsharded elements of the parameters of ``unit`` and its submodules, except those of the modules in
+    ``skip`` (other units, and expert modules outside FSDP): what one FSDP unit gathers."""
     total, stack = 0, [unit]
     while stack:
         m = stack.pop()
         total += sum(p.numel() for p in m.parameters(recurse=False))
-        stack.extend(c for c in m.children() if id(c) not in all_units)
+        stack.extend(c for c in m.children() if id(c) not in skip)
     return total
 
 

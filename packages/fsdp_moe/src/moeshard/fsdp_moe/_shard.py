@@ -4,6 +4,11 @@ Order of ``fully_shard`` calls (FSDP2 groups a module's parameters minus those a
 first): for each FSDP unit of the plan (deepest first), the expert modules inside it on ``meshes.ep_fsdp`` with
 ``Shard(1)``, then the unit itself on ``meshes.fsdp``; expert modules in no unit next; the root last.
 
+Where ``ep_fsdp`` has one rank (EP size = world size) there is nothing to gather or reduce for the experts, so
+they get no FSDP unit: their parameters become the same ``Shard(1)`` DTensors on ``ep_fsdp`` that FSDP2 would
+make, cast to the compute dtype by a forward hook (see ``_local_experts``), and every ``fully_shard`` call above
+them ignores them (``ignored_params``).
+
 Gradient divide factor: both kinds of parameter are divided by the world size W (see ``_divide_factors``).
 """
 
@@ -15,10 +20,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from moeshard.ep import EPParamMeta, ParallelPlan, apply_ep, find_expert_modules, fqn_matches, get_ep_info
+from moeshard.fsdp_moe._local_experts import keep_experts_local
 from moeshard.meshes import ParallelMeshes
 
 __all__ = ["FSDPUnits", "ShardingInfo", "Stage", "clean_fqn", "default_mp_policy", "get_sharding_info", "shard_model"]
@@ -41,11 +47,15 @@ class Stage:
 
     Attributes:
         name: FQN of the stage's first module (e.g. ``model.layers.3``).
-        modules: ``(FQN, FSDP module)`` pairs; the first is the unit on the global mesh, the rest its experts.
+        modules: ``(FQN, FSDP module)`` pairs; the first is the unit on the global mesh, the rest its experts
+            (none where experts are kept out of FSDP: ``ep_fsdp`` of one rank).
+        local_experts: FQNs of the expert modules inside the stage that are not FSDP units (``ep_fsdp`` of one
+            rank: nothing to gather; their parameters are cast to the compute dtype in their own forward).
     """
 
     name: str
     modules: tuple[tuple[str, FSDPModule], ...]
+    local_experts: tuple[str, ...] = ()
 
 
 @dataclass
@@ -56,12 +66,16 @@ class FSDPUnits:
         stages: the embedding stage first, one stage per decoder block (block unit, then its expert units), the
             head last; generally one stage per unit matched by the plan's ``fsdp_units``, in plan order.
         root: the model itself (holds whatever no unit claimed, e.g. the final norm).
-        experts: ``(FQN, FSDP module)`` for every expert unit, in module order.
+        experts: ``(FQN, FSDP module)`` for every expert unit, in module order (empty where ``ep_fsdp`` has one
+            rank: see ``local_experts``).
+        local_experts: ``(FQN, module)`` for every expert module kept out of FSDP (``ep_fsdp`` of one rank), in
+            module order; its parameters are ``Shard(1)`` DTensors on ``ep_fsdp`` all the same.
     """
 
     stages: list[Stage]
     root: FSDPModule
     experts: tuple[tuple[str, FSDPModule], ...] = field(default=())
+    local_experts: tuple[tuple[str, nn.Module], ...] = field(default=())
 
     def __iter__(self) -> Iterator[tuple[str, FSDPModule]]:
         """Every unit once, in forward order, the root last."""
@@ -72,11 +86,17 @@ class FSDPUnits:
     def describe(self) -> str:
         """One line per stage: its units and their meshes."""
         lines = []
+        in_stages = {fqn for stage in self.stages for fqn in stage.local_experts}
         for stage in self.stages:
             parts = [f"{fqn} [{_mesh_name(m)}]" for fqn, m in stage.modules]
+            parts += [f"{fqn} [{_LOCAL}]" for fqn in stage.local_experts]
             lines.append(f"{stage.name}: " + ", ".join(parts))
-        lines.append(f"<root>: [{_mesh_name(self.root)}]")
+        root = [f"{fqn} [{_LOCAL}]" for fqn, _ in self.local_experts if fqn not in in_stages]
+        lines.append(f"<root>: [{_mesh_name(self.root)}]" + "".join(f", {part}" for part in root))
         return "\n".join(lines)
+
+
+_LOCAL = "ep_fsdp x1, no FSDP"
 
 
 @dataclass(frozen=True)
@@ -207,6 +227,7 @@ def _divide_factors(module: FSDPModule, meshes: ParallelMeshes, mesh_size: int) 
     module.set_gradient_divide_factor(float(meshes.world_size))
     # gloo has no PREMUL_SUM (FSDP's way to apply a custom factor): reduce with SUM and scale separately. Only
     # where a collective runs: with a mesh of size 1, FSDP2 divides in its copy and would divide again after.
+    # (Experts kept out of FSDP on a one-rank ep_fsdp mesh apply the same factor W in their cast's backward.)
     if mesh_size > 1 and dist.get_backend() == "gloo":
         module.set_force_sum_reduction_for_comms(True)
 
@@ -219,6 +240,7 @@ def shard_model(
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool | int = True,
     offload_policy: OffloadPolicy | None = None,
+    fsdp_experts_on_one_rank: bool = False,
 ) -> FSDPUnits:
     """Apply FSDP2 bottom-up: experts on dim 1 over ``meshes.ep_fsdp``, units and root on dim 0 over ``meshes.fsdp``.
 
@@ -226,17 +248,25 @@ def shard_model(
     the modules matched by the plan's ``fsdp_units``. Gradients of both are divided by the world size, so for a
     loss that is each rank's share of the global-batch mean they equal single-process gradients.
 
+    Where ``meshes.ep_fsdp`` has one rank, expert modules get no FSDP unit (there is nothing to gather or reduce):
+    their parameters become the ``Shard(1)`` DTensors on ``ep_fsdp`` that FSDP2 would make, in the master dtype,
+    and a forward hook hands the module compute-dtype copies (``mp_policy.param_dtype``) whose backward casts the
+    gradient back and divides it by the world size. They are listed in ``FSDPUnits.local_experts`` and
+    ``Stage.local_experts``, not in the units; checkpoints, clipping and the optimizer treat them as before.
+
     Args:
         model: the model with EP applied (``moeshard.ep.apply_ep(model, plan, meshes.ep)``); for EP size 1
             an unapplied model is accepted (the EP metadata is recorded here).
         meshes: from ``moeshard.meshes.build_meshes`` in this job.
         plan: the parallel plan; defaults to ``model.get_parallel_plan()``.
         mp_policy: FSDP2 mixed precision; defaults to :func:`default_mp_policy` of the meshes' device type.
-        reshard_after_forward: passed to every unit, except two that backward needs at once anyway: the last unit
-            in forward order (the head: backward starts there) and expert units on an ep_fsdp mesh of one rank
-            (nothing to gather: resharding would only drop the compute-dtype copy and re-cast it in backward).
-            The root keeps FSDP2's own root rule.
-        offload_policy: passed to every unit (e.g. ``CPUOffloadPolicy()``).
+        reshard_after_forward: passed to every unit, except the last unit in forward order (the head: backward
+            starts there) and expert units on an ep_fsdp mesh of one rank (nothing to gather). The root keeps
+            FSDP2's own root rule.
+        offload_policy: passed to every unit (e.g. ``CPUOffloadPolicy()``); with CPU offloading experts stay FSDP
+            units on a one-rank ep_fsdp mesh too (FSDP2 moves them to and from the device).
+        fsdp_experts_on_one_rank: make expert modules FSDP units on a one-rank ep_fsdp mesh as well (slower, same
+            numbers; for comparisons).
 
     Returns:
         The units in forward order (:class:`FSDPUnits`).
@@ -255,10 +285,8 @@ def shard_model(
     expert_names = _check_experts(model, info, meshes)
     units = _match_units(model, plan, set(expert_names))
 
-    kwargs: dict = {
-        "mp_policy": mp_policy or default_mp_policy(meshes.device_type),
-        "reshard_after_forward": reshard_after_forward,
-    }
+    mp_policy = mp_policy or default_mp_policy(meshes.device_type)
+    kwargs: dict = {"mp_policy": mp_policy, "reshard_after_forward": reshard_after_forward}
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
 
@@ -270,12 +298,27 @@ def shard_model(
         experts_of.setdefault(_innermost_unit(name, units), []).append(name)
 
     sharded: dict[str, FSDPModule] = {}
+    local = (
+        meshes.ep_fsdp_size == 1 and not fsdp_experts_on_one_rank and not isinstance(offload_policy, CPUOffloadPolicy)
+    )
+    # Parameters of experts kept out of FSDP: every fully_shard call above them must leave them alone.
+    ignored: set[nn.Parameter] = set()
+    if local:
+        for name in expert_names:
+            ignored.update(
+                keep_experts_local(
+                    model.get_submodule(name), meshes.ep_fsdp, EXPERT_DIM, mp_policy, float(meshes.world_size)
+                )
+            )
+    ignore = {"ignored_params": ignored} if ignored else {}  # an empty set would still change FSDP2's module walk
 
     expert_kwargs = dict(kwargs)
     if meshes.ep_fsdp_size == 1:
         expert_kwargs["reshard_after_forward"] = False
 
     def shard_experts(names: list[str]) -> None:
+        if local:
+            return
         for name in names:
             mod = fully_shard(
                 model.get_submodule(name), mesh=meshes.ep_fsdp, shard_placement_fn=shard_dim1, **expert_kwargs
@@ -287,15 +330,27 @@ def shard_model(
     for unit in sorted(units, key=lambda u: u.count("."), reverse=True):
         shard_experts(experts_of.get(unit, []))
         unit_kwargs = {**kwargs, "reshard_after_forward": False} if unit == units[-1] else kwargs
-        mod = fully_shard(model.get_submodule(unit), mesh=meshes.fsdp, **unit_kwargs)
+        mod = fully_shard(model.get_submodule(unit), mesh=meshes.fsdp, **unit_kwargs, **ignore)
         _divide_factors(mod, meshes, meshes.world_size)
         sharded[unit] = mod
     shard_experts(experts_of.get(None, []))
     root_kwargs = {k: v for k, v in kwargs.items() if k != "reshard_after_forward"}
-    root = fully_shard(model, mesh=meshes.fsdp, **root_kwargs)
+    root = fully_shard(model, mesh=meshes.fsdp, **root_kwargs, **ignore)
     _divide_factors(root, meshes, meshes.world_size)
 
-    stages = [Stage(u, ((u, sharded[u]), *((e, sharded[e]) for e in experts_of.get(u, [])))) for u in units]
-    stages += [Stage(e, ((e, sharded[e]),)) for e in experts_of.get(None, [])]
+    def stage(unit: str) -> Stage:
+        experts = experts_of.get(unit, [])
+        if local:
+            return Stage(unit, ((unit, sharded[unit]),), tuple(experts))
+        return Stage(unit, ((unit, sharded[unit]), *((e, sharded[e]) for e in experts)))
+
+    stages = [stage(u) for u in units]
+    if not local:
+        stages += [Stage(e, ((e, sharded[e]),)) for e in experts_of.get(None, [])]
     setattr(model, _SHARDING_ATTR, ShardingInfo(meshes=meshes, expert_params=dict(info.params)))
-    return FSDPUnits(stages=stages, root=root, experts=tuple((e, sharded[e]) for e in expert_names))
+    return FSDPUnits(
+        stages=stages,
+        root=root,
+        experts=tuple((e, sharded[e]) for e in expert_names if e in sharded),
+        local_experts=tuple((e, model.get_submodule(e)) for e in expert_names) if local else (),
+    )

@@ -2,7 +2,8 @@
 
 A *stage* is one step of the forward pass: the embedding, one decoder layer, the head. A layer's stage holds
 several FSDP units: the layer unit (attention, norms, router; on the global mesh) whose forward runs the stage,
-and its expert unit(s) (on the ep_fsdp mesh), nested inside it. FSDP2 all-gathers a unit in its own
+and its expert unit(s) (on the ep_fsdp mesh), nested inside it — or the layer unit alone where the experts are
+no FSDP unit (``moeshard.fsdp_moe`` with an ep_fsdp mesh of one rank). FSDP2 all-gathers a unit in its own
 pre-forward, so without a schedule the expert all-gather of layer i starts only after layer i's attention,
 which is too short to hide it. The schedule makes the pre-forward hook of layer i's unit issue the all-gathers
 of every unit of layers i+1..i+depth, and its pre-backward hook those of layers i-1..i-depth.

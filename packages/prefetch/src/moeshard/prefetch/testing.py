@@ -7,9 +7,10 @@
     loss = model(tokens_BT, labels_BT)
 
 Structure (names as in the real model): ``embed`` | ``layers.{i}`` = attention part + router + ``experts`` | ``head``
-(final norm + output projection). Sharding mirrors ``moeshard.fsdp_moe.shard_model``: each layer's ``experts``
-is ``fully_shard``-ed on the ep_fsdp mesh with ``Shard(1)`` (after the EP slice on dim 0), then the layer, the
-embedding and the head on the global mesh, then the root. Every token is mixed over this rank's local experts
+(final norm + output projection). Sharding mirrors ``moeshard.fsdp_moe.shard_model`` on an ep_fsdp mesh of more
+than one rank: each layer's ``experts`` is ``fully_shard``-ed on the ep_fsdp mesh with ``Shard(1)`` (after the EP
+slice on dim 0), then the layer, the embedding and the head on the global mesh, then the root (the toy does so on
+a one-rank ep_fsdp mesh too, where ``shard_model`` keeps experts out of FSDP). Every token is mixed over this rank's local experts
 (dense softmax gate): the token all-to-all belongs to ``moeshard.ep`` and plays no part in when FSDP all-gathers.
 """
 

@@ -1,0 +1,147 @@
+"""Expert modules without FSDP where ``ep_fsdp`` has one rank: float32 master DTensors, a compute copy per forward.
+
+On a one-rank ``ep_fsdp`` mesh nothing is gathered or reduced, yet an FSDP2 unit still costs, per expert module
+and step, a cast into an all-gather buffer and a copy out of it in forward, and in backward a copy of the gradients
+into a reduce-scatter buffer, a division into a temporary and a copy into the sharded gradient, plus its hooks'
+CPU time. Here the parameters stay exactly what FSDP2 would have made of them — DTensors ``Shard(1)`` on the
+``ep_fsdp`` mesh in the master dtype — so state dicts, DCP resharding, clipping, the optimizer and the metadata see
+no difference, and two hooks on the expert module do the rest:
+
+- forward pre-hook: each parameter in ``module._parameters`` is replaced by :class:`_ToCompute` of it (its local
+  tensor in ``mp_policy.param_dtype``), the way FSDP2 swaps in its unsharded parameters; floating-point inputs are
+  cast like FSDP2's ``cast_forward_inputs``;
+- forward hook (also on an exception, e.g. the early stop of a checkpoint's recomputation): the parameters go
+  back; outputs are cast to ``mp_policy.output_dtype`` if set.
+
+:class:`_ToCompute`'s backward is the whole gradient path: the compute-dtype gradient times the divide factor
+``1 / W`` (W the world size, as FSDP2 applies it), in the master dtype, in one pass, returned as a DTensor like the
+parameter, so autograd stores it in (first micro-batch) or adds it to (later ones) ``param.grad``. With activation
+checkpointing the recomputation casts again; only the first forward's graph carries the gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._pytree import tree_map_only
+
+__all__ = ["keep_experts_local", "local_experts_state"]
+
+_STATE_ATTR = "_moeshard_local_experts"
+
+
+class _ToCompute(torch.autograd.Function):
+    """DTensor parameter → its local tensor in the compute dtype; gradient → ``grad * scale`` as a DTensor."""
+
+    @staticmethod
+    def forward(ctx: Any, param: DTensor, dtype: torch.dtype | None, scale: float) -> torch.Tensor:
+        ctx.spec = (param.device_mesh, param.placements, param.shape, param.stride(), param.dtype)
+        ctx.scale = scale
+        local = param.to_local()  # no autograd inside forward: the local tensor itself
+        if dtype is None or dtype == local.dtype:
+            return local.view_as(local)  # a fresh tensor object: autograd writes its metadata into it
+        return local.to(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None, None]:
+        mesh, placements, shape, stride, dtype = ctx.spec
+        if ctx.scale != 1.0 or grad.dtype != dtype or not grad.is_contiguous():
+            # One pass into a contiguous master-dtype tensor (the parameter's layout, as the optimizer expects).
+            # The factor is a one-element tensor of the master dtype, not a Python scalar: type promotion then
+            # computes in the master dtype (float32) in the kernel that reads the compute-dtype gradient, as
+            # FSDP2's cast into its float32 buffer followed by its division by W (which CUDA computes as a
+            # multiplication by 1/W as well; on CPU the two agree exactly when W is a power of two).
+            out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+            if ctx.scale != 1.0:
+                torch.mul(grad, torch.full((1,), ctx.scale, dtype=dtype, device=grad.device), out=out)
+            else:
+                out.copy_(grad)
+            grad = out
+        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride), None, None
+
+
+def _cast_floating(dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
+    # FSDP2's rule for forward inputs and outputs: floating-point tensors only, and only when the dtype differs.
+    return x.to(dtype) if torch.is_floating_point(x) and x.dtype != dtype else x
+
+
+class _LocalExperts:
+    """The hooks' state for one expert module (readable with :func:`local_experts_state`)."""
+
+    def __init__(self, names: tuple[str, ...], mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, scale: float):
+        self.names = names
+        self.mesh = mesh
+        self.mp_policy = mp_policy
+        self.scale = scale
+        self._saved: list[tuple[str, nn.Parameter]] = []
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype the forward computes in (None: the parameters' own)."""
+        return self.mp_policy.param_dtype
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        assert not self._saved, "the expert module's forward was entered twice without leaving it"
+        for name in self.names:
+            param = module._parameters[name]
+            assert isinstance(param, DTensor), (name, type(param))
+            self._saved.append((name, param))
+            module._parameters[name] = _ToCompute.apply(param, self.compute_dtype, self.scale)
+        if self.mp_policy.cast_forward_inputs and self.compute_dtype is not None:
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: _cast_floating(self.compute_dtype, t), (args, kwargs))
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        for name, param in self._saved:
+            module._parameters[name] = param
+        self._saved.clear()
+        if output is None or self.mp_policy.output_dtype is None:
+            return output
+        return tree_map_only(torch.Tensor, lambda t: _cast_floating(self.mp_policy.output_dtype, t), output)
+
+
+def local_experts_state(module: nn.Module) -> _LocalExperts | None:
+    """The state :func:`keep_experts_local` left on ``module``, or None."""
+    return module.__dict__.get(_STATE_ATTR)
+
+
+def keep_experts_local(
+    module: nn.Module, mesh: DeviceMesh, shard_dim: int, mp_policy: MixedPrecisionPolicy, divide_factor: float
+) -> tuple[nn.Parameter, ...]:
+    """Turn ``module``'s parameters into DTensors ``Shard(shard_dim)`` on the one-rank ``mesh`` and hook its forward.
+
+    The parameters are wrapped without a copy (made contiguous, and moved to the mesh's device unless on meta, as
+    ``fully_shard`` would); the Parameter objects are new, so build the optimizer afterwards.
+
+    Returns:
+        The new parameters (to keep out of the enclosing ``fully_shard`` calls).
+    """
+    assert mesh.size() == 1, mesh
+    if mesh.device_type == "cpu":
+        device = torch.device("cpu")
+    else:
+        device = torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
+    params: dict[str, nn.Parameter] = {}
+    for name, param in list(module.named_parameters(recurse=False)):
+        assert not isinstance(param, DTensor), name
+        with torch.no_grad():
+            local = param.detach()
+            if local.device.type != "meta" and local.device != device:
+                local = local.to(device)
+            local = local.contiguous()
+            dt = DTensor.from_local(
+                local, mesh, [Shard(shard_dim)], run_check=False, shape=local.shape, stride=local.stride()
+            )
+        new = nn.Parameter(dt, requires_grad=param.requires_grad)
+        module.register_parameter(name, new)
+        params[name] = new
+    state = _LocalExperts(tuple(params), mesh, mp_policy, 1 / divide_factor)
+    module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
+    module.register_forward_hook(state.post_forward, with_kwargs=True, always_call=True)
+    setattr(module, _STATE_ATTR, state)
+    return tuple(params.values())
