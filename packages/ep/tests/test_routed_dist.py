@@ -111,9 +111,18 @@ def _same_under_activation_checkpointing(experts, group, world, rank):
     """The layer under non-reentrant activation checkpointing (recomputed in backward) gives identical results."""
     from torch.utils.checkpoint import checkpoint
 
+    from moeshard.ep import _dispatch
+
     set_ep_dispatch("copies")
     x_TD, ids_TK, w_TK, _ = _problem(world, "random")[rank]
     results = []
+    forwards = []
+    original = _dispatch._OverlappedExperts.forward
+
+    def counted(*args):
+        forwards.append(1)
+        return original(*args)
+
     for use_checkpoint in (False, True):
         experts.zero_grad(set_to_none=True)
         x = x_TD.clone().requires_grad_(True)
@@ -123,10 +132,16 @@ def _same_under_activation_checkpointing(experts, group, world, rank):
                 a.sin(), ids_TK, w_TK, experts.gate_up_proj, experts.down_proj, num_experts=E, ep_group=group
             )
 
-        y = checkpoint(layer, x, use_reentrant=False) if use_checkpoint else layer(x)
-        y.square().sum().backward()
+        forwards.clear()
+        _dispatch._OverlappedExperts.forward = staticmethod(counted)
+        try:
+            y = checkpoint(layer, x, use_reentrant=False) if use_checkpoint else layer(x)
+            y.square().sum().backward()
+        finally:
+            _dispatch._OverlappedExperts.forward = staticmethod(original)
         results.append([y.detach(), x.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()])
-    return all(torch.equal(a, b) for a, b in zip(*results))
+    # identical results, and the checkpointed layer ran twice (forward + one recomputation), not once per pass
+    return all(torch.equal(a, b) for a, b in zip(*results)) and len(forwards) == 2
 
 
 def _metadata_survives_fully_shard():

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from moeshard.ep._grouped import KERNELS, Backend, _activation, grouped_expert_mlp
+from moeshard.ep._grouped import KERNELS, Backend, ExpertPass, _activation, _resolve_backend, grouped_expert_mlp
 
 __all__ = [
     "Dispatch",
@@ -132,6 +132,7 @@ KERNELS["routing_weight_grad"] = _routing_weight_grad
 KERNELS["gather_sum"] = _gather_sum
 _EP_KERNELS = (
     "gated",
+    "gated_backward",
     "weighted_sum",
     "unsort_weighted_sum",
     "sorted_output_grad",
@@ -529,33 +530,15 @@ def _wait(works: list) -> None:
         w.wait()
 
 
-def _grads(outputs, inputs, grad_outputs):
-    """``torch.autograd.grad`` over the inputs that require grad; None for the others and for unused ones."""
-    wanted = [t for t in inputs if t is not None and t.requires_grad]
-    got = iter(torch.autograd.grad(outputs, wanted, grad_outputs, allow_unused=True) if wanted else ())
-    return [next(got) if t is not None and t.requires_grad else None for t in inputs]
-
-
 class _LocalHalf:
     """A contiguous range of local experts and their rows among this rank's own (never travelling) copies."""
 
-    def __init__(self, ex: _Exchange, first: int, last: int):
+    def __init__(self, ex: _Exchange, first: int, last: int, backend: str):
         lo, _ = ex.local
         counts = ex.local_host
         self.experts = slice(first, last)
         self.rows = slice(lo + sum(counts[:first]), lo + sum(counts[:last]))
-        self.host = counts[first:last]
-        self.counts = ex.local_counts[first:last]
-
-
-def _local_forward(x_sorted_ND, part: _LocalHalf, w1_full, w2_full, needs, kw):
-    """Run one half of the local experts on its rows as a small graph with its own leaves."""
-    with torch.enable_grad():
-        x = x_sorted_ND[part.rows].detach().requires_grad_(needs[0])
-        w1 = w1_full[part.experts].detach().requires_grad_(needs[1])
-        w2 = w2_full[part.experts].detach().requires_grad_(needs[2])
-        y = grouped_expert_mlp(x, part.counts, w1, w2, host_counts=part.host, **kw)
-    return x, w1, w2, y
+        self.run = ExpertPass(ex.local_counts[first:last], counts[first:last], ex.activation, backend)
 
 
 def _add_slice(full, part, sl):
@@ -570,75 +553,84 @@ class _OverlappedExperts(torch.autograd.Function):
     A and B. Forward: post the sends of the copies bound for other ranks and run half A of the own copies
     meanwhile; run the received copies; post their outputs home and run half B meanwhile. Backward mirrors it:
     the output gradients of remote copies travel during half A's backward, the input gradients go home during
-    half B's. Each pass is a small autograd graph built in forward (each half with its own slice of the
-    weights, so no full-size zero gradients appear); the halves' weight gradients are added into the slices of
-    the remote pass's. With 2 EP ranks the received rows need no regrouping (one source, already grouped by
-    local expert), so the plain path's two permutation gathers each way disappear.
+    half B's. The three expert passes have hand-written backwards (:class:`ExpertPass`) whose inputs are saved
+    with ``save_for_backward``, so activation checkpointing recomputes the layer once, as for any op; each half
+    works on its slice of the weights and its weight gradients are added into the slices of the remote pass's.
+    With 2 EP ranks the received rows need no regrouping (one source, already grouped by local expert), so the
+    plain path's two permutation gathers each way disappear.
     """
 
     @staticmethod
     def forward(ctx, x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex: _Exchange):  # noqa: D102
         N, D = x_sorted_ND.shape
         El = w_gate_up_EXD.shape[0]
-        needs = ctx.needs_input_grad[:3]
-        kw = {"activation": ex.activation, "backend": ex.backend}
-        half_a, half_b = _LocalHalf(ex, 0, El // 2), _LocalHalf(ex, El // 2, El)
+        backend = _resolve_backend(ex.backend, x_sorted_ND, w_gate_up_EXD)
+        half_a, half_b = _LocalHalf(ex, 0, El // 2, backend), _LocalHalf(ex, El // 2, El, backend)
+        remote = ExpertPass(ex.remote_counts, ex.remote_host, ex.activation, backend)
         dev = x_sorted_ND.device
+
+        def local(part):
+            if part.experts.start == part.experts.stop:
+                return None, ()
+            sl = part.experts
+            return part.run.forward(x_sorted_ND[part.rows], w_gate_up_EXD[sl], w_down_EDF[sl])
 
         recv_MD = x_sorted_ND.new_empty((ex.rows_in, D))
         works = ex.start(x_sorted_ND, ex.send, recv_MD, ex.recv)
         with _carveout(dev, bool(works)):
-            graph_a = _local_forward(x_sorted_ND, half_a, w_gate_up_EXD, w_down_EDF, needs, kw) if El > 1 else None
+            y_a, saved_a = local(half_a)
         _wait(works)
-        with torch.enable_grad():
-            x_rem = recv_MD.requires_grad_(needs[0])
-            w1 = w_gate_up_EXD.detach().requires_grad_(needs[1])
-            w2 = w_down_EDF.detach().requires_grad_(needs[2])
-            x_in = x_rem if ex.perm is None else permute_rows(x_rem, *ex.perm)
-            y_rem = grouped_expert_mlp(x_in, ex.remote_counts, w1, w2, host_counts=ex.remote_host, **kw)
-            if ex.perm is not None:
-                y_rem = permute_rows(y_rem, ex.perm[1], ex.perm[0])
+        x_in = recv_MD if ex.perm is None else recv_MD.index_select(0, ex.perm[0])
+        y_rem, saved_r = remote.forward(x_in, w_gate_up_EXD, w_down_EDF)
+        if ex.perm is not None:
+            y_rem = y_rem.index_select(0, ex.perm[1])
         y_sorted_ND = x_sorted_ND.new_empty((N, D))
-        works = ex.start(y_rem.detach(), ex.recv, y_sorted_ND, ex.send)
+        works = ex.start(y_rem, ex.recv, y_sorted_ND, ex.send)
         with _carveout(dev, bool(works)):
-            graph_b = _local_forward(x_sorted_ND, half_b, w_gate_up_EXD, w_down_EDF, needs, kw)
-        for part, graph in ((half_a, graph_a), (half_b, graph_b)):
-            if graph is not None:
-                y_sorted_ND[part.rows].copy_(graph[3].detach())
+            y_b, saved_b = local(half_b)
+        for part, y in ((half_a, y_a), (half_b, y_b)):
+            if y is not None:
+                y_sorted_ND[part.rows].copy_(y)
         _wait(works)
-        ctx.ex, ctx.parts = ex, ((half_a, graph_a), (half_b, graph_b))
-        ctx.remote = (x_rem, y_rem, w1, w2)
+        ctx.ex, ctx.passes = ex, (half_a, remote, half_b)
+        ctx.sizes = (len(saved_a), len(saved_r), len(saved_b))
+        ctx.save_for_backward(w_gate_up_EXD, w_down_EDF, *saved_a, *saved_r, *saved_b)
         return y_sorted_ND
 
     @staticmethod
     def backward(ctx, grad_ND):  # noqa: D102
         ex = ctx.ex
-        (half_a, graph_a), (half_b, graph_b) = ctx.parts
-        x_rem, y_rem, w1, w2 = ctx.remote
-        ctx.parts = ctx.remote = None
+        half_a, remote, half_b = ctx.passes
+        w1, w2, *saved = ctx.saved_tensors
+        na, nr, _ = ctx.sizes
+        saved_a, saved_r, saved_b = saved[:na], saved[na : na + nr], saved[na + nr :]
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         grad_ND = grad_ND.contiguous()
         N, D = grad_ND.shape
         dev = grad_ND.device
 
-        def local_backward(part, graph):
-            if graph is None:
+        def local(part, saved_part):
+            if not saved_part:
                 return None, None, None
-            x, w1p, w2p, y = graph
-            return _grads(y, (x, w1p, w2p), grad_ND[part.rows])
+            sl = part.experts
+            return part.run.backward(grad_ND[part.rows], saved_part, w1[sl], w2[sl], need_x, need_w)
 
         grad_in_MD = grad_ND.new_empty((ex.rows_in, D))
         works = ex.start(grad_ND, ex.send, grad_in_MD, ex.recv)
         with _carveout(dev, bool(works)):
-            gx_a, gw1_a, gw2_a = local_backward(half_a, graph_a)
+            gx_a, gw1_a, gw2_a = local(half_a, saved_a)
         _wait(works)
-        gx_rem, gw1, gw2 = _grads(y_rem, (x_rem, w1, w2), grad_in_MD)
+        g_rem = grad_in_MD if ex.perm is None else grad_in_MD.index_select(0, ex.perm[0])
+        gx_rem, gw1, gw2 = remote.backward(g_rem, saved_r, w1, w2, need_x, need_w)
         gx = None
         works = []
-        if ctx.needs_input_grad[0]:
+        if need_x:
+            if ex.perm is not None:
+                gx_rem = gx_rem.index_select(0, ex.perm[1])
             gx = grad_ND.new_empty((N, D))
             works = ex.start(gx_rem, ex.recv, gx, ex.send)
         with _carveout(dev, bool(works)):
-            gx_b, gw1_b, gw2_b = local_backward(half_b, graph_b)
+            gx_b, gw1_b, gw2_b = local(half_b, saved_b)
         if gx is not None:
             for part, g in ((half_a, gx_a), (half_b, gx_b)):
                 if g is not None:
@@ -647,4 +639,9 @@ class _OverlappedExperts(torch.autograd.Function):
             _add_slice(gw1, g1, part.experts)
             _add_slice(gw2, g2, part.experts)
         _wait(works)
-        return gx, gw1, gw2, None
+        return (
+            gx,
+            gw1 if ctx.needs_input_grad[1] else None,
+            gw2 if ctx.needs_input_grad[2] else None,
+            None,
+        )

@@ -119,6 +119,86 @@ def _loop_mlp(x_ND, counts: Sequence[int], w_gate_up_EXD, w_down_EDF, act):
     return torch.cat(outs, dim=0)
 
 
+def _gated_backward(activation: str, h_NX: torch.Tensor, grad_NF: torch.Tensor) -> torch.Tensor:
+    """Gradient of ``act(gate) * up`` w.r.t. ``h = [gate | up]``: the same ops autograd runs for :func:`_gated`."""
+    gate_NF, up_NF = h_NX.chunk(2, dim=-1)
+    if activation == "silu":
+        d_gate = torch.ops.aten.silu_backward(grad_NF * up_NF, gate_NF)
+    else:
+        approximate = "tanh" if activation == "gelu_tanh" else "none"
+        d_gate = torch.ops.aten.gelu_backward(grad_NF * up_NF, gate_NF, approximate=approximate)
+    return torch.cat([d_gate, grad_NF * ACTIVATIONS[activation](gate_NF)], dim=-1)
+
+
+KERNELS["gated_backward"] = _gated_backward
+
+
+class ExpertPass:
+    """One expert-MLP pass with a hand-written backward (for autograd Functions that schedule their own work).
+
+    ``forward`` returns the output and the tensors backward needs (give them to ``ctx.save_for_backward``, so
+    activation checkpointing can drop and recompute them like any saved tensor); ``backward`` takes them back.
+    Same operations as :func:`grouped_expert_mlp` under autograd, for both backends.
+    """
+
+    def __init__(self, counts_E, host_counts, activation: str, backend: str):
+        self.counts_E, self.host = counts_E, list(host_counts)
+        self.activation, self.backend = activation, backend
+
+    def forward(self, x_ND, w_gate_up, w_down):
+        act = _activation(self.activation)
+        if self.backend == "grouped_mm":
+            self.offs = torch.cumsum(self.counts_E.to(x_ND.device), 0, dtype=torch.int32)
+            h_NX = F.grouped_mm(x_ND, w_gate_up.transpose(-2, -1), offs=self.offs)
+            a_NF = KERNELS["gated"](act, h_NX).contiguous()
+            y_ND = F.grouped_mm(a_NF, w_down.transpose(-2, -1), offs=self.offs)
+            return y_ND, (x_ND, h_NX, a_NF)
+        hs, outs, start = [], [], 0
+        for e, n in enumerate(self.host):
+            h_nX = x_ND[start : start + n] @ w_gate_up[e].transpose(0, 1)
+            hs.append(h_nX)
+            outs.append(act(h_nX[:, : h_nX.shape[1] // 2]) * h_nX[:, h_nX.shape[1] // 2 :])
+            start += n
+        a_NF = torch.cat(outs)
+        y_ND = torch.cat([a_NF[s : s + n] @ w_down[e].transpose(0, 1) for e, (s, n) in enumerate(self._spans())])
+        return y_ND, (x_ND, torch.cat(hs), a_NF)
+
+    def _spans(self):
+        start = 0
+        for n in self.host:
+            yield start, n
+            start += n
+
+    def backward(self, grad_ND, saved, w_gate_up, w_down, need_x: bool, need_w: bool):
+        """``(grad x, grad w_gate_up, grad w_down)``; None where not needed."""
+        x_ND, h_NX, a_NF = saved
+        grad_ND = grad_ND.contiguous()
+        gx = gw1 = gw2 = None
+        if self.backend == "grouped_mm":
+            ga_NF = F.grouped_mm(grad_ND, w_down, offs=self.offs)
+            if need_w:
+                gw2 = F.grouped_mm(grad_ND.transpose(0, 1), a_NF, offs=self.offs)
+            gh_NX = KERNELS["gated_backward"](self.activation, h_NX, ga_NF).contiguous()
+            if need_x:
+                gx = F.grouped_mm(gh_NX, w_gate_up, offs=self.offs)
+            if need_w:
+                gw1 = F.grouped_mm(gh_NX.transpose(0, 1), x_ND, offs=self.offs)
+            return gx, gw1, gw2
+        gxs, gw1s, gw2s = [], [], []
+        for e, (s, n) in enumerate(self._spans()):
+            g_nD = grad_ND[s : s + n]
+            ga_nF = g_nD @ w_down[e]
+            gh_nX = _gated_backward(self.activation, h_NX[s : s + n], ga_nF)
+            gxs.append(gh_nX @ w_gate_up[e])
+            gw2s.append(g_nD.transpose(0, 1) @ a_NF[s : s + n])
+            gw1s.append(gh_nX.transpose(0, 1) @ x_ND[s : s + n])
+        if need_x:
+            gx = torch.cat(gxs) if gxs else grad_ND.new_zeros((0, w_gate_up.shape[-1]))
+        if need_w:
+            gw1, gw2 = torch.stack(gw1s), torch.stack(gw2s)
+        return gx, gw1, gw2
+
+
 def grouped_expert_mlp(
     x_ND: torch.Tensor,
     tokens_per_expert_E: torch.Tensor | Sequence[int],
