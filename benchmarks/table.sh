@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# The README table in one device call: EP 2 (with a profile), EP 1 x ep_fsdp 2 and 1 GPU, compiled kernels.
-#   bash benchmarks/table.sh      (on a machine with 2 GPUs; logs, JSON and the profile land in $OUT)
+# The README table in one device call: EP 2 (twice; the second with a Chrome trace of one profiled step),
+# EP 1 x ep_fsdp 2 and 1 GPU, compiled kernels, 16 timed steps after 6 warm-up steps each.
+#   bash benchmarks/table.sh      (on a machine with 2 GPUs; logs, JSON and the trace land in $OUT)
 set -u
 source benchmarks/gpu_env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-bench() { name=$1; shift; timeout ${T:-300} python3 -m torch.distributed.run --standalone "$@" 2>&1 | grep -v "UserWarning\|warnings.warn\|_rng_tracker\|AVOID_RECORD" | tee "$OUT/$name.log" | tail -${TAILN:-4}; }
-TAILN=14 bench ep2c --nproc-per-node 2 -m moeshard.train bench --layers 8 --ep-size 2 --steps 10 --warmup 4 --compile --out "$OUT/ep2c.json" --profile "$OUT/ep2c_profile.txt" ${EXTRA:-}
-bench ep1x2c --nproc-per-node 2 -m moeshard.train bench --layers 8 --ep-size 1 --steps 10 --warmup 4 --compile --out "$OUT/ep1x2c.json" ${EXTRA:-}
-bench gpu1c --nproc-per-node 1 -m moeshard.train bench --layers 8 --ep-size 1 --steps 10 --warmup 4 --compile --out "$OUT/gpu1c.json" ${EXTRA:-}
+S="--layers 8 --steps ${STEPS:-22} --warmup 6 --compile"
+bench() { name=$1; shift; timeout ${T:-300} python3 -m torch.distributed.run --standalone "$@" 2>&1 | grep -v "UserWarning\|warnings.warn\|_rng_tracker\|AVOID_RECORD\|_warn_once" | tee "$OUT/$name.log" | tail -${TAILN:-2}; }
+bench ep2a --nproc-per-node 2 -m moeshard.train bench $S --ep-size 2 --out "$OUT/ep2a.json" ${EXTRA:-}
+bench ep2b --nproc-per-node 2 -m moeshard.train bench $S --ep-size 2 --out "$OUT/ep2b.json" --trace "$OUT/ep2b.json.gz" ${EXTRA:-}
+bench ep1x2 --nproc-per-node 2 -m moeshard.train bench $S --ep-size 1 --out "$OUT/ep1x2.json" ${EXTRA:-}
+bench gpu1 --nproc-per-node 1 -m moeshard.train bench $S --ep-size 1 --out "$OUT/gpu1.json" ${EXTRA:-}
+python3 benchmarks/trace_summary.py "$OUT/ep2b.json.gz" --top 25 > "$OUT/ep2b_trace.txt" 2>&1; head -30 "$OUT/ep2b_trace.txt"
