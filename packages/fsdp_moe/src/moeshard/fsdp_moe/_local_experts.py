@@ -56,13 +56,42 @@ class _ToCompute(torch.autograd.Function):
             # computes in the master dtype (float32) in the kernel that reads the compute-dtype gradient, as
             # FSDP2's cast into its float32 buffer followed by its division by W (which CUDA computes as a
             # multiplication by 1/W as well; on CPU the two agree exactly when W is a power of two).
-            out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
-            if ctx.scale != 1.0:
-                torch.mul(grad, torch.full((1,), ctx.scale, dtype=dtype, device=grad.device), out=out)
+            fused = _fused_scale(grad, ctx.scale, dtype) if grad.is_cuda and ctx.scale != 1.0 else None
+            if fused is not None:
+                grad = fused
             else:
-                out.copy_(grad)
-            grad = out
+                out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+                if ctx.scale != 1.0:
+                    torch.mul(grad, torch.full((1,), ctx.scale, dtype=dtype, device=grad.device), out=out)
+                else:
+                    out.copy_(grad)
+                grad = out
         return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride), None, None
+
+
+def _scale_into(grad: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    return grad.contiguous().to(dtype) * scale
+
+
+# On CUDA the broadcast one-element factor above keeps the eager kernel from vectorising (~2 TB/s on an H200 for
+# 0.6 ms per layer's gate/up gradient); compiled, the same cast-and-multiply is one vectorised pass. Compiled once
+# on first use; if compiling is not possible here, the eager kernel stays.
+_FUSED: list = [None]
+
+
+def _fused_scale(grad: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor | None:
+    if _FUSED[0] is None:
+        try:
+            _FUSED[0] = torch.compile(_scale_into, dynamic=False)
+        except Exception:  # noqa: BLE001 - no compiler: keep the eager path
+            _FUSED[0] = False
+    if _FUSED[0] is False:
+        return None
+    try:
+        return _FUSED[0](grad, scale, dtype)
+    except Exception:  # noqa: BLE001 - a backend that cannot compile this: eager from now on
+        _FUSED[0] = False
+        return None
 
 
 def _cast_floating(dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
