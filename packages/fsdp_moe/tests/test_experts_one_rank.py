@@ -252,19 +252,9 @@ def _toy_step(model, opt, meshes, seed):
 
 
 def _snapshot(model, opt):
-    from torch.distributed.tensor import DTensor
+    from moeshard.fsdp_moe.testing import checkpoint_snapshot
 
-    from moeshard.fsdp_moe import get_state_dict
-
-    sd = get_state_dict(model, opt)
-
-    def full(t):
-        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone().numpy()
-
-    out = {f"model.{k}": full(v) for k, v in sd["model"].items()}
-    for fqn, state in sd["optimizer"]["state"].items():
-        out.update({f"optim.{fqn}.{k}": full(v) for k, v in state.items()})
-    return out
+    return checkpoint_snapshot(model, opt)
 
 
 def _round_trip(path):

@@ -19,7 +19,27 @@ from moeshard.ep import ParallelPlan, ep_group, routed_experts
 from moeshard.fsdp_moe._shard import clean_fqn, get_sharding_info
 from moeshard.fsdp_moe._state_dict import _to_global
 
-__all__ = ["ToyExperts", "ToyMoELM", "full_tensors"]
+__all__ = ["ToyExperts", "ToyMoELM", "checkpoint_snapshot", "full_tensors"]
+
+
+def checkpoint_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Full parameters and optimizer state as numpy arrays by ``model.FQN`` / ``optim.FQN.key``, gathered through
+    the checkpoint format itself (:func:`moeshard.fsdp_moe.get_state_dict`), plus each group's ``lr`` under
+    ``"lr"``; for comparing layouts in tests (all ranks gather)."""
+    import numpy as np
+
+    from moeshard.fsdp_moe._state_dict import get_state_dict
+
+    sd = get_state_dict(model, optimizer)
+
+    def full(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone().numpy()
+
+    out = {f"model.{k}": full(v) for k, v in sd["model"].items()}
+    for fqn, state in sd["optimizer"]["state"].items():
+        out.update({f"optim.{fqn}.{k}": full(v) for k, v in state.items()})
+    out["lr"] = np.array([g["lr"] for g in sd["optimizer"]["param_groups"]])
+    return out
 
 
 def full_tensors(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
