@@ -223,7 +223,9 @@ class Qwen3MoeForCausalLM(nn.Module):
         router and expert weights (linear biases zero, the padding row of the embedding zero), ones for norms.
 
         Works on a materialised model (after ``to_empty``), before or after EP/FSDP (DTensor parameters are
-        initialised through the DTensor random ops).
+        initialised through the DTensor random ops). ``generator`` applies to plain parameters; DTensor parameters
+        draw from DTensor's own generator, which ``torch.manual_seed`` seeds: for reproducible sharded weights call
+        ``torch.manual_seed(s)`` with the same ``s`` on every rank first (as ``moeshard-train`` does).
         """
         std = self.config.initializer_range
         for module in self.modules():
