@@ -206,24 +206,6 @@ def regroup_by_local_expert(recv_counts_PEl: torch.Tensor, num_rows: int) -> tor
     return torch.sort(expert_of_row_R, stable=True)[1]
 
 
-class _PermuteRows(torch.autograd.Function):
-    """``x[perm]`` for a permutation ``perm`` whose inverse is known; backward is the inverse gather.
-
-    Plain advanced indexing would back-propagate through ``index_put_(accumulate=True)``, a sort-based scatter
-    several times slower than this gather.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        ctx.save_for_backward(inv)
-        return x.index_select(0, perm)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # noqa: D102
-        (inv,) = ctx.saved_tensors
-        return grad.index_select(0, inv), None, None
-
-
 class _ExpandRows(torch.autograd.Function):
     """``x_TD[order_N // K]``: each token copied K times, in expert order; backward adds the K copies' grads."""
 
@@ -261,11 +243,6 @@ def _to_slots(y_ND: torch.Tensor, slot_N: torch.Tensor, rows: int, S: int) -> to
     """``[rows, S, D]`` zeros with ``y_ND`` placed at the unique ``slot_N`` (differentiable: a gather back)."""
     buf = y_ND.new_zeros((rows * S, y_ND.shape[-1])).index_copy(0, slot_N, y_ND)
     return buf.view(rows, S, y_ND.shape[-1])
-
-
-def permute_rows(x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor | None = None) -> torch.Tensor:
-    """``x[perm]`` along dim 0 for a permutation, differentiable with a gather (not a scatter) backward."""
-    return _PermuteRows.apply(x, perm, inverse_permutation(perm) if inv is None else inv)
 
 
 def combine(
@@ -474,7 +451,6 @@ class _Exchange:
     def __init__(self, group, P, El, send_counts, recv_counts, counts_E, recv_counts_E, activation, backend):
         self.group, self.activation, self.backend = group, activation, backend
         me = dist.get_rank(group)
-        self.me = me
         send = [sum(send_counts[r * El : (r + 1) * El]) for r in range(P)]
         recv = [sum(recv_counts[r * El : (r + 1) * El]) for r in range(P)]
         starts = [sum(send[:r]) for r in range(P)]

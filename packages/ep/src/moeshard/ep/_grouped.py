@@ -157,7 +157,7 @@ class ExpertPass:
         for e, n in enumerate(self.host):
             h_nX = x_ND[start : start + n] @ w_gate_up[e].transpose(0, 1)
             hs.append(h_nX)
-            outs.append(act(h_nX[:, : h_nX.shape[1] // 2]) * h_nX[:, h_nX.shape[1] // 2 :])
+            outs.append(_gated(act, h_nX))
             start += n
         a_NF = torch.cat(outs)
         y_ND = torch.cat([a_NF[s : s + n] @ w_down[e].transpose(0, 1) for e, (s, n) in enumerate(self._spans())])

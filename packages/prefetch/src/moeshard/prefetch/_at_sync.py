@@ -13,17 +13,12 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
+from moeshard.prefetch._record import _in_backward
 from moeshard.prefetch._schedule import PrefetchSchedule
 
 __all__ = ["HostSyncPrefetch", "prefetch_forward_at_host_sync"]
-
-
-def _in_backward() -> bool:
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current is not None and current() != -1
 
 
 class HostSyncPrefetch:
