@@ -20,6 +20,8 @@ nox.options.sessions = ["lint", "all"]  # `job` runs the main job
 # The CPU build of torch; an open range could pull a multi-GB CUDA build from PyPI.
 TORCH = os.environ.get("MOESHARD_TORCH", "torch==2.13.0")
 TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3"]
+# moeshard.ep's triton kernels are checked on CPU under triton's interpreter (CUDA builds of torch bring triton).
+TRITON = os.environ.get("MOESHARD_TRITON", "triton==3.6.0")
 
 # package folder -> the internal packages it needs (in install order), and extra test-only needs.
 PACKAGES: dict[str, tuple[list[str], list[str]]] = {
@@ -61,6 +63,9 @@ def _install(session: nox.Session, paths: list[str], extra: list[str]) -> None:
     session.install(*TEST_DEPS, *extra)
     editable = [arg for p in paths for arg in ("-e", p)]
     session.install(*editable)
+    if "packages/ep" in paths:
+        # optional: without it the triton kernel tests skip (and say so) instead of failing the session
+        session.run("python", "-m", "pip", "install", "-q", TRITON, success_codes=[0, 1])
 
 
 def _pytest(session: nox.Session, dirs: list[str]) -> None:

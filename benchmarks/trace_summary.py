@@ -5,7 +5,9 @@
 Prints: the step's GPU span; per stream, the busy time (union of its kernels); the compute stream's idle time
 split into "waiting while a collective runs" (exposed communication) and "nothing runs at all" (launch gaps,
 host syncs); kernel time by category; the largest kernels by total time; the longest idle gaps of the compute
-stream with the kernels on either side.
+stream with the kernels on either side; which host ops launched the memory-bound kernels (kernel time by the
+chain of CPU ops around each launch) and which launches the compute stream waited for (idle time before a kernel,
+by the chain of CPU ops that launched it).
 """
 
 from __future__ import annotations
@@ -59,10 +61,36 @@ def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(s, e) for s, e in out]
 
 
+def launch_chains(events: list[dict], depth: int = 4) -> dict[int, str]:
+    """Kernel correlation id -> the CPU ops around its launch, outermost first (last ``depth`` levels)."""
+    per_thread: dict[object, list[tuple[float, int, dict]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") == "cpu_op":
+            per_thread[(e.get("pid"), e.get("tid"))].append((e["ts"], 0, e))
+        elif e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+            per_thread[(e.get("pid"), e.get("tid"))].append((e["ts"], 1, e))
+    chains: dict[int, str] = {}
+    for evs in per_thread.values():
+        evs.sort(key=lambda x: (x[0], x[1], -x[2].get("dur", 0)))
+        stack: list[dict] = []
+        for ts, kind, e in evs:
+            while stack and stack[-1]["ts"] + stack[-1].get("dur", 0) < ts:
+                stack.pop()
+            if kind == 0:
+                stack.append(e)
+            else:
+                names = [o["name"].replace("autograd::engine::evaluate_function: ", "bwd:") for o in stack]
+                chains[e["args"]["correlation"]] = " > ".join(n[:48] for n in names[-depth:]) or "(no op)"
+    return chains
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("trace")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--window-ms", type=float, default=10.0, help="the compute stream's idle time per window")
     args = p.parse_args()
     opener = gzip.open if args.trace.endswith(".gz") else open
     with opener(args.trace, "rt") as f:
@@ -131,6 +159,39 @@ def main() -> None:
     print(f"top {args.top} kernels:")
     for name, (t, n) in sorted(names.items(), key=lambda x: -x[1][0])[: args.top]:
         print(f"  {t / 1e3:7.2f} ms {int(n):5d}x  {name[:150]}")
+    chains = launch_chains(events)
+    memory_bound = {"elementwise (eager)", "copy / cast", "gather / index", "reduce", "other", "sort / scan"}
+    by_chain: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    for k in kernels:
+        cat = category(k["name"])
+        if cat in memory_bound:
+            key = (cat, chains.get(k.get("args", {}).get("correlation"), "(unknown launch)"))
+            by_chain[key][0] += k["dur"]
+            by_chain[key][1] += 1
+    print(f"memory-bound eager kernels by launching CPU ops (top {args.top}):")
+    for (cat, chain), (t, n) in sorted(by_chain.items(), key=lambda x: -x[1][0])[: args.top]:
+        print(f"  {t / 1e3:7.2f} ms {int(n):5d}x  {cat:20s} {chain[:160]}")
+    waited: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    idle_end = {e: e - s for s, e in idle}
+    for k in by_stream[compute_sid]:
+        gap = idle_end.get(k["ts"])
+        if gap is not None and gap > 5:
+            chain = chains.get(k.get("args", {}).get("correlation"), "(unknown launch)")
+            waited[chain][0] += gap
+            waited[chain][1] += 1
+    print("compute-stream idle (gaps > 5 us) by the launch it waited for:")
+    for chain, (t, n) in sorted(waited.items(), key=lambda x: -x[1][0])[:25]:
+        print(f"  {t / 1e3:7.2f} ms {int(n):5d}x  {chain[:170]}")
+    w = args.window_ms * 1e3
+    per_window: dict[int, float] = defaultdict(float)
+    for s, e in idle:
+        a = s
+        while a < e:
+            b = min(e, t0 + ((a - t0) // w + 1) * w)
+            per_window[int((a - t0) // w)] += b - a
+            a = b
+    print(f"compute-stream idle per {args.window_ms:g} ms window (forward, backward, optimizer in turn):")
+    print("  " + " ".join(f"{per_window.get(i, 0.0) / 1e3:.1f}" for i in range(int(span // w) + 1)))
     starts = {k["ts"]: k["name"] for k in by_stream[compute_sid]}
     ends = {k["ts"] + k["dur"]: k["name"] for k in by_stream[compute_sid]}
     print("longest idle gaps of the compute stream:")

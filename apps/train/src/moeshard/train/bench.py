@@ -58,6 +58,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, help="write the torch.profiler kernel table of one step here")
     p.add_argument("--trace", default=None, help="write rank 0's Chrome trace of the profiled step here (.json.gz)")
+    p.add_argument(
+        "--trace-gpu-only",
+        action="store_true",
+        help="profile GPU activity only: no host-side op records, so the host runs at nearly its unprofiled speed "
+        "and host-bound stretches show as they are",
+    )
     args = p.parse_args(argv)
 
     from moeshard.train.trainer import build_job, host_stats, init_distributed, train_step
@@ -153,7 +159,8 @@ def main(argv: list[str]) -> int:
     if (args.profile or args.trace) and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CUDA] if args.trace_gpu_only else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=activities) as prof:
             train_step(job, batches())
             job.optimizer.step()
             job.optimizer.zero_grad(set_to_none=True)

@@ -32,6 +32,7 @@ gradients come home to the rank that owns them.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Literal
@@ -126,10 +127,23 @@ def _gather_sum(grad_ND: torch.Tensor, inv_N: torch.Tensor, K: int) -> torch.Ten
     return grad_ND.index_select(0, inv_N).view(-1, K, grad_ND.shape[-1]).sum(dim=1)
 
 
+def _expand_rows(x_TD: torch.Tensor, order_N: torch.Tensor, K: int) -> torch.Tensor:
+    return x_TD.index_select(0, torch.div(order_N, K, rounding_mode="floor"))
+
+
+def _combine_backward(g_TD, y_sorted_ND, order_N, inv_N, w_TK, need_gy: bool, need_gw: bool):
+    # (grad y_sorted in y's dtype, grad w in float32), each None where not needed
+    gy = KERNELS["sorted_output_grad"](g_TD, order_N, w_TK, y_sorted_ND.dtype) if need_gy else None
+    gw = KERNELS["routing_weight_grad"](g_TD, y_sorted_ND, inv_N, w_TK.shape[1]) if need_gw else None
+    return gy, gw
+
+
 KERNELS["unsort_weighted_sum"] = _unsort_weighted_sum
 KERNELS["sorted_output_grad"] = _sorted_output_grad
 KERNELS["routing_weight_grad"] = _routing_weight_grad
 KERNELS["gather_sum"] = _gather_sum
+KERNELS["expand_rows"] = _expand_rows
+KERNELS["combine_backward"] = _combine_backward
 _EP_KERNELS = (
     "gated",
     "gated_backward",
@@ -140,6 +154,34 @@ _EP_KERNELS = (
     "gather_sum",
 )
 _EP_EAGER = {name: KERNELS[name] for name in _EP_KERNELS}
+
+
+def _triton_kernels() -> dict[str, Callable] | None:
+    """The gathers written in triton (``moeshard.ep._triton``), or None where triton or a GPU is missing."""
+    if not torch.cuda.is_available() or os.environ.get("MOESHARD_TRITON_KERNELS", "1") == "0":
+        return None
+    try:
+        from moeshard.ep import _triton
+    except ImportError:
+        return None
+
+    def combine_backward(g_TD, y_sorted_ND, order_N, inv_N, w_TK, need_gy, need_gw):
+        return _triton.combine_backward(g_TD, y_sorted_ND, inv_N, w_TK, need_gy, need_gw)
+
+    return {
+        "unsort_weighted_sum": _triton.unsort_weighted_sum,
+        "gather_sum": _triton.gather_sum,
+        "expand_rows": _triton.expand_rows,
+        "combine_backward": combine_backward,
+    }
+
+
+def _on_cuda(gpu_fn: Callable, other_fn: Callable) -> Callable:
+    def call(first, *args):
+        return (gpu_fn if first.is_cuda else other_fn)(first, *args)
+
+    call.__wrapped__ = other_fn
+    return call
 
 
 def compile_rows_dynamic(fn):
@@ -163,9 +205,16 @@ def compile_rows_dynamic(fn):
 
 def set_compiled_kernels(enabled: bool) -> None:
     """Use ``torch.compile``-fused pointwise kernels on the expert path (the gated activation; the weighted
-    combine of the K copies, reading each copy once) or the eager ones. Same functions; a GPU speed option."""
+    combine of the K copies, reading each copy once) or the eager ones. Same functions; a GPU speed option.
+    With triton on a CUDA machine the gathers around the expert GEMM (token rows to expert order, the combine
+    and both their backwards) use the triton kernels of ``moeshard.ep._triton`` for CUDA tensors
+    (``MOESHARD_TRITON_KERNELS=0`` keeps the compiled ones)."""
     for name in _EP_KERNELS:
         KERNELS[name] = compile_rows_dynamic(_EP_EAGER[name]) if enabled else _EP_EAGER[name]
+    KERNELS["expand_rows"], KERNELS["combine_backward"] = _expand_rows, _combine_backward
+    gpu = _triton_kernels() if enabled else None
+    for name, fn in (gpu or {}).items():
+        KERNELS[name] = _on_cuda(fn, KERNELS[name])
 
 
 def sort_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,7 +262,7 @@ class _ExpandRows(torch.autograd.Function):
     def forward(ctx, x_TD: torch.Tensor, order_N: torch.Tensor, inv_N: torch.Tensor, K: int) -> torch.Tensor:  # noqa: D102
         ctx.save_for_backward(inv_N)
         ctx.K = K
-        return x_TD.index_select(0, order_N // K)
+        return KERNELS["expand_rows"](x_TD, order_N, K)
 
     @staticmethod
     def backward(ctx, grad_ND: torch.Tensor):  # noqa: D102
@@ -269,13 +318,9 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_TD):  # noqa: D102
         y_sorted_ND, w_TK, order_N, inv_N = ctx.saved_tensors
-        g_TD = g_TD.contiguous()
-        gy = gw = None
-        if ctx.needs_input_grad[0]:
-            gy = KERNELS["sorted_output_grad"](g_TD, order_N, w_TK, y_sorted_ND.dtype)
-        if ctx.needs_input_grad[1]:
-            gw = KERNELS["routing_weight_grad"](g_TD, y_sorted_ND, inv_N, w_TK.shape[1]).to(w_TK.dtype)
-        return gy, gw, None, None
+        need_gy, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gy, gw = KERNELS["combine_backward"](g_TD.contiguous(), y_sorted_ND, order_N, inv_N, w_TK, need_gy, need_gw)
+        return gy, None if gw is None else gw.to(w_TK.dtype), None, None
 
 
 class _AllToAll(torch.autograd.Function):

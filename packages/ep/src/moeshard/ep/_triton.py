@@ -1,0 +1,172 @@
+"""Triton kernels for the gathers around the expert GEMM on CUDA: a token's K routed copies read once each.
+
+# T tokens, K top-k, D hidden, N = T*K routed copies in expert order; inv[t*K+k] is the row of token t's k-th copy
+
+Compiled (Inductor) versions of these ops index each element through the permutation: one index load per
+element read, and they ran at ~1 TB/s on H200. Here a program owns a token (and a block of D): it loads its K
+row indices once and then whole rows, vectorised. Same arithmetic as the eager functions in ``_dispatch``
+(products and sums in float32). Used by ``set_compiled_kernels(True)`` for CUDA tensors when triton is
+importable; everything else keeps the compiled or eager kernels. The kernels also run under triton's
+interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the CPU tests check them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["combine_backward", "expand_rows", "gather_sum", "unsort_weighted_sum"]
+
+_BLOCK_D = 1024
+
+
+@triton.jit
+def _unsort_weighted_sum_kernel(
+    y_ptr, inv_ptr, w_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = offs < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for k in tl.static_range(K):
+        n = tl.load(inv_ptr + t * K + k).to(tl.int64)
+        w = tl.load(w_ptr + t * K + k).to(tl.float32)
+        acc += tl.load(y_ptr + n * D + offs, mask=mask, other=0.0).to(tl.float32) * w
+    tl.store(out_ptr + t * D + offs, acc, mask=mask)
+
+
+@triton.jit
+def _gather_sum_kernel(g_ptr, inv_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = offs < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for k in tl.static_range(K):
+        n = tl.load(inv_ptr + t * K + k).to(tl.int64)
+        acc += tl.load(g_ptr + n * D + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _expand_rows_kernel(x_ptr, order_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = offs < D
+    t = tl.load(order_ptr + n).to(tl.int64) // K
+    tl.store(out_ptr + n * D + offs, tl.load(x_ptr + t * D + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _combine_backward_kernel(
+    g_ptr,
+    y_ptr,
+    inv_ptr,
+    w_ptr,
+    gy_ptr,
+    gw_ptr,
+    D: tl.constexpr,
+    K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NEED_GY: tl.constexpr,
+    NEED_GW: tl.constexpr,
+):
+    # gy[inv[t*K+k]] = g[t] * w[t, k] (a permutation write: every row once, no atomics);
+    # gw[t, k] = <y[inv[t*K+k]], g[t]>. The token's gradient row is read once per block of D.
+    t = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, K_POW2)
+    dots = tl.zeros([K_POW2], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs = d0 + tl.arange(0, BLOCK_D)
+        mask = offs < D
+        g = tl.load(g_ptr + t * D + offs, mask=mask, other=0.0).to(tl.float32)
+        for k in tl.static_range(K):
+            n = tl.load(inv_ptr + t * K + k).to(tl.int64)
+            if NEED_GY:
+                w = tl.load(w_ptr + t * K + k).to(tl.float32)
+                tl.store(gy_ptr + n * D + offs, (g * w).to(gy_ptr.dtype.element_ty), mask=mask)
+            if NEED_GW:
+                y = tl.load(y_ptr + n * D + offs, mask=mask, other=0.0).to(tl.float32)
+                dots += tl.where(ks == k, tl.sum(y * g, axis=0), 0.0)
+    if NEED_GW:
+        tl.store(gw_ptr + t * K + ks, dots, mask=ks < K)
+
+
+def _check(rows: torch.Tensor, index: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if rows.dim() != 2:
+        raise ValueError(f"expected a [rows, D] tensor, got shape {tuple(rows.shape)}")
+    if index.dim() != 1 or index.numel() % K:
+        raise ValueError(f"expected a 1-D index of T*K entries (K={K}), got shape {tuple(index.shape)}")
+    return rows.contiguous(), index.contiguous()
+
+
+def unsort_weighted_sum(y_sorted_ND: torch.Tensor, inv_N: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    """``Σ_k w[t, k] · y_sorted[inv[t*K+k]]`` in float32, ``[T, D]``."""
+    T, K = w_TK.shape
+    y_sorted_ND, inv_N = _check(y_sorted_ND, inv_N, K)
+    D = y_sorted_ND.shape[1]
+    out = torch.empty((T, D), dtype=torch.float32, device=y_sorted_ND.device)
+    if T and D:
+        grid = (T, triton.cdiv(D, _BLOCK_D))
+        _unsort_weighted_sum_kernel[grid](y_sorted_ND, inv_N, w_TK.contiguous(), out, D, K=K, BLOCK_D=_BLOCK_D)
+    return out
+
+
+def gather_sum(grad_ND: torch.Tensor, inv_N: torch.Tensor, K: int) -> torch.Tensor:
+    """``Σ_k grad[inv[t*K+k]]`` (float32 sum, grad's dtype), ``[T, D]``."""
+    grad_ND, inv_N = _check(grad_ND, inv_N, K)
+    T, D = inv_N.numel() // K, grad_ND.shape[1]
+    out = torch.empty((T, D), dtype=grad_ND.dtype, device=grad_ND.device)
+    if T and D:
+        _gather_sum_kernel[(T, triton.cdiv(D, _BLOCK_D))](grad_ND, inv_N, out, D, K=K, BLOCK_D=_BLOCK_D)
+    return out
+
+
+def expand_rows(x_TD: torch.Tensor, order_N: torch.Tensor, K: int) -> torch.Tensor:
+    """``x[order // K]``: each token's row once per routed copy, in expert order, ``[N, D]``."""
+    x_TD, order_N = _check(x_TD, order_N, K)
+    N, D = order_N.numel(), x_TD.shape[1]
+    out = torch.empty((N, D), dtype=x_TD.dtype, device=x_TD.device)
+    if N and D:
+        _expand_rows_kernel[(N, triton.cdiv(D, _BLOCK_D))](x_TD, order_N, out, D, K=K, BLOCK_D=_BLOCK_D)
+    return out
+
+
+def combine_backward(
+    g_TD: torch.Tensor,
+    y_sorted_ND: torch.Tensor,
+    inv_N: torch.Tensor,
+    w_TK: torch.Tensor,
+    need_gy: bool,
+    need_gw: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Both gradients of :func:`unsort_weighted_sum` in one pass: ``(grad y_sorted, grad w)``.
+
+    ``grad y_sorted[inv[t*K+k]] = g[t] · w[t, k]`` in y's dtype; ``grad w[t, k] = <y_sorted[inv[t*K+k]], g[t]>``
+    in float32 (products in float32).
+    """
+    T, K = w_TK.shape
+    y_sorted_ND, inv_N = _check(y_sorted_ND, inv_N, K)
+    g_TD = g_TD.contiguous()
+    D = y_sorted_ND.shape[1]
+    gy = torch.empty_like(y_sorted_ND) if need_gy else None
+    gw = torch.empty((T, K), dtype=torch.float32, device=g_TD.device) if need_gw else None
+    if T and D and (need_gy or need_gw):
+        block = min(triton.next_power_of_2(D), 4096)
+        _combine_backward_kernel[(T,)](
+            g_TD,
+            y_sorted_ND,
+            inv_N,
+            w_TK.contiguous(),
+            gy if need_gy else g_TD,
+            gw if need_gw else g_TD,
+            D,
+            K=K,
+            K_POW2=triton.next_power_of_2(K),
+            BLOCK_D=block,
+            NEED_GY=need_gy,
+            NEED_GW=need_gw,
+            num_warps=8,
+        )
+    return gy, gw
