@@ -40,6 +40,27 @@ def test_fake_world_16(rank):
         assert meshes.node_index == rank // 8 and meshes.ep_rank == rank % 8
 
 
+def _world_spanning_groups():
+    ep_world = build_meshes(ep_size=dist.get_world_size())  # the EP group is every rank
+    fsdp_world = build_meshes(ep_size=1)  # the ep_fsdp group is every rank
+    groups = [ep_world.ep.get_group(), fsdp_world.ep_fsdp.get_group()]
+    # a communicator of their own: the same ranks as FSDP's group, a different group (so the EP exchange never
+    # queues behind FSDP's collectives), and it works
+    t = torch.ones(1)
+    for g in groups:
+        dist.all_reduce(t, group=g)
+    return {
+        "same_ranks": [dist.get_process_group_ranks(g) == [0, 1] for g in groups],
+        "own_group": [g is not ep_world.fsdp.get_group() and g is not dist.group.WORLD for g in groups],
+        "sum": float(t),
+    }
+
+
+def test_world_spanning_expert_groups_are_not_the_fsdp_group():
+    for res in run_distributed(_world_spanning_groups, 2):
+        assert res == {"same_ranks": [True, True], "own_group": [True, True], "sum": 4.0}
+
+
 def test_build_meshes_needs_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         build_meshes(ep_size=1)

@@ -185,6 +185,7 @@ def main(argv: list[str]) -> int:
         "micro_batch": mb,
         "activation_checkpointing": args.activation_checkpointing,
         "prefetch_depth": args.prefetch_depth,
+        "prefetch_at_host_sync": not args.no_prefetch_at_host_sync,
         "compile": args.compile,
         "dispatch": args.dispatch,
         "step_time_s_median": step_s,

@@ -476,12 +476,27 @@ def _copies_routed(x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, P, group, a
     El = w_gate_up_EXD.shape[0]
     recv_counts_E = torch.empty_like(counts_E)
     dist.all_to_all_single(recv_counts_E, counts_E, group=group)  # El counts to and from each rank
+    # Everything the device can prepare without the split sizes is queued before the sync (the three expert
+    # passes' row counts and GEMM offsets): after it the device idles until the host launches again, so the
+    # host work left there is what delays the layer.
+    me = dist.get_rank(group)
+    others = [r for r in range(P) if r != me]
+    local_E = counts_E.view(P, El)[me]
+    recv_PEl = recv_counts_E.view(P, El)
+    if P == 2:  # one source: its rows already come grouped by local expert
+        remote_E, rest_OEl = recv_PEl[others[0]], None
+    else:
+        rest_OEl = recv_PEl[torch.tensor(others, device=recv_PEl.device)]
+        remote_E = rest_OEl.sum(0)
+    half = El // 2
+    device_counts = (local_E[:half], remote_E, local_E[half:])
+    offsets = tuple(torch.cumsum(c, 0, dtype=torch.int32) for c in device_counts)
     # The one device→host sync of the layer: the exchange sizes must be host ints. Both count tensors go in
     # one .tolist() so there is a single sync, not two.
     _before_host_sync()
     host = torch.cat([counts_E, recv_counts_E]).tolist()
     send_counts, recv_counts = host[: P * El], host[P * El :]
-    ex = _Exchange(group, P, El, send_counts, recv_counts, counts_E, recv_counts_E, activation, backend)
+    ex = _Exchange(group, P, El, send_counts, recv_counts, rest_OEl, device_counts, offsets, activation, backend)
     return _OverlappedExperts.apply(x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex)
 
 
@@ -493,8 +508,10 @@ class _Exchange:
     expert); ``local``: this rank's own copies, which never travel.
     """
 
-    def __init__(self, group, P, El, send_counts, recv_counts, counts_E, recv_counts_E, activation, backend):
+    def __init__(self, group, P, El, send_counts, recv_counts, rest_OEl, device_counts, offsets, activation, backend):
         self.group, self.activation, self.backend = group, activation, backend
+        # (half A of the own copies, the received copies, half B): device counts and int32 GEMM offsets
+        self.device_counts, self.offsets = device_counts, offsets
         me = dist.get_rank(group)
         send = [sum(send_counts[r * El : (r + 1) * El]) for r in range(P)]
         recv = [sum(recv_counts[r * El : (r + 1) * El]) for r in range(P)]
@@ -505,17 +522,12 @@ class _Exchange:
         rstarts = [sum(recv[o] for o in others[:i]) for i in range(len(others))]
         self.recv = [(dist.get_global_rank(group, r), s, recv[r]) for r, s in zip(others, rstarts)]
         self.rows_in = sum(recv[r] for r in others)
-        self.local_counts = counts_E.view(P, El)[me]
         self.local_host = send_counts[me * El : (me + 1) * El]
-        recv_PEl = recv_counts_E.view(P, El)
-        self.remote_host = [sum(recv_counts[r * El + e] for r in others) for e in range(El)]
-        if P == 2:
-            # one source: its rows already come grouped by local expert
-            self.remote_counts, self.perm = recv_PEl[others[0]], None
+        if len(others) == 1:
+            self.remote_host, self.perm = recv_counts[others[0] * El : (others[0] + 1) * El], None
         else:
-            rest = recv_PEl[torch.tensor(others, device=recv_PEl.device)]
-            self.remote_counts = rest.sum(0)
-            perm = regroup_by_local_expert(rest, self.rows_in)
+            self.remote_host = [sum(recv_counts[r * El + e] for r in others) for e in range(El)]
+            perm = regroup_by_local_expert(rest_OEl, self.rows_in)
             self.perm = (perm, inverse_permutation(perm))
 
     def start(self, src: torch.Tensor, src_slices, dst: torch.Tensor, dst_slices) -> list:
@@ -525,7 +537,8 @@ class _Exchange:
         return dist.batch_isend_irecv(ops) if ops else []
 
 
-_SM_CARVEOUT = [32]  # the SMs NCCL's send/recv kernel occupies on 2 H200s (its grid)
+# the SMs NCCL's send/recv kernel occupies on 2 H200s (its grid); MOESHARD_EP_SM_CARVEOUT overrides (0: off)
+_SM_CARVEOUT = [int(os.environ.get("MOESHARD_EP_SM_CARVEOUT", "32"))]
 
 
 class _carveout:
@@ -554,12 +567,14 @@ def _wait(works: list) -> None:
 class _LocalHalf:
     """A contiguous range of local experts and their rows among this rank's own (never travelling) copies."""
 
-    def __init__(self, ex: _Exchange, first: int, last: int, backend: str):
+    def __init__(self, ex: _Exchange, first: int, last: int, which: int, backend: str):
         lo, _ = ex.local
         counts = ex.local_host
         self.experts = slice(first, last)
         self.rows = slice(lo + sum(counts[:first]), lo + sum(counts[:last]))
-        self.run = ExpertPass(ex.local_counts[first:last], counts[first:last], ex.activation, backend)
+        self.run = ExpertPass(
+            ex.device_counts[which], counts[first:last], ex.activation, backend, offsets=ex.offsets[which]
+        )
 
 
 def _add_slice(full, part, sl):
@@ -586,8 +601,8 @@ class _OverlappedExperts(torch.autograd.Function):
         N, D = x_sorted_ND.shape
         El = w_gate_up_EXD.shape[0]
         backend = _resolve_backend(ex.backend, x_sorted_ND, w_gate_up_EXD)
-        half_a, half_b = _LocalHalf(ex, 0, El // 2, backend), _LocalHalf(ex, El // 2, El, backend)
-        remote = ExpertPass(ex.remote_counts, ex.remote_host, ex.activation, backend)
+        half_a, half_b = _LocalHalf(ex, 0, El // 2, 0, backend), _LocalHalf(ex, El // 2, El, 2, backend)
+        remote = ExpertPass(ex.device_counts[1], ex.remote_host, ex.activation, backend, offsets=ex.offsets[1])
         dev = x_sorted_ND.device
 
         def local(part):

@@ -15,6 +15,7 @@ float64). Override per call with ``backend=`` or for the process with :func:`set
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -55,6 +56,11 @@ def get_grouped_mm_backend() -> Backend:
     return _backend
 
 
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def _resolve_backend(backend: Backend | None, x: torch.Tensor, w: torch.Tensor) -> str:
     backend = _backend if backend is None else backend
     if backend not in _BACKENDS:
@@ -66,7 +72,7 @@ def _resolve_backend(backend: Backend | None, x: torch.Tensor, w: torch.Tensor) 
         and x.dtype in (torch.bfloat16, torch.float16)
         and w.dtype == x.dtype
         and hasattr(F, "grouped_mm")
-        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and _capability(x.device) >= (9, 0)
     )
     return "grouped_mm" if ok else "loop"
 
@@ -141,14 +147,17 @@ class ExpertPass:
     Same operations as :func:`grouped_expert_mlp` under autograd, for both backends.
     """
 
-    def __init__(self, counts_E, host_counts, activation: str, backend: str):
+    def __init__(self, counts_E, host_counts, activation: str, backend: str, offsets: torch.Tensor | None = None):
+        """``offsets``: the int32 cumulative ``counts_E`` when the caller computed them already (grouped_mm)."""
         self.counts_E, self.host = counts_E, list(host_counts)
         self.activation, self.backend = activation, backend
+        self.offs = offsets
 
     def forward(self, x_ND, w_gate_up, w_down):
         act = _activation(self.activation)
         if self.backend == "grouped_mm":
-            self.offs = torch.cumsum(self.counts_E.to(x_ND.device), 0, dtype=torch.int32)
+            if self.offs is None:
+                self.offs = torch.cumsum(self.counts_E.to(x_ND.device), 0, dtype=torch.int32)
             h_NX = F.grouped_mm(x_ND, w_gate_up.transpose(-2, -1), offs=self.offs)
             a_NF = KERNELS["gated"](act, h_NX).contiguous()
             y_ND = F.grouped_mm(a_NF, w_down.transpose(-2, -1), offs=self.offs)
