@@ -22,29 +22,20 @@ _BLOCK_D = 1024
 
 
 @triton.jit
-def _unsort_weighted_sum_kernel(
-    y_ptr, inv_ptr, w_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr
+def _gather_sum_kernel(
+    src_ptr, inv_ptr, w_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr
 ):
+    # out[t] = Σ_k (w[t, k] ·) src[inv[t*K+k]], accumulated in float32
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for k in tl.static_range(K):
         n = tl.load(inv_ptr + t * K + k).to(tl.int64)
-        w = tl.load(w_ptr + t * K + k).to(tl.float32)
-        acc += tl.load(y_ptr + n * D + offs, mask=mask, other=0.0).to(tl.float32) * w
-    tl.store(out_ptr + t * D + offs, acc, mask=mask)
-
-
-@triton.jit
-def _gather_sum_kernel(g_ptr, inv_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = offs < D
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for k in tl.static_range(K):
-        n = tl.load(inv_ptr + t * K + k).to(tl.int64)
-        acc += tl.load(g_ptr + n * D + offs, mask=mask, other=0.0).to(tl.float32)
+        row = tl.load(src_ptr + n * D + offs, mask=mask, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            row = row * tl.load(w_ptr + t * K + k).to(tl.float32)
+        acc += row
     tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -109,7 +100,7 @@ def unsort_weighted_sum(y_sorted_ND: torch.Tensor, inv_N: torch.Tensor, w_TK: to
     out = torch.empty((T, D), dtype=torch.float32, device=y_sorted_ND.device)
     if T and D:
         grid = (T, triton.cdiv(D, _BLOCK_D))
-        _unsort_weighted_sum_kernel[grid](y_sorted_ND, inv_N, w_TK.contiguous(), out, D, K=K, BLOCK_D=_BLOCK_D)
+        _gather_sum_kernel[grid](y_sorted_ND, inv_N, w_TK.contiguous(), out, D, K=K, BLOCK_D=_BLOCK_D, WEIGHTED=True)
     return out
 
 
@@ -119,7 +110,8 @@ def gather_sum(grad_ND: torch.Tensor, inv_N: torch.Tensor, K: int) -> torch.Tens
     T, D = inv_N.numel() // K, grad_ND.shape[1]
     out = torch.empty((T, D), dtype=grad_ND.dtype, device=grad_ND.device)
     if T and D:
-        _gather_sum_kernel[(T, triton.cdiv(D, _BLOCK_D))](grad_ND, inv_N, out, D, K=K, BLOCK_D=_BLOCK_D)
+        grid = (T, triton.cdiv(D, _BLOCK_D))
+        _gather_sum_kernel[grid](grad_ND, inv_N, grad_ND, out, D, K=K, BLOCK_D=_BLOCK_D, WEIGHTED=False)
     return out
 
 
