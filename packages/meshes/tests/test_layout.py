@@ -38,3 +38,14 @@ def test_cross_node_ep_allowed_explicitly():
     lay = plan_layout(16, 8, 16, allow_cross_node_ep=True)
     assert lay.ep_crosses_nodes()
     assert lay.ep_fsdp_groups() == [[j] for j in range(16)]
+
+
+@pytest.mark.parametrize(
+    "backend, device_type, want",
+    [("cpu:gloo,cuda:nccl", "cuda", "nccl"), ("cpu:gloo,cuda:nccl", "cpu", "gloo"), ("nccl", "cuda", "nccl")],
+)
+def test_expert_groups_take_the_default_groups_backend_for_the_device(monkeypatch, backend, device_type, want):
+    from moeshard.meshes import _build
+
+    monkeypatch.setattr(_build.dist, "get_backend", lambda *a: backend)
+    assert _build._backend_for(device_type) == want
