@@ -14,6 +14,7 @@ import torch
 from transformers import Qwen3MoeConfig
 from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
 
+from moeshard.fsdp_moe import expert_grad
 from moeshard.meshes.testing import run_distributed
 
 VOCAB, B, S, STEPS, MICRO = 256, 8, 10, 3, 2
@@ -36,7 +37,11 @@ TINY = dict(
 )
 EXPERTS = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
 # (compute dtype, activation checkpointing, weights from)
-CONFIGS = {"bf16-ac-init": (torch.bfloat16, True, "init"), "fp32-hf": (None, False, "hf")}
+CONFIGS = {
+    "bf16-ac-init": (torch.bfloat16, True, "init"),
+    "fp32-hf": (None, False, "hf"),
+    "bf16-noac": (torch.bfloat16, False, "init"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +79,17 @@ def _np(tensors):
     return {k: v.float().numpy() for k, v in tensors.items()}
 
 
-def _run(path, config, force):
+def _run(path, config, force, fused=None):
+    """``fused``: None (torch's AdamW alone), "inplace" (fuse_local_expert_updates, clipped in place) or
+    "handover" (the same with torch's fused AdamW and the clip coefficient handed to it; also without fusing the
+    experts when ``force`` is "handover-ref")."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
 
     from moeshard.ep import apply_ep
-    from moeshard.fsdp_moe import clip_grad_norm_, num_items_for_global_mean, shard_model
+    from moeshard.fsdp_moe import clip_grad_norm_, fuse_local_expert_updates, num_items_for_global_mean, shard_model
+    from moeshard.fsdp_moe._local_experts import local_experts_state
     from moeshard.fsdp_moe.testing import full_tensors
     from moeshard.meshes import build_meshes
     from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, load_hf_config, load_hf_weights
@@ -95,7 +104,7 @@ def _run(path, config, force):
         model.enable_activation_checkpointing()
     apply_ep(model, model.get_parallel_plan(), meshes.ep)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    units = shard_model(model, meshes, mp_policy=mp, fsdp_experts_on_one_rank=force)
+    units = shard_model(model, meshes, mp_policy=mp, fsdp_experts_on_one_rank=force is True)
     schedule = build_schedule(units.stages, depth=1)
     apply_schedule(schedule)
     model.to_empty(device="cpu")
@@ -105,7 +114,9 @@ def _run(path, config, force):
         # Seeded as the trainer does (DTensor's random ops draw from the default generator, synced from rank 0).
         torch.manual_seed(3)
         model.init_weights()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
+    handover = fused == "handover" or force == "handover-ref"
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6, fused=handover or None)
+    n_fused = fuse_local_expert_updates(model, opt) if fused else 0
 
     seen = []  # what the expert module's forward sees as its weights (hook registered after shard_model's)
     model.get_submodule(EXPERTS[0]).register_forward_pre_hook(
@@ -144,23 +155,41 @@ def _run(path, config, force):
             loss_sum += loss.detach()
         grads = full_tensors(model, grads=True)
         grad_info = {
-            fqn: (type(p.grad).__name__, p.grad.placements, p.grad.dtype)
+            fqn: (type(g).__name__, g.placements, g.dtype, p.grad is None)
             for fqn, p in model.named_parameters()
-            if ".mlp.experts." in fqn
+            if ".mlp.experts." in fqn and (g := expert_grad(p)) is not None
         }
-        norm = clip_grad_norm_(model, 0.5)
+        norm = clip_grad_norm_(model, 0.5, optimizer=opt if handover else None)
         opt.step()
         opt.zero_grad()
+        if fused:  # the kept compute copies are the new masters, cast
+            for name in EXPERTS:
+                st = local_experts_state(model.get_submodule(name))
+                assert not st.pending
+                for pname, (copy, local, _) in st.copies.items():
+                    assert torch.equal(copy, local.to(copy.dtype)), (name, pname)
+                    assert local is st.params[pname]._local_tensor
         dist.all_reduce(loss_sum)
         steps.append((loss_sum.item() / W, norm.item(), _np(grads), _np(full_tensors(model)), grad_info))
+    layout["fused"] = n_fused
     return layout, seen, initial, steps
+
+
+# (forced expert FSDP units, fused expert updates) of each run
+RUNS = {
+    False: (False, None),
+    True: (True, None),
+    "fused": (False, "inplace"),
+    "fused-handover": (False, "handover"),
+    "handover-ref": ("handover-ref", None),
+}
 
 
 @pytest.fixture(scope="module")
 def results(hf_dir):
-    """Per rank: ``{(config, forced): _run(...)}``; each run in fresh processes (DTensor's random-number state
+    """Per rank: ``{(config, run): _run(...)}``; each run in fresh processes (DTensor's random-number state
     lives in the process, so a second model initialised in it would draw other numbers)."""
-    runs = {(c, f): run_distributed(_run, 2, hf_dir, c, f) for c in CONFIGS for f in (False, True)}
+    runs = {(c, k): run_distributed(_run, 2, hf_dir, c, *RUNS[k]) for c in CONFIGS for k in RUNS}
     return [{key: per_rank[rank] for key, per_rank in runs.items()} for rank in range(2)]
 
 
@@ -181,7 +210,7 @@ def test_experts_are_dtensors_outside_fsdp(results):
                     # A float32 master DTensor Shard(1) on the one-rank ep_fsdp mesh, managed by no FSDP unit.
                     assert layout[fqn] == ("DTensor", (Shard1,), ("ep_fsdp",), 1, torch.float32, False), fqn
                     for *_, grad_info in steps:
-                        assert grad_info[fqn] == ("DTensor", (Shard1,), torch.float32), fqn
+                        assert grad_info[fqn] == ("DTensor", (Shard1,), torch.float32, False), fqn
             # The forward computes with plain local tensors in the compute dtype (forward + recomputation).
             assert set(seen) == {(False, dtype or torch.float32)}
             if CONFIGS[config][1]:  # recomputed in backward (at least once per forward)
@@ -209,6 +238,36 @@ def test_same_numbers_as_expert_fsdp_units(results):
                 _same(new[2], old[2], f"{what} gradients")
                 _same(new[3], old[3], f"{what} parameters")
             assert all(np.isfinite([s[0] for s in steps_new]))
+
+
+def test_fused_expert_updates_same_numbers(results):
+    """fuse_local_expert_updates: param.grad stays None for the local experts, their pending gradients (as
+    expert_grad shows them), the clipped norms, losses and the parameters after each step equal torch's AdamW's bit
+    for bit (clipped in place), and to float32 rounding with the fused AdamW and the clip coefficient handed over."""
+    for rank, rank_result in enumerate(results):
+        for config in CONFIGS:
+            layout, _, init_f, steps_f = rank_result[(config, "fused")]
+            _, _, init_ref, steps_ref = rank_result[(config, False)]
+            assert layout["fused"] == 4  # gate_up_proj and down_proj of 2 layers
+            _same(init_f, init_ref, f"rank {rank} {config} initial weights")
+            for i, (new, old) in enumerate(zip(steps_f, steps_ref, strict=True)):
+                what = f"rank {rank} {config} fused step {i}"
+                assert new[0] == old[0] and new[1] == old[1], (what, new[:2], old[:2])
+                _same(new[2], old[2], f"{what} gradients")
+                _same(new[3], old[3], f"{what} parameters")
+                assert {k: v[:3] for k, v in new[4].items()} == {k: v[:3] for k, v in old[4].items()}
+                assert all(v[3] for v in new[4].values()), f"{what}: param.grad of a fed expert was set"
+            _, _, _, steps_h = rank_result[(config, "fused-handover")]
+            _, _, _, steps_hr = rank_result[(config, "handover-ref")]
+            for i, (new, old) in enumerate(zip(steps_h, steps_hr, strict=True)):
+                what = f"rank {rank} {config} fused with hand-over, step {i}"
+                np.testing.assert_allclose(new[0], old[0], rtol=1e-6, err_msg=what)
+                np.testing.assert_allclose(new[1], old[1], rtol=1e-5, err_msg=what)
+                for k, v in old[3].items():
+                    np.testing.assert_allclose(new[3][k], v, rtol=1e-5, atol=1e-6, err_msg=f"{what}: {k}")
+                # the update really moved the experts (a clip coefficient below 1 was applied)
+                assert not np.array_equal(new[3][f"{EXPERTS[0]}.down_proj"], init_f[f"{EXPERTS[0]}.down_proj"])
+            assert max(s[1] for s in steps_hr) > 0.5, "the clip never engaged: the hand-over is not exercised"
 
 
 def test_loaded_weights_are_the_checkpoints(results, hf_dir):

@@ -54,6 +54,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile-fused RMSNorm, RoPE and SwiGLU kernels")
+    p.add_argument(
+        "--no-fused-expert-update",
+        action="store_true",
+        help="update the experts outside FSDP with torch's AdamW like every other parameter (fp32 gradients)",
+    )
     p.add_argument("--dispatch", choices=("tokens", "copies"), default="copies", help="EP token dispatch mode")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, help="write the torch.profiler kernel table of one step here")
@@ -99,6 +104,7 @@ def main(argv: list[str]) -> int:
             warmup_steps=1,
             min_lr=1e-5,
             activation_checkpointing=args.activation_checkpointing,
+            fused_expert_update=not args.no_fused_expert_update,
         ),
         checkpoint=CheckpointConfig(resume="none"),
         logging=LoggingConfig(tensorboard=False, progress_bar=False),
@@ -187,6 +193,7 @@ def main(argv: list[str]) -> int:
         "prefetch_depth": args.prefetch_depth,
         "prefetch_at_host_sync": not args.no_prefetch_at_host_sync,
         "compile": args.compile,
+        "fused_expert_update": not args.no_fused_expert_update,
         "dispatch": args.dispatch,
         "step_time_s_median": step_s,
         "step_times_s": times,

@@ -71,6 +71,9 @@ class TrainConfig:
     seed: int = 0
     activation_checkpointing: bool = False
     compile: bool = False  # torch.compile-fused pointwise kernels (a GPU speed option; same numerics)
+    # Experts outside FSDP (ep_fsdp of one rank): AdamW updates them in one fused pass from their compute-dtype
+    # gradients and writes the next forward's compute copy (moeshard.fsdp_moe.fuse_local_expert_updates).
+    fused_expert_update: bool = True
 
 
 @dataclass(frozen=True)

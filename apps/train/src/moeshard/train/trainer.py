@@ -160,6 +160,12 @@ def build_job(cfg: JobConfig, device: torch.device) -> Job:
         fused=fused,
         foreach=False if fused else None,
     )
+    if t.fused_expert_update:
+        from moeshard.fsdp_moe import fuse_local_expert_updates
+
+        # Experts kept out of FSDP (ep_fsdp of one rank): one pass per step reads their compute-dtype gradients and
+        # writes the master weights, the moments and the next forward's compute copy (no-op under expert FSDP).
+        fuse_local_expert_updates(model, optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / t.lr)
     return Job(cfg, device, meshes, model, mcfg, optimizer, scheduler, units, schedule)
 

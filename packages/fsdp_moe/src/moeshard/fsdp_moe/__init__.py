@@ -12,6 +12,7 @@ checkpoints work across the two meshes. Example (under torchrun)::
     apply_ep(model, model.get_parallel_plan(), meshes.ep)
     units = shard_model(model, meshes)                       # units.stages -> moeshard.prefetch
     optim = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    fuse_local_expert_updates(model, optim)                  # optional: one pass per step for experts outside FSDP
     n = num_items_for_global_mean((labels[:, 1:] != -100).sum())
     model(input_ids, labels=labels, num_items_in_batch=n).loss.backward()
     clip_grad_norm_(model, 1.0, optimizer=optim)             # fused: the clip is applied inside optim.step()
@@ -20,6 +21,8 @@ checkpoints work across the two meshes. Example (under torchrun)::
 """
 
 from moeshard.fsdp_moe._clip import clip_grad_norm_, get_total_norm
+from moeshard.fsdp_moe._fused_update import fuse_local_expert_updates
+from moeshard.fsdp_moe._local_experts import expert_grad
 from moeshard.fsdp_moe._loss import num_items_for_global_mean
 from moeshard.fsdp_moe._shard import (
     FSDPUnits,
@@ -37,6 +40,8 @@ __all__ = [
     "Stage",
     "clip_grad_norm_",
     "default_mp_policy",
+    "expert_grad",
+    "fuse_local_expert_updates",
     "get_sharding_info",
     "get_state_dict",
     "get_total_norm",

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from moeshard.fsdp_moe._local_experts import PendingGrad, pending_grads
 from moeshard.meshes import MeshAxis
 
 __all__ = ["clip_grad_norm_", "get_total_norm"]
@@ -44,6 +45,9 @@ def _split(grads: list[torch.Tensor], world: int) -> tuple[list[torch.Tensor], l
     """(pieces summed over the world, replicated tensors counted once) as local tensors."""
     sharded, replicated = [], []
     for g in grads:
+        if isinstance(g, PendingGrad):  # a local expert's piece (ep_fsdp mesh of one rank): always owned
+            sharded.append(g)
+            continue
         if not isinstance(g, DTensor):
             replicated.append(g)
             continue
@@ -71,14 +75,22 @@ def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-def _local_norms(tensors: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+def _local_norms(tensors: list, norm_type: float) -> list[torch.Tensor]:
+    """Norms of local tensors and of pending gradients (their factors applied to the norm)."""
+    by_device: dict[torch.device, list] = {}
     for t in tensors:
-        by_device.setdefault(t.device, []).append(t)
+        by_device.setdefault(t.local.device if isinstance(t, PendingGrad) else t.device, []).append(t)
     out = []
     for ts in by_device.values():
         # Norms in float32 whatever the gradient dtype, as the reduction of a global norm must be.
-        out.extend(n for n in torch._foreach_norm(ts, norm_type, dtype=torch.float32))
+        norms = torch._foreach_norm(
+            [t.local if isinstance(t, PendingGrad) else t for t in ts], norm_type, dtype=torch.float32
+        )
+        for t, n in zip(ts, norms, strict=True):
+            if isinstance(t, PendingGrad):
+                n = n * t.scale if t.scale != 1.0 else n
+                n = n * t.mult.to(n.device) if t.mult is not None else n
+            out.append(n)
     return out
 
 
@@ -109,8 +121,13 @@ def get_total_norm(
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"norm_type must be positive (or inf), got {norm_type}")
-    grads = [p.grad for p in _params(parameters) if p.grad is not None]
-    dev = _comm_device(group) if dist.is_initialized() else (grads[0].device if grads else torch.device("cpu"))
+    params = _params(parameters)
+    # Local experts' gradients waiting for their fused update (fuse_local_expert_updates) count in their
+    # parameter's place: pieces of the ep_fsdp mesh's kind, in the compute dtype, their factors applied to the norm.
+    pending = {id(p): pg for p, pg in pending_grads(params)}
+    grads = [p.grad if p.grad is not None else pending[id(p)] for p in params if p.grad is not None or id(p) in pending]
+    first = (grads[0].local if isinstance(grads[0], PendingGrad) else grads[0]).device if grads else None
+    dev = _comm_device(group) if dist.is_initialized() else (first or torch.device("cpu"))
     if not dist.is_initialized():  # one process: nothing to reduce
         return _finish(_reduce(_local_norms(_locals(grads), norm_type), norm_type, dev), norm_type)
     sharded, replicated = _split(grads, dist.get_world_size(group))
@@ -122,7 +139,7 @@ def get_total_norm(
 
 
 def _locals(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    return [g.to_local() if isinstance(g, DTensor) else g for g in grads]  # (PendingGrad passes as it is)
 
 
 def _finish(total: torch.Tensor, norm_type: float) -> torch.Tensor:
@@ -184,6 +201,8 @@ def clip_grad_norm_(
         by_device.setdefault(g.device, []).append(g)
     for device, gs in by_device.items():
         torch._foreach_mul_(gs, clip_coef.to(device))
+    for _, pg in pending_grads(params):  # applied by their fused update
+        pg.mult = clip_coef.clone() if pg.mult is None else pg.mult * clip_coef.to(pg.mult.device)
     return total
 
 
@@ -204,12 +223,13 @@ def _grads_fingerprint(optimizer: torch.optim.Optimizer) -> list[tuple[weakref.r
     # The gradient objects and their version counters (a DTensor and its local tensor count in-place ops
     # separately): a zero_grad, a new backward or an in-place change between the clip and the step shows.
     out = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            g = p.grad
-            if g is not None:
-                local = g._local_tensor if isinstance(g, DTensor) else g
-                out.append((weakref.ref(g), g._version, local._version))
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        g = p.grad
+        if g is not None:
+            local = g._local_tensor if isinstance(g, DTensor) else g
+            out.append((weakref.ref(g), g._version, local._version))
+    out.extend((weakref.ref(pg.local), pg.local._version, id(pg.mult)) for _, pg in pending_grads(params))
     return out
 
 
@@ -275,6 +295,13 @@ def _check_pending(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             "optimizer=...) and optimizer.step(): the clip coefficient belongs to the old ones and was dropped; "
             "call clip_grad_norm_ after the last change to the gradients"
         )
+
+
+def _refresh_pending(optimizer: torch.optim.Optimizer) -> None:
+    """The fused expert update consumed its pending gradients (checked first): the others stay checked."""
+    pending = getattr(optimizer, _PENDING, None)
+    if pending is not None:
+        setattr(optimizer, _PENDING, (pending[0], _grads_fingerprint(optimizer)))
 
 
 def _clear_pending(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

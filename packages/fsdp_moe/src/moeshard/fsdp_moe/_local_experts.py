@@ -17,10 +17,19 @@ no difference, and two hooks on the expert module do the rest:
 ``1 / W`` (W the world size, as FSDP2 applies it), in the master dtype, in one pass, returned as a DTensor like the
 parameter, so autograd stores it in (first micro-batch) or adds it to (later ones) ``param.grad``. With activation
 checkpointing the recomputation casts again; only the first forward's graph carries the gradients.
+
+Fed to the optimizer (:func:`moeshard.fsdp_moe.fuse_local_expert_updates` switches a module into this mode): the
+gradient is not cast into ``param.grad`` but kept as it arrives, in the compute dtype, as the parameter's
+*pending gradient* (:func:`expert_grad` shows it as the float32 DTensor ``param.grad`` would have been), and the
+compute-dtype copy of each parameter is kept between steps: the optimizer's fused update reads the pending
+gradient and writes the master weights, the moments and the next forward's copy in one pass. A copy is used only
+while the master tensor is unchanged since it was written (its version counter), so loading a checkpoint or any
+other in-place change makes the next forward cast afresh.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -30,43 +39,88 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["keep_experts_local", "local_experts_state"]
+__all__ = ["expert_grad", "keep_experts_local", "local_experts_state", "pending_grads", "pending_to_grad"]
 
 _STATE_ATTR = "_moeshard_local_experts"
 
 
 class _ToCompute(torch.autograd.Function):
-    """DTensor parameter → its local tensor in the compute dtype; gradient → ``grad * scale`` as a DTensor."""
+    """DTensor parameter → its local tensor in the compute dtype; gradient → ``grad * scale`` as a DTensor.
+
+    Fed to the optimizer, the gradient goes to the module's pending gradients instead (and None to autograd).
+    """
 
     @staticmethod
-    def forward(ctx: Any, param: DTensor, dtype: torch.dtype | None, scale: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, param: DTensor, dtype: torch.dtype | None, scale: float, state: _LocalExperts, name: str
+    ) -> torch.Tensor:
         ctx.spec = (param.device_mesh, param.placements, param.shape, param.stride(), param.dtype)
         ctx.scale = scale
-        local = param.to_local()  # no autograd inside forward: the local tensor itself
+        ctx.fed = (state, name) if state.fed else None
+        local = param._local_tensor  # the local tensor itself (no autograd inside forward)
         if dtype is None or dtype == local.dtype:
             return local.view_as(local)  # a fresh tensor object: autograd writes its metadata into it
+        if state.fed:
+            return state.compute_copy(name, param, dtype).view_as(local)
         return local.to(dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor | None, None, None, None, None]:
         mesh, placements, shape, stride, dtype = ctx.spec
+        if ctx.fed is not None:
+            state, name = ctx.fed
+            state.add_pending(name, grad, ctx.scale, dtype)
+            return None, None, None, None, None
         if ctx.scale != 1.0 or grad.dtype != dtype or not grad.is_contiguous():
             # One pass into a contiguous master-dtype tensor (the parameter's layout, as the optimizer expects).
             # The factor is a one-element tensor of the master dtype, not a Python scalar: type promotion then
             # computes in the master dtype (float32) in the kernel that reads the compute-dtype gradient, as
             # FSDP2's cast into its float32 buffer followed by its division by W (which CUDA computes as a
             # multiplication by 1/W as well; on CPU the two agree exactly when W is a power of two).
-            fused = _fused_scale(grad, ctx.scale, dtype) if grad.is_cuda and ctx.scale != 1.0 else None
-            if fused is not None:
-                grad = fused
-            else:
-                out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
-                if ctx.scale != 1.0:
-                    torch.mul(grad, torch.full((1,), ctx.scale, dtype=dtype, device=grad.device), out=out)
-                else:
-                    out.copy_(grad)
-                grad = out
-        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride), None, None
+            grad = _scaled(grad, ctx.scale, dtype)
+        return (
+            DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _scaled(grad: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``grad * scale`` as a new contiguous tensor of ``dtype`` (products computed in ``dtype``)."""
+    fused = _fused_scale(grad, scale, dtype) if grad.is_cuda and scale != 1.0 else None
+    if fused is not None:
+        return fused
+    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    if scale != 1.0:
+        torch.mul(grad, torch.full((1,), scale, dtype=dtype, device=grad.device), out=out)
+    else:
+        out.copy_(grad)
+    return out
+
+
+class PendingGrad:
+    """A parameter's gradient as its fused update will read it: ``local * scale * mult`` (see :func:`expert_grad`).
+
+    ``local`` is the compute-dtype gradient of one micro-batch (``scale`` the FSDP divide factor ``1/W``), or from
+    the second micro-batch on the float32 sum of the scaled ones (``scale`` 1.0); ``mult`` a float32 scalar tensor
+    that in-place clipping multiplies in (None: 1).
+    """
+
+    __slots__ = ("local", "mult", "scale")
+
+    def __init__(self, local: torch.Tensor, scale: float):
+        self.local = local
+        self.scale = scale
+        self.mult: torch.Tensor | None = None
+
+    def materialize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The gradient as a new tensor of ``dtype`` (the master dtype), computed as the unfused path computes it."""
+        out = _scaled(self.local, self.scale, dtype) if self.scale != 1.0 else self.local.to(dtype, copy=True)
+        if self.mult is not None:
+            out.mul_(self.mult.to(out.device))
+        return out
 
 
 def _scale_into(grad: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -94,6 +148,12 @@ def _fused_scale(grad: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.
         return None
 
 
+def _versions(param: DTensor) -> tuple[int, int]:
+    # In-place changes through the DTensor (an optimizer, a checkpoint load) count on the DTensor's version
+    # counter, not its local tensor's (DTensor runs the op below autograd); changes to the local tensor count there.
+    return param._version, param._local_tensor._version
+
+
 def _cast_floating(dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
     # FSDP2's rule for forward inputs and outputs: floating-point tensors only, and only when the dtype differs.
     return x.to(dtype) if torch.is_floating_point(x) and x.dtype != dtype else x
@@ -108,6 +168,50 @@ class _LocalExperts:
         self.mp_policy = mp_policy
         self.scale = scale
         self._saved: list[tuple[str, nn.Parameter]] = []
+        # Fed to the optimizer (fuse_local_expert_updates): pending gradients, and compute copies kept between
+        # steps as {name: (copy, the master local tensor it was made from, the versions then (see _versions))}.
+        self.fed = False  # set with feed()
+        self.params: dict[str, nn.Parameter] = {}
+        self.pending: dict[str, PendingGrad] = {}
+        self.copies: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, int]]] = {}
+
+    def feed(self) -> None:
+        """From now on gradients go to ``pending`` and compute copies are kept (see the module docstring)."""
+        self.fed = True
+        _FED.add(self)
+
+    def compute_copy(self, name: str, param: DTensor, dtype: torch.dtype) -> torch.Tensor:
+        """The kept compute-dtype copy of ``name`` if it is still the master's; else a fresh cast, kept."""
+        local = param._local_tensor
+        kept = self.copies.get(name)
+        if kept is not None and kept[1] is local and kept[2] == _versions(param) and kept[0].dtype == dtype:
+            return kept[0]
+        copy = local.to(dtype)
+        self.copies[name] = (copy, local, _versions(param))
+        return copy
+
+    def copy_written(self, name: str) -> None:
+        """The fused update rewrote ``name``'s master and its copy: the copy matches the master as it is now."""
+        kept = self.copies.get(name)
+        if kept is not None:
+            self.copies[name] = (kept[0], kept[1], _versions(self.params[name]))
+
+    def add_pending(self, name: str, grad: torch.Tensor, scale: float, dtype: torch.dtype) -> None:
+        """Keep (first micro-batch) or add (later ones, in ``dtype``) ``name``'s gradient."""
+        grad = grad.contiguous()
+        pg = self.pending.get(name)
+        if pg is None:
+            self.pending[name] = PendingGrad(grad, scale)
+            return
+        if pg.mult is not None:
+            raise RuntimeError(
+                f"{name}: a gradient arrived after its pending gradient was clipped; clip after the last backward "
+                "of the step"
+            )
+        if pg.scale != 1.0 or pg.local.dtype != dtype:
+            # From the second micro-batch on: the float32 sum of the scaled gradients, as param.grad would be.
+            pg.local, pg.scale = pg.materialize(dtype), 1.0
+        pg.local.add_(_scaled(grad, scale, dtype) if scale != 1.0 or grad.dtype != dtype else grad)
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -120,7 +224,7 @@ class _LocalExperts:
             param = module._parameters[name]
             assert isinstance(param, DTensor), (name, type(param))
             self._saved.append((name, param))
-            module._parameters[name] = _ToCompute.apply(param, self.compute_dtype, self.scale)
+            module._parameters[name] = _ToCompute.apply(param, self.compute_dtype, self.scale, self, name)
         if self.mp_policy.cast_forward_inputs and self.compute_dtype is not None:
             args, kwargs = tree_map_only(torch.Tensor, lambda t: _cast_floating(self.compute_dtype, t), (args, kwargs))
         return args, kwargs
@@ -137,6 +241,60 @@ class _LocalExperts:
 def local_experts_state(module: nn.Module) -> _LocalExperts | None:
     """The state :func:`keep_experts_local` left on ``module``, or None."""
     return module.__dict__.get(_STATE_ATTR)
+
+
+# Every module state whose gradients are fed to an optimizer, to find a parameter's pending gradient. (Nothing is
+# stored on the parameters: ``to_empty`` and other ``_apply`` conversions of DTensor parameters swap the Python
+# objects' contents, attributes included, with new tensors; the objects themselves stay the module's.)
+_FED: weakref.WeakSet[_LocalExperts] = weakref.WeakSet()
+
+
+def _owners() -> dict[int, tuple[nn.Parameter, _LocalExperts, str]]:
+    return {id(p): (p, st, name) for st in list(_FED) for name, p in st.params.items()}
+
+
+def _owner(param: torch.Tensor, owners: dict | None = None) -> tuple[_LocalExperts, str] | None:
+    hit = (owners if owners is not None else _owners()).get(id(param))
+    return (hit[1], hit[2]) if hit is not None and hit[0] is param else None
+
+
+def pending_grads(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, PendingGrad]]:
+    """``(param, pending gradient)`` for each of ``params`` whose gradient waits for a fused update."""
+    if not _FED:
+        return []
+    owners = _owners()
+    out = []
+    for p in params:
+        owner = _owner(p, owners)
+        if owner is not None and owner[1] in owner[0].pending:
+            out.append((p, owner[0].pending[owner[1]]))
+    return out
+
+
+def pending_to_grad(params: list[torch.Tensor]) -> int:
+    """Move the pending gradients of ``params`` into their ``param.grad`` (float32 DTensors, as unfused); returns
+    how many there were."""
+    moved = 0
+    for p, _ in pending_grads(params):
+        p.grad = expert_grad(p)
+        st, name = _owner(p)
+        del st.pending[name]
+        moved += 1
+    return moved
+
+
+def expert_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """``param.grad``, or for a local expert parameter fed to a fused update its pending gradient as the float32
+    DTensor ``param.grad`` would hold (a new tensor; clipping applied so far included). None without either."""
+    if param.grad is not None:
+        return param.grad
+    owner = _owner(param)
+    if owner is None or owner[1] not in owner[0].pending:
+        return None
+    local = owner[0].pending[owner[1]].materialize(param.dtype)
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 def keep_experts_local(
@@ -170,6 +328,7 @@ def keep_experts_local(
         module.register_parameter(name, new)
         params[name] = new
     state = _LocalExperts(tuple(params), mesh, mp_policy, 1 / divide_factor)
+    state.params = dict(params)
     module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
     module.register_forward_hook(state.post_forward, with_kwargs=True, always_call=True)
     setattr(module, _STATE_ATTR, state)

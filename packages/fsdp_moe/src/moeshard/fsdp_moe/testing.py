@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from moeshard.ep import ParallelPlan, ep_group, routed_experts
+from moeshard.fsdp_moe._local_experts import expert_grad
 from moeshard.fsdp_moe._shard import clean_fqn, get_sharding_info
 from moeshard.fsdp_moe._state_dict import _to_global
 
@@ -51,7 +52,7 @@ def full_tensors(model: nn.Module, grads: bool = False) -> dict[str, torch.Tenso
     out = {}
     for raw_fqn, param in model.named_parameters():
         fqn = clean_fqn(raw_fqn)
-        t = param.grad if grads else param.detach()
+        t = expert_grad(param) if grads else param.detach()
         if t is None:
             continue
         meta = info.expert_params.get(fqn) if info is not None else None

@@ -1,0 +1,82 @@
+"""The local experts' fused AdamW update against torch's fused AdamW on one H200 (bandwidth of each pass).
+
+    python3 benchmarks/expert_update_kernel.py [--numel 100_000_000]
+
+Per parameter the fused update reads the bf16 gradient, the float32 master and both moments and writes the master,
+the moments and the bf16 compute copy (30 bytes); the unfused path costs the forward's cast (6), the gradient's
+cast-and-scale into float32 (6), the clip norm's read (4) and torch's fused AdamW with the clip's grad_scale
+(32: it writes the clipped gradient back). Prints the time and bandwidth of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from moeshard.fsdp_moe import _adamw_triton
+
+
+def timed(fn, reps: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--numel", type=int, default=100_000_000)
+    n = p.parse_args().numel
+    dev = "cuda"
+    param, m, v = (torch.randn(n, device=dev) for _ in range(3))
+    v.abs_()
+    g16 = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    copy = torch.empty(n, device=dev, dtype=torch.bfloat16)
+    gs = torch.tensor(1.5, device=dev)
+    step = torch.tensor(10.0, device=dev)
+    g32 = g16.float() * 0.5
+    kw = dict(decay=1 - 1e-4 * 0.01, beta1=0.9, beta2=0.95, step_size=1e-4, bias_correction2_sqrt=0.7, eps=1e-8)
+    rows = {
+        "fused expert update (30 B/param)": (
+            lambda: _adamw_triton.adamw_update(param, g16, m, v, copy, 0.5, None, gs, **kw),
+            30,
+        ),
+        "torch fused AdamW + grad_scale (32 B/param)": (
+            lambda: torch._fused_adamw_(
+                [param],
+                [g32],
+                [m],
+                [v],
+                [],
+                [step],
+                lr=1e-4,
+                beta1=0.9,
+                beta2=0.95,
+                weight_decay=0.01,
+                eps=1e-8,
+                amsgrad=False,
+                maximize=False,
+                grad_scale=gs,
+                found_inf=None,
+            ),
+            32,
+        ),
+        "forward cast fp32 -> bf16 (6 B/param)": (lambda: copy.copy_(param), 6),
+        "gradient cast-and-scale bf16 -> fp32 (6 B/param)": (lambda: torch.mul(g16, 0.5, out=g32), 6),
+        "clip norm of the fp32 gradient (4 B/param)": (lambda: torch._foreach_norm([g32], 2.0), 4),
+        "clip norm of the bf16 gradient (2 B/param)": (lambda: torch._foreach_norm([g16], 2.0, dtype=torch.float32), 2),
+    }
+    print(f"{n:,} parameters on {torch.cuda.get_device_name()}")
+    for name, (fn, nbytes) in rows.items():
+        ms = timed(fn)
+        print(f"{name:52s} {ms:7.3f} ms  {nbytes * n / ms / 1e9:6.2f} TB/s")
+
+
+if __name__ == "__main__":
+    main()

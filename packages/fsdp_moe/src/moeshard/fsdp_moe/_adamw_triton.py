@@ -1,0 +1,117 @@
+"""The fused AdamW update of a local expert parameter as one triton kernel (CUDA; see ``_fused_update``).
+
+Per element: the gradient read in its stored dtype (the compute dtype as backward left it, or float32) and
+scaled, the master weight, both moments; written: the master weight, both moments and, if given, the compute
+copy. The arithmetic is torch's for-loop AdamW in float32 (``_single_tensor_adam``): decay, ``lerp`` of the
+first moment, the second moment, ``denom = sqrt(v) / sqrt(bias_correction2) + eps``, the step; the clip's
+``grad_scale`` divides the gradient first, as torch's fused kernel does. The kernel also runs under triton's
+interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the CPU tests check it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["adamw_update"]
+
+_BLOCK = 2048
+
+
+@triton.jit
+def _adamw_kernel(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    copy_ptr,
+    mult_ptr,
+    gs_ptr,
+    n,
+    g_scale,
+    decay,
+    beta2,
+    one_minus_beta1,
+    one_minus_beta2,
+    step_size,
+    bias_correction2_sqrt,
+    eps,
+    HAS_COPY: tl.constexpr,
+    HAS_MULT: tl.constexpr,
+    HAS_GS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * g_scale
+    if HAS_MULT:
+        g = g * tl.load(mult_ptr)
+    if HAS_GS:
+        g = g / tl.load(gs_ptr)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    p = p * decay
+    m = m + one_minus_beta1 * (g - m)  # torch's lerp for a weight below 0.5
+    v = v * beta2 + one_minus_beta2 * (g * g)
+    denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
+    p = p - step_size * (m / denom)
+    tl.store(p_ptr + offs, p, mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    if HAS_COPY:
+        tl.store(copy_ptr + offs, p.to(copy_ptr.dtype.element_ty), mask=mask)
+
+
+def adamw_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    copy: torch.Tensor | None,
+    grad_mul: float,
+    mult: torch.Tensor | None,
+    grad_scale: torch.Tensor | None,
+    *,
+    decay: float,
+    beta1: float,
+    beta2: float,
+    step_size: float,
+    bias_correction2_sqrt: float,
+    eps: float,
+) -> None:
+    """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (float32, contiguous, same shape) in place from ``grad ·
+    grad_mul · mult / grad_scale``, and write ``param`` cast into ``copy`` when given."""
+    n = param.numel()
+    for t in (grad, exp_avg, exp_avg_sq) + ((copy,) if copy is not None else ()):
+        assert t.numel() == n and t.is_contiguous() and t.device == param.device, (t.shape, param.shape)
+    assert param.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32 and param.is_contiguous()
+    if n == 0:
+        return
+    device = param.device
+    mult = mult.to(device=device, dtype=torch.float32) if mult is not None else None
+    grad_scale = grad_scale.to(device=device, dtype=torch.float32) if grad_scale is not None else None
+    _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        copy if copy is not None else param,
+        mult if mult is not None else param,
+        grad_scale if grad_scale is not None else param,
+        n,
+        float(grad_mul),
+        float(decay),
+        float(beta2),
+        float(1 - beta1),
+        float(1 - beta2),
+        float(step_size),
+        float(bias_correction2_sqrt),
+        float(eps),
+        HAS_COPY=copy is not None,
+        HAS_MULT=mult is not None,
+        HAS_GS=grad_scale is not None,
+        BLOCK=_BLOCK,
+        num_warps=8,
+    )
