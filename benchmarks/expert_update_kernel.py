@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from moeshard.fsdp_moe import _adamw_triton
+from moeshard.fsdp_moe import _triton
 
 
 def timed(fn, reps: int = 10) -> float:
@@ -44,7 +44,7 @@ def main() -> None:
     kw = dict(decay=1 - 1e-4 * 0.01, beta1=0.9, beta2=0.95, step_size=1e-4, bias_correction2_sqrt=0.7, eps=1e-8)
     rows = {
         "fused expert update (30 B/param)": (
-            lambda: _adamw_triton.adamw_update(param, g16, m, v, copy, 0.5, None, gs, **kw),
+            lambda: _triton.adamw_update(param, g16, m, v, copy, 0.5, None, gs, **kw),
             30,
         ),
         "torch fused AdamW + grad_scale (32 B/param)": (

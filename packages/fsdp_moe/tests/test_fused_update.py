@@ -28,7 +28,7 @@ def _case(n, grad_dtype, seed):
 
 def check_kernel(device: str) -> int:
     """The triton kernel against the CPU tensor operations (torch's for-loop AdamW), for a few variants."""
-    from moeshard.fsdp_moe import _adamw_triton
+    from moeshard.fsdp_moe import _triton
     from moeshard.fsdp_moe._fused_update import _update
     from moeshard.fsdp_moe._local_experts import PendingGrad
 
@@ -49,7 +49,7 @@ def check_kernel(device: str) -> int:
         got = [t.clone().to(device) for t in (p, m, v)]
         copy = torch.empty(n, dtype=torch.bfloat16, device=device)
         bc1, bc2 = 1 - 0.9**step, 1 - 0.95**step
-        _adamw_triton.adamw_update(
+        _triton.adamw_update(
             got[0],
             grad.to(device),
             got[1],
@@ -76,7 +76,17 @@ def check_kernel(device: str) -> int:
             copy.cpu(), got[0].cpu().to(torch.bfloat16), rtol=0 if exact else 8e-3, atol=0 if exact else 1e-30
         )
         cases += 1
-    return cases
+    # The clipping norm's sum of squares: factors and clip multipliers applied per tensor.
+    g = torch.Generator().manual_seed(0)
+    xs = [
+        torch.randn(n, generator=g).to(dt)
+        for n, dt in ((20000, torch.bfloat16), (5, torch.float32), (0, torch.bfloat16))
+    ]
+    mult = torch.tensor(0.3)
+    want = sum(f * float(x.double().square().sum()) for f, x in zip((0.25, 0.09, 1.0), xs))
+    got = _triton.sum_of_squares([x.to(device) for x in xs], [0.25, 1.0, 1.0], [None, mult.to(device), None])
+    assert got.dtype == torch.float32 and abs(got.item() - want) <= 1e-5 * want, (got.item(), want)
+    return cases + 1
 
 
 def test_kernel_in_the_interpreter():
@@ -84,13 +94,33 @@ def test_kernel_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}  # decided when triton is first imported: a fresh process
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "checked 3 cases" in run.stdout
+    assert "checked 4 cases" in run.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_on_cuda():
     pytest.importorskip("triton")
-    assert check_kernel("cuda") == 3
+    assert check_kernel("cuda") == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_clip_norm_of_pending_gradients_on_cuda():
+    """The clipping's local norms with pending gradients on CUDA (one triton entry) square-sum to the norm of the
+    gradients as unfused, float32, computes it."""
+    pytest.importorskip("triton")
+    from moeshard.fsdp_moe._clip import _local_norms
+    from moeshard.fsdp_moe._local_experts import PendingGrad
+
+    g = torch.Generator().manual_seed(1)
+    a = PendingGrad(torch.randn(300_000, generator=g).to("cuda", torch.bfloat16), 0.5)
+    b = PendingGrad(torch.randn(7, 3, generator=g).cuda(), 1.0)
+    b.mult = torch.tensor(0.25, device="cuda")
+    plain = torch.randn(1000, generator=g).cuda()
+    norms = _local_norms([a, plain, b], 2.0)
+    assert len(norms) == 2  # the pending ones as one entry
+    got = torch.stack(norms).square().sum().sqrt().item()
+    want = torch.cat([a.materialize(torch.float32).flatten(), plain, b.materialize(torch.float32).flatten()])
+    assert abs(got - want.double().norm().item()) <= 1e-5 * got
 
 
 # ---- on the toy model, EP 2 x ep_fsdp 1 on 2 gloo processes ------------------------------------------------------

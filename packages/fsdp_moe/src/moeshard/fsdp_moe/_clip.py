@@ -76,12 +76,19 @@ def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
 
 
 def _local_norms(tensors: list, norm_type: float) -> list[torch.Tensor]:
-    """Norms of local tensors and of pending gradients (their factors applied to the norm)."""
+    """Norms of local tensors and of pending gradients (their factors applied). On CUDA the 2-norm of all pending
+    gradients comes as one entry (the triton kernel's): only the sum of the norms' squares is used."""
     by_device: dict[torch.device, list] = {}
     for t in tensors:
         by_device.setdefault(t.local.device if isinstance(t, PendingGrad) else t.device, []).append(t)
     out = []
     for ts in by_device.values():
+        fast = _fast_pending_norm(ts, norm_type)
+        if fast is not None:
+            out.append(fast)
+            ts = [t for t in ts if not isinstance(t, PendingGrad)]
+            if not ts:
+                continue
         # Norms in float32 whatever the gradient dtype, as the reduction of a global norm must be.
         norms = torch._foreach_norm(
             [t.local if isinstance(t, PendingGrad) else t for t in ts], norm_type, dtype=torch.float32
@@ -92,6 +99,20 @@ def _local_norms(tensors: list, norm_type: float) -> list[torch.Tensor]:
                 n = n * t.mult.to(n.device) if t.mult is not None else n
             out.append(n)
     return out
+
+
+def _fast_pending_norm(items: list, norm_type: float) -> torch.Tensor | None:
+    """The 2-norm of all pending gradients among ``items`` by the triton kernel (CUDA), or None."""
+    pend = [t for t in items if isinstance(t, PendingGrad)]
+    if norm_type != 2.0 or not pend or not pend[0].local.is_cuda:
+        return None
+    from moeshard.fsdp_moe._fused_update import _triton_ok
+
+    if not _triton_ok():
+        return None
+    from moeshard.fsdp_moe._triton import sum_of_squares
+
+    return sum_of_squares([t.local for t in pend], [t.scale**2 for t in pend], [t.mult for t in pend]).sqrt()
 
 
 def _reduce(norms: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

@@ -173,9 +173,9 @@ def _update(
     step_size = lr / bias_correction1
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
     if param.is_cuda and _triton_ok():
-        from moeshard.fsdp_moe import _adamw_triton
+        from moeshard.fsdp_moe import _triton
 
-        _adamw_triton.adamw_update(
+        _triton.adamw_update(
             param,
             pg.local,
             exp_avg,
@@ -211,7 +211,7 @@ def _triton_ok() -> bool:
     if os.environ.get("MOESHARD_TRITON_KERNELS", "1") == "0":
         return False
     try:
-        from moeshard.fsdp_moe import _adamw_triton  # noqa: F401
+        from moeshard.fsdp_moe import _triton  # noqa: F401
     except Exception:  # noqa: BLE001 - no triton here: the tensor operations
         return False
     return True
