@@ -490,8 +490,6 @@ def _copies_routed(x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, P, group, a
         remote_E = rest_OEl.sum(0)
     half = El // 2
     device_counts = (local_E[:half], remote_E, local_E[half:])
-    if P == 2 and _PIPELINE[0]:  # the received copies in two passes, by the same expert halves (see _Pipelined)
-        device_counts += (remote_E[:half], remote_E[half:])
     offsets = tuple(torch.cumsum(c, 0, dtype=torch.int32) for c in device_counts)
     # The one device→host sync of the layer: the exchange sizes must be host ints. Both count tensors go in
     # one .tolist() so there is a single sync, not two.
@@ -499,13 +497,7 @@ def _copies_routed(x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, P, group, a
     host = torch.cat([counts_E, recv_counts_E]).tolist()
     send_counts, recv_counts = host[: P * El], host[P * El :]
     ex = _Exchange(group, P, El, send_counts, recv_counts, rest_OEl, device_counts, offsets, activation, backend)
-    if ex.pipelined:
-        return _PipelinedExperts.apply(x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex)
     return _OverlappedExperts.apply(x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex)
-
-
-# With 2 EP ranks the received copies go through the experts in two passes (MOESHARD_EP_PIPELINE=0: in one).
-_PIPELINE = [os.environ.get("MOESHARD_EP_PIPELINE", "1") != "0"]
 
 
 class _Exchange:
@@ -531,16 +523,8 @@ class _Exchange:
         self.recv = [(dist.get_global_rank(group, r), s, recv[r]) for r, s in zip(others, rstarts)]
         self.rows_in = sum(recv[r] for r in others)
         self.local_host = send_counts[me * El : (me + 1) * El]
-        self.pipelined = len(others) == 1 and len(device_counts) == 5
         if len(others) == 1:
             self.remote_host, self.perm = recv_counts[others[0] * El : (others[0] + 1) * El], None
-            # Each direction as two messages, split where the receiving rank's second expert half begins.
-            half, (peer, s, n) = El // 2, self.send[0]
-            n1 = sum(send_counts[others[0] * El : others[0] * El + half])
-            r1 = sum(self.remote_host[:half])
-            self.peer, self.recv_split = peer, r1
-            self.send_parts = ([(peer, s, n1)], [(peer, s + n1, n - n1)])
-            self.recv_parts = ([(peer, 0, r1)], [(peer, r1, self.rows_in - r1)])
         else:
             self.remote_host = [sum(recv_counts[r * El + e] for r in others) for e in range(El)]
             perm = regroup_by_local_expert(rest_OEl, self.rows_in)
@@ -697,146 +681,3 @@ class _OverlappedExperts(torch.autograd.Function):
             gw2 if ctx.needs_input_grad[2] else None,
             None,
         )
-
-
-class _PipelinedExperts(torch.autograd.Function):
-    """:class:`_OverlappedExperts` with 2 EP ranks, the received copies in two passes by expert half.
-
-    Each exchange goes as two messages (the rows of the receiving rank's expert halves A and B), so every
-    transfer has a pass to hide behind. Forward: post both halves of the dispatch and run own half A meanwhile;
-    the received half A runs as soon as its message landed (while the second one still travels); its outputs go
-    home while the received half B runs, and those while own half B runs. Backward mirrors it. Each expert's
-    weight gradient is its received pass's plus its own pass's, added in that order as in the one-pass
-    version, so the results are the same bit for bit.
-    """
-
-    @staticmethod
-    def forward(ctx, x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex: _Exchange):  # noqa: D102
-        N, D = x_sorted_ND.shape
-        El = w_gate_up_EXD.shape[0]
-        half = El // 2
-        backend = _resolve_backend(ex.backend, x_sorted_ND, w_gate_up_EXD)
-        own = (_LocalHalf(ex, 0, half, 0, backend), _LocalHalf(ex, half, El, 2, backend))
-        remote = _remote_halves(ex, El, backend)
-        dev = x_sorted_ND.device
-
-        def run(part, rows):
-            if part.experts.start == part.experts.stop:
-                return None, ()
-            sl = part.experts
-            return part.run.forward(rows[part.rows], w_gate_up_EXD[sl], w_down_EDF[sl])
-
-        recv_MD = x_sorted_ND.new_empty((ex.rows_in, D))
-        inbound = [ex.start(x_sorted_ND, ex.send_parts[i], recv_MD, ex.recv_parts[i]) for i in (0, 1)]
-        with _carveout(dev, bool(inbound[0] or inbound[1])):
-            y_a, saved_a = run(own[0], x_sorted_ND)
-        _wait(inbound[0])
-        with _carveout(dev, bool(inbound[1])):
-            y_r1, saved_r1 = run(remote[0], recv_MD)
-        _wait(inbound[1])
-        y_sorted_ND = x_sorted_ND.new_empty((N, D))
-        home = ex.start(_or(y_r1, recv_MD), [(ex.peer, 0, ex.recv_split)], y_sorted_ND, ex.send_parts[0])
-        with _carveout(dev, bool(home)):
-            y_r2, saved_r2 = run(remote[1], recv_MD)
-        home += ex.start(_or(y_r2, recv_MD), [(ex.peer, 0, ex.rows_in - ex.recv_split)], y_sorted_ND, ex.send_parts[1])
-        with _carveout(dev, bool(home)):
-            y_b, saved_b = run(own[1], x_sorted_ND)
-        for part, y in zip(own, (y_a, y_b)):
-            if y is not None:
-                y_sorted_ND[part.rows].copy_(y)
-        _wait(home)
-        ctx.ex, ctx.passes = ex, (own[0], remote[0], remote[1], own[1])
-        ctx.sizes = tuple(len(t) for t in (saved_a, saved_r1, saved_r2, saved_b))
-        ctx.save_for_backward(w_gate_up_EXD, w_down_EDF, *saved_a, *saved_r1, *saved_r2, *saved_b)
-        return y_sorted_ND
-
-    @staticmethod
-    def backward(ctx, grad_ND):  # noqa: D102
-        ex = ctx.ex
-        own_a, rem_a, rem_b, own_b = ctx.passes
-        w1, w2, *saved = ctx.saved_tensors
-        cut = [0]
-        for n in ctx.sizes:
-            cut.append(cut[-1] + n)
-        saved_a, saved_r1, saved_r2, saved_b = (saved[cut[i] : cut[i + 1]] for i in range(4))
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        grad_ND = grad_ND.contiguous()
-        N, D = grad_ND.shape
-        dev = grad_ND.device
-
-        def run(part, rows, saved_part):
-            if not saved_part:
-                return None, None, None
-            sl = part.experts
-            return part.run.backward(rows[part.rows], saved_part, w1[sl], w2[sl], need_x, need_w)
-
-        grad_in_MD = grad_ND.new_empty((ex.rows_in, D))
-        inbound = [ex.start(grad_ND, ex.send_parts[i], grad_in_MD, ex.recv_parts[i]) for i in (0, 1)]
-        with _carveout(dev, bool(inbound[0] or inbound[1])):
-            gx_a, gw1_a, gw2_a = run(own_a, grad_ND, saved_a)
-        _wait(inbound[0])
-        with _carveout(dev, bool(inbound[1])):
-            gx_r1, gw1_r1, gw2_r1 = run(rem_a, grad_in_MD, saved_r1)
-        _wait(inbound[1])
-        gx, home = None, []
-        if need_x:
-            gx = grad_ND.new_empty((N, D))
-            home = ex.start(_or(gx_r1, grad_in_MD), [(ex.peer, 0, ex.recv_split)], gx, ex.send_parts[0])
-        with _carveout(dev, bool(home)):
-            gx_r2, gw1_r2, gw2_r2 = run(rem_b, grad_in_MD, saved_r2)
-        if need_x:
-            home += ex.start(_or(gx_r2, grad_in_MD), [(ex.peer, 0, ex.rows_in - ex.recv_split)], gx, ex.send_parts[1])
-        with _carveout(dev, bool(home)):
-            gx_b, gw1_b, gw2_b = run(own_b, grad_ND, saved_b)
-        if gx is not None:
-            for part, g in ((own_a, gx_a), (own_b, gx_b)):
-                if g is not None:
-                    gx[part.rows].copy_(g)
-        gw1 = gw2 = None
-        if need_w:
-            halves = (own_a.experts, own_b.experts)
-            gw1 = _join(w1, halves, ((gw1_r1, gw1_a), (gw1_r2, gw1_b)))
-            gw2 = _join(w2, halves, ((gw2_r1, gw2_a), (gw2_r2, gw2_b)))
-        _wait(home)
-        return (
-            gx,
-            gw1 if ctx.needs_input_grad[1] else None,
-            gw2 if ctx.needs_input_grad[2] else None,
-            None,
-        )
-
-
-class _RemoteHalf:
-    """A contiguous range of local experts and their rows in the buffer of received copies (2 EP ranks)."""
-
-    def __init__(self, ex: _Exchange, first: int, last: int, which: int, backend: str):
-        counts = ex.remote_host
-        self.experts = slice(first, last)
-        self.rows = slice(sum(counts[:first]), sum(counts[:last]))
-        self.run = ExpertPass(
-            ex.device_counts[which], counts[first:last], ex.activation, backend, offsets=ex.offsets[which]
-        )
-
-
-def _remote_halves(ex: _Exchange, El: int, backend: str) -> tuple[_RemoteHalf, _RemoteHalf]:
-    return _RemoteHalf(ex, 0, El // 2, 3, backend), _RemoteHalf(ex, El // 2, El, 4, backend)
-
-
-def _or(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
-    # A pass over no experts sends no rows; any tensor stands in as the (unsliced) source.
-    return t if t is not None else fallback
-
-
-def _join(like: torch.Tensor, halves: tuple[slice, slice], parts) -> torch.Tensor:
-    """The full weight gradient from each expert half's (received pass, own pass) gradients: their sum."""
-    out = torch.empty_like(like)
-    for sl, (g_remote, g_own) in zip(halves, parts, strict=True):
-        if sl.start == sl.stop:
-            continue
-        if g_remote is not None and g_own is not None:
-            torch.add(g_remote, g_own, out=out[sl])
-        elif g_remote is not None or g_own is not None:
-            out[sl].copy_(g_remote if g_remote is not None else g_own)
-        else:
-            out[sl].zero_()
-    return out
