@@ -51,11 +51,6 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="issue forward prefetches in the pre-forward hooks (FSDP2's place) instead of at the EP host sync",
     )
-    p.add_argument(
-        "--no-prefetch-at-step-end",
-        action="store_true",
-        help="all-gather the first stages at the start of each step instead of as the previous optimizer step ends",
-    )
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile-fused RMSNorm, RoPE and SwiGLU kernels")
@@ -98,7 +93,6 @@ def main(argv: list[str]) -> int:
             ep_size=args.ep_size,
             prefetch_depth=args.prefetch_depth,
             prefetch_at_host_sync=not args.no_prefetch_at_host_sync,
-            prefetch_at_step_end=not args.no_prefetch_at_step_end,
             reshard_after_forward=not args.no_reshard_after_forward,
         ),
         data=DataConfig(seq_len=args.seq_len, synthetic=True),
@@ -198,7 +192,6 @@ def main(argv: list[str]) -> int:
         "activation_checkpointing": args.activation_checkpointing,
         "prefetch_depth": args.prefetch_depth,
         "prefetch_at_host_sync": not args.no_prefetch_at_host_sync,
-        "prefetch_at_step_end": not args.no_prefetch_at_step_end,
         "compile": args.compile,
         "fused_expert_update": not args.no_fused_expert_update,
         "dispatch": args.dispatch,

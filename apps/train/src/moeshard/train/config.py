@@ -37,8 +37,6 @@ class ParallelConfig:
     prefetch_depth: int = 1  # 0 leaves FSDP's default order
     # With ep_size > 1: issue the forward prefetch at each MoE layer's host sync, not in the pre-forward hook.
     prefetch_at_host_sync: bool = True
-    # All-gather the next forward's first stages as the optimizer step ends (overlapping the expert update).
-    prefetch_at_step_end: bool = True
     reshard_after_forward: bool = True
 
 

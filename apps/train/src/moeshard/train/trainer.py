@@ -160,12 +160,6 @@ def build_job(cfg: JobConfig, device: torch.device) -> Job:
         fused=fused,
         foreach=False if fused else None,
     )
-    if schedule is not None and cfg.parallel.prefetch_at_step_end:
-        from moeshard.prefetch import prefetch_next_forward_at_step
-
-        # The next forward's first all-gathers start as the step ends; registered before the fused expert update's
-        # step post-hook, so they overlap it (a parameter changed before that forward is gathered afresh).
-        prefetch_next_forward_at_step(schedule, optimizer)
     if t.fused_expert_update:
         from moeshard.fsdp_moe import fuse_local_expert_updates
 

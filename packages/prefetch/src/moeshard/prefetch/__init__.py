@@ -13,7 +13,6 @@ Example (after ``moeshard.fsdp_moe.shard_model``)::
     print(trace.describe())
 """
 
-from moeshard.prefetch._at_step import StepEndPrefetch, prefetch_next_forward_at_step
 from moeshard.prefetch._at_sync import HostSyncPrefetch, prefetch_forward_at_host_sync
 from moeshard.prefetch._overlap import CommOverlap, analyze_comm_overlap
 from moeshard.prefetch._record import TraceEvent, UnshardTrace, record_unshard_order
@@ -32,12 +31,10 @@ __all__ = [
     "PrefetchSchedule",
     "StageLike",
     "StagePrefetch",
-    "StepEndPrefetch",
     "TraceEvent",
     "UnshardTrace",
     "analyze_comm_overlap",
     "prefetch_forward_at_host_sync",
-    "prefetch_next_forward_at_step",
     "apply_schedule",
     "build_schedule",
     "record_unshard_order",
