@@ -11,9 +11,9 @@ master, the moments and the compute copy the next forward uses (2): 30 bytes per
 
 The optimizer stays the user's ``torch.optim.AdamW`` (or ``Adam`` with ``decoupled_weight_decay=True`` or no
 weight decay): its parameter groups, learning-rate schedulers, ``state_dict`` (the same ``step``, ``exp_avg``,
-``exp_avg_sq`` tensors, created as torch creates them) and DCP checkpoints are unchanged; a step pre-hook updates
-the local experts, whose ``param.grad`` stays None (their gradient waits as a pending gradient, see
-:func:`moeshard.fsdp_moe.expert_grad`), and torch's step then updates every other parameter as usual.
+``exp_avg_sq`` tensors, created as torch creates them) and DCP checkpoints are unchanged; a step post-hook updates
+the local experts after torch's step has updated every other parameter as usual; their ``param.grad`` stays
+None (their gradient waits as a pending gradient, see :func:`moeshard.fsdp_moe.expert_grad`).
 :func:`moeshard.fsdp_moe.clip_grad_norm_` counts the pending gradients and clips them as the others (in place, or
 handed to the update as the fused optimizer's ``grad_scale``). ``optimizer.zero_grad()`` drops them as well.
 
@@ -68,7 +68,10 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 class _FusedExpertUpdate:
-    """The step pre-hook: updates every fed parameter with a pending gradient, then clears it."""
+    """The step hooks: the pre-hook checks and takes the clip hand-over's ``grad_scale``; the post-hook (after
+    torch's step has updated every other parameter) updates every fed parameter with a pending gradient and clears
+    it. Updating last lets step post-hooks registered before :func:`fuse_local_expert_updates` start work that
+    overlaps it."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, entries: list[tuple[nn.Parameter, _LocalExperts, str]]):
         self.optimizer = weakref.ref(optimizer)
@@ -77,22 +80,30 @@ class _FusedExpertUpdate:
         # The step count of each parameter on the host (no device read per step): {id(param): (the state's step
         # tensor it belongs to, the count)}; re-read once when the state's tensor was replaced (a loaded state).
         self.host_steps: dict[int, tuple[torch.Tensor, int]] = {}
+        self.grad_scale: list = []  # [the grad_scale of the step in progress] between the two hooks
 
-    def __call__(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        from moeshard.fsdp_moe._clip import _check_pending, _refresh_pending
+    def before(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        from moeshard.fsdp_moe._clip import _check_pending
 
+        self.grad_scale.clear()
         _check_pending(optimizer, args, kwargs)  # a stale clip hand-over raises before anything is updated
         _check_optimizer(optimizer)
-        todo = [(p, st, name) for p, st, name in self.entries if name in st.pending]
-        if not todo:
-            return
-        for p, _, name in todo:
-            if p.grad is not None:
+        for p, st, name in self.entries:
+            if name in st.pending and p.grad is not None:
                 raise RuntimeError(
                     f"local expert parameter {name!r} has both a pending gradient (its fused update) and a "
                     "param.grad set by other code; set only one of them"
                 )
-        grad_scale = getattr(optimizer, "grad_scale", None)
+        # (the clip's own post-hook removes optimizer.grad_scale after the step, possibly before ours runs)
+        self.grad_scale.append(getattr(optimizer, "grad_scale", None))
+
+    def after(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if not self.grad_scale:  # the pre-hook did not run (hooks removed in between): nothing was checked
+            return
+        grad_scale = self.grad_scale.pop()
+        todo = [(p, st, name) for p, st, name in self.entries if name in st.pending]
+        if not todo:
+            return
         steps = []
         for p, _, _ in todo:
             steps.append(self._state(optimizer, p)["step"])
@@ -123,7 +134,6 @@ class _FusedExpertUpdate:
                 step=count,
             )
             st.copy_written(name)
-        _refresh_pending(optimizer)
 
     def _state(self, optimizer: torch.optim.Optimizer, p: nn.Parameter) -> dict[str, Any]:
         state = optimizer.state[p]
@@ -295,7 +305,7 @@ def fuse_local_expert_updates(model: nn.Module, optimizer: torch.optim.Optimizer
 
         _GLOBAL_HOOK.append(register_optimizer_step_pre_hook(_other_optimizer_step))
     hook = _FusedExpertUpdate(optimizer, entries)
-    handle = optimizer.register_step_pre_hook(hook)
+    handle = (optimizer.register_step_pre_hook(hook.before), optimizer.register_step_post_hook(hook.after))
     optimizer.zero_grad = functools.partial(_zero_grad, states, optimizer.zero_grad)
     setattr(optimizer, _HOOK_ATTR, (hook, handle))
     for st in states:
