@@ -522,7 +522,6 @@ class _Exchange:
         rstarts = [sum(recv[o] for o in others[:i]) for i in range(len(others))]
         self.recv = [(dist.get_global_rank(group, r), s, recv[r]) for r, s in zip(others, rstarts)]
         self.rows_in = sum(recv[r] for r in others)
-        self.traffic = any(n for _, _, n in self.send) or self.rows_in > 0  # ex.start posts something
         self.local_host = send_counts[me * El : (me + 1) * El]
         if len(others) == 1:
             self.remote_host, self.perm = recv_counts[others[0] * El : (others[0] + 1) * El], None
@@ -558,17 +557,6 @@ class _carveout:
     def __exit__(self, *exc):
         if self.on:
             torch._C._set_sm_carveout_experimental(self.before)
-
-
-# Half A's GEMMs before the dispatch's send/recv in the forward (MOESHARD_EP_GEMM_FIRST=0: exchange first).
-_GEMM_FIRST = [os.environ.get("MOESHARD_EP_GEMM_FIRST", "1") != "0"]
-_SIDE: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(device)
-    return _SIDE[device]
 
 
 def _wait(works: list) -> None:
@@ -624,23 +612,9 @@ class _OverlappedExperts(torch.autograd.Function):
             return part.run.forward(x_sorted_ND[part.rows], w_gate_up_EXD[sl], w_down_EDF[sl])
 
         recv_MD = x_sorted_ND.new_empty((ex.rows_in, D))
-        if dev.type == "cuda" and _GEMM_FIRST[0]:
-            # Right after the split-size sync the device idles until the host launches again: half A's GEMMs go
-            # first, the exchange (~0.3 ms of host work) after them, posted from a side stream that waits only for
-            # the copies to be ready, not for the GEMMs queued since (NCCL orders a collective after the work
-            # already queued on the stream it is called from).
-            ready = torch.cuda.Event()
-            ready.record()
-            with _carveout(dev, ex.traffic):
-                y_a, saved_a = local(half_a)
-            side = _side_stream(dev)
-            with torch.cuda.stream(side):
-                side.wait_event(ready)
-                works = ex.start(x_sorted_ND, ex.send, recv_MD, ex.recv)
-        else:
-            works = ex.start(x_sorted_ND, ex.send, recv_MD, ex.recv)
-            with _carveout(dev, bool(works)):
-                y_a, saved_a = local(half_a)
+        works = ex.start(x_sorted_ND, ex.send, recv_MD, ex.recv)
+        with _carveout(dev, bool(works)):
+            y_a, saved_a = local(half_a)
         _wait(works)
         x_in = recv_MD if ex.perm is None else recv_MD.index_select(0, ex.perm[0])
         y_rem, saved_r = remote.forward(x_in, w_gate_up_EXD, w_down_EDF)
