@@ -23,8 +23,8 @@ gradient is not cast into ``param.grad`` but kept as it arrives, in the compute 
 *pending gradient* (:func:`expert_grad` shows it as the float32 DTensor ``param.grad`` would have been), and the
 compute-dtype copy of each parameter is kept between steps: the optimizer's fused update reads the pending
 gradient and writes the master weights, the moments and the next forward's copy in one pass. A copy is used only
-while the master tensor is unchanged since it was written (its version counter), so loading a checkpoint or any
-other in-place change makes the next forward cast afresh.
+while the master is unchanged since it was written (the version counters of the DTensor and of its local tensor),
+so loading a checkpoint or any other in-place change makes the next forward cast afresh.
 """
 
 from __future__ import annotations
