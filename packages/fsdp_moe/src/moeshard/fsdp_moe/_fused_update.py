@@ -237,7 +237,7 @@ def _other_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs:
     """A global step pre-hook: an optimizer other than the fused one steps fed experts (e.g. one built afterwards):
     their pending gradients become ``param.grad`` first, so it updates them as it would have unfused."""
     if hasattr(optimizer, _HOOK_ATTR):
-        return  # the fused optimizer: its own pre-hook updates them
+        return  # the fused optimizer: its own step post-hook updates them
     from moeshard.fsdp_moe._clip import _refresh_pending
 
     if pending_to_grad([p for g in optimizer.param_groups for p in g["params"]]):
@@ -259,9 +259,6 @@ _GLOBAL_HOOK: list = []
 def fuse_local_expert_updates(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Let ``optimizer.step()`` update ``model``'s local experts in one fused pass (see the module docstring).
 
-    Another optimizer stepping these parameters later (one built afterwards, say) still updates them: its step
-    first turns their pending gradients into ``param.grad`` (with a warning; unfused).
-
     Call it once, after building the optimizer over the sharded model (``shard_model`` keeps the experts out of
     FSDP where ``ep_fsdp`` has one rank; elsewhere there is nothing to fuse and this does nothing). From then on:
     the local experts' ``param.grad`` stays None and their gradients wait as pending gradients
@@ -269,6 +266,9 @@ def fuse_local_expert_updates(model: nn.Module, optimizer: torch.optim.Optimizer
     ``moeshard.fsdp_moe`` include them; ``optimizer.step()`` applies and clears them; ``optimizer.zero_grad()``
     clears them (``model.zero_grad()`` does not). The compute-dtype copy of each expert weight stays allocated
     between steps (the memory the forward's cast held from forward to backward anyway).
+
+    Another optimizer stepping these parameters later (one built afterwards, say) still updates them: its step
+    first turns their pending gradients into ``param.grad`` (with a warning; unfused).
 
     Returns:
         The number of parameters whose updates are fused (0: none of ``model``'s experts are local).
