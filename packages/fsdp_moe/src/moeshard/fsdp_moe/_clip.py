@@ -319,7 +319,8 @@ def _check_pending(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 
 
 def _refresh_pending(optimizer: torch.optim.Optimizer) -> None:
-    """The fused expert update consumed its pending gradients (checked first): the others stay checked."""
+    """Pending expert gradients just became ``param.grad`` (another optimizer's step, checked before): take the
+    gradients' fingerprint again, so the clip's own check accepts them."""
     pending = getattr(optimizer, _PENDING, None)
     if pending is not None:
         setattr(optimizer, _PENDING, (pending[0], _grads_fingerprint(optimizer)))
