@@ -249,38 +249,43 @@ def local_experts_state(module: nn.Module) -> _LocalExperts | None:
 _FED: weakref.WeakSet[_LocalExperts] = weakref.WeakSet()
 
 
-def _owners() -> dict[int, tuple[nn.Parameter, _LocalExperts, str]]:
-    return {id(p): (p, st, name) for st in list(_FED) for name, p in st.params.items()}
+def _pending(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, _LocalExperts, str]]:
+    """``(param, its module state, its name)`` for each of ``params`` whose gradient waits for a fused update."""
+    if not _FED:
+        return []
+    owners = {id(p): (p, st, name) for st in list(_FED) for name, p in st.params.items()}
+    out = []
+    for p in params:
+        hit = owners.get(id(p))
+        if hit is not None and hit[0] is p and hit[2] in hit[1].pending:
+            out.append(hit)
+    return out
 
 
-def _owner(param: torch.Tensor, owners: dict | None = None) -> tuple[_LocalExperts, str] | None:
-    hit = (owners if owners is not None else _owners()).get(id(param))
-    return (hit[1], hit[2]) if hit is not None and hit[0] is param else None
+def _as_grad(param: torch.Tensor, pg: PendingGrad) -> DTensor:
+    """The pending gradient as the float32 DTensor ``param.grad`` would hold (a new tensor)."""
+    return DTensor.from_local(
+        pg.materialize(param.dtype),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
 
 
 def pending_grads(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, PendingGrad]]:
     """``(param, pending gradient)`` for each of ``params`` whose gradient waits for a fused update."""
-    if not _FED:
-        return []
-    owners = _owners()
-    out = []
-    for p in params:
-        owner = _owner(p, owners)
-        if owner is not None and owner[1] in owner[0].pending:
-            out.append((p, owner[0].pending[owner[1]]))
-    return out
+    return [(p, st.pending[name]) for p, st, name in _pending(params)]
 
 
 def pending_to_grad(params: list[torch.Tensor]) -> int:
     """Move the pending gradients of ``params`` into their ``param.grad`` (float32 DTensors, as unfused); returns
     how many there were."""
-    moved = 0
-    for p, _ in pending_grads(params):
-        p.grad = expert_grad(p)
-        st, name = _owner(p)
-        del st.pending[name]
-        moved += 1
-    return moved
+    found = _pending(params)
+    for p, st, name in found:
+        p.grad = _as_grad(p, st.pending.pop(name))
+    return len(found)
 
 
 def expert_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -288,13 +293,8 @@ def expert_grad(param: torch.Tensor) -> torch.Tensor | None:
     DTensor ``param.grad`` would hold (a new tensor; clipping applied so far included). None without either."""
     if param.grad is not None:
         return param.grad
-    owner = _owner(param)
-    if owner is None or owner[1] not in owner[0].pending:
-        return None
-    local = owner[0].pending[owner[1]].materialize(param.dtype)
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
+    found = _pending([param])
+    return _as_grad(param, found[0][1].pending[found[0][2]]) if found else None
 
 
 def keep_experts_local(
