@@ -159,3 +159,27 @@ def test_nan_loss_stops_with_one_message_and_keeps_the_checkpoint(tmp_path):
     assert "traceback : step 3: non-finite loss" in log
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
     assert [r["step"] for r in _records(out)] == [1, 2]
+
+
+def test_bench_reports_every_figure(tmp_path):
+    # The benchmark's CPU path end to end (tiny geometry, EP 2 on gloo): a step time per timed step, the losses of
+    # every step (random tokens: finite, near log(vocab)), and the figures the README table quotes.
+    out = tmp_path / "bench.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moeshard.train"]
+        + ["bench", "--preset", "tiny", "--layers", "2", "--seq-len", "32", "--ep-size", "2"]
+        + ["--steps", "4", "--warmup", "1", "--out", str(out)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert len(result["step_times_s"]) == 3 and all(t > 0 for t in result["step_times_s"])
+    assert result["step_time_s_median"] == sorted(result["step_times_s"])[1]
+    assert result["tokens_per_s_per_gpu"] == pytest.approx(4 * 32 / result["step_time_s_median"])
+    assert len(result["losses"]) == 4 and all(0 < x < 20 for x in result["losses"])
+    assert (result["ep_size"], result["ep_fsdp_size"], result["world_size"]) == (2, 1, 2)
+    assert result["timing"].startswith("isolated")  # on CPU every step runs synchronously anyway
+    assert "tok/s/GPU" in res.stdout

@@ -7,6 +7,12 @@ Synthetic tokens, seq 4096, 4 sequences per GPU per step by default, bf16 comput
 fp32 gradient reduction, AdamW, clipping. Prints and writes (JSON) tokens/s/GPU (median of the steps after
 warm-up), MFU, peak memory, device→host syncs per step (``torch.cuda.set_sync_debug_mode``) and the layout.
 FLOPs/token = 6·(matmul params active per token) + 6·L·2·(S/2)·(heads·head_dim); MFU over 989 TFLOP/s.
+
+Steps run back to back, as a training loop runs them (no synchronisation between steps; the losses are read
+after the last one) and each step's time is the device's, from CUDA events recorded at consecutive step starts:
+the host prepares a step while the device still runs the previous one. ``--isolated-steps`` times every step
+alone instead (synchronise and barrier before it, synchronise after it, host clock), so each step also pays
+the host's start-up latency before its first kernel.
 """
 
 from __future__ import annotations
@@ -58,6 +64,19 @@ def main(argv: list[str]) -> int:
         "--no-fused-expert-update",
         action="store_true",
         help="update the experts outside FSDP with torch's AdamW like every other parameter (fp32 gradients)",
+    )
+    p.add_argument(
+        "--isolated-steps",
+        action="store_true",
+        help="time each step alone: synchronise and barrier before it, synchronise after it, host clock (includes "
+        "the host's start-up latency of every step); default: steps run back to back as in a training loop, each "
+        "timed on the device by CUDA events at consecutive step starts",
+    )
+    p.add_argument(
+        "--check-finite",
+        action="store_true",
+        help="read each step's loss and grad norm before its optimizer step, as moeshard-train's loop does (it "
+        "updates only after finding them finite): one more device-to-host sync per step",
     )
     p.add_argument("--dispatch", choices=("tokens", "copies"), default="copies", help="EP token dispatch mode")
     p.add_argument("--out", default=None)
@@ -125,12 +144,29 @@ def main(argv: list[str]) -> int:
             out.append(Batch(ids, ids, None, ()))
         return out
 
-    times, syncs, losses = [], [], []
-    for step in range(args.steps):
-        micro = batches()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    # The batches are made before the timed loop (a training loop's data loader prepares them in the background).
+    data = [batches() for _ in range(args.steps)]
+    back_to_back = not args.isolated_steps and device.type == "cuda"
+
+    def mark():
+        # Back to back: an event on the compute stream, which the device passes once the previous step's work
+        # is done; consecutive marks time each step as the device ran it in a training loop.
+        if back_to_back:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    times, syncs, step_stats, marks = [], [], [], []
+    if back_to_back:
+        torch.cuda.synchronize()
         dist.barrier()
+    for step in range(args.steps):
+        micro = data[step]
+        if not back_to_back:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
         count = step >= args.warmup and device.type == "cuda"
         caught: list[tuple[str, list[str]]] = []
         with warnings.catch_warnings():
@@ -141,18 +177,21 @@ def main(argv: list[str]) -> int:
             )
             if count:
                 torch.cuda.set_sync_debug_mode("warn")
-            t0 = time.perf_counter()
+            marks.append(mark())
             stats = train_step(job, micro)
+            if args.check_finite:
+                host_stats(stats)
             job.optimizer.step()
             job.scheduler.step()
             job.optimizer.zero_grad(set_to_none=True)
             if count:
                 torch.cuda.set_sync_debug_mode("default")
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+            if not back_to_back:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                marks[-1] = time.perf_counter() - marks[-1]
+        step_stats.append(stats)
         if step >= args.warmup:
-            times.append(dt)
             found = [stack for msg, stack in caught if "synchroniz" in msg]
             syncs.append(len(found))
             if step == args.warmup and dist.get_rank() == 0:
@@ -161,7 +200,13 @@ def main(argv: list[str]) -> int:
                     frames = [f.strip().splitlines()[0] for f in stack if "bench.py" not in f]
                     where = [f for f in frames if "moeshard" in f or "torch/optim" in f]
                     print("sync at", " <- ".join(reversed(where[-3:])))
-        losses.append(host_stats(stats)["loss"])  # after the timed region
+    if back_to_back:
+        marks.append(mark())
+        torch.cuda.synchronize()
+        times = [a.elapsed_time(b) / 1000 for a, b in zip(marks[args.warmup :], marks[args.warmup + 1 :])]
+    else:
+        times = marks[args.warmup :]
+    losses = [host_stats(stats)["loss"] for stats in step_stats]  # read after the timed steps
     if (args.profile or args.trace) and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
@@ -195,6 +240,8 @@ def main(argv: list[str]) -> int:
         "compile": args.compile,
         "fused_expert_update": not args.no_fused_expert_update,
         "dispatch": args.dispatch,
+        "check_finite": args.check_finite,
+        "timing": "isolated steps (host clock)" if not back_to_back else "back to back (CUDA events)",
         "step_time_s_median": step_s,
         "step_times_s": times,
         "tokens_per_s_per_gpu": tps,
@@ -211,7 +258,7 @@ def main(argv: list[str]) -> int:
     if dist.get_rank() == 0:
         print(
             f"layers {args.layers} seq {args.seq_len} | world {world} = ep {args.ep_size} x ep_fsdp {world // args.ep_size} "
-            f"| {args.batch_per_gpu} seq/GPU (micro {mb}) | step {1000 * step_s:.1f} ms "
+            f"| {args.batch_per_gpu} seq/GPU (micro {mb}) | step {1000 * step_s:.1f} ms{' isolated' if not back_to_back else ''} "
             f"(min {1000 * min(times):.1f}, max {1000 * max(times):.1f}) | {tps:,.0f} tok/s/GPU | "
             f"MFU {100 * result['mfu']:.1f}% | peak alloc {result['peak_allocated_gib'] or 0:.1f} GiB "
             f"reserved {result['peak_reserved_gib'] or 0:.1f} GiB | syncs/step {result['syncs_per_step']}"

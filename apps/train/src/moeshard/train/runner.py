@@ -316,19 +316,25 @@ def run(cfg: JobConfig) -> dict[str, Any]:
     acct = _comm_accounting(job, prep) if cfg.logging.comm_accounting else None
     try:
         with acct if acct is not None else contextlib.nullcontext():
+            t_read = time.perf_counter()
             for step in range(start_step, cfg.train.steps):
                 done = step + 1  # steps are counted from 1 in metrics, checkpoints and messages
                 lr = job.optimizer.param_groups[0]["lr"]
                 if acct is not None:
                     acct.reset()
-                t0 = time.perf_counter()
                 micro = [prep.data.collate(ix) for ix in prep.batches.micro_batches(step, rank)]
                 every = cfg.logging.expert_load_every
                 want_counts = bool(every) and done % every == 0
                 with _nan_loss(job, faults.poison_loss(done)):
                     step_stats = train_step(job, micro, want_counts)
                 faults.at_step(done)
+                # The step's one read (it waits for the end of its backward): the optimizer step below runs only
+                # after the loss and norm were found finite. Nothing waits for the optimizer step: the host goes on
+                # to the next step's batch and forward while the device still updates, so the step time is the
+                # time between two of these reads.
                 stats = host_stats(step_stats)
+                now = time.perf_counter()
+                dt, t_read = now - t_read, now
                 if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
                     raise TrainingDiverged(
                         f"step {done}: non-finite loss {stats['loss']} or grad norm {stats['grad_norm']}; the "
@@ -338,9 +344,6 @@ def run(cfg: JobConfig) -> dict[str, Any]:
                 job.optimizer.step()
                 job.scheduler.step()
                 job.optimizer.zero_grad(set_to_none=True)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                dt = time.perf_counter() - t0
                 comm = _gather_comm(acct) if acct is not None else None
                 losses.append(stats["loss"])
                 if done % cfg.logging.every_steps == 0 or done == cfg.train.steps:
@@ -366,6 +369,7 @@ def run(cfg: JobConfig) -> dict[str, Any]:
                     done == cfg.train.steps and cfg.checkpoint.save_final
                 ):
                     last_saved = save(job, prep.ckpt_dir, done)
+                    t_read = time.perf_counter()  # the save's time is no step's
     finally:
         sink.close()
     return {
