@@ -1,4 +1,4 @@
-"""The triton gathers of ``moeshard.ep._triton`` against the eager functions they replace on CUDA.
+"""The triton kernels of ``moeshard.ep._triton`` against the eager functions they replace on CUDA.
 
 On CPU they run under triton's interpreter (a child process with ``TRITON_INTERPRET=1``);
 on a CUDA machine the same checks run compiled, plus the whole routed-experts path with the kernels switched on.
@@ -51,6 +51,18 @@ def check_kernels(device: str, dtype: torch.dtype, D: int) -> None:
     assert gy.dtype == dtype and gw.dtype == torch.float32
     torch.testing.assert_close(gy, d._sorted_output_grad(gt, order, w, dtype), rtol=ulp, atol=ulp)
     torch.testing.assert_close(gw, d._routing_weight_grad(gt, y, inv, K), rtol=1e-5, atol=1e-4)
+    # SwiGLU's gated activation (h = [gate | up], width 2D) and its gradient; float32 arithmetic, one rounding
+    from moeshard.ep._grouped import _gated, _gated_backward
+
+    h = torch.randn(T * K, 2 * D, generator=g).to(device, dtype)
+    ga = torch.randn(T * K, D, generator=g).to(device, dtype)
+    tol = max(ulp, 1e-5)  # float32: sigmoid's rounding differs from torch's by an ulp
+    a = tk.silu_gated(h)
+    assert a.dtype == dtype and a.shape == (T * K, D)
+    torch.testing.assert_close(a.float(), _gated(torch.nn.functional.silu, h.float()), rtol=tol, atol=tol)
+    gh = tk.silu_gated_backward(h, ga)
+    assert gh.dtype == dtype and gh.shape == h.shape
+    torch.testing.assert_close(gh.float(), _gated_backward("silu", h.float(), ga.float()), rtol=tol, atol=tol)
     # each gradient alone is the same as both together
     only_gy, none = tk.combine_backward(gt, y, inv, w, True, False)
     assert none is None and torch.equal(only_gy, gy)
@@ -64,6 +76,10 @@ def check_bad_shapes() -> None:
         tk.gather_sum(torch.zeros(6, 4), torch.arange(5), 2)
     with pytest.raises(ValueError, match="rows, D"):
         tk.expand_rows(torch.zeros(6), torch.arange(6), 2)
+    with pytest.raises(ValueError, match="2F"):
+        tk.silu_gated(torch.zeros(6, 5))
+    with pytest.raises(ValueError, match="expected"):
+        tk.silu_gated_backward(torch.zeros(6, 4), torch.zeros(6, 4))
 
 
 CASES = [(dtype, D) for dtype in (torch.float32, torch.bfloat16) for D in (200, 1536)]  # D: a partial block, several

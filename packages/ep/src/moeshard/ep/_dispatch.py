@@ -39,6 +39,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
 from moeshard.ep._grouped import KERNELS, Backend, ExpertPass, _activation, _resolve_backend, grouped_expert_mlp
@@ -157,7 +158,8 @@ _EP_EAGER = {name: KERNELS[name] for name in _EP_KERNELS}
 
 
 def _triton_kernels() -> dict[str, Callable] | None:
-    """The gathers written in triton (``moeshard.ep._triton``), or None where triton or a GPU is missing."""
+    """The kernels written in triton (``moeshard.ep._triton``: the gathers, SwiGLU's gated activation), each
+    falling back to the current ``KERNELS`` entry off CUDA, or None where triton or a GPU is missing."""
     if not torch.cuda.is_available() or os.environ.get("MOESHARD_TRITON_KERNELS", "1") == "0":
         return None
     try:
@@ -168,12 +170,29 @@ def _triton_kernels() -> dict[str, Callable] | None:
     def combine_backward(g_TD, y_sorted_ND, order_N, inv_N, w_TK, need_gy, need_gw):
         return _triton.combine_backward(g_TD, y_sorted_ND, inv_N, w_TK, need_gy, need_gw)
 
-    return {
+    gathers = {
         "unsort_weighted_sum": _triton.unsort_weighted_sum,
         "gather_sum": _triton.gather_sum,
         "expand_rows": _triton.expand_rows,
         "combine_backward": combine_backward,
     }
+    return {
+        **{name: _on_cuda(fn, KERNELS[name]) for name, fn in gathers.items()},
+        "gated": _silu_on_cuda(lambda act, h: _triton.silu_gated(h), KERNELS["gated"]),
+        "gated_backward": _silu_on_cuda(lambda act, h, g: _triton.silu_gated_backward(h, g), KERNELS["gated_backward"]),
+    }
+
+
+def _silu_on_cuda(gpu_fn: Callable, other_fn: Callable) -> Callable:
+    # The gated activation's kernels (first argument: the activation function or its name) in triton for SwiGLU
+    # on CUDA: one launch, where the compiled kernel's call costs several times the host time (it runs on the
+    # forward's critical path, right after the split-size sync). Other activations keep ``other_fn``.
+    def call(act, h_NX, *rest):
+        silu = act is F.silu or (isinstance(act, str) and act == "silu")
+        return (gpu_fn if silu and h_NX.is_cuda else other_fn)(act, h_NX, *rest)
+
+    call.__wrapped__ = other_fn
+    return call
 
 
 def _on_cuda(gpu_fn: Callable, other_fn: Callable) -> Callable:
@@ -207,14 +226,13 @@ def set_compiled_kernels(enabled: bool) -> None:
     """Use ``torch.compile``-fused pointwise kernels on the expert path (the gated activation; the weighted
     combine of the K copies, reading each copy once) or the eager ones. Same functions; a GPU speed option.
     With triton on a CUDA machine the gathers around the expert GEMM (token rows to expert order, the combine
-    and both their backwards) use the triton kernels of ``moeshard.ep._triton`` for CUDA tensors
-    (``MOESHARD_TRITON_KERNELS=0`` keeps the compiled ones)."""
+    and both their backwards) and SwiGLU's gated activation both ways use the triton kernels of
+    ``moeshard.ep._triton`` for CUDA tensors (``MOESHARD_TRITON_KERNELS=0`` keeps the compiled ones)."""
     for name in _EP_KERNELS:
         KERNELS[name] = compile_rows_dynamic(_EP_EAGER[name]) if enabled else _EP_EAGER[name]
     KERNELS["expand_rows"], KERNELS["combine_backward"] = _expand_rows, _combine_backward
     gpu = _triton_kernels() if enabled else None
-    for name, fn in (gpu or {}).items():
-        KERNELS[name] = _on_cuda(fn, KERNELS[name])
+    KERNELS.update(gpu or {})
 
 
 def sort_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

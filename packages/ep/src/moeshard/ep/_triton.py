@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["combine_backward", "expand_rows", "gather_sum", "unsort_weighted_sum"]
+__all__ = ["combine_backward", "expand_rows", "gather_sum", "silu_gated", "silu_gated_backward", "unsort_weighted_sum"]
 
 _BLOCK_D = 1024
 
@@ -82,6 +82,62 @@ def _combine_backward_kernel(
                 dots += tl.where(ks == k, tl.sum(y * g, axis=0), 0.0)
     if NEED_GW:
         tl.store(gw_ptr + t * K + ks, dots, mask=ks < K)
+
+
+@triton.jit
+def _silu_gated_kernel(h_ptr, out_ptr, total, F: tl.constexpr, BLOCK: tl.constexpr):
+    # out[n, f] = silu(h[n, f]) * h[n, F + f], in float32, rounded once
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < total
+    src = (i // F) * (2 * F) + i % F
+    g = tl.load(h_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + src + F, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_gated_backward_kernel(h_ptr, g_ptr, out_ptr, total, F: tl.constexpr, BLOCK: tl.constexpr):
+    # out[n] = [grad·up·silu'(gate) | grad·silu(gate)], silu'(x) = s·(1 + x·(1 − s)), s = sigmoid(x)
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < total
+    src = (i // F) * (2 * F) + i % F
+    x = tl.load(h_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + src + F, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(g_ptr + i, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(x)
+    tl.store(out_ptr + src, (dy * u * sig * (1.0 + x * (1.0 - sig))).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + src + F, (dy * x * sig).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_BLOCK_EW = 2048
+
+
+def _check_gated(h_NX: torch.Tensor) -> tuple[torch.Tensor, int]:
+    if h_NX.dim() != 2 or h_NX.shape[1] % 2:
+        raise ValueError(f"expected h = [gate | up] of shape [N, 2F], got shape {tuple(h_NX.shape)}")
+    return h_NX.contiguous(), h_NX.shape[1] // 2
+
+
+def silu_gated(h_NX: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``h = [gate | up]`` (``[N, 2F]`` → ``[N, F]``), computed in float32."""
+    h_NX, F = _check_gated(h_NX)
+    out = torch.empty((h_NX.shape[0], F), dtype=h_NX.dtype, device=h_NX.device)
+    if out.numel():
+        _silu_gated_kernel[(triton.cdiv(out.numel(), _BLOCK_EW),)](h_NX, out, out.numel(), F=F, BLOCK=_BLOCK_EW)
+    return out
+
+
+def silu_gated_backward(h_NX: torch.Tensor, grad_NF: torch.Tensor) -> torch.Tensor:
+    """The gradient of :func:`silu_gated` with respect to ``h``, ``[N, 2F]`` in h's dtype (float32 arithmetic)."""
+    h_NX, F = _check_gated(h_NX)
+    if grad_NF.shape != (h_NX.shape[0], F):
+        raise ValueError(f"grad has shape {tuple(grad_NF.shape)}, expected {(h_NX.shape[0], F)}")
+    out = torch.empty_like(h_NX)
+    total = grad_NF.numel()
+    if total:
+        grid = (triton.cdiv(total, _BLOCK_EW),)
+        _silu_gated_backward_kernel[grid](h_NX, grad_NF.contiguous(), out, total, F=F, BLOCK=_BLOCK_EW)
+    return out
 
 
 def _check(rows: torch.Tensor, index: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
