@@ -63,6 +63,12 @@ def check_kernels(device: str, dtype: torch.dtype, D: int) -> None:
     gh = tk.silu_gated_backward(h, ga)
     assert gh.dtype == dtype and gh.shape == h.shape
     torch.testing.assert_close(gh.float(), _gated_backward("silu", h.float(), ga.float()), rtol=tol, atol=tol)
+    # under autograd: the same gradient as autograd through the eager function
+    hr = h.detach().float().requires_grad_()
+    want = torch.autograd.grad(_gated(torch.nn.functional.silu, hr), hr, ga.float())[0]
+    hr2 = h.detach().requires_grad_()
+    got = torch.autograd.grad(tk.SiluGated.apply(hr2), hr2, ga)[0]
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     # each gradient alone is the same as both together
     only_gy, none = tk.combine_backward(gt, y, inv, w, True, False)
     assert none is None and torch.equal(only_gy, gy)

@@ -16,7 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["combine_backward", "expand_rows", "gather_sum", "silu_gated", "silu_gated_backward", "unsort_weighted_sum"]
+__all__ = [
+    "SiluGated",
+    "combine_backward",
+    "expand_rows",
+    "gather_sum",
+    "silu_gated",
+    "silu_gated_backward",
+    "unsort_weighted_sum",
+]
 
 _BLOCK_D = 1024
 
@@ -138,6 +146,20 @@ def silu_gated_backward(h_NX: torch.Tensor, grad_NF: torch.Tensor) -> torch.Tens
         grid = (triton.cdiv(total, _BLOCK_EW),)
         _silu_gated_backward_kernel[grid](h_NX, grad_NF.contiguous(), out, total, F=F, BLOCK=_BLOCK_EW)
     return out
+
+
+class SiluGated(torch.autograd.Function):
+    """:func:`silu_gated` under autograd (backward: :func:`silu_gated_backward`)."""
+
+    @staticmethod
+    def forward(ctx, h_NX: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.save_for_backward(h_NX)
+        return silu_gated(h_NX)
+
+    @staticmethod
+    def backward(ctx, grad_NF: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        (h_NX,) = ctx.saved_tensors
+        return silu_gated_backward(h_NX, grad_NF)
 
 
 def _check(rows: torch.Tensor, index: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
