@@ -26,7 +26,8 @@ from moeshard.train.data import Batch
 
 
 def init_distributed() -> torch.device:
-    """Initialise the default process group from torchrun's environment (a world of one without it)."""
+    """Initialise the default process group from torchrun's environment (a world of one without it); returns
+    this rank's device (CUDA where available, except under a gloo group the caller already initialised)."""
     if not dist.is_initialized():
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
@@ -39,6 +40,9 @@ def init_distributed() -> torch.device:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        # A gloo group set up by the caller (tests, CPU runs on a GPU machine): gloo sends no CUDA tensors.
+        return torch.device("cpu")
     if torch.cuda.is_available():
         # Expandable segments: same speed, ~5 GiB less reserved memory at the 8-layer benchmark (fewer fragments
         # from the per-step varying expert token counts). A user's own setting wins.
