@@ -11,8 +11,8 @@ master, the moments and the compute copy the next forward uses (2): 30 bytes per
 
 The optimizer stays the user's ``torch.optim.AdamW`` (or ``Adam`` with ``decoupled_weight_decay=True`` or no
 weight decay): its parameter groups, learning-rate schedulers, ``state_dict`` (the same ``step``, ``exp_avg``,
-``exp_avg_sq`` tensors, created as torch creates them) and DCP checkpoints are unchanged; a step post-hook updates
-the local experts after torch's step has updated every other parameter as usual; their ``param.grad`` stays
+``exp_avg_sq`` tensors, created as torch creates them) and DCP checkpoints are unchanged; a step pre-hook updates
+the local experts, then torch's step updates every other parameter as usual; their ``param.grad`` stays
 None (their gradient waits as a pending gradient, see :func:`moeshard.fsdp_moe.expert_grad`).
 :func:`moeshard.fsdp_moe.clip_grad_norm_` counts the pending gradients and clips them as the others (in place, or
 handed to the update as the fused optimizer's ``grad_scale``). ``optimizer.zero_grad()`` drops them as well.
@@ -68,10 +68,11 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 class _FusedExpertUpdate:
-    """The step hooks: the pre-hook checks and takes the clip hand-over's ``grad_scale``; the post-hook (after
-    torch's step has updated every other parameter) updates every fed parameter with a pending gradient and clears
-    it. Updating last lets step post-hooks registered before :func:`fuse_local_expert_updates` start work that
-    overlaps it."""
+    """The step pre-hook: checks, takes the clip hand-over's ``grad_scale``, then updates every fed parameter with
+    a pending gradient and clears it, before torch's step updates every other parameter. Updating first puts the
+    long, host-light update on the device at once: torch's step, whose host work over many smaller parameters takes
+    longer than its device work, then runs on the host while the device updates the experts (a loop that read the
+    loss just before the step, leaving the device idle, waits only for the first launches)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, entries: list[tuple[nn.Parameter, _LocalExperts, str]]):
         self.optimizer = weakref.ref(optimizer)
@@ -80,12 +81,10 @@ class _FusedExpertUpdate:
         # The step count of each parameter on the host (no device read per step): {id(param): (the state's step
         # tensor it belongs to, the count)}; re-read once when the state's tensor was replaced (a loaded state).
         self.host_steps: dict[int, tuple[torch.Tensor, int]] = {}
-        self.grad_scale: list = []  # [the grad_scale of the step in progress] between the two hooks
 
     def before(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        from moeshard.fsdp_moe._clip import _check_pending
+        from moeshard.fsdp_moe._clip import _check_pending, _refresh_pending
 
-        self.grad_scale.clear()
         _check_pending(optimizer, args, kwargs)  # a stale clip hand-over raises before anything is updated
         _check_optimizer(optimizer)
         for p, st, name in self.entries:
@@ -94,13 +93,10 @@ class _FusedExpertUpdate:
                     f"local expert parameter {name!r} has both a pending gradient (its fused update) and a "
                     "param.grad set by other code; set only one of them"
                 )
-        # (the clip's own post-hook removes optimizer.grad_scale after the step, possibly before ours runs)
-        self.grad_scale.append(getattr(optimizer, "grad_scale", None))
+        self.update(optimizer, getattr(optimizer, "grad_scale", None))
+        _refresh_pending(optimizer)  # the clip hand-over's own check (if it runs after us) no longer sees them
 
-    def after(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if not self.grad_scale:  # the pre-hook did not run (hooks removed in between): nothing was checked
-            return
-        grad_scale = self.grad_scale.pop()
+    def update(self, optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None) -> None:
         todo = [(p, st, name) for p, st, name in self.entries if name in st.pending]
         if not todo:
             return
@@ -237,7 +233,7 @@ def _other_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs:
     """A global step pre-hook: an optimizer other than the fused one steps fed experts (e.g. one built afterwards):
     their pending gradients become ``param.grad`` first, so it updates them as it would have unfused."""
     if hasattr(optimizer, _HOOK_ATTR):
-        return  # the fused optimizer: its own step post-hook updates them
+        return  # the fused optimizer: its own step pre-hook updates them
     from moeshard.fsdp_moe._clip import _refresh_pending
 
     if pending_to_grad([p for g in optimizer.param_groups for p in g["params"]]):
@@ -305,7 +301,7 @@ def fuse_local_expert_updates(model: nn.Module, optimizer: torch.optim.Optimizer
 
         _GLOBAL_HOOK.append(register_optimizer_step_pre_hook(_other_optimizer_step))
     hook = _FusedExpertUpdate(optimizer, entries)
-    handle = (optimizer.register_step_pre_hook(hook.before), optimizer.register_step_post_hook(hook.after))
+    handle = optimizer.register_step_pre_hook(hook.before)
     optimizer.zero_grad = functools.partial(_zero_grad, states, optimizer.zero_grad)
     setattr(optimizer, _HOOK_ATTR, (hook, handle))
     for st in states:
