@@ -294,3 +294,35 @@ def test_nothing_to_fuse_under_expert_fsdp():
 
 if __name__ == "__main__":  # the interpreter run of test_kernel_in_the_interpreter
     print(f"checked {check_kernel('cpu')} cases")
+
+
+def _late_pre_hook():
+    # A step pre-hook registered after fuse_local_expert_updates that changes the learning rate: the experts'
+    # update must see it, as an unfused optimizer's would (the fused update then waits for the post-hook).
+    def lower_lr(opt, args, kwargs):
+        for group in opt.param_groups:
+            group["lr"] = 3e-3
+
+    meshes, ref, ref_opt, _ = _toy(0, fuse=False)
+    ref_opt.register_step_pre_hook(lower_lr)
+    meshes, model, opt, n = _toy(0)
+    opt.register_step_pre_hook(lower_lr)
+    for s in range(2):
+        _step(ref, ref_opt, meshes, seed=s)
+        _step(model, opt, meshes, seed=s)
+    want, got = _params(ref), _params(model)
+    rel = max((got[k] - want[k]).abs().max().item() / want[k].abs().max().item() for k in want)
+    # Which path each took: the late hook defers the update; with only the clip hand-over's check registered after
+    # it (what _step's clip_grad_norm_(..., optimizer=opt) adds) the update runs first, in the pre-hook.
+    meshes, plain, plain_opt, _ = _toy(0)
+    _step(plain, plain_opt, meshes, seed=0)
+    from moeshard.fsdp_moe._fused_update import _HOOK_ATTR
+
+    late, plain_hook = getattr(opt, _HOOK_ATTR)[0], getattr(plain_opt, _HOOK_ATTR)[0]
+    return n, rel, late._last_pre_hook(opt), plain_hook._last_pre_hook(plain_opt)
+
+
+def test_a_later_step_pre_hook_still_reaches_the_expert_update():
+    for n, rel, late_first, plain_first in run_distributed(_late_pre_hook, 2):
+        assert n == 4 and rel < 1e-6, rel
+        assert not late_first and plain_first

@@ -12,7 +12,8 @@ master, the moments and the compute copy the next forward uses (2): 30 bytes per
 The optimizer stays the user's ``torch.optim.AdamW`` (or ``Adam`` with ``decoupled_weight_decay=True`` or no
 weight decay): its parameter groups, learning-rate schedulers, ``state_dict`` (the same ``step``, ``exp_avg``,
 ``exp_avg_sq`` tensors, created as torch creates them) and DCP checkpoints are unchanged; a step pre-hook updates
-the local experts, then torch's step updates every other parameter as usual; their ``param.grad`` stays
+the local experts, then torch's step updates every other parameter as usual (after torch's step instead where step
+pre-hooks registered later might change the hyper-parameters); their ``param.grad`` stays
 None (their gradient waits as a pending gradient, see :func:`moeshard.fsdp_moe.expert_grad`).
 :func:`moeshard.fsdp_moe.clip_grad_norm_` counts the pending gradients and clips them as the others (in place, or
 handed to the update as the fused optimizer's ``grad_scale``). ``optimizer.zero_grad()`` drops them as well.
@@ -68,11 +69,13 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 class _FusedExpertUpdate:
-    """The step pre-hook: checks, takes the clip hand-over's ``grad_scale``, then updates every fed parameter with
-    a pending gradient and clears it, before torch's step updates every other parameter. Updating first puts the
-    long, host-light update on the device at once: torch's step, whose host work over many smaller parameters takes
-    longer than its device work, then runs on the host while the device updates the experts (a loop that read the
-    loss just before the step, leaving the device idle, waits only for the first launches)."""
+    """The step hooks. The pre-hook checks, takes the clip hand-over's ``grad_scale`` and, when no other step
+    pre-hook comes after it, updates every fed parameter with a pending gradient and clears it, before torch's step
+    updates every other parameter: the long, host-light update is on the device at once, and torch's step, whose
+    host work over many smaller parameters takes longer than its device work, runs on the host meanwhile (a loop
+    that read the loss just before the step, leaving the device idle, waits only for the first launches). Where
+    step pre-hooks registered later follow it (they might change a learning rate), the post-hook updates instead,
+    after all of them and torch's step, as an unfused optimizer would see them."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, entries: list[tuple[nn.Parameter, _LocalExperts, str]]):
         self.optimizer = weakref.ref(optimizer)
@@ -81,6 +84,8 @@ class _FusedExpertUpdate:
         # The step count of each parameter on the host (no device read per step): {id(param): (the state's step
         # tensor it belongs to, the count)}; re-read once when the state's tensor was replaced (a loaded state).
         self.host_steps: dict[int, tuple[torch.Tensor, int]] = {}
+        self.pre_hook_id: int | None = None  # the pre-hook's handle id, set once registered
+        self.deferred: list = []  # [grad_scale] of a step whose update waits for the post-hook
 
     def before(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         from moeshard.fsdp_moe._clip import _check_pending, _refresh_pending
@@ -93,8 +98,26 @@ class _FusedExpertUpdate:
                     f"local expert parameter {name!r} has both a pending gradient (its fused update) and a "
                     "param.grad set by other code; set only one of them"
                 )
-        self.update(optimizer, getattr(optimizer, "grad_scale", None))
-        _refresh_pending(optimizer)  # the clip hand-over's own check (if it runs after us) no longer sees them
+        self.deferred.clear()
+        if self._last_pre_hook(optimizer):
+            self.update(optimizer, getattr(optimizer, "grad_scale", None))
+            _refresh_pending(optimizer)  # the clip hand-over's own check (if it runs after us) no longer sees them
+        else:  # (the clip's own post-hook removes optimizer.grad_scale after the step, possibly before ours runs)
+            self.deferred.append(getattr(optimizer, "grad_scale", None))
+
+    def after(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if self.deferred:
+            self.update(optimizer, self.deferred.pop())
+
+    def _last_pre_hook(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether every step pre-hook after ours is the clip hand-over's check (which changes nothing)."""
+        from moeshard.fsdp_moe._clip import _check_pending
+
+        hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)  # torch's registry, in registration order
+        if hooks is None or self.pre_hook_id not in hooks:
+            return False
+        ids = list(hooks)
+        return all(hooks[i] is _check_pending for i in ids[ids.index(self.pre_hook_id) + 1 :])
 
     def update(self, optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None) -> None:
         todo = [(p, st, name) for p, st, name in self.entries if name in st.pending]
@@ -233,7 +256,7 @@ def _other_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs:
     """A global step pre-hook: an optimizer other than the fused one steps fed experts (e.g. one built afterwards):
     their pending gradients become ``param.grad`` first, so it updates them as it would have unfused."""
     if hasattr(optimizer, _HOOK_ATTR):
-        return  # the fused optimizer: its own step pre-hook updates them
+        return  # the fused optimizer: its own step hooks update them
     from moeshard.fsdp_moe._clip import _refresh_pending
 
     if pending_to_grad([p for g in optimizer.param_groups for p in g["params"]]):
@@ -301,7 +324,8 @@ def fuse_local_expert_updates(model: nn.Module, optimizer: torch.optim.Optimizer
 
         _GLOBAL_HOOK.append(register_optimizer_step_pre_hook(_other_optimizer_step))
     hook = _FusedExpertUpdate(optimizer, entries)
-    handle = optimizer.register_step_pre_hook(hook.before)
+    handle = (optimizer.register_step_pre_hook(hook.before), optimizer.register_step_post_hook(hook.after))
+    hook.pre_hook_id = handle[0].id
     optimizer.zero_grad = functools.partial(_zero_grad, states, optimizer.zero_grad)
     setattr(optimizer, _HOOK_ATTR, (hook, handle))
     for st in states:
