@@ -67,7 +67,9 @@ def check_kernels(device: str, dtype: torch.dtype, D: int) -> None:
     hr = h.detach().float().requires_grad_()
     want = torch.autograd.grad(_gated(torch.nn.functional.silu, hr), hr, ga.float())[0]
     hr2 = h.detach().requires_grad_()
-    got = torch.autograd.grad(tk.SiluGated.apply(hr2), hr2, ga)[0]
+    assert torch.equal(tk.gated(h), a)  # nothing recorded: the bare kernel
+    assert tk.gated(hr2).grad_fn is not None  # recorded: through the Function (the plain expert path)
+    got = torch.autograd.grad(tk.gated(hr2), hr2, ga)[0]
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     # each gradient alone is the same as both together
     only_gy, none = tk.combine_backward(gt, y, inv, w, True, False)

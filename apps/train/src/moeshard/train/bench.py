@@ -148,14 +148,12 @@ def main(argv: list[str]) -> int:
     data = [batches() for _ in range(args.steps)]
     back_to_back = not args.isolated_steps and device.type == "cuda"
 
-    def mark():
-        # Back to back: an event on the compute stream, which the device passes once the previous step's work
-        # is done; consecutive marks time each step as the device ran it in a training loop.
-        if back_to_back:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
+    def mark() -> torch.cuda.Event:
+        # An event on the compute stream, which the device passes once the previous step's work is done:
+        # consecutive marks time each step as the device ran it in a training loop.
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
 
     times, syncs, step_stats, marks = [], [], [], []
     if back_to_back:
@@ -177,7 +175,9 @@ def main(argv: list[str]) -> int:
             )
             if count:
                 torch.cuda.set_sync_debug_mode("warn")
-            marks.append(mark())
+            if back_to_back:
+                marks.append(mark())
+            t0 = time.perf_counter()
             stats = train_step(job, micro)
             if args.check_finite:
                 host_stats(stats)
@@ -189,7 +189,7 @@ def main(argv: list[str]) -> int:
             if not back_to_back:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                marks[-1] = time.perf_counter() - marks[-1]
+                times.append(time.perf_counter() - t0)
         step_stats.append(stats)
         if step >= args.warmup:
             found = [stack for msg, stack in caught if "synchroniz" in msg]
@@ -203,9 +203,8 @@ def main(argv: list[str]) -> int:
     if back_to_back:
         marks.append(mark())
         torch.cuda.synchronize()
-        times = [a.elapsed_time(b) / 1000 for a, b in zip(marks[args.warmup :], marks[args.warmup + 1 :])]
-    else:
-        times = marks[args.warmup :]
+        times = [a.elapsed_time(b) / 1000 for a, b in zip(marks, marks[1:])]
+    times = times[args.warmup :]
     losses = [host_stats(stats)["loss"] for stats in step_stats]  # read after the timed steps
     if (args.profile or args.trace) and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile

@@ -178,19 +178,9 @@ def _triton_kernels() -> dict[str, Callable] | None:
     }
     return {
         **{name: _on_cuda(fn, KERNELS[name]) for name, fn in gathers.items()},
-        "gated": _silu_on_cuda(_silu_gated, KERNELS["gated"]),
+        "gated": _silu_on_cuda(lambda act, h: _triton.gated(h), KERNELS["gated"]),
         "gated_backward": _silu_on_cuda(lambda act, h, g: _triton.silu_gated_backward(h, g), KERNELS["gated_backward"]),
     }
-
-
-def _silu_gated(act, h_NX: torch.Tensor) -> torch.Tensor:
-    from moeshard.ep import _triton
-
-    # Under autograd (the plain expert path) through its Function; inside the hand-written expert passes (no
-    # gradient recorded there) the bare kernel.
-    if torch.is_grad_enabled() and h_NX.requires_grad:
-        return _triton.SiluGated.apply(h_NX)
-    return _triton.silu_gated(h_NX)
 
 
 def _silu_on_cuda(gpu_fn: Callable, other_fn: Callable) -> Callable:

@@ -25,6 +25,7 @@ __all__ = [
     "SiluGated",
     "combine_backward",
     "expand_rows",
+    "gated",
     "gather_sum",
     "silu_gated",
     "silu_gated_backward",
@@ -165,6 +166,14 @@ class SiluGated(torch.autograd.Function):
     def backward(ctx, grad_NF: torch.Tensor) -> torch.Tensor:  # noqa: D102
         (h_NX,) = ctx.saved_tensors
         return silu_gated_backward(h_NX, grad_NF)
+
+
+def gated(h_NX: torch.Tensor) -> torch.Tensor:
+    """:func:`silu_gated`, through :class:`SiluGated` where autograd records (the plain expert path); the bare
+    kernel inside the hand-written expert passes, which record nothing."""
+    if torch.is_grad_enabled() and h_NX.requires_grad:
+        return SiluGated.apply(h_NX)
+    return silu_gated(h_NX)
 
 
 def _check(rows: torch.Tensor, index: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:

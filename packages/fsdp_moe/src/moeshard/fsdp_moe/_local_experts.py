@@ -262,16 +262,16 @@ def _pending(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, _LocalExper
     return out
 
 
+def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """``local`` as this rank's piece of a DTensor laid out as ``like`` (mesh, placements, global shape, stride)."""
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+
+
 def _as_grad(param: torch.Tensor, pg: PendingGrad) -> DTensor:
     """The pending gradient as the float32 DTensor ``param.grad`` would hold (a new tensor)."""
-    return DTensor.from_local(
-        pg.materialize(param.dtype),
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
+    return dtensor_like(pg.materialize(param.dtype), param)
 
 
 def pending_grads(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, PendingGrad]]:

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard
 
 from moeshard.ep import EPParamMeta
+from moeshard.fsdp_moe._local_experts import dtensor_like
 from moeshard.fsdp_moe._shard import EXPERT_DIM, ShardingInfo, clean_fqn, get_sharding_info
 from moeshard.meshes import ParallelMeshes
 
@@ -88,14 +89,7 @@ def _to_fsdp(value: Any, like: DTensor, meta: EPParamMeta, meshes: ParallelMeshe
             f"{meta.fqn}: the loaded piece has shape {tuple(local.shape)}, this rank holds "
             f"{tuple(like.to_local().shape)}; load with dcp.load into a state dict from get_state_dict"
         )
-    return DTensor.from_local(
-        local.to(like.device),
-        like.device_mesh,
-        like.placements,
-        run_check=False,
-        shape=like.shape,
-        stride=like.stride(),
-    )
+    return dtensor_like(local.to(like.device), like)
 
 
 def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
