@@ -1,9 +1,17 @@
-"""The dispatch permutations without a process group: sort, inverse, combine; and the sync count."""
+"""The dispatch permutations without a process group: sort, inverse, regroup, expand, combine; and the sync count."""
 
 import torch
 
-from moeshard.ep import routed_experts
-from moeshard.ep._dispatch import combine, inverse_permutation, sort_by_expert
+from moeshard.ep import EPOptions, routed_experts
+from moeshard.ep._kernels import kernels_for
+from moeshard.ep._permute import (
+    combine,
+    expand_rows,
+    inverse_permutation,
+    permute_rows,
+    regroup_by_local_expert,
+    sort_by_expert,
+)
 from moeshard.ep.testing import count_host_syncs
 
 # T tokens, K top-k, D hidden, E experts, El local experts, P EP size, N copies, R received rows
@@ -31,12 +39,41 @@ def test_inverse_permutation():
     assert torch.equal(a[perm][inverse_permutation(perm)], a)
 
 
-def test_combine_weights_in_float32():
+def test_regroup_by_local_expert():
+    # 3 sources x 2 local experts: rows arrive as (source, expert) blocks of these sizes
+    counts_SEl = torch.tensor([[2, 1], [0, 3], [1, 1]])
+    expert_of_row = torch.tensor([0, 0, 1, 1, 1, 1, 0, 1])
+    source_of_row = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2])
+    perm = regroup_by_local_expert(counts_SEl, 8)
+    assert expert_of_row[perm].tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert source_of_row[perm].tolist() == [0, 0, 2, 0, 1, 1, 1, 2]  # sources in order within each expert
+    # one source: its rows already are grouped by local expert, no permutation
+    assert regroup_by_local_expert(torch.tensor([[2, 1, 3]]), 6) is None
+
+
+def test_permute_rows_backward_is_the_inverse_gather():
+    perm = torch.tensor([2, 0, 3, 1])
+    x = torch.arange(8.0).view(4, 2).requires_grad_(True)
+    y = permute_rows(x, perm, inverse_permutation(perm))
+    assert torch.equal(y, x.detach()[perm])
+    g = torch.randn(4, 2)
+    y.backward(g)
+    assert torch.equal(x.grad[perm], g)
+
+
+def test_expand_rows_and_combine_weights_in_float32():
+    kernels = kernels_for("eager")
     ids_TK = torch.tensor([[1, 0], [0, 1]])
     order_N, _ = sort_by_expert(ids_TK, num_experts=2)
+    inv_N = inverse_permutation(order_N)
+    x_TD = torch.tensor([[10.0], [20.0]], requires_grad=True)
+    x_sorted = expand_rows(x_TD, order_N, inv_N, 2, kernels)
+    assert x_sorted.flatten().tolist() == [10.0, 20.0, 10.0, 20.0]  # expert 0: tokens 0, 1; expert 1: tokens 0, 1
+    x_sorted.sum().backward()
+    assert x_TD.grad.flatten().tolist() == [2.0, 2.0]  # each token's K copies added
     y_copy_ND = torch.tensor([[1.0], [2.0], [3.0], [4.0]])  # outputs in copy order t*K+k
     w_TK = torch.tensor([[0.5, 0.25], [1.0, 2.0]], dtype=torch.bfloat16)
-    y_TD = combine(y_copy_ND[order_N], order_N, w_TK)
+    y_TD = combine(y_copy_ND[order_N], order_N, w_TK, inv_N, kernels)
     assert y_TD.dtype == torch.float32 and y_TD.flatten().tolist() == [1.0, 11.0]
 
 
@@ -45,10 +82,10 @@ def test_ep1_host_syncs():
     x_TD, ids_TK, w_TK = torch.randn(6, 8, generator=g), torch.randint(4, (6, 2), generator=g), torch.rand(6, 2)
     w1, w2 = torch.randn(4, 8, 8, generator=g), torch.randn(4, 8, 4, generator=g)
     with count_host_syncs() as syncs:
-        routed_experts(x_TD, ids_TK, w_TK, w1, w2, num_experts=4, backend="grouped_mm")
+        routed_experts(x_TD, ids_TK, w_TK, w1, w2, num_experts=4, options=EPOptions(gemm="grouped_mm"))
     assert dict(syncs) == {}  # grouped_mm takes device offsets
     with count_host_syncs() as syncs:
-        routed_experts(x_TD, ids_TK, w_TK, w1, w2, num_experts=4, backend="loop")
+        routed_experts(x_TD, ids_TK, w_TK, w1, w2, num_experts=4, options=EPOptions(gemm="loop"))
     assert dict(syncs) == {"tolist": 1}  # the loop's row counts
     with count_host_syncs() as syncs:
         torch.tensor([1]).item()

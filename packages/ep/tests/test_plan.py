@@ -1,4 +1,5 @@
-"""ParallelPlan validation and apply_ep on a toy MoE, on meta and materialised, EP 1 and EP 2 (fake backend)."""
+"""ParallelPlan validation and apply_ep on a toy MoE, on meta and materialised, EP 1 and EP 2 (fake backend):
+the expert slices, the metadata and the dispatchers it installs."""
 
 import pytest
 import torch
@@ -6,7 +7,12 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from moeshard.ep import (
+    AllToAllDispatch,
+    EPOptions,
+    LocalDispatch,
+    OverlappedDispatch,
     ParallelPlan,
+    add_host_sync_hook,
     apply_ep,
     ep_group,
     find_expert_modules,
@@ -119,3 +125,46 @@ def test_dtensor_parameter_is_refused():
         experts.down_proj = nn.Parameter(distribute_tensor(experts.down_proj.detach(), meshes.fsdp, [Shard(0)]))
         with pytest.raises(ValueError, match="already a DTensor: apply_ep must run before FSDP"):
             apply_ep(model, toy_plan(), meshes.ep)
+
+
+def test_ep1_installs_local_dispatchers_with_the_options():
+    model = ToyMoE(num_experts=E, hidden=D, width=F)
+    del model.layers[1].mlp.experts.dispatch  # a module without the attribute is left alone
+    options = EPOptions(gemm="loop", kernels="compiled")
+    info = apply_ep(model, toy_plan(), None, options)
+    assert info.options is options
+    dispatch = model.layers[0].mlp.experts.dispatch
+    assert type(dispatch) is LocalDispatch and dispatch.options is options
+    assert (dispatch.num_experts, dispatch.ep_size, dispatch.group) == (E, 1, None)
+    assert dispatch.kernels.tier == "compiled"
+    assert not hasattr(model.layers[1].mlp.experts, "dispatch")
+    assert "dispatch" not in dict(model.named_modules())  # a plain attribute, not a submodule
+    assert repr(dispatch) == (
+        "LocalDispatch(num_experts=8, ep_size=1, dispatch=overlapped kernels=compiled gemm=loop sm_carveout=32)"
+    )
+
+
+@pytest.mark.parametrize("strategy,cls", [("overlapped", OverlappedDispatch), ("all_to_all", AllToAllDispatch)])
+def test_ep2_installs_the_strategy_of_the_options(strategy, cls):
+    with fake_process_group(4, 1):
+        meshes = build_meshes(ep_size=2, ranks_per_node=4, device_type="cpu")
+        with torch.device("meta"):
+            model = ToyMoE(num_experts=E, hidden=D, width=F)
+        apply_ep(model, toy_plan(), meshes.ep, EPOptions(dispatch=strategy, sm_carveout=0))
+        first, second = (layer.mlp.experts.dispatch for layer in model.layers)
+        for d in (first, second):
+            assert type(d) is cls and d.group is meshes.ep.get_group()
+            assert (d.num_experts, d.ep_size, d.ep_rank, d.options.sm_carveout) == (E, 2, 1, 0)
+        assert first is not second and first.host_sync_hooks is second.host_sync_hooks  # one per apply_ep call
+
+
+def test_options_and_hooks_errors():
+    model = ToyMoE(num_experts=E, hidden=D, width=F)
+    with pytest.raises(ValueError, match="add_host_sync_hook: apply_ep was not applied to this ToyMoE"):
+        add_host_sync_hook(model, lambda: None)
+    with pytest.raises(ValueError, match="options must be an EPOptions or None, got dict"):
+        apply_ep(model, toy_plan(), None, {"dispatch": "overlapped"})
+    assert get_ep_info(model) is None and type(model.layers[0].mlp.experts.dispatch) is LocalDispatch
+    apply_ep(model, toy_plan(), None)
+    handle = add_host_sync_hook(model, lambda: None)
+    handle.remove()

@@ -1,8 +1,10 @@
-"""EP over gloo (2 and 4 processes) against the single-process plain reference with all experts.
+"""EP over gloo (2 and 4 processes): every strategy against LocalDispatch and the plain reference in one process.
 
 Each rank builds the same global problem from a seed, keeps its own tokens and (through apply_ep) its own
-experts, runs routed_experts forward and backward; the parent compares outputs, input and routing-weight
-gradients and the local expert-weight gradients with the reference in float32.
+experts, and runs the layer forward and backward through the dispatcher apply_ep installed, for every strategy
+and GEMM backend: four models with different options, one process, interleaved. The parent runs the whole
+problem in one process (all experts) with LocalDispatch and with the plain reference, and compares outputs,
+input and routing-weight gradients and the local expert-weight gradients, in float32.
 """
 
 import itertools
@@ -10,7 +12,17 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from moeshard.ep import apply_ep, ep_group, get_ep_info, routed_experts, set_ep_dispatch
+from moeshard.ep import (
+    AllToAllDispatch,
+    EPOptions,
+    LocalDispatch,
+    OverlappedDispatch,
+    add_host_sync_hook,
+    apply_ep,
+    ep_group,
+    get_ep_info,
+    routed_experts,
+)
 from moeshard.ep.testing import ToyMoE, count_host_syncs, reference_routed_experts, toy_plan
 from moeshard.meshes import build_meshes
 from moeshard.meshes.testing import run_distributed
@@ -18,9 +30,9 @@ from moeshard.meshes.testing import run_distributed
 # T tokens, K top-k, D hidden, E experts, F expert width
 E, D, F = 8, 16, 8
 CASES = ("random", "one_expert", "rank_without_tokens", "skewed")
-BACKENDS = ("loop", "grouped_mm")  # grouped_mm runs on CPU at these shapes (16-byte aligned rows)
-# (expert GEMM backend, EP dispatch): both dispatch modes with both backends.
-VARIANTS = (("loop", "tokens"), ("loop", "copies"), ("grouped_mm", "tokens"), ("grouped_mm", "copies"))
+STRATEGIES = {"overlapped": OverlappedDispatch, "all_to_all": AllToAllDispatch}
+GEMMS = ("loop", "grouped_mm")  # grouped_mm runs on CPU at these shapes (16-byte aligned rows)
+VARIANTS = tuple(itertools.product(STRATEGIES, GEMMS))
 
 
 def _problem(world: int, case: str):
@@ -44,80 +56,64 @@ def _problem(world: int, case: str):
     return per_rank
 
 
-def _model():
+def _model(num_layers: int = 1):
     torch.manual_seed(0)
-    return ToyMoE(num_layers=1, num_experts=E, hidden=D, width=F)
-
-
-def _forward_backward(fn, x_TD, ids_TK, w_TK, gy_TD, w1, w2, **kw):
-    x_TD = x_TD.clone().requires_grad_(True)
-    w_TK = w_TK.clone().requires_grad_(True)
-    y_TD = fn(x_TD, ids_TK, w_TK, w1, w2, **kw)
-    return y_TD, x_TD, w_TK
-
-
-def _plain(obj):
-    """Tensors as numpy arrays: torch's queue would share tensor storage, which dies with the worker."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().numpy().copy()
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    return obj
+    return ToyMoE(num_layers=num_layers, num_experts=E, hidden=D, width=F)
 
 
 def _ep_layer_body():
     world, rank = dist.get_world_size(), dist.get_rank()
     meshes = build_meshes(ep_size=world, device_type="cpu")
-    model = _model()
-    info = apply_ep(model, toy_plan(), meshes.ep)
-    experts = model.layers[0].mlp.experts
-    group = ep_group(experts)
+    experts = {}
+    for strategy, gemm in VARIANTS:
+        model = _model()
+        info = apply_ep(model, toy_plan(), meshes.ep, EPOptions(dispatch=strategy, gemm=gemm))
+        experts[strategy, gemm] = model.layers[0].mlp.experts
+        assert type(experts[strategy, gemm].dispatch) is STRATEGIES[strategy]
+    group = ep_group(experts[VARIANTS[0]])
     out = {"info": info, "group_size": dist.get_world_size(group)}
-    for case, (backend, dispatch) in itertools.product(CASES, VARIANTS):
-        set_ep_dispatch(dispatch)
+    for case, variant in itertools.product(CASES, VARIANTS):  # the four models interleaved
         x_TD, ids_TK, w_TK, gy_TD = _problem(world, case)[rank]
-        experts.zero_grad(set_to_none=True)
+        layer = experts[variant]
         x_TD.requires_grad_(True)
         w_TK.requires_grad_(True)
         with count_host_syncs() as fwd_syncs:
-            y_TD = routed_experts(
-                x_TD,
-                ids_TK,
-                w_TK,
-                experts.gate_up_proj,
-                experts.down_proj,
-                num_experts=E,
-                ep_group=group,
-                backend=backend,
-            )
+            y_TD = layer(x_TD, ids_TK, w_TK)
         with count_host_syncs() as bwd_syncs:
             (y_TD * gy_TD).sum().backward()
-        out[case, backend, dispatch] = {
+        functional = routed_experts(
+            x_TD, ids_TK, w_TK, layer.gate_up_proj, layer.down_proj, num_experts=E, ep_group=group,
+            options=EPOptions(dispatch=variant[0], gemm=variant[1]),
+        )  # fmt: skip
+        out[(case, *variant)] = {
             "y": y_TD.detach(),
             "dx": x_TD.grad,
             "dw": w_TK.grad,
-            "dw1": experts.gate_up_proj.grad.clone(),
-            "dw2": experts.down_proj.grad.clone(),
+            "dw1": layer.gate_up_proj.grad.clone(),
+            "dw2": layer.down_proj.grad.clone(),
+            "functional_same": torch.equal(functional, y_TD),
             "fwd_syncs": dict(fwd_syncs),
             "bwd_syncs": dict(bwd_syncs),
         }
-    out["checkpointed"] = _same_under_activation_checkpointing(experts, group, world, rank)
+        layer.zero_grad(set_to_none=True)
+    for strategy in STRATEGIES:
+        out["checkpointed", strategy] = _same_under_activation_checkpointing(experts[strategy, "loop"], world, rank)
+        out["hooks", strategy] = _host_sync_hooks(meshes, strategy)
     if world == 4:
         out["fsdp"] = _metadata_survives_fully_shard()
-    return _plain(out)
+    return out
 
 
-def _same_under_activation_checkpointing(experts, group, world, rank):
+def _same_under_activation_checkpointing(experts, world, rank):
     """The layer under non-reentrant activation checkpointing (recomputed in backward) gives identical results."""
     from torch.utils.checkpoint import checkpoint
 
-    from moeshard.ep import _dispatch
+    from moeshard.ep._dispatch import overlapped
 
-    set_ep_dispatch("copies")
     x_TD, ids_TK, w_TK, _ = _problem(world, "random")[rank]
     results = []
     forwards = []
-    original = _dispatch._OverlappedExperts.forward
+    original = overlapped._OverlappedExperts.forward
 
     def counted(*args):
         forwards.append(1)
@@ -128,20 +124,41 @@ def _same_under_activation_checkpointing(experts, group, world, rank):
         x = x_TD.clone().requires_grad_(True)
 
         def layer(a):
-            return routed_experts(
-                a.sin(), ids_TK, w_TK, experts.gate_up_proj, experts.down_proj, num_experts=E, ep_group=group
-            )
+            return experts(a.sin(), ids_TK, w_TK)
 
         forwards.clear()
-        _dispatch._OverlappedExperts.forward = staticmethod(counted)
+        overlapped._OverlappedExperts.forward = staticmethod(counted)
         try:
             y = checkpoint(layer, x, use_reentrant=False) if use_checkpoint else layer(x)
             y.square().sum().backward()
         finally:
-            _dispatch._OverlappedExperts.forward = staticmethod(original)
+            overlapped._OverlappedExperts.forward = staticmethod(original)
         results.append([y.detach(), x.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()])
-    # identical results, and the checkpointed layer ran twice (forward + one recomputation), not once per pass
-    return all(torch.equal(a, b) for a, b in zip(*results)) and len(forwards) == 2
+    same = all(torch.equal(a, b) for a, b in zip(*results))
+    # the overlapped layer ran twice when checkpointed (forward + one recomputation), not once per pass
+    return same and len(forwards) == (2 if isinstance(experts.dispatch, OverlappedDispatch) else 0)
+
+
+def _host_sync_hooks(meshes, strategy):
+    """add_host_sync_hook: once per EP layer per forward, none in backward, gone after remove(), per model."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, other = _model(num_layers=3), _model(num_layers=2)
+    apply_ep(model, toy_plan(), meshes.ep, EPOptions(dispatch=strategy))
+    apply_ep(other, toy_plan(), meshes.ep, EPOptions(dispatch=strategy))
+    calls = []
+    first = add_host_sync_hook(model, lambda: calls.append("first"))
+    add_host_sync_hook(model, lambda: calls.append("second"))
+    x_TD = _problem(world, "random")[rank][0]
+    counts = []
+    y = model(x_TD)
+    counts.append(list(calls))  # 3 layers, both hooks each, in the order they were added
+    y.sum().backward()
+    other(x_TD)  # another model's dispatchers run other hooks
+    counts.append(len(calls))
+    first.remove()
+    model(x_TD)
+    counts.append(calls[6:])
+    return counts
 
 
 def _metadata_survives_fully_shard():
@@ -154,6 +171,7 @@ def _metadata_survives_fully_shard():
     apply_ep(model, toy_plan(), meshes.ep)
     experts = model.layers[0].mlp.experts
     group = ep_group(experts)
+    dispatch = experts.dispatch
     fully_shard(experts, mesh=meshes.ep_fsdp, shard_placement_fn=lambda p: Shard(1))
     info = get_ep_info(model)
     p = experts.gate_up_proj
@@ -161,6 +179,7 @@ def _metadata_survives_fully_shard():
         "dtensor": isinstance(p, DTensor),
         "local_shape": tuple(p.to_local().shape),
         "same_group": ep_group(experts) is group,
+        "same_dispatch": experts.dispatch is dispatch,
         "meta": info.params["layers.0.mlp.experts.gate_up_proj"],
     }
 
@@ -171,47 +190,60 @@ def _check(results, world):
     El = E // world
     for case in CASES:
         problem = _problem(world, case)
-        x_TD = torch.cat([p[0] for p in problem]).requires_grad_(True)
         ids_TK = torch.cat([p[1] for p in problem])
-        w_TK = torch.cat([p[2] for p in problem]).requires_grad_(True)
         gy_TD = torch.cat([p[3] for p in problem])
-        w1r, w2r = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
-        y_TD = reference_routed_experts(x_TD, ids_TK, w_TK, w1r, w2r)
-        (y_TD * gy_TD).sum().backward()
+        want = {}
+        for name, fn in [("reference", reference_routed_experts)] + [
+            (gemm, LocalDispatch(E, EPOptions(gemm=gemm))) for gemm in GEMMS
+        ]:
+            x_TD = torch.cat([p[0] for p in problem]).requires_grad_(True)
+            w_TK = torch.cat([p[2] for p in problem]).requires_grad_(True)
+            w1r, w2r = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+            y_TD = fn(x_TD, ids_TK, w_TK, w1r, w2r)
+            (y_TD * gy_TD).sum().backward()
+            want[name] = (y_TD.detach(), x_TD.grad, w_TK.grad, w1r.grad, w2r.grad)
         bounds = torch.tensor([0] + [p[0].shape[0] for p in problem]).cumsum(0).tolist()
-        for (r, res), (backend, dispatch) in itertools.product(enumerate(results), VARIANTS):
-            got = res[case, backend, dispatch]
+        for (r, res), (strategy, gemm) in itertools.product(enumerate(results), VARIANTS):
+            got = res[case, strategy, gemm]
             rows = slice(bounds[r], bounds[r + 1])
             experts = slice(r * El, (r + 1) * El)
-            for name, a, b in (
-                ("y", got["y"], y_TD.detach()[rows]),
-                ("dx", got["dx"], x_TD.grad[rows]),
-                ("dweights", got["dw"], w_TK.grad[rows]),
-                ("dw_gate_up", got["dw1"], w1r.grad[experts]),
-                ("dw_down", got["dw2"], w2r.grad[experts]),
-            ):
-                torch.testing.assert_close(
-                    torch.from_numpy(a), b, rtol=1e-5, atol=1e-5, msg=f"{case} {backend} {dispatch} rank {r} {name}"
-                )
+            for ref in ("reference", gemm):
+                y, dx, dw, dw1, dw2 = want[ref]
+                for name, a, b in (
+                    ("y", got["y"], y[rows]),
+                    ("dx", got["dx"], dx[rows]),
+                    ("dweights", got["dw"], dw[rows]),
+                    ("dw_gate_up", got["dw1"], dw1[experts]),
+                    ("dw_down", got["dw2"], dw2[experts]),
+                ):
+                    torch.testing.assert_close(
+                        a, b, rtol=1e-5, atol=1e-5, msg=f"{case} {strategy} {gemm} rank {r} {name} vs {ref}"
+                    )
+            assert got["functional_same"], (case, strategy, gemm, r)
             # The one documented sync (the split sizes) and nothing in backward.
-            assert got["fwd_syncs"] == {"tolist": 1}, (case, r, got["fwd_syncs"])
-            assert got["bwd_syncs"] == {}, (case, r, got["bwd_syncs"])
+            assert got["fwd_syncs"] == {"tolist": 1}, (case, strategy, gemm, r, got["fwd_syncs"])
+            assert got["bwd_syncs"] == {}, (case, strategy, gemm, r, got["bwd_syncs"])
     for r, res in enumerate(results):
-        assert res["checkpointed"], f"rank {r}: activation checkpointing changed the results"
         assert res["group_size"] == world
         meta = res["info"].params["layers.0.mlp.experts.down_proj"]
         assert (meta.ep_size, meta.ep_rank, meta.expert_start, meta.expert_end) == (world, r, r * El, (r + 1) * El)
+        for strategy in STRATEGIES:
+            assert res["checkpointed", strategy], f"rank {r} {strategy}: activation checkpointing changed the results"
+            forward, after_backward_and_other_model, after_remove = res["hooks", strategy]
+            assert forward == ["first", "second"] * 3, (strategy, forward)
+            assert after_backward_and_other_model == 6, strategy
+            assert after_remove == ["second"] * 3, (strategy, after_remove)
 
 
-def test_ep2_matches_single_process_reference():
+def test_ep2_matches_local_dispatch_and_reference():
     _check(run_distributed(_ep_layer_body, 2), 2)
 
 
-def test_ep4_matches_single_process_reference_and_survives_fsdp():
+def test_ep4_matches_local_dispatch_and_reference_and_survives_fsdp():
     results = run_distributed(_ep_layer_body, 4, ranks_per_node=4)
     _check(results, 4)
     for r, res in enumerate(results):
         fsdp = res["fsdp"]
-        assert fsdp["dtensor"] and fsdp["same_group"], fsdp
+        assert fsdp["dtensor"] and fsdp["same_group"] and fsdp["same_dispatch"], fsdp
         assert fsdp["local_shape"] == (E // 2, F, D)  # [E/ep, 2F/ep_fsdp, D]
         assert (fsdp["meta"].ep_rank, fsdp["meta"].global_shape) == (r % 2, (E, 2 * F, D))

@@ -1,9 +1,11 @@
-"""EP size 1 (no process group): routed_experts and grouped_expert_mlp against the plain reference."""
+"""EP size 1 (no process group): LocalDispatch, routed_experts and grouped_expert_mlp against the plain reference."""
 
 import pytest
 import torch
 
-from moeshard.ep import grouped_expert_mlp, routed_experts
+from moeshard.ep import EPOptions, LocalDispatch, grouped_expert_mlp, routed_experts
+from moeshard.ep._kernels import kernels_for
+from moeshard.ep._mlp import ExpertPass
 from moeshard.ep.testing import reference_routed_experts
 
 # T tokens, K top-k, D hidden, E experts, F expert width
@@ -34,12 +36,13 @@ def _grads(fn, x, w_TK, w1, w2, *rest):
     return [y.detach()] + [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
 
 
-@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("gemm", ["loop", "grouped_mm"])
 @pytest.mark.parametrize("case", ["random", "skewed", "empty"])
-def test_ep1_matches_reference(backend, case):
+def test_ep1_matches_reference(gemm, case):
     T = 0 if case == "empty" else 12
     x, ids, w_TK, w1, w2 = _problem(T=T, skew=case == "skewed")
-    got = _grads(lambda *a: routed_experts(*a[:5], num_experts=4, backend=backend), x, w_TK, w1, w2, ids)
+    dispatch = LocalDispatch(4, EPOptions(gemm=gemm))
+    got = _grads(lambda *a: dispatch(*a[:5]), x, w_TK, w1, w2, ids)
     ref = _grads(reference_routed_experts, x, w_TK, w1, w2, ids)
     for name, a, b in zip(["y", "dx", "dweights", "dw_gate_up", "dw_down"], got, ref):
         assert a.shape == b.shape, name
@@ -54,11 +57,11 @@ def test_grouped_mm_and_loop_agree_bf16():
     w1 = (torch.randn(E, 2 * F, D, generator=g) / D**0.5).bfloat16()
     w2 = (torch.randn(E, D, F, generator=g) / F**0.5).bfloat16()
     outs = {}
-    for backend in ("loop", "grouped_mm"):
+    for gemm in ("loop", "grouped_mm"):
         leaves = [t.clone().requires_grad_(True) for t in (x, w1, w2)]
-        y = grouped_expert_mlp(leaves[0], torch.tensor(counts), leaves[1], leaves[2], backend=backend)
+        y = grouped_expert_mlp(leaves[0], torch.tensor(counts), leaves[1], leaves[2], gemm=gemm)
         y.float().pow(2).sum().backward()
-        outs[backend] = [y.detach().float()] + [t.grad.float() for t in leaves]
+        outs[gemm] = [y.detach().float()] + [t.grad.float() for t in leaves]
     for a, b in zip(outs["loop"], outs["grouped_mm"]):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
@@ -75,32 +78,55 @@ def test_no_tokens_still_connects_the_weights():
 def test_expert_without_tokens_gets_zero_grad_not_none():
     x, ids, w_TK, w1, w2 = _problem(skew=True)
     w1.requires_grad_(True)
-    routed_experts(x, ids, w_TK, w1, w2, num_experts=4, backend="loop").sum().backward()
+    routed_experts(x, ids, w_TK, w1, w2, num_experts=4, options=EPOptions(gemm="loop")).sum().backward()
     assert w1.grad is not None and w1.grad[1].abs().sum() == 0 and w1.grad[0].abs().sum() > 0
 
 
 def test_bad_arguments():
     x, ids, w_TK, w1, w2 = _problem()
-    with pytest.raises(ValueError, match="num_experts=8 but the EP group of 1 ranks holds 4"):
+    with pytest.raises(ValueError, match="hold 4 of 8 experts but this layer has no EP group"):
         routed_experts(x, ids, w_TK, w1, w2, num_experts=8)
     with pytest.raises(ValueError, match="activation 'relu' is not supported"):
         routed_experts(x, ids, w_TK, w1, w2, num_experts=4, activation="relu")
     with pytest.raises(ValueError, match="integer"):
         routed_experts(x, ids.float(), w_TK, w1, w2, num_experts=4)
-    with pytest.raises(ValueError, match="backend must be one of"):
-        grouped_expert_mlp(x, torch.tensor([12, 0, 0, 0]), w1, w2, backend="cutlass")
+    with pytest.raises(ValueError, match=r"topk_ids \[T, K\] and topk_weights \[T, K\]"):
+        routed_experts(x, ids, w_TK[:, :1], w1, w2, num_experts=4)
+    with pytest.raises(ValueError, match="topk_ids has 11 rows for 12 tokens"):
+        routed_experts(x, ids[:11], w_TK[:11], w1, w2, num_experts=4)
+    with pytest.raises(ValueError, match="options must be an EPOptions"):
+        routed_experts(x, ids, w_TK, w1, w2, num_experts=4, options={"gemm": "loop"})
+    with pytest.raises(ValueError, match="expert gemm 'cutlass' is not one of"):
+        grouped_expert_mlp(x, torch.tensor([12, 0, 0, 0]), w1, w2, gemm="cutlass")
+    with pytest.raises(ValueError, match="kernel tier 'fast' is not one of"):
+        grouped_expert_mlp(x, torch.tensor([12, 0, 0, 0]), w1, w2, kernels="fast")
     with pytest.raises(ValueError, match="5 entries for 4 local experts"):
         grouped_expert_mlp(x, [12, 0, 0, 0, 0], w1, w2)
     with pytest.raises(ValueError, match="sums to 11 but x has 12 rows"):
-        grouped_expert_mlp(x, [11, 0, 0, 0], w1, w2, backend="loop")
+        grouped_expert_mlp(x, [11, 0, 0, 0], w1, w2, gemm="loop")
+    with pytest.raises(ValueError, match="num_experts must be a positive int"):
+        LocalDispatch(0)
 
 
-@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
+def test_sliced_weights_without_ep_are_refused():
+    # a layer holding some experts only (EP-sliced, or loaded with an expert range) needs the EP dispatch
+    x, ids, w_TK, w1, w2 = _problem()
+    with pytest.raises(ValueError, match="hold 2 of 4 experts but this layer has no EP group.*apply_ep"):
+        LocalDispatch(4)(x, ids, w_TK, w1[:2], w2[:2])
+
+
+def test_functional_form_is_the_dispatcher():
+    x, ids, w_TK, w1, w2 = _problem()
+    for options in (EPOptions(gemm="loop"), EPOptions(gemm="grouped_mm", dispatch="all_to_all")):
+        a = routed_experts(x, ids, w_TK, w1, w2, num_experts=4, options=options)
+        b = LocalDispatch(4, options)(x, ids, w_TK, w1, w2)
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("gemm", ["loop", "grouped_mm"])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_expert_pass_backward_equals_autograd(backend, activation):
-    """The hand-written expert-MLP backward (used by the overlapped EP dispatch) is autograd's, both backends."""
-    from moeshard.ep._grouped import ExpertPass
-
+def test_expert_pass_backward_equals_autograd(gemm, activation):
+    """The hand-written expert-MLP backward (used by every strategy) is autograd's through the plain ops."""
     g = torch.Generator().manual_seed(3)
     counts = [5, 0, 3, 8]  # an expert without rows too
     x = torch.randn(sum(counts), 16, generator=g)
@@ -108,11 +134,37 @@ def test_expert_pass_backward_equals_autograd(backend, activation):
     w2 = torch.randn(4, 16, 8, generator=g) / 3
     gy = torch.randn(sum(counts), 16, generator=g)
     leaves = [t.clone().requires_grad_(True) for t in (x, w1, w2)]
-    y_ref = grouped_expert_mlp(*leaves[:1], torch.tensor(counts), *leaves[1:], activation=activation, backend=backend)
+    y_ref = _autograd_mlp(*leaves, counts, activation)
     y_ref.backward(gy)
-    run = ExpertPass(torch.tensor(counts), counts, activation, backend)
+    run = ExpertPass(torch.tensor(counts), counts, activation, gemm, kernels_for("eager"))
     y, saved = run.forward(x, w1, w2)
     gx, gw1, gw2 = run.backward(gy, saved, w1, w2, need_x=True, need_w=True)
     torch.testing.assert_close(y, y_ref.detach(), rtol=1e-6, atol=1e-6)
     for got, leaf in zip((gx, gw1, gw2), leaves):
         torch.testing.assert_close(got, leaf.grad, rtol=1e-5, atol=1e-6)
+    # grouped_expert_mlp is the same pass under autograd
+    leaves2 = [t.clone().requires_grad_(True) for t in (x, w1, w2)]
+    y2 = grouped_expert_mlp(*leaves2[:1], torch.tensor(counts), *leaves2[1:], activation=activation, gemm=gemm)
+    y2.backward(gy)
+    assert torch.equal(y2.detach(), y)
+    for got, leaf in zip((gx, gw1, gw2), leaves2):
+        assert torch.equal(got, leaf.grad)
+
+
+def _autograd_mlp(x, w1, w2, counts, activation):
+    from moeshard.ep import ACTIVATIONS
+
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        gate, up = (x[start : start + n] @ w1[e].T).chunk(2, dim=-1)
+        outs.append((ACTIVATIONS[activation](gate) * up) @ w2[e].T)
+        start += n
+    return torch.cat(outs)
+
+
+def test_weight_gradients_only_where_asked():
+    x, ids, w_TK, w1, w2 = _problem()
+    counts = [3, 3, 3, 3]
+    xr, w1r = x.clone().requires_grad_(True), w1.clone().requires_grad_(True)
+    grouped_expert_mlp(xr, counts, w1r, w2, gemm="loop").sum().backward()  # w2 is not a leaf that wants grad
+    assert xr.grad is not None and w1r.grad is not None and w2.grad is None

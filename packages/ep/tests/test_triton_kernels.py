@@ -1,7 +1,8 @@
 """The triton kernels of ``moeshard.ep._triton`` against the eager functions they replace on CUDA.
 
 On CPU they run under triton's interpreter (a child process with ``TRITON_INTERPRET=1``);
-on a CUDA machine the same checks run compiled, plus the whole routed-experts path with the kernels switched on.
+on a CUDA machine the same checks run compiled, plus the whole routed-experts path with the triton tier
+(``EPOptions(kernels="triton")``) against the compiled one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from moeshard.ep import _dispatch as d  # noqa: E402
+from moeshard.ep import EPOptions, routed_experts  # noqa: E402
+from moeshard.ep import _kernels as k  # noqa: E402
+from moeshard.ep._permute import inverse_permutation, sort_by_expert  # noqa: E402
 
 
 def _triton_module():
@@ -27,8 +30,8 @@ def _triton_module():
 def _routing(T, K, E, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(device)
-    order, _ = d.sort_by_expert(ids, E)
-    return order, d.inverse_permutation(order)
+    order, _ = sort_by_expert(ids, E)
+    return order, inverse_permutation(order)
 
 
 def check_kernels(device: str, dtype: torch.dtype, D: int) -> None:
@@ -43,29 +46,27 @@ def check_kernels(device: str, dtype: torch.dtype, D: int) -> None:
     ulp = 0 if dtype == torch.float32 else 1e-2
 
     assert torch.equal(tk.expand_rows(x, order, K), x[order // K])
-    torch.testing.assert_close(tk.unsort_weighted_sum(y, inv, w), d._unsort_weighted_sum(y, inv, w))
+    torch.testing.assert_close(tk.unsort_weighted_sum(y, inv, w), k.unsort_weighted_sum(y, inv, w))
     got = tk.gather_sum(y, inv, K)
     assert got.dtype == dtype
-    torch.testing.assert_close(got.float(), d._gather_sum(y, inv, K).float(), rtol=ulp, atol=ulp * 4)
+    torch.testing.assert_close(got.float(), k.gather_sum(y, inv, K).float(), rtol=ulp, atol=ulp * 4)
     gy, gw = tk.combine_backward(gt, y, inv, w, True, True)
     assert gy.dtype == dtype and gw.dtype == torch.float32
-    torch.testing.assert_close(gy, d._sorted_output_grad(gt, order, w, dtype), rtol=ulp, atol=ulp)
-    torch.testing.assert_close(gw, d._routing_weight_grad(gt, y, inv, K), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gy, k.sorted_output_grad(gt, order, w, dtype), rtol=ulp, atol=ulp)
+    torch.testing.assert_close(gw, k.routing_weight_grad(gt, y, inv, K), rtol=1e-5, atol=1e-4)
     # SwiGLU's gated activation (h = [gate | up], width 2D) and its gradient; float32 arithmetic, one rounding
-    from moeshard.ep._grouped import _gated, _gated_backward
-
     h = torch.randn(T * K, 2 * D, generator=g).to(device, dtype)
     ga = torch.randn(T * K, D, generator=g).to(device, dtype)
     tol = max(ulp, 1e-5)  # float32: sigmoid's rounding differs from torch's by an ulp
     a = tk.silu_gated(h)
     assert a.dtype == dtype and a.shape == (T * K, D)
-    torch.testing.assert_close(a.float(), _gated(torch.nn.functional.silu, h.float()), rtol=tol, atol=tol)
+    torch.testing.assert_close(a.float(), k.gated("silu", h.float()), rtol=tol, atol=tol)
     gh = tk.silu_gated_backward(h, ga)
     assert gh.dtype == dtype and gh.shape == h.shape
-    torch.testing.assert_close(gh.float(), _gated_backward("silu", h.float(), ga.float()), rtol=tol, atol=tol)
+    torch.testing.assert_close(gh.float(), k.gated_backward("silu", h.float(), ga.float()), rtol=tol, atol=tol)
     # under autograd: the same gradient as autograd through the eager function
     hr = h.detach().float().requires_grad_()
-    want = torch.autograd.grad(_gated(torch.nn.functional.silu, hr), hr, ga.float())[0]
+    want = torch.autograd.grad(k.gated("silu", hr), hr, ga.float())[0]
     hr2 = h.detach().requires_grad_()
     assert torch.equal(tk.gated(h), a)  # nothing recorded: the bare kernel
     assert tk.gated(hr2).grad_fn is not None  # recorded: through the Function (the plain expert path)
@@ -109,7 +110,15 @@ def test_kernels_match_eager_on_cuda(dtype, D):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels replace the compiled ones on CUDA only")
-def test_routed_experts_with_triton_kernels_match_compiled(monkeypatch):
+def test_triton_tier_on_cuda():
+    triton, compiled = k.kernels_for("triton"), k.kernels_for("compiled")
+    assert triton.tier == "triton" and triton.combine_backward.__wrapped__ is compiled.combine_backward
+    assert triton.gated.__wrapped__ is compiled.gated and triton.expand_rows.__wrapped__ is k.expand_rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels replace the compiled ones on CUDA only")
+@pytest.mark.parametrize("gemm", ["grouped_mm", "loop"])
+def test_routed_experts_with_triton_kernels_match_compiled(gemm):
     torch.manual_seed(0)
     T, K, E, D, F = 300, 8, 16, 256, 128
     x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -118,21 +127,12 @@ def test_routed_experts_with_triton_kernels_match_compiled(monkeypatch):
     w2 = (torch.randn(E, D, F, device="cuda") / F**0.5).to(torch.bfloat16).requires_grad_()
     gy = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
 
-    def run():
+    def run(kernels):
         weights, ids = torch.softmax(logits, -1).topk(K, dim=-1)
-        y = d.routed_experts(x, ids, weights, w1, w2, num_experts=E)
+        y = routed_experts(x, ids, weights, w1, w2, num_experts=E, options=EPOptions(kernels=kernels, gemm=gemm))
         return [t.clone().float() for t in (y, *torch.autograd.grad(y, (x, logits, w1, w2), gy))]
 
-    try:
-        d.set_compiled_kernels(True)
-        assert d.KERNELS["combine_backward"].__wrapped__ is d._combine_backward  # the triton path is in place
-        got = run()
-        monkeypatch.setenv("MOESHARD_TRITON_KERNELS", "0")
-        d.set_compiled_kernels(True)
-        assert d.KERNELS["combine_backward"] is d._combine_backward  # compiled kernels, no triton
-        want = run()
-    finally:
-        d.set_compiled_kernels(False)
+    got, want = run("triton"), run("compiled")
     for name, a, b in zip(("y", "grad x", "grad logits", "grad w_gate_up", "grad w_down"), got, want):
         scale = b.abs().max().item()
         torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-2 * scale, msg=lambda m, n=name: f"{n}: {m}")

@@ -1,40 +1,39 @@
 """moeshard.ep: expert parallelism for MoE models.
 
 FQN parallel plans and applying them (experts sharded on dim 0 over the EP group, kept as plain local
-parameters), EP metadata, and the routed-experts computation of one MoE layer: token dispatch and combine with
-all-to-all over the EP group around one grouped GEMM of the local experts. EP size 1 is the same code path
-with no communication.
+parameters), EP metadata, and the routed experts of one MoE layer: route (sort the token copies by expert) →
+dispatch (to the EP rank of each copy's expert) → expert compute (one expert-MLP pass) → combine (weighted, in
+float32). The strategy, kernel tier and GEMM backend are an :class:`EPOptions` passed to :func:`apply_ep`,
+which gives every expert module that routes through ``self.dispatch`` its dispatcher: :class:`LocalDispatch`
+(EP size 1), :class:`OverlappedDispatch` (the default for EP size > 1) or :class:`AllToAllDispatch` (the plain
+reference). Nothing is set process-wide: two models in one process may use different options.
 
     from torch.distributed.tensor import Shard
-    from moeshard.ep import ParallelPlan, apply_ep, ep_group, routed_experts
+    from moeshard.ep import EPOptions, ParallelPlan, apply_ep
 
     plan = ParallelPlan({"layers.*.experts.gate_up_proj": Shard(0), "layers.*.experts.down_proj": Shard(0)})
-    info = apply_ep(model, plan, meshes.ep)          # or None for EP size 1
-    experts = model.layers[0].experts                # in the MoE layer's forward:
-    y_TD = routed_experts(x_TD, ids_TK, weights_TK, experts.gate_up_proj, experts.down_proj,
-                          num_experts=E, ep_group=ep_group(experts))
+    info = apply_ep(model, plan, meshes.ep, EPOptions(kernels="triton"))  # meshes.ep or None for EP size 1
+    # in the expert module:  y_TD = self.dispatch(x_TD, ids_TK, weights_TK, self.gate_up_proj, self.down_proj)
 """
 
 from moeshard.ep._dispatch import (
-    Dispatch,
+    AllToAllDispatch,
+    ExpertDispatch,
+    HostSyncHooks,
+    LocalDispatch,
+    OverlappedDispatch,
     all_to_all,
-    get_ep_dispatch,
-    register_host_sync_hook,
+    make_dispatch,
     routed_experts,
-    set_compiled_kernels,
-    set_ep_dispatch,
 )
-from moeshard.ep._grouped import (
-    ACTIVATIONS,
-    Backend,
-    get_grouped_mm_backend,
-    grouped_expert_mlp,
-    set_grouped_mm_backend,
-)
+from moeshard.ep._kernels import ACTIVATIONS, compile_rows_dynamic
+from moeshard.ep._mlp import grouped_expert_mlp
+from moeshard.ep._options import EPOptions
 from moeshard.ep._plan import (
     EPInfo,
     EPParamMeta,
     ParallelPlan,
+    add_host_sync_hook,
     apply_ep,
     ep_group,
     find_expert_modules,
@@ -44,25 +43,26 @@ from moeshard.ep._plan import (
 )
 
 __all__ = [
-    "Dispatch",
     "ACTIVATIONS",
-    "Backend",
+    "AllToAllDispatch",
     "EPInfo",
+    "EPOptions",
     "EPParamMeta",
+    "ExpertDispatch",
+    "HostSyncHooks",
+    "LocalDispatch",
+    "OverlappedDispatch",
     "ParallelPlan",
+    "add_host_sync_hook",
     "all_to_all",
     "apply_ep",
+    "compile_rows_dynamic",
     "ep_group",
     "find_expert_modules",
     "fqn_matches",
     "get_ep_info",
-    "get_ep_dispatch",
-    "get_grouped_mm_backend",
     "grouped_expert_mlp",
     "is_expert_module",
-    "register_host_sync_hook",
+    "make_dispatch",
     "routed_experts",
-    "set_compiled_kernels",
-    "set_ep_dispatch",
-    "set_grouped_mm_backend",
 ]

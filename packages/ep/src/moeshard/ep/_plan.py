@@ -3,7 +3,9 @@
 A model describes how it is parallelised with a :class:`ParallelPlan`: FQN patterns of the expert parameters
 (sharded on dim 0, the expert dimension, over the EP group) and FQN patterns of its FSDP units. ``apply_ep``
 keeps this EP rank's slice of every expert parameter as a plain local ``nn.Parameter`` and records what was done
-(:class:`EPInfo`) on the model, keyed by FQN, so it survives FSDP2 later replacing the parameter objects.
+(:class:`EPInfo`) on the model, keyed by FQN, so it survives FSDP2 later replacing the parameter objects. It
+also gives every expert module that routes through ``self.dispatch`` (the protocol: an expert module calls
+``self.dispatch(x_TD, ids_TK, weights_TK, w_gate_up, w_down)``) the dispatcher of its EP group and options.
 
 Pattern syntax: a pattern is a dotted FQN in which a segment that is exactly ``*`` matches any one segment
 (never zero, never several, never a part of one), e.g. ``model.layers.*.mlp.experts.gate_up_proj`` matches
@@ -12,7 +14,7 @@ Pattern syntax: a pattern is a dotted FQN in which a segment that is exactly ``*
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,11 +22,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils.hooks import RemovableHandle
+
+from moeshard.ep._dispatch import HostSyncHooks, make_dispatch
+from moeshard.ep._options import EPOptions
 
 __all__ = [
     "EPInfo",
     "EPParamMeta",
     "ParallelPlan",
+    "add_host_sync_hook",
     "apply_ep",
     "ep_group",
     "find_expert_modules",
@@ -38,6 +45,7 @@ __all__ = [
 _INFO_ATTR = "_moeshard_ep_info"
 _GROUP_ATTR = "_moeshard_ep_group"
 _EXPERT_ATTR = "_moeshard_ep_expert_fqn"
+_HOOKS_ATTR = "_moeshard_ep_host_sync_hooks"
 
 
 def _check_pattern(pattern: str, what: str) -> None:
@@ -122,12 +130,14 @@ class EPInfo:
         ep_size, ep_rank: EP degree and this rank's index in the EP group.
         expert_modules: FQNs of the expert modules (parents of the matched parameters), in module order.
         params: expert-parameter FQN → :class:`EPParamMeta`.
+        options: the :class:`EPOptions` of the dispatchers ``apply_ep`` installed.
     """
 
     ep_size: int
     ep_rank: int
     expert_modules: tuple[str, ...]
     params: dict[str, EPParamMeta]
+    options: EPOptions = EPOptions()
 
 
 def _mesh_size_rank(ep_mesh: DeviceMesh | None) -> tuple[int, int, dist.ProcessGroup | None]:
@@ -148,29 +158,40 @@ def _parent_fqn(fqn: str) -> str:
     return fqn.rpartition(".")[0]
 
 
-def apply_ep(model: nn.Module, plan: ParallelPlan, ep_mesh: DeviceMesh | None) -> EPInfo:
-    """Shard the plan's expert parameters on dim 0 over ``ep_mesh`` and keep only this rank's experts.
+def apply_ep(
+    model: nn.Module, plan: ParallelPlan, ep_mesh: DeviceMesh | None, options: EPOptions | None = None
+) -> EPInfo:
+    """Shard the plan's expert parameters on dim 0 over ``ep_mesh``, keep only this rank's experts, install the
+    EP dispatchers.
 
     Each matched parameter is replaced by a plain local ``nn.Parameter`` holding
     ``full[ep_rank * E_local:(ep_rank + 1) * E_local]`` (works on ``meta`` and on materialised models; a
     materialised slice is copied so the full tensor can be freed). The mesh is dropped: experts are never
     gathered. ``ep_mesh=None`` or of size 1 means EP size 1: metadata is recorded, nothing is sliced.
-    Apply EP before activation checkpointing, compile and FSDP, so FQNs are the model's own.
+    Every expert module (the parent of matched parameters) that has a ``dispatch`` attribute gets
+    ``module.dispatch = make_dispatch(global expert count, EP group or None, options, hooks)``, all dispatchers
+    of this call sharing one :class:`HostSyncHooks` (see :func:`add_host_sync_hook`); for EP size 1 that is a
+    ``LocalDispatch``. Apply EP before activation checkpointing, compile and FSDP, so FQNs are the model's own.
 
     Args:
         model: the model (its parameters must not be DTensors yet).
         plan: the model's plan; only ``ep_plan`` is used here.
         ep_mesh: the 1-D EP mesh (``ParallelMeshes.ep``), or None.
+        options: the dispatchers' :class:`EPOptions`; None for ``EPOptions()``.
 
     Returns:
         The :class:`EPInfo`, also readable later with :func:`get_ep_info`.
 
     Raises:
         ValueError: EP already applied; a pattern matches no parameter; a matched parameter's dim 0 is not
-            divisible by the EP size; a matched parameter is already a DTensor.
+            divisible by the EP size; a matched parameter is already a DTensor; ``options`` is not an
+            EPOptions; the matched parameters of one module disagree on the number of experts.
     """
     if get_ep_info(model) is not None:
         raise ValueError("apply_ep was already applied to this model; apply it once, before FSDP")
+    options = EPOptions() if options is None else options
+    if not isinstance(options, EPOptions):
+        raise ValueError(f"options must be an EPOptions or None, got {type(options).__name__}")
     ep_size, ep_rank, group = _mesh_size_rank(ep_mesh)
 
     named = list(model.named_parameters())
@@ -196,6 +217,14 @@ def apply_ep(model: nn.Module, plan: ParallelPlan, ep_mesh: DeviceMesh | None) -
                 f"expert parameter {fqn} has dim 0 of size {dim0}, not divisible by the EP size {ep_size}; "
                 f"choose an EP size that divides the number of experts"
             )
+    num_experts: dict[str, int] = {}  # expert module -> global expert count
+    for fqn, param in matched.items():
+        parent = _parent_fqn(fqn)
+        if num_experts.setdefault(parent, param.shape[0]) != param.shape[0]:
+            raise ValueError(
+                f"the expert parameters of {parent or 'the model'} disagree on the number of experts: {fqn} has "
+                f"{param.shape[0]}, another {num_experts[parent]}"
+            )
 
     metas: dict[str, EPParamMeta] = {}
     for fqn, param in matched.items():
@@ -210,16 +239,40 @@ def apply_ep(model: nn.Module, plan: ParallelPlan, ep_mesh: DeviceMesh | None) -
             owner = model.get_submodule(_parent_fqn(fqn))
             setattr(owner, fqn.rpartition(".")[2], nn.Parameter(local, requires_grad=param.requires_grad))
 
-    parents = {_parent_fqn(fqn) for fqn in matched}
-    expert_modules = tuple(name for name, _ in model.named_modules() if name in parents)
+    hooks = HostSyncHooks()
+    expert_modules = tuple(name for name, _ in model.named_modules() if name in num_experts)
     for name in expert_modules:
         module = model.get_submodule(name)
         setattr(module, _GROUP_ATTR, group)
         setattr(module, _EXPERT_ATTR, name)
+        if hasattr(module, "dispatch"):
+            module.dispatch = make_dispatch(num_experts[name], group, options, hooks)
 
-    info = EPInfo(ep_size=ep_size, ep_rank=ep_rank, expert_modules=expert_modules, params=metas)
+    info = EPInfo(ep_size=ep_size, ep_rank=ep_rank, expert_modules=expert_modules, params=metas, options=options)
     setattr(model, _INFO_ATTR, info)
+    setattr(model, _HOOKS_ATTR, hooks)
     return info
+
+
+def add_host_sync_hook(model: nn.Module, hook: Callable[[], None]) -> RemovableHandle:
+    """Run ``hook()`` right before each EP layer's device→host sync (forward) in the dispatchers of ``model``.
+
+    The dispatchers ``apply_ep(model, ...)`` installed share one :class:`HostSyncHooks`; with EP size > 1 each
+    MoE layer's forward makes one sync (the exchange sizes) and runs the hooks right before it, once per layer;
+    EP size 1 has no such sync and never runs them. At that point the host is about to wait for the device, so
+    host work done there (e.g. issuing the next layer's FSDP all-gather, see ``moeshard.prefetch``) costs no
+    device time. Hooks must not launch work the sync depends on or synchronise themselves.
+
+    Returns:
+        A handle whose ``remove()`` unregisters the hook.
+
+    Raises:
+        ValueError: ``apply_ep`` was not applied to ``model``.
+    """
+    hooks = model.__dict__.get(_HOOKS_ATTR)
+    if hooks is None:
+        raise ValueError(f"add_host_sync_hook: apply_ep was not applied to this {type(model).__name__}; apply it first")
+    return hooks.add(hook)
 
 
 def get_ep_info(model: nn.Module) -> EPInfo | None:

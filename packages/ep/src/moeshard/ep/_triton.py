@@ -3,16 +3,15 @@
 # T tokens, K top-k, D hidden, N = T*K routed copies in expert order; inv[t*K+k] is the row of token t's k-th copy
 
 Compiled (Inductor) versions of these ops index each element through the permutation: one index load per
-element read, and they ran at ~1 TB/s on H200. Here a program owns a token (and a block of D): it loads its K
-row indices once and then whole rows, vectorised. Same arithmetic as the eager functions in ``_dispatch``
-(products and sums in float32). Used by ``set_compiled_kernels(True)`` for CUDA tensors when triton is
-importable; everything else keeps the compiled or eager kernels. The kernels also run under triton's
-interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the CPU tests check them.
+element read. Here a program owns a token (and a block of D): it loads its K row indices once and then whole
+rows, vectorised. Same arithmetic as the eager functions in ``moeshard.ep._kernels`` (products and sums in
+float32). The kernel tier ``"triton"`` (``EPOptions(kernels="triton")``, see ``_kernels.kernels_for``) uses them
+for CUDA tensors; everything else keeps the compiled kernels. The kernels also run under triton's interpreter
+(``TRITON_INTERPRET=1``) on CPU tensors, which is how the CPU tests check them.
 
 SwiGLU's gated activation (``silu(gate) * up``) and its gradient are here too, as plain elementwise kernels in
-float32: a compiled kernel's call costs ~0.1-0.2 ms of host time (guards, the compiled graph's wrapper), three
-times per layer right after the split-size sync, where the device waits for the host; a triton launch costs a
-fraction of that.
+float32: one launch, where a compiled kernel's call costs several times the host time (guards, the compiled
+graph's wrapper), three times per layer right after the split-size sync, where the device waits for the host.
 """
 
 from __future__ import annotations

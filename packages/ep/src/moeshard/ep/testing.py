@@ -2,8 +2,9 @@
 
 # T tokens, K top-k, D hidden, E experts, F expert width
 
-The reference shares no code with :func:`moeshard.ep.routed_experts`: it loops over tokens and their K
-choices in plain torch, with all experts in one process.
+The reference shares no code with the dispatchers (:class:`moeshard.ep.ExpertDispatch`): it loops over tokens
+and their K choices in plain torch, with all experts in one process. The toy model's experts route through
+``self.dispatch`` (a :class:`moeshard.ep.LocalDispatch` until ``apply_ep`` installs the EP one).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moeshard.ep._dispatch import LocalDispatch
 from moeshard.ep._plan import ParallelPlan
 
 __all__ = ["ToyExperts", "ToyMoE", "count_host_syncs", "reference_routed_experts", "toy_plan"]
@@ -53,28 +55,50 @@ class ToyExperts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.randn(num_experts, 2 * width, hidden) / hidden**0.5)
         self.down_proj = nn.Parameter(torch.randn(num_experts, hidden, width) / width**0.5)
+        self.dispatch = LocalDispatch(num_experts)  # apply_ep replaces it
+
+    def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output ``y_TD``."""
+        return self.dispatch(x_TD, topk_ids_TK, topk_weights_TK, self.gate_up_proj, self.down_proj)
 
 
 class _ToyMLP(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, width: int):
+    def __init__(self, num_experts: int, hidden: int, width: int, top_k: int):
         super().__init__()
+        self.top_k = top_k
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts = ToyExperts(num_experts, hidden, width)
 
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        weights_TK, ids_TK = torch.softmax(self.gate(x_TD), dim=-1).topk(self.top_k, dim=-1)
+        return self.experts(x_TD, ids_TK, weights_TK)
+
 
 class _ToyLayer(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, width: int):
+    def __init__(self, num_experts: int, hidden: int, width: int, top_k: int):
         super().__init__()
         self.norm = nn.LayerNorm(hidden)
-        self.mlp = _ToyMLP(num_experts, hidden, width)
+        self.mlp = _ToyMLP(num_experts, hidden, width, top_k)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return x_TD + self.mlp(self.norm(x_TD))
 
 
 class ToyMoE(nn.Module):
-    """``layers.{i}.mlp.experts.{gate_up_proj, down_proj}`` plus a router and a norm per layer."""
+    """``layers.{i}.mlp.experts.{gate_up_proj, down_proj}`` plus a router and a norm per layer.
 
-    def __init__(self, num_layers: int = 2, num_experts: int = 8, hidden: int = 16, width: int = 8):
+    ``forward(x_TD)``: each layer adds its routed experts' output (softmax router, top ``top_k``) to ``x_TD``.
+    """
+
+    def __init__(self, num_layers: int = 2, num_experts: int = 8, hidden: int = 16, width: int = 8, top_k: int = 2):
         super().__init__()
-        self.layers = nn.ModuleList(_ToyLayer(num_experts, hidden, width) for _ in range(num_layers))
+        self.layers = nn.ModuleList(_ToyLayer(num_experts, hidden, width, top_k) for _ in range(num_layers))
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """``x_TD`` after every layer."""
+        for layer in self.layers:
+            x_TD = layer(x_TD)
+        return x_TD
 
 
 def toy_plan() -> ParallelPlan:

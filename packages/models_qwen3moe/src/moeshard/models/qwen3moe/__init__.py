@@ -1,8 +1,9 @@
 """moeshard.models.qwen3moe: Qwen3-MoE (30B-A3B) in plain PyTorch, numerically equal to transformers.
 
-Fused experts (``mlp.experts.gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]``) computed through
-``moeshard.ep.routed_experts``, transformers' FQNs, HF safetensors load/save (both expert layouts, lazily and per
-rank), and the model's parallel plan.
+Fused experts (``mlp.experts.gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]``) computed by each layer's expert
+dispatcher (``moeshard.ep``), transformers' FQNs, HF safetensors load/save (both expert layouts, lazily and per
+rank), the model's parallel plan, and :func:`parallelize` (EP, activation checkpointing, compile, FSDP2,
+prefetch; needs the ``parallel`` extra).
 
     from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
 
@@ -11,6 +12,7 @@ rank), and the model's parallel plan.
     model.save_pretrained("/ckpt/finetuned")                         # transformers loads it too
 """
 
+from moeshard.models.qwen3moe._parallelize import Parallelized, ParallelOptions, parallelize
 from moeshard.models.qwen3moe.checkpoint import (
     STRUCTURAL_CONFIG_KEYS,
     LoadReport,
@@ -19,7 +21,6 @@ from moeshard.models.qwen3moe.checkpoint import (
     local_region,
 )
 from moeshard.models.qwen3moe.checkpoint_save import save_hf_checkpoint, save_hf_weights
-from moeshard.models.qwen3moe.kernels import set_compiled_kernels
 from moeshard.models.qwen3moe.model import (
     IGNORE_INDEX,
     CausalLMOutput,
@@ -49,6 +50,8 @@ __all__ = [
     "DecoderLayer",
     "Experts",
     "LoadReport",
+    "ParallelOptions",
+    "Parallelized",
     "Qwen3MoeForCausalLM",
     "Qwen3MoeModel",
     "SafetensorsDir",
@@ -63,7 +66,7 @@ __all__ = [
     "load_hf_config",
     "load_hf_weights",
     "local_region",
+    "parallelize",
     "save_hf_checkpoint",
     "save_hf_weights",
-    "set_compiled_kernels",
 ]

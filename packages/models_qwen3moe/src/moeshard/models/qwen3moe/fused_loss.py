@@ -8,13 +8,16 @@ each chunk's fp32 logits live only while its loss and its gradient (softmax − 
 forward. The gradients w.r.t. the hidden states and the head weight are kept (``[N, D]`` and ``[V, D]``) and
 scaled by the incoming gradient in backward, so no logits are recomputed: the same three matmuls as the plain
 path, numerically the same function (fp32 log-softmax of the logits in the compute dtype).
+
+The per-chunk loss and logit gradient is :func:`ce_chunk`, passed in as ``chunk_loss`` so that a compiled version
+can replace it (``moeshard.models.qwen3moe.parallelize`` does that on the model's head) without a global switch.
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-from moeshard.models.qwen3moe.kernels import KERNELS
+import torch
 
 IGNORE_INDEX = -100
 
@@ -36,7 +39,7 @@ def ce_chunk(logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tuple[torch.Te
     return loss, grad_CV.to(logits_CV.dtype)
 
 
-KERNELS["ce_chunk"] = ce_chunk
+ChunkLoss = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _accumulate_mm(acc_fp32: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -50,7 +53,9 @@ def _accumulate_mm(acc_fp32: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_ND: torch.Tensor, w_VD: torch.Tensor, targets_N: torch.Tensor, chunk: int) -> torch.Tensor:  # noqa: D102
+    def forward(  # noqa: D102
+        ctx, h_ND: torch.Tensor, w_VD: torch.Tensor, targets_N: torch.Tensor, chunk: int, chunk_loss: ChunkLoss
+    ) -> torch.Tensor:
         N = h_ND.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h_ND = torch.empty_like(h_ND) if need_h else None
@@ -59,8 +64,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         for start in range(0, N, chunk):
             h_CD = h_ND[start : start + chunk]
             t_C = targets_N[start : start + chunk]
-            chunk_loss, g_CV = KERNELS["ce_chunk"](h_CD @ w_VD.t(), t_C)
-            loss += chunk_loss
+            loss_C, g_CV = chunk_loss(h_CD @ w_VD.t(), t_C)
+            loss += loss_C
             if need_h:
                 torch.mm(g_CV, w_VD, out=grad_h_ND[start : start + chunk])
             if need_w:
@@ -74,7 +79,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         scale = grad_loss.to(torch.float32)
         gh = None if grad_h_ND is None else (grad_h_ND * scale).to(grad_h_ND.dtype)
         gw = None if grad_w_VD is None else (grad_w_VD * scale).to(grad_w_VD.dtype)
-        return gh, gw, None, None
+        return gh, gw, None, None, None
 
 
 def linear_cross_entropy(
@@ -83,6 +88,7 @@ def linear_cross_entropy(
     targets_N: torch.Tensor,
     num_items_in_batch: int | torch.Tensor | None = None,
     chunk_size: int = 4096,
+    chunk_loss: ChunkLoss = ce_chunk,
 ) -> torch.Tensor:
     """Cross-entropy of ``h @ w.T`` against ``targets`` (-100 ignored), chunked; never holds all logits.
 
@@ -92,13 +98,15 @@ def linear_cross_entropy(
         targets_N: next-token ids, ``-100`` where ignored.
         num_items_in_batch: divide the summed loss by this; None: mean over non-ignored targets.
         chunk_size: tokens per chunk (fp32 logits of one chunk: ``chunk_size × V × 4`` bytes).
+        chunk_loss: ``(logits_CV, targets_C) -> (summed loss, d loss / d logits_CV)`` of one chunk; default
+            :func:`ce_chunk` (a compiled version of it fuses its passes over the logits).
 
     Returns:
         The scalar loss in float32.
     """
     if h_ND.dim() != 2 or targets_N.shape != h_ND.shape[:1]:
         raise ValueError(f"h must be [N, D] and targets [N], got {tuple(h_ND.shape)} and {tuple(targets_N.shape)}")
-    total = _LinearCrossEntropySum.apply(h_ND, w_VD, targets_N.to(h_ND.device), chunk_size)
+    total = _LinearCrossEntropySum.apply(h_ND, w_VD, targets_N.to(h_ND.device), chunk_size, chunk_loss)
     if num_items_in_batch is None:
         return total / (targets_N != IGNORE_INDEX).sum().clamp_min(1).to(total.device)
     if torch.is_tensor(num_items_in_batch):

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3MoeConfig
 
-from moeshard.models.qwen3moe.kernels import KERNELS
 from moeshard.models.qwen3moe.presets import head_dim
 
 __all__ = [
@@ -34,68 +33,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
-def _rotary(x_BHSDh: torch.Tensor, cos_BSDh: torch.Tensor, sin_BSDh: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos_BSDh.unsqueeze(1), sin_BSDh.unsqueeze(1)
-    return x_BHSDh * cos + _rotate_half(x_BHSDh) * sin
-
-
-KERNELS["rms_norm"] = rms_norm
-KERNELS["rotary"] = _rotary
-
-
-def attention_block(
-    x_BSD: torch.Tensor,
-    cos_BSDh: torch.Tensor,
-    sin_BSDh: torch.Tensor,
-    mask_B1SS: torch.Tensor | None,
-    norm_in: torch.Tensor,
-    wq: torch.Tensor,
-    bq: torch.Tensor | None,
-    wk: torch.Tensor,
-    bk: torch.Tensor | None,
-    wv: torch.Tensor,
-    bv: torch.Tensor | None,
-    wo: torch.Tensor,
-    bo: torch.Tensor | None,
-    q_norm: torch.Tensor,
-    k_norm: torch.Tensor,
-    norm_out: torch.Tensor,
-    eps: float,
-    head_dim: int,
-    dropout: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decoder layer's first half as one function: ``x + attn(norm_in(x))`` and its ``norm_out``.
-
-    The same operations, in the same order, as :class:`Attention` between two :class:`RMSNorm` s, written with
-    the weights as arguments so that it compiles as one graph (``set_compiled_kernels``): one call, fused
-    pointwise work around the matmuls and attention, and far less host time per layer than the module path.
-
-    Returns:
-        ``(x_BSD, norm_out(x_BSD))``.
-    """
-    b, s, _ = x_BSD.shape
-    h_BSD = rms_norm(x_BSD, norm_in, eps)
-    q = rms_norm(F.linear(h_BSD, wq, bq).view(b, s, -1, head_dim), q_norm, eps).transpose(1, 2)
-    k = rms_norm(F.linear(h_BSD, wk, bk).view(b, s, -1, head_dim), k_norm, eps).transpose(1, 2)
-    v = F.linear(h_BSD, wv, bv).view(b, s, -1, head_dim).transpose(1, 2)
-    q, k = _rotary(q, cos_BSDh, sin_BSDh), _rotary(k, cos_BSDh, sin_BSDh)
-    out_BHSDh = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=mask_B1SS,
-        dropout_p=dropout,
-        is_causal=mask_B1SS is None,
-        scale=head_dim**-0.5,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    x_BSD = x_BSD + F.linear(out_BHSDh.transpose(1, 2).reshape(b, s, -1), wo, bo)
-    return x_BSD, rms_norm(x_BSD, norm_out, eps)
-
-
-KERNELS["attention_block"] = attention_block
-
-
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, scaled by a learned weight in the input dtype."""
 
@@ -105,7 +42,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return KERNELS["rms_norm"](x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         """Ones, as transformers initialises norms."""
@@ -153,7 +90,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x_BHSDh: torch.Tensor, cos_BSDh: torch.Tensor, sin_BSDh: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (heads on dim 1) by the RoPE tables (non-interleaved halves, as transformers)."""
-    return KERNELS["rotary"](x_BHSDh, cos_BSDh, sin_BSDh)
+    cos, sin = cos_BSDh.unsqueeze(1), sin_BSDh.unsqueeze(1)
+    return x_BHSDh * cos + _rotate_half(x_BHSDh) * sin
 
 
 def build_attention_mask(attention_mask_BS: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:

@@ -1,15 +1,17 @@
 """Qwen3-MoE causal LM: decoder stack, LM and load-balancing losses, init, parallel plan, HF load/save.
 
-Runs alone on one device with no process group; under expert parallelism the experts' all-to-all happens inside
-``moeshard.ep.routed_experts`` and nothing here changes. ``get_parallel_plan`` is the only place the model says
-anything about parallelism.
+Plain PyTorch: runs alone on one device with no process group. Parallelism and compilation are applied from
+outside by :func:`moeshard.models.qwen3moe.parallelize` (EP installs each layer's expert dispatcher, which does
+the token all-to-all; nothing here changes). ``get_parallel_plan`` is the only place the model says anything about
+parallelism.
 
     model = Qwen3MoeForCausalLM.from_pretrained("/ckpt/Qwen3-30B-A3B", dtype=torch.bfloat16)
     out = model(input_ids, labels=input_ids)          # out.loss, out.aux_loss, out.logits
 
     with torch.device("meta"):                        # sharded training: build, parallelise, then fill
         model = Qwen3MoeForCausalLM(get_preset_config("qwen3-30b-a3b"))
-    ...apply_ep / fully_shard / to_empty...
+    parallelize(model, meshes, ParallelOptions(compile=True))
+    model.to_empty(device="cuda")
     load_hf_weights(model, "/ckpt/Qwen3-30B-A3B")     # or model.init_weights() to train from scratch
 """
 
@@ -26,8 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3MoeConfig
 
 from moeshard.ep import ParallelPlan
-from moeshard.models.qwen3moe.fused_loss import linear_cross_entropy
-from moeshard.models.qwen3moe.kernels import KERNELS, compiled_kernels_enabled
+from moeshard.models.qwen3moe.fused_loss import ce_chunk, linear_cross_entropy
 from moeshard.models.qwen3moe.layers import Attention, DenseMLP, RMSNorm, RotaryEmbedding, build_attention_mask
 from moeshard.models.qwen3moe.moe import Experts, SparseMoeBlock, TopKRouter, load_balancing_loss
 from moeshard.models.qwen3moe.presets import check_config, is_moe_layer
@@ -69,6 +70,22 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def attention_half(
+        self,
+        x_BSD: torch.Tensor,
+        cos_BSDh: torch.Tensor,
+        sin_BSDh: torch.Tensor,
+        mask_B1SS: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to the MLP: ``(x + attn(input_norm(x)), post_attention_norm(of that))``.
+
+        A method of its own so that it can be compiled from outside as one graph (``parallelize`` replaces it on
+        the instance with ``torch.compile(layer.attention_half)``); the MLP after it is not compiled (MoE layers
+        sync with the host there).
+        """
+        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos_BSDh, sin_BSDh, mask_B1SS)
+        return x_BSD, self.post_attention_layernorm(x_BSD)
+
     def forward(
         self,
         x_BSD: torch.Tensor,
@@ -77,32 +94,7 @@ class DecoderLayer(nn.Module):
         mask_B1SS: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(x_BSD, router_logits_TE or None for a dense layer)``."""
-        if compiled_kernels_enabled():
-            a = self.self_attn
-            x_BSD, h_BSD = KERNELS["attention_block"](
-                x_BSD,
-                cos_BSDh,
-                sin_BSDh,
-                mask_B1SS,
-                self.input_layernorm.weight,
-                a.q_proj.weight,
-                a.q_proj.bias,
-                a.k_proj.weight,
-                a.k_proj.bias,
-                a.v_proj.weight,
-                a.v_proj.bias,
-                a.o_proj.weight,
-                a.o_proj.bias,
-                a.q_norm.weight,
-                a.k_norm.weight,
-                self.post_attention_layernorm.weight,
-                self.input_layernorm.eps,
-                a.head_dim,
-                a.dropout if self.training else 0.0,
-            )
-        else:
-            x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos_BSDh, sin_BSDh, mask_B1SS)
-            h_BSD = self.post_attention_layernorm(x_BSD)
+        x_BSD, h_BSD = self.attention_half(x_BSD, cos_BSDh, sin_BSDh, mask_B1SS)
         if isinstance(self.mlp, SparseMoeBlock):
             y_BSD, logits_TE = self.mlp(h_BSD)
             return x_BSD + y_BSD, logits_TE
@@ -330,7 +322,13 @@ class Qwen3MoeForCausalLM(nn.Module):
 class LMHead(nn.Linear):
     """The output projection; given next-token targets it returns the loss instead of logits (chunked, see
     :func:`moeshard.models.qwen3moe.fused_loss.linear_cross_entropy`). A module of its own so that FSDP's hooks
-    gather its weight in both cases; its parameter name stays ``lm_head.weight``."""
+    gather its weight in both cases; its parameter name stays ``lm_head.weight``.
+
+    ``chunk_loss`` is the function of one chunk's loss and logit gradient (``fused_loss.ce_chunk``); setting it on
+    an instance (``parallelize`` sets a compiled version) changes that head only.
+    """
+
+    chunk_loss = staticmethod(ce_chunk)
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__(hidden_size, vocab_size, bias=False)
@@ -344,7 +342,11 @@ class LMHead(nn.Linear):
         if targets_BS is None:
             return super().forward(x_BSD)
         return linear_cross_entropy(
-            x_BSD.reshape(-1, x_BSD.shape[-1]), self.weight, targets_BS.reshape(-1), num_items_in_batch
+            x_BSD.reshape(-1, x_BSD.shape[-1]),
+            self.weight,
+            targets_BS.reshape(-1),
+            num_items_in_batch,
+            chunk_loss=self.chunk_loss,
         )
 
 

@@ -2,8 +2,8 @@
 
 Parameter names and layouts are those of transformers 5.x, so FQNs and checkpoints match:
 ``mlp.gate.weight [E, D]``, ``mlp.experts.gate_up_proj [E, 2F, D]`` (gate rows, then up rows) and
-``mlp.experts.down_proj [E, D, F]``. The routed computation itself (and, under EP, the token all-to-all) is
-``moeshard.ep.routed_experts``; this file only routes.
+``mlp.experts.down_proj [E, D, F]``. The routed computation itself (and, under EP, the token all-to-all) is the
+experts' dispatcher (``Experts.dispatch``, a ``moeshard.ep`` dispatcher); this file only routes.
 
 Legend: T tokens, K top-k, D hidden, E experts (local to this EP rank in parameter shapes), F expert width.
 """
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3MoeConfig
 
-from moeshard.ep import ep_group, routed_experts
+from moeshard.ep import LocalDispatch
 
 __all__ = ["Experts", "SparseMoeBlock", "TopKRouter", "load_balancing_loss"]
 
@@ -42,8 +42,11 @@ class TopKRouter(nn.Module):
 class Experts(nn.Module):
     """All experts of one layer as two fused tensors; the EP plan shards both on dim 0.
 
-    After ``moeshard.ep.apply_ep`` the tensors hold only this EP rank's experts and the module carries the EP
-    process group; ``num_experts`` stays the global count.
+    The routed computation is ``self.dispatch`` (a plain attribute, not a submodule): a
+    ``moeshard.ep.LocalDispatch`` over all experts until ``moeshard.ep.apply_ep`` slices the tensors to this EP
+    rank's experts and installs the dispatcher of its EP group and options. ``num_experts`` stays the global
+    count. A model loaded with ``expert_range`` holds some experts only and runs after ``apply_ep`` (the local
+    dispatcher refuses weights that hold fewer than ``num_experts`` experts).
     """
 
     def __init__(self, config: Qwen3MoeConfig) -> None:
@@ -52,24 +55,11 @@ class Experts(nn.Module):
         e, f, d = config.num_experts, config.moe_intermediate_size, config.hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, f))
+        self.dispatch = LocalDispatch(config.num_experts)
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
-        group = ep_group(self)
-        if group is None and self.gate_up_proj.shape[0] != self.num_experts:
-            raise ValueError(
-                f"this layer holds {self.gate_up_proj.shape[0]} of {self.num_experts} experts but has no EP group: "
-                "a model loaded with expert_range can only run after moeshard.ep.apply_ep; for training build the "
-                "model on meta, apply_ep, then load_hf_weights"
-            )
-        return routed_experts(
-            x_TD,
-            topk_ids_TK,
-            topk_weights_TK,
-            self.gate_up_proj,
-            self.down_proj,
-            num_experts=self.num_experts,
-            ep_group=group,
-        )
+        """``y_TD``: each token's routed experts' outputs, weighted by ``topk_weights_TK`` (in float32)."""
+        return self.dispatch(x_TD, topk_ids_TK, topk_weights_TK, self.gate_up_proj, self.down_proj)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, local={tuple(self.gate_up_proj.shape[:1])}"

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Before/after in one device call: the 8-layer benchmark of another source tree (OLD, e.g. a `git archive` of the
+# previous commit) and of this checkout, interleaved old/new/old/new so that drift between runs shows.
+#   mkdir -p .bench_old && git archive <commit> packages apps | tar -x -C .bench_old   (here; .bench_old is ignored)
+#   OLD=.bench_old bash benchmarks/compare.sh      (on a machine with 2 GPUs; logs and JSON land in $OUT)
+# Layouts: EP 2 x ep_fsdp 1 and EP 1 x ep_fsdp 2 (LAYOUTS="2 1"), 16 timed steps after 6, --compile.
+set -u
+OLD=${OLD:-.bench_old}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+S="--layers 8 --steps ${STEPS:-22} --warmup 6 --compile"
+path_of() {
+  local root=$1
+  echo "$root/packages/meshes/src:$root/packages/ep/src:$root/packages/fsdp_moe/src:$root/packages/prefetch/src:$root/packages/models_qwen3moe/src:$root/apps/train/src"
+}
+bench() {  # bench NAME TREE EP_SIZE
+  local name=$1 tree=$2 ep=$3
+  PYTHONPATH="$(path_of "$tree")" timeout "${T:-240}" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+    -m moeshard.train bench $S --ep-size "$ep" --out "$OUT/$name.json" 2>&1 \
+    | grep -v "UserWarning\|warnings.warn\|_rng_tracker\|AVOID_RECORD\|_warn_once" > "$OUT/$name.log"
+  tail -n 1 "$OUT/$name.log"
+}
+for ep in ${LAYOUTS:-2 1}; do
+  for round in a b; do
+    bench "old_ep${ep}_$round" "$OLD" "$ep"
+    bench "new_ep${ep}_$round" "$PWD" "$ep"
+  done
+done
+python3 - "$OUT" <<'EOF'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+print(f"{'run':<14}{'tokens/s/GPU':>14}{'step ms':>10}{'peak GiB':>10}  losses")
+for f in sorted(out.glob("*_ep*_*.json")):
+    d = json.loads(f.read_text())
+    tps = d.get("tokens_per_s_per_gpu") or d.get("tokens_per_sec_per_gpu")
+    step = d.get("step_time_s_median") or d.get("step_ms_median")
+    mem = d.get("peak_reserved_gib") or d.get("max_reserved_gib")
+    losses = d.get("losses", [])[:6]
+    print(f"{f.stem:<14}{tps!s:>14}{step!s:>10}{mem!s:>10}  {losses}")
+EOF

@@ -1,0 +1,167 @@
+"""The interface of an EP dispatch strategy: route → dispatch → expert compute → combine.
+
+# T tokens, K top-k, D hidden, E experts (global), El local experts, F expert width, N = T*K routed copies,
+# P EP size
+
+Every strategy shares the two ends, written once here: **route** sorts the N routed copies by global expert
+(stably) and expands each token's row into its K copies in that order; **combine** un-sorts the expert outputs
+and adds each token's K copies weighted, in float32. Expert ``g`` lives on EP rank ``g // El`` as local expert
+``g % El``, so copies sorted by global expert are also grouped by destination rank. In between, a strategy's
+:meth:`ExpertDispatch.run_experts` takes the sorted copies to their experts, wherever they live, and brings
+the outputs back in the same order.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
+
+from moeshard.ep._kernels import activation_fn, kernels_for
+from moeshard.ep._options import EPOptions
+from moeshard.ep._permute import combine, expand_rows, inverse_permutation, sort_by_expert
+
+__all__ = ["ExpertDispatch", "HostSyncHooks"]
+
+
+class HostSyncHooks:
+    """Callables run right before an EP layer's device→host sync (the exchange sizes, forward only).
+
+    At that point the host is about to wait for the device to catch up, so host-side work done there (e.g.
+    issuing the next layer's FSDP all-gather, see ``moeshard.prefetch``) costs no device time, whereas the same
+    work done after the sync delays the next kernel launches. Hooks must not launch work the sync depends on
+    or synchronise themselves. ``apply_ep`` gives one instance to all the dispatchers it installs;
+    ``moeshard.ep.add_host_sync_hook(model, hook)`` adds to it.
+    """
+
+    def __init__(self) -> None:
+        self._hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
+
+    def add(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Run ``hook()`` before each sync from now on; the handle's ``remove()`` stops it."""
+        handle = RemovableHandle(self._hooks)
+        self._hooks[handle.id] = hook
+        return handle
+
+    def __call__(self) -> None:
+        """Run every hook, in the order they were added."""
+        for hook in list(self._hooks.values()):
+            hook()
+
+    def __len__(self) -> int:
+        return len(self._hooks)
+
+
+class ExpertDispatch:
+    """The routed experts of one MoE layer (base class; one subclass per strategy).
+
+    Call it as ``dispatch(x_TD, topk_ids_TK, topk_weights_TK, w_gate_up_EXD, w_down_EDF) -> y_TD`` with
+    ``y = Σ_k w_k · down_e(act(gate_e x) * up_e x)``, the routing weights applied in float32, output in x's
+    dtype. The weights are this EP rank's ``El = num_experts / ep_size`` experts (``w_gate_up_EXD``
+    ``[El, 2F, D]``, gate rows first, then up; ``w_down_EDF`` ``[El, D, F]``). Experts and ranks without tokens
+    and ``T = 0`` work; every local expert weight always gets a gradient (zeros when it saw no token), so FSDP2
+    reduces the same gradients on every rank. A dispatcher holds no tensors: it is a plain attribute of its
+    expert module (``module.dispatch``), installed by ``apply_ep``.
+
+    Subclasses implement :meth:`run_experts` and call :meth:`before_host_sync` right before their one
+    device→host sync, if they have one.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        options: EPOptions = EPOptions(),  # noqa: B008 (frozen, so one shared default is safe)
+        group: dist.ProcessGroup | None = None,
+        host_sync_hooks: HostSyncHooks | None = None,
+    ):
+        """
+        Args:
+            num_experts: the global number of experts, ``El * ep_size``.
+            options: the strategy's options (kernel tier, GEMM backend, SM carve-out).
+            group: the EP process group, None for EP size 1.
+            host_sync_hooks: run before each forward's device→host sync; None for none.
+        """
+        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+            raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+        if not isinstance(options, EPOptions):
+            raise ValueError(f"options must be an EPOptions, got {type(options).__name__}")
+        self.num_experts = num_experts
+        self.options = options
+        self.group = group
+        self.ep_size = 1 if group is None else dist.get_world_size(group)
+        self.ep_rank = 0 if group is None else dist.get_rank(group)
+        self.kernels = kernels_for(options.kernels)
+        self.host_sync_hooks = host_sync_hooks
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(num_experts={self.num_experts}, ep_size={self.ep_size}, {self.options.describe()})"
+        )
+
+    def __call__(
+        self,
+        x_TD: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        topk_weights_TK: torch.Tensor,
+        w_gate_up_EXD: torch.Tensor,
+        w_down_EDF: torch.Tensor,
+        *,
+        activation: str = "silu",
+    ) -> torch.Tensor:
+        """``y_TD`` for this rank's tokens ``x_TD`` and their routing (global expert ids ``[T, K]``)."""
+        self._check(x_TD, topk_ids_TK, topk_weights_TK, w_gate_up_EXD, activation)
+        K = topk_ids_TK.shape[1]
+        # route: the copies in global expert order
+        order_N, counts_E = sort_by_expert(topk_ids_TK, self.num_experts)
+        inv_N = inverse_permutation(order_N)
+        x_sorted_ND = expand_rows(x_TD, order_N, inv_N, K, self.kernels)
+        # dispatch → expert compute → back, in the same order
+        y_sorted_ND = self.run_experts(x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, activation)
+        # combine
+        return combine(y_sorted_ND, order_N, topk_weights_TK, inv_N, self.kernels).to(x_TD.dtype)
+
+    def run_experts(
+        self,
+        x_sorted_ND: torch.Tensor,
+        counts_E: torch.Tensor,
+        w_gate_up_EXD: torch.Tensor,
+        w_down_EDF: torch.Tensor,
+        activation: str,
+    ) -> torch.Tensor:
+        """Every routed copy through its expert; returns the outputs in the copies' order.
+
+        Args:
+            x_sorted_ND: the copies sorted by global expert (so grouped by destination rank, then local expert).
+            counts_E: copies per global expert (device tensor).
+            w_gate_up_EXD, w_down_EDF: this rank's experts.
+            activation: a name of ``ACTIVATIONS``.
+        """
+        raise NotImplementedError
+
+    def before_host_sync(self) -> None:
+        """Run the host-sync hooks (if any); strategies call it right before their device→host sync."""
+        if self.host_sync_hooks is not None:
+            self.host_sync_hooks()
+
+    def _check(self, x_TD, topk_ids_TK, topk_weights_TK, w_gate_up_EXD, activation) -> None:
+        activation_fn(activation)
+        if x_TD.dim() != 2 or topk_ids_TK.dim() != 2 or topk_ids_TK.shape != topk_weights_TK.shape:
+            raise ValueError(
+                f"routed experts take x [T, D], topk_ids [T, K] and topk_weights [T, K], got "
+                f"{tuple(x_TD.shape)}, {tuple(topk_ids_TK.shape)}, {tuple(topk_weights_TK.shape)}"
+            )
+        if topk_ids_TK.shape[0] != x_TD.shape[0]:
+            raise ValueError(f"topk_ids has {topk_ids_TK.shape[0]} rows for {x_TD.shape[0]} tokens")
+        if topk_ids_TK.dtype.is_floating_point or topk_ids_TK.dtype == torch.bool:
+            raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids_TK.dtype}")
+        self._check_expert_count(w_gate_up_EXD.shape[0])
+
+    def _check_expert_count(self, El: int) -> None:
+        if El * self.ep_size != self.num_experts:
+            raise ValueError(
+                f"num_experts={self.num_experts} but the EP group of {self.ep_size} ranks holds {El} experts each "
+                f"({El * self.ep_size} in all); pass the weights after apply_ep and the model's global expert count"
+            )

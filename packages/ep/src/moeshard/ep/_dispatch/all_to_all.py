@@ -1,0 +1,107 @@
+"""EP size P > 1, the plain strategy: one uneven ``all_to_all_single`` each way, nothing overlapped.
+
+# D hidden, El local experts, P EP size, N routed copies sent by this rank (sorted by global expert),
+# R copies received by this rank
+
+The readable reference of the EP dispatch; :class:`~moeshard.ep.OverlappedDispatch` computes the same thing
+faster. Flow of :meth:`AllToAllDispatch.run_experts`, given the copies sorted by global expert (so grouped by
+destination rank, then by local expert there):
+
+1. exchange the per-expert counts (one small ``all_to_all_single``): each rank learns how many copies each
+   source sends to each of its local experts;
+2. the layer's one device→host sync: one ``.tolist()`` of the sent and received counts gives the split sizes
+   (the collectives need host ints) and the per-expert row counts of the loop backend;
+3. send the copies (every copy, also those for this rank's own experts, which it sends to itself); they arrive
+   in (source rank, local expert) order;
+4. regroup them by local expert (one permutation gather), run the expert MLP, undo the regrouping;
+5. send the outputs home with the reverse exchange; they arrive in the order the copies left.
+
+Both exchanges are an autograd Function whose backward is the reverse exchange, so input and expert-weight
+gradients come home to the rank that owns them; backward makes no host sync (the splits are kept).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moeshard.ep._dispatch._base import ExpertDispatch, HostSyncHooks
+from moeshard.ep._mlp import grouped_expert_mlp
+from moeshard.ep._options import EPOptions
+from moeshard.ep._permute import inverse_permutation, permute_rows, regroup_by_local_expert
+
+__all__ = ["AllToAllDispatch", "all_to_all"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` along dim 0 with uneven splits; backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:  # noqa: D102
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # noqa: D102
+        out_splits, in_splits = ctx.splits
+        grad_in = grad_out.new_empty((sum(in_splits), *grad_out.shape[1:]))
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Differentiable uneven ``all_to_all_single`` along dim 0 (send ``in_splits[r]`` rows to rank r, receive
+    ``out_splits[r]`` rows from it); backward is the reverse exchange."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+class AllToAllDispatch(ExpertDispatch):
+    """The routed experts of one MoE layer over an EP group of 2+ ranks, with plain all-to-alls (no overlap)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        options: EPOptions = EPOptions(),  # noqa: B008 (frozen, so one shared default is safe)
+        group: dist.ProcessGroup | None = None,
+        host_sync_hooks: HostSyncHooks | None = None,
+    ):
+        """See :class:`ExpertDispatch`; ``group`` is the EP process group (2 or more ranks)."""
+        super().__init__(num_experts, options, group, host_sync_hooks)
+        if self.ep_size < 2:
+            raise ValueError(f"{type(self).__name__} needs an EP group of 2 or more ranks; EP size 1 is LocalDispatch")
+
+    def run_experts(self, x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, activation) -> torch.Tensor:
+        """The copies to their experts' ranks and back (see :meth:`ExpertDispatch.run_experts`)."""
+        P, El = self.ep_size, w_gate_up_EXD.shape[0]
+        # 1. counts: recv_counts_E[r * El + e] = copies rank r sends to local expert e here
+        recv_counts_E = torch.empty_like(counts_E)
+        dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)
+        # 2. the one device→host sync of the layer; sent and received counts in one .tolist(), not two
+        self.before_host_sync()
+        host = torch.cat([counts_E, recv_counts_E]).tolist()
+        send, recv = host[: P * El], host[P * El :]
+        in_splits = [sum(send[r * El : (r + 1) * El]) for r in range(P)]
+        out_splits = [sum(recv[r * El : (r + 1) * El]) for r in range(P)]
+        rows_per_expert = [sum(recv[r * El + e] for r in range(P)) for e in range(El)]
+        # 3. the copies to their ranks, in (source rank, local expert) order
+        x_recv_RD = all_to_all(x_sorted_ND, out_splits, in_splits, self.group)
+        # 4. grouped by local expert through the experts, and back to (source rank, local expert) order
+        recv_counts_PEl = recv_counts_E.view(P, El)
+        perm_R = regroup_by_local_expert(recv_counts_PEl, sum(out_splits))
+        inv_R = None if perm_R is None else inverse_permutation(perm_R)
+        x_in_RD = x_recv_RD if perm_R is None else permute_rows(x_recv_RD, perm_R, inv_R)
+        y_out_RD = grouped_expert_mlp(
+            x_in_RD,
+            recv_counts_PEl.sum(0),
+            w_gate_up_EXD,
+            w_down_EDF,
+            host_counts=rows_per_expert,
+            activation=activation,
+            gemm=self.options.gemm,
+            kernels=self.options.kernels,
+        )
+        y_recv_RD = y_out_RD if perm_R is None else permute_rows(y_out_RD, inv_R, perm_R)
+        # 5. the outputs home, in the order the copies left
+        return all_to_all(y_recv_RD, in_splits, out_splits, self.group)

@@ -1,0 +1,58 @@
+"""EP size 1: every expert is local, nothing travels.
+
+Flow: sort the N = T*K token copies by expert (stable), one expert-MLP pass over them (grouped GEMM or the
+per-expert loop), un-sort and add each token's K copies, weighted, in float32. No device→host sync with the
+grouped_mm backend; the loop backend reads the per-expert counts on the host (one ``.tolist()``). The host-sync
+hooks never run here (there is no exchange to size).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moeshard.ep._dispatch._base import ExpertDispatch, HostSyncHooks
+from moeshard.ep._mlp import grouped_expert_mlp
+from moeshard.ep._options import EPOptions
+
+__all__ = ["LocalDispatch"]
+
+
+class LocalDispatch(ExpertDispatch):
+    """The routed experts of one MoE layer with all experts on this rank (EP size 1)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        options: EPOptions = EPOptions(),  # noqa: B008 (frozen, so one shared default is safe)
+        group: dist.ProcessGroup | None = None,
+        host_sync_hooks: HostSyncHooks | None = None,
+    ):
+        """See :class:`ExpertDispatch`; ``group`` must be None or of size 1."""
+        super().__init__(num_experts, options, group, host_sync_hooks)
+        if self.ep_size != 1:
+            raise ValueError(
+                f"LocalDispatch runs every expert on this rank, but its group has {self.ep_size} ranks; use "
+                "make_dispatch (or OverlappedDispatch / AllToAllDispatch) for EP size > 1"
+            )
+
+    def run_experts(self, x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, activation) -> torch.Tensor:
+        """The copies through the local experts' MLP (see :meth:`ExpertDispatch.run_experts`)."""
+        return grouped_expert_mlp(
+            x_sorted_ND,
+            counts_E,
+            w_gate_up_EXD,
+            w_down_EDF,
+            activation=activation,
+            gemm=self.options.gemm,
+            kernels=self.options.kernels,
+        )
+
+    def _check_expert_count(self, El: int) -> None:
+        if El != self.num_experts:
+            raise ValueError(
+                f"the expert weights hold {El} of {self.num_experts} experts but this layer has no EP group "
+                "(LocalDispatch): weights sliced to one EP rank (by moeshard.ep.apply_ep, or a model loaded with "
+                "expert_range) run only through the EP dispatch apply_ep installs; for training build the model "
+                "on meta, apply_ep, then load the weights"
+            )

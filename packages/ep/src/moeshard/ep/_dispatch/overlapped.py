@@ -1,0 +1,240 @@
+"""EP size P > 1 with the exchange overlapped by the rank's own expert work (the default strategy).
+
+# D hidden, El local experts, P EP size, N routed copies of this rank (sorted by global expert), M copies
+# received from the other ranks
+
+Every routed copy bound for another rank travels; a rank's copies for its own experts never do. Flow of
+:meth:`OverlappedDispatch.run_experts`, given the copies sorted by global expert (so grouped by destination
+rank, then by local expert there):
+
+1. exchange the per-expert counts (one small ``all_to_all_single``) and queue everything the device can prepare
+   without the split sizes (the three expert passes' row counts and GEMM offsets): after the sync the device
+   idles until the host launches again, so host work left there delays the layer;
+2. the layer's one device→host sync: one ``.tolist()`` of the sent and received counts;
+3. (:class:`_OverlappedExperts`) post the sends/receives of the remote copies (one batch of point-to-point ops)
+   and run half A of the own copies' experts meanwhile; run the received copies; post their outputs home and
+   run half B meanwhile. Backward mirrors it: the output gradients of remote copies travel during half A's
+   backward, the input gradients go home during half B's.
+
+The received copies come in source-rank order, each source's rows grouped by local expert; with several
+sources one permutation gather groups them by local expert (and one takes the outputs back), while the rows of
+a single source (EP 2: the one other rank) already are in that order and need none. While a GEMM overlaps an
+exchange it leaves ``EPOptions.sm_carveout`` SMs to the communication kernel (CUDA): the grouped GEMM (and
+cuBLAS) otherwise sizes its persistent grid to every SM and the exchange waits for the GEMM to finish.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moeshard.ep._dispatch._base import ExpertDispatch, HostSyncHooks
+from moeshard.ep._kernels import Kernels
+from moeshard.ep._mlp import ExpertPass, resolve_gemm
+from moeshard.ep._options import EPOptions
+from moeshard.ep._permute import inverse_permutation, regroup_by_local_expert
+
+__all__ = ["OverlappedDispatch"]
+
+
+class OverlappedDispatch(ExpertDispatch):
+    """The routed experts of one MoE layer over an EP group of 2+ ranks, exchanges overlapped with own work."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        options: EPOptions = EPOptions(),  # noqa: B008 (frozen, so one shared default is safe)
+        group: dist.ProcessGroup | None = None,
+        host_sync_hooks: HostSyncHooks | None = None,
+    ):
+        """See :class:`ExpertDispatch`; ``group`` is the EP process group (2 or more ranks)."""
+        super().__init__(num_experts, options, group, host_sync_hooks)
+        if self.ep_size < 2:
+            raise ValueError(f"{type(self).__name__} needs an EP group of 2 or more ranks; EP size 1 is LocalDispatch")
+
+    def run_experts(self, x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, activation) -> torch.Tensor:
+        """The copies to their experts' ranks and back (see :meth:`ExpertDispatch.run_experts`)."""
+        P, El, me = self.ep_size, w_gate_up_EXD.shape[0], self.ep_rank
+        recv_counts_E = torch.empty_like(counts_E)
+        dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)  # El counts to and from each rank
+        local_E = counts_E.view(P, El)[me]
+        recv_PEl = recv_counts_E.view(P, El)
+        sources_SEl = torch.cat([recv_PEl[:me], recv_PEl[me + 1 :]])  # the other ranks: own copies stay
+        half = El // 2
+        device_counts = (local_E[:half], sources_SEl.sum(0), local_E[half:])
+        offsets = tuple(torch.cumsum(c, 0, dtype=torch.int32) for c in device_counts)
+        # The one device→host sync of the layer: both count tensors in one .tolist(), not two.
+        self.before_host_sync()
+        host = torch.cat([counts_E, recv_counts_E]).tolist()
+        gemm = resolve_gemm(self.options.gemm, x_sorted_ND, w_gate_up_EXD)
+        ex = _Exchange(self, El, host[: P * El], host[P * El :], sources_SEl, device_counts, offsets, gemm, activation)
+        return _OverlappedExperts.apply(x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex)
+
+
+class _Exchange:
+    """Host-side layout of one layer's copies exchange (from the split sizes), the device counts and how to run.
+
+    ``send``: ``(peer, first row, rows)`` of the sorted copies going to each other rank; ``recv``: the same for
+    the buffer of copies received from the other ranks (source-rank order, each source's rows grouped by local
+    expert); ``local``: ``(first row, rows)`` of this rank's own copies, which never travel.
+    """
+
+    def __init__(
+        self, d: OverlappedDispatch, El, send_counts, recv_counts, sources_SEl, device_counts, offsets, gemm, activation
+    ):
+        self.group, self.activation, self.gemm = d.group, activation, gemm
+        self.kernels: Kernels = d.kernels
+        self.sm_carveout = d.options.sm_carveout
+        # (half A of the own copies, the received copies, half B): device counts and int32 GEMM offsets
+        self.device_counts, self.offsets = device_counts, offsets
+        P, me, group = d.ep_size, d.ep_rank, d.group
+        others = [r for r in range(P) if r != me]
+        send = [sum(send_counts[r * El : (r + 1) * El]) for r in range(P)]
+        recv = [sum(recv_counts[r * El : (r + 1) * El]) for r in range(P)]
+        starts = [sum(send[:r]) for r in range(P)]
+        self.local = (starts[me], send[me])
+        self.send = [(dist.get_global_rank(group, r), starts[r], send[r]) for r in others]
+        rstarts = [sum(recv[o] for o in others[:i]) for i in range(len(others))]
+        self.recv = [(dist.get_global_rank(group, r), s, recv[r]) for r, s in zip(others, rstarts)]
+        self.rows_in = sum(recv[r] for r in others)
+        self.local_host = send_counts[me * El : (me + 1) * El]
+        self.remote_host = [sum(recv_counts[r * El + e] for r in others) for e in range(El)]
+        perm = regroup_by_local_expert(sources_SEl, self.rows_in)  # None for one source
+        self.perm = None if perm is None else (perm, inverse_permutation(perm))
+
+    def start(self, src: torch.Tensor, src_slices, dst: torch.Tensor, dst_slices) -> list:
+        """Post the sends of ``src``'s slices and the receives into ``dst``'s slices; returns the works."""
+        ops = [dist.P2POp(dist.isend, src[s : s + n], peer, self.group) for peer, s, n in src_slices if n]
+        ops += [dist.P2POp(dist.irecv, dst[s : s + n], peer, self.group) for peer, s, n in dst_slices if n]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def carveout(self, device: torch.device, busy: bool) -> _Carveout:
+        """While ``busy`` (an exchange in flight), GEMMs leave ``sm_carveout`` SMs free (CUDA only)."""
+        return _Carveout(busy and device.type == "cuda" and self.sm_carveout > 0, self.sm_carveout)
+
+
+class _Carveout:
+    def __init__(self, on: bool, sms: int):
+        self.on, self.sms, self.before = on, sms, None
+
+    def __enter__(self):
+        if self.on:
+            self.before = torch._C._get_sm_carveout_experimental()
+            torch._C._set_sm_carveout_experimental(self.sms)
+
+    def __exit__(self, *exc):
+        if self.on:
+            torch._C._set_sm_carveout_experimental(self.before)
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+class _LocalHalf:
+    """A contiguous range of local experts and their rows among this rank's own (never travelling) copies."""
+
+    def __init__(self, ex: _Exchange, first: int, last: int, which: int):
+        lo, _ = ex.local
+        counts = ex.local_host
+        self.experts = slice(first, last)
+        self.rows = slice(lo + sum(counts[:first]), lo + sum(counts[:last]))
+        self.run = ExpertPass(
+            ex.device_counts[which], counts[first:last], ex.activation, ex.gemm, ex.kernels, offsets=ex.offsets[which]
+        )
+
+
+def _add_slice(full, part, sl):
+    if part is not None and full is not None:
+        full[sl].add_(part)
+
+
+class _OverlappedExperts(torch.autograd.Function):
+    """The copies' trip through the experts of their EP ranks, with both exchanges overlapped by local work.
+
+    The three expert passes (half A, the received copies, half B) are :class:`ExpertPass` es whose inputs are
+    saved with ``save_for_backward``, so activation checkpointing recomputes the layer once, as for any op;
+    each half works on its slice of the weights and its weight gradients are added into the slices of the
+    remote pass's.
+    """
+
+    @staticmethod
+    def forward(ctx, x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex: _Exchange):  # noqa: D102
+        N, D = x_sorted_ND.shape
+        El = w_gate_up_EXD.shape[0]
+        half_a, half_b = _LocalHalf(ex, 0, El // 2, 0), _LocalHalf(ex, El // 2, El, 2)
+        remote = ExpertPass(ex.device_counts[1], ex.remote_host, ex.activation, ex.gemm, ex.kernels, ex.offsets[1])
+        dev = x_sorted_ND.device
+
+        def local(part):
+            if part.experts.start == part.experts.stop:
+                return None, ()
+            sl = part.experts
+            return part.run.forward(x_sorted_ND[part.rows], w_gate_up_EXD[sl], w_down_EDF[sl])
+
+        recv_MD = x_sorted_ND.new_empty((ex.rows_in, D))
+        works = ex.start(x_sorted_ND, ex.send, recv_MD, ex.recv)
+        with ex.carveout(dev, bool(works)):
+            y_a, saved_a = local(half_a)
+        _wait(works)
+        x_in = recv_MD if ex.perm is None else recv_MD.index_select(0, ex.perm[0])
+        y_rem, saved_r = remote.forward(x_in, w_gate_up_EXD, w_down_EDF)
+        if ex.perm is not None:
+            y_rem = y_rem.index_select(0, ex.perm[1])
+        y_sorted_ND = x_sorted_ND.new_empty((N, D))
+        works = ex.start(y_rem, ex.recv, y_sorted_ND, ex.send)
+        with ex.carveout(dev, bool(works)):
+            y_b, saved_b = local(half_b)
+        for part, y in ((half_a, y_a), (half_b, y_b)):
+            if y is not None:
+                y_sorted_ND[part.rows].copy_(y)
+        _wait(works)
+        ctx.ex, ctx.passes = ex, (half_a, remote, half_b)
+        ctx.sizes = (len(saved_a), len(saved_r), len(saved_b))
+        ctx.save_for_backward(w_gate_up_EXD, w_down_EDF, *saved_a, *saved_r, *saved_b)
+        return y_sorted_ND
+
+    @staticmethod
+    def backward(ctx, grad_ND):  # noqa: D102
+        ex = ctx.ex
+        half_a, remote, half_b = ctx.passes
+        w1, w2, *saved = ctx.saved_tensors
+        na, nr, _ = ctx.sizes
+        saved_a, saved_r, saved_b = saved[:na], saved[na : na + nr], saved[na + nr :]
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        grad_ND = grad_ND.contiguous()
+        N, D = grad_ND.shape
+        dev = grad_ND.device
+
+        def local(part, saved_part):
+            if not saved_part:
+                return None, None, None
+            sl = part.experts
+            return part.run.backward(grad_ND[part.rows], saved_part, w1[sl], w2[sl], need_x, need_w)
+
+        grad_in_MD = grad_ND.new_empty((ex.rows_in, D))
+        works = ex.start(grad_ND, ex.send, grad_in_MD, ex.recv)
+        with ex.carveout(dev, bool(works)):
+            gx_a, gw1_a, gw2_a = local(half_a, saved_a)
+        _wait(works)
+        g_rem = grad_in_MD if ex.perm is None else grad_in_MD.index_select(0, ex.perm[0])
+        gx_rem, gw1, gw2 = remote.backward(g_rem, saved_r, w1, w2, need_x, need_w)
+        gx = None
+        works = []
+        if need_x:
+            if ex.perm is not None:
+                gx_rem = gx_rem.index_select(0, ex.perm[1])
+            gx = grad_ND.new_empty((N, D))
+            works = ex.start(gx_rem, ex.recv, gx, ex.send)
+        with ex.carveout(dev, bool(works)):
+            gx_b, gw1_b, gw2_b = local(half_b, saved_b)
+        if gx is not None:
+            for part, g in ((half_a, gx_a), (half_b, gx_b)):
+                if g is not None:
+                    gx[part.rows].copy_(g)
+        for part, g1, g2 in ((half_a, gw1_a, gw2_a), (half_b, gw1_b, gw2_b)):
+            _add_slice(gw1, g1, part.experts)
+            _add_slice(gw2, g2, part.experts)
+        _wait(works)
+        return gx, gw1 if ctx.needs_input_grad[1] else None, gw2 if ctx.needs_input_grad[2] else None, None

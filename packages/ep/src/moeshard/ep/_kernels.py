@@ -1,0 +1,227 @@
+"""The pointwise and gather kernels around the expert GEMMs, as one immutable object per tier.
+
+# T tokens, K top-k, D hidden, N = T*K routed copies in expert order (copy n is token order[n] // K's copy;
+# inv[t*K+k] is the row of token t's k-th copy), F expert width, X = 2F (gate rows, then up rows)
+
+:func:`kernels_for` returns the :class:`Kernels` of a tier, built once per process and never changed:
+
+- ``"eager"``: the torch functions below;
+- ``"compiled"``: the same functions through :func:`compile_rows_dynamic` (the gated activation both ways, the
+  weighted combine and its two gradients, the copies' gradient sum); the row expansion stays an eager gather;
+- ``"triton"``: on CUDA tensors the triton kernels of ``moeshard.ep._triton`` (the gathers, SwiGLU's gated
+  activation both ways), the compiled functions for everything else (CPU tensors, other activations).
+
+All tiers compute the same thing (products and sums of the routing weights in float32).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from moeshard.ep._options import KERNEL_TIERS
+
+__all__ = ["ACTIVATIONS", "Kernels", "activation_fn", "compile_rows_dynamic", "kernels_for"]
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+}
+"""Activation name -> function, for the ``activation=`` argument of the expert MLP (gated as ``act(gate) * up``)."""
+
+
+def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The function of activation ``name``; ValueError naming the supported ones otherwise."""
+    try:
+        return ACTIVATIONS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"activation {name!r} is not supported; use one of {sorted(ACTIVATIONS)}") from None
+
+
+# ---- eager functions --------------------------------------------------------------------------------------------
+
+
+def gated(activation: str, h_NX: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` for ``h = [gate | up]``."""
+    gate_NF, up_NF = h_NX.chunk(2, dim=-1)
+    return ACTIVATIONS[activation](gate_NF) * up_NF
+
+
+def gated_backward(activation: str, h_NX: torch.Tensor, grad_NF: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`gated` w.r.t. ``h = [gate | up]``: the same ops autograd runs for it."""
+    gate_NF, up_NF = h_NX.chunk(2, dim=-1)
+    if activation == "silu":
+        d_gate = torch.ops.aten.silu_backward(grad_NF * up_NF, gate_NF)
+    else:
+        approximate = "tanh" if activation == "gelu_tanh" else "none"
+        d_gate = torch.ops.aten.gelu_backward(grad_NF * up_NF, gate_NF, approximate=approximate)
+    return torch.cat([d_gate, grad_NF * ACTIVATIONS[activation](gate_NF)], dim=-1)
+
+
+def expand_rows(x_TD: torch.Tensor, order_N: torch.Tensor, K: int) -> torch.Tensor:
+    """``x[order // K]``: each token's row once per routed copy, in expert order."""
+    return x_TD.index_select(0, torch.div(order_N, K, rounding_mode="floor"))
+
+
+def gather_sum(grad_ND: torch.Tensor, inv_N: torch.Tensor, K: int) -> torch.Tensor:
+    """``Σ_k grad[inv[t*K+k]]``: back to copy order, then each token's K adjacent copies summed."""
+    return grad_ND.index_select(0, inv_N).view(-1, K, grad_ND.shape[-1]).sum(dim=1)
+
+
+def unsort_weighted_sum(y_sorted_ND: torch.Tensor, inv_N: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    """``Σ_k w[t, k] · y_sorted[inv[t*K+k]]`` in float32 (the un-sort gather folded into the weighted sum)."""
+    T, K = w_TK.shape
+    y_TKD = y_sorted_ND.index_select(0, inv_N).view(T, K, y_sorted_ND.shape[-1])
+    return (y_TKD.float() * w_TK.float().unsqueeze(-1)).sum(dim=1)
+
+
+def sorted_output_grad(g_TD: torch.Tensor, order_N: torch.Tensor, w_TK: torch.Tensor, dtype: torch.dtype):
+    """Gradient of :func:`unsort_weighted_sum` w.r.t. ``y_sorted``: the copy's weight times its token's gradient."""
+    K = w_TK.shape[1]
+    w_N = w_TK.reshape(-1).float().index_select(0, order_N)
+    return (g_TD.index_select(0, torch.div(order_N, K, rounding_mode="floor")) * w_N.unsqueeze(-1)).to(dtype)
+
+
+def routing_weight_grad(g_TD: torch.Tensor, y_sorted_ND: torch.Tensor, inv_N: torch.Tensor, K: int):
+    """Gradient of :func:`unsort_weighted_sum` w.r.t. ``w``, in float32."""
+    T = g_TD.shape[0]
+    y_TKD = y_sorted_ND.index_select(0, inv_N).view(T, K, y_sorted_ND.shape[-1])
+    return (y_TKD.float() * g_TD.float().unsqueeze(1)).sum(dim=-1)
+
+
+def _combine_backward_of(sorted_output_grad: Callable, routing_weight_grad: Callable) -> Callable:
+    def combine_backward(g_TD, y_sorted_ND, order_N, inv_N, w_TK, need_gy: bool, need_gw: bool):
+        gy = sorted_output_grad(g_TD, order_N, w_TK, y_sorted_ND.dtype) if need_gy else None
+        gw = routing_weight_grad(g_TD, y_sorted_ND, inv_N, w_TK.shape[1]) if need_gw else None
+        return gy, gw
+
+    return combine_backward
+
+
+def compile_rows_dynamic(fn: Callable) -> Callable:
+    """``torch.compile(fn)`` whose tensor arguments are dynamic in dim 0 (rows) only.
+
+    The row count changes every step (tokens per expert); the feature sizes never do. Compiling with every dim
+    symbolic (``dynamic=True``) makes the kernels index through symbolic widths without vectorised loads, so
+    only the rows are marked dynamic and the widths are compiled in. Non-tensor arguments pass through (and
+    are guarded on by ``torch.compile`` as usual). Compilation happens at the first call.
+    """
+    compiled = torch.compile(fn)
+
+    def call(*args):
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() > 0:
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+        return compiled(*args)
+
+    call.__wrapped__ = fn
+    return call
+
+
+# ---- the tiers --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernel functions of one tier (see the module docstring); same signatures in every tier.
+
+    Attributes:
+        tier: ``"eager"``, ``"compiled"`` or ``"triton"``.
+        gated: ``(activation, h_NX) -> a_NF``.
+        gated_backward: ``(activation, h_NX, grad_NF) -> grad_NX``.
+        expand_rows: ``(x_TD, order_N, K) -> x_sorted_ND``.
+        gather_sum: ``(grad_ND, inv_N, K) -> grad_TD`` (the backward of ``expand_rows``).
+        unsort_weighted_sum: ``(y_sorted_ND, inv_N, w_TK) -> y_TD`` in float32.
+        combine_backward: ``(g_TD, y_sorted_ND, order_N, inv_N, w_TK, need_gy, need_gw) -> (gy_ND, gw_TK)``, each
+            None where not needed (``gw`` in float32).
+    """
+
+    tier: str
+    gated: Callable
+    gated_backward: Callable
+    expand_rows: Callable
+    gather_sum: Callable
+    unsort_weighted_sum: Callable
+    combine_backward: Callable
+
+
+@functools.cache
+def kernels_for(tier: str) -> Kernels:
+    """The :class:`Kernels` of ``tier``, built at the first call and shared by every caller afterwards.
+
+    Raises:
+        ValueError: an unknown tier.
+        ImportError: ``"triton"`` on a machine with CUDA where triton cannot be imported.
+    """
+    if tier not in KERNEL_TIERS:
+        raise ValueError(f"kernel tier {tier!r} is not one of {KERNEL_TIERS}")
+    if tier == "eager":
+        return Kernels(
+            tier=tier,
+            gated=gated,
+            gated_backward=gated_backward,
+            expand_rows=expand_rows,
+            gather_sum=gather_sum,
+            unsort_weighted_sum=unsort_weighted_sum,
+            combine_backward=_combine_backward_of(sorted_output_grad, routing_weight_grad),
+        )
+    if tier == "compiled":
+        return Kernels(
+            tier=tier,
+            gated=compile_rows_dynamic(gated),
+            gated_backward=compile_rows_dynamic(gated_backward),
+            expand_rows=expand_rows,  # one gather: nothing to fuse
+            gather_sum=compile_rows_dynamic(gather_sum),
+            unsort_weighted_sum=compile_rows_dynamic(unsort_weighted_sum),
+            combine_backward=_combine_backward_of(
+                compile_rows_dynamic(sorted_output_grad), compile_rows_dynamic(routing_weight_grad)
+            ),
+        )
+    compiled = kernels_for("compiled")
+    if not torch.cuda.is_available():  # no CUDA tensors: the compiled kernels throughout
+        return replace(compiled, tier=tier)
+    return _triton_kernels(compiled)
+
+
+def _triton_kernels(other: Kernels) -> Kernels:
+    try:
+        from moeshard.ep import _triton
+    except ImportError as e:
+        raise ImportError(f"EPOptions(kernels='triton') needs triton on a machine with CUDA: {e}") from e
+
+    def combine_backward(g_TD, y_sorted_ND, order_N, inv_N, w_TK, need_gy, need_gw):
+        return _triton.combine_backward(g_TD, y_sorted_ND, inv_N, w_TK, need_gy, need_gw)
+
+    return Kernels(
+        tier="triton",
+        # one launch where the compiled kernel's call costs several times the host time (it runs on the
+        # forward's critical path, right after the split-size sync); other activations keep the compiled one
+        gated=_silu_on_cuda(lambda activation, h: _triton.gated(h), other.gated),
+        gated_backward=_silu_on_cuda(lambda activation, h, g: _triton.silu_gated_backward(h, g), other.gated_backward),
+        expand_rows=_on_cuda(_triton.expand_rows, other.expand_rows),
+        gather_sum=_on_cuda(_triton.gather_sum, other.gather_sum),
+        unsort_weighted_sum=_on_cuda(_triton.unsort_weighted_sum, other.unsort_weighted_sum),
+        combine_backward=_on_cuda(combine_backward, other.combine_backward),
+    )
+
+
+def _silu_on_cuda(gpu_fn: Callable, other_fn: Callable) -> Callable:
+    # The gated activation's kernels (first argument: the activation's name) in triton for SwiGLU on CUDA.
+    def call(activation, h_NX, *rest):
+        return (gpu_fn if activation == "silu" and h_NX.is_cuda else other_fn)(activation, h_NX, *rest)
+
+    call.__wrapped__ = other_fn
+    return call
+
+
+def _on_cuda(gpu_fn: Callable, other_fn: Callable) -> Callable:
+    def call(first, *args):
+        return (gpu_fn if first.is_cuda else other_fn)(first, *args)
+
+    call.__wrapped__ = other_fn
+    return call

@@ -1,0 +1,215 @@
+"""The expert MLP: each local expert's gated MLP on its rows, ``down_e(act(gate_e x) * up_e x)``.
+
+# N rows grouped by local expert, D hidden, E local experts, F expert width, X = 2F (gate rows, then up rows)
+
+One implementation, :class:`ExpertPass`: a forward that returns what its backward needs, and a hand-written
+backward. Every dispatch strategy runs it; :func:`grouped_expert_mlp` wraps it in an autograd Function for
+callers that want autograd. Two GEMM backends that agree within dtype tolerance:
+
+- ``"grouped_mm"``: ``torch.nn.functional.grouped_mm`` with int32 cumulative row offsets; no host sync. The
+  gated activation (both ways) comes from the kernel tier (:mod:`moeshard.ep._kernels`).
+- ``"loop"``: one pair of matmuls per expert, with the eager gated activation; needs the per-expert counts on
+  the host (one ``.tolist()`` unless the caller already has them) and runs on any device and dtype.
+
+``"auto"`` picks ``grouped_mm`` on CUDA for bf16/fp16 on compute capability >= 9.0 (where it is fast and
+tested), the loop elsewhere (on CPU, torch's grouped_mm needs 16-byte aligned strides and has no float64).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from moeshard.ep._kernels import Kernels, activation_fn, gated, gated_backward, kernels_for
+from moeshard.ep._options import GEMMS
+
+__all__ = ["ExpertPass", "grouped_expert_mlp", "resolve_gemm"]
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def resolve_gemm(gemm: str, x: torch.Tensor, w: torch.Tensor) -> str:
+    """``"grouped_mm"`` or ``"loop"``: ``gemm`` itself, or what ``"auto"`` picks for these tensors."""
+    if gemm not in GEMMS:
+        raise ValueError(f"expert gemm {gemm!r} is not one of {GEMMS}")
+    if gemm != "auto":
+        return gemm
+    ok = (
+        x.device.type == "cuda"
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and w.dtype == x.dtype
+        and hasattr(F, "grouped_mm")
+        and _capability(x.device) >= (9, 0)
+    )
+    return "grouped_mm" if ok else "loop"
+
+
+class ExpertPass:
+    """One expert-MLP pass with a hand-written backward (for autograd Functions that schedule their own work).
+
+    ``forward`` returns the output and the tensors backward needs (give them to ``ctx.save_for_backward``, so
+    activation checkpointing can drop and recompute them like any saved tensor); ``backward`` takes them back.
+    """
+
+    def __init__(
+        self,
+        counts_E: torch.Tensor,
+        host_counts: Sequence[int] | None,
+        activation: str,
+        gemm: str,
+        kernels: Kernels,
+        offsets: torch.Tensor | None = None,
+    ):
+        """
+        Args:
+            counts_E: rows per local expert (int tensor on the rows' device).
+            host_counts: the same as host ints; required by the loop backend, unused by grouped_mm.
+            activation: a name of ``ACTIVATIONS``.
+            gemm: ``"grouped_mm"`` or ``"loop"`` (resolved, see :func:`resolve_gemm`).
+            kernels: the kernel tier (the gated activation of the grouped_mm backend).
+            offsets: the int32 cumulative ``counts_E`` when the caller computed them already (grouped_mm).
+        """
+        assert gemm in ("grouped_mm", "loop"), gemm
+        assert gemm == "grouped_mm" or host_counts is not None, "the loop backend needs the counts on the host"
+        self.counts_E, self.host = counts_E, None if host_counts is None else list(host_counts)
+        self.activation, self.gemm, self.kernels = activation, gemm, kernels
+        self.offs = offsets
+
+    def forward(self, x_ND, w_gate_up, w_down):
+        """``(y_ND, saved)``: the output and the tensors :meth:`backward` takes back."""
+        if self.gemm == "grouped_mm":
+            if self.offs is None:
+                self.offs = torch.cumsum(self.counts_E.to(x_ND.device), 0, dtype=torch.int32)
+            h_NX = F.grouped_mm(x_ND, w_gate_up.transpose(-2, -1), offs=self.offs)
+            a_NF = self.kernels.gated(self.activation, h_NX).contiguous()
+            y_ND = F.grouped_mm(a_NF, w_down.transpose(-2, -1), offs=self.offs)
+            return y_ND, (x_ND, h_NX, a_NF)
+        hs, outs, start = [], [], 0
+        for e, n in enumerate(self.host):
+            h_nX = x_ND[start : start + n] @ w_gate_up[e].transpose(0, 1)
+            hs.append(h_nX)
+            outs.append(gated(self.activation, h_nX))
+            start += n
+        a_NF = torch.cat(outs)
+        y_ND = torch.cat([a_NF[s : s + n] @ w_down[e].transpose(0, 1) for e, (s, n) in enumerate(self._spans())])
+        return y_ND, (x_ND, torch.cat(hs), a_NF)
+
+    def _spans(self):
+        start = 0
+        for n in self.host:
+            yield start, n
+            start += n
+
+    def backward(self, grad_ND, saved, w_gate_up, w_down, need_x: bool, need_w: bool):
+        """``(grad x, grad w_gate_up, grad w_down)``; None where not needed. Every expert's weight gradient is
+        produced (zeros for an expert without rows), so every rank reduces the same set of gradients."""
+        x_ND, h_NX, a_NF = saved
+        grad_ND = grad_ND.contiguous()
+        gx = gw1 = gw2 = None
+        if self.gemm == "grouped_mm":
+            ga_NF = F.grouped_mm(grad_ND, w_down, offs=self.offs)
+            if need_w:
+                gw2 = F.grouped_mm(grad_ND.transpose(0, 1), a_NF, offs=self.offs)
+            gh_NX = self.kernels.gated_backward(self.activation, h_NX, ga_NF).contiguous()
+            if need_x:
+                gx = F.grouped_mm(gh_NX, w_gate_up, offs=self.offs)
+            if need_w:
+                gw1 = F.grouped_mm(gh_NX.transpose(0, 1), x_ND, offs=self.offs)
+            return gx, gw1, gw2
+        gxs, gw1s, gw2s = [], [], []
+        for e, (s, n) in enumerate(self._spans()):
+            g_nD = grad_ND[s : s + n]
+            ga_nF = g_nD @ w_down[e]
+            gh_nX = gated_backward(self.activation, h_NX[s : s + n], ga_nF)
+            gxs.append(gh_nX @ w_gate_up[e])
+            gw2s.append(g_nD.transpose(0, 1) @ a_NF[s : s + n])
+            gw1s.append(gh_nX.transpose(0, 1) @ x_ND[s : s + n])
+        if need_x:
+            gx = torch.cat(gxs) if gxs else grad_ND.new_zeros((0, w_gate_up.shape[-1]))
+        if need_w:
+            gw1, gw2 = torch.stack(gw1s), torch.stack(gw2s)
+        return gx, gw1, gw2
+
+
+class _ExpertMLP(torch.autograd.Function):
+    """:class:`ExpertPass` under autograd."""
+
+    @staticmethod
+    def forward(ctx, x_ND, w_gate_up, w_down, run: ExpertPass):  # noqa: D102
+        y_ND, saved = run.forward(x_ND, w_gate_up, w_down)
+        ctx.run = run
+        ctx.save_for_backward(w_gate_up, w_down, *saved)
+        return y_ND
+
+    @staticmethod
+    def backward(ctx, grad_ND):  # noqa: D102
+        w_gate_up, w_down, *saved = ctx.saved_tensors
+        need_x, need_w1, need_w2 = ctx.needs_input_grad[:3]
+        gx, gw1, gw2 = ctx.run.backward(grad_ND, saved, w_gate_up, w_down, need_x, need_w1 or need_w2)
+        return gx, gw1 if need_w1 else None, gw2 if need_w2 else None, None
+
+
+def grouped_expert_mlp(
+    x_ND: torch.Tensor,
+    counts_E: torch.Tensor | Sequence[int],
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    host_counts: Sequence[int] | None = None,
+    activation: str = "silu",
+    gemm: str = "auto",
+    kernels: str = "eager",
+) -> torch.Tensor:
+    """Run each local expert's gated MLP on its rows: ``down_e(act(gate_e x) * up_e x)`` (SwiGLU with silu).
+
+    Args:
+        x_ND: token rows grouped by local expert (expert 0's rows first).
+        counts_E: rows per local expert, a 1-D integer tensor on x's device or a sequence of ints (then copied
+            to the device for grouped_mm); must sum to N.
+        w_gate_up: ``[E, 2F, D]``, gate rows first, then up.
+        w_down: ``[E, D, F]``.
+        host_counts: the same counts as host ints when the caller already has them: spares the loop backend
+            its one ``.tolist()`` (a device→host sync).
+        activation: ``"silu"`` (SwiGLU), ``"gelu"`` or ``"gelu_tanh"``.
+        gemm: ``"grouped_mm"``, ``"loop"`` or ``"auto"`` (see :class:`~moeshard.ep.EPOptions`).
+        kernels: the kernel tier of the gated activation, ``"eager"``, ``"compiled"`` or ``"triton"``.
+
+    Returns:
+        ``y_ND`` in the rows' order. Every expert's weights get a gradient, zeros for an expert without rows.
+    """
+    activation_fn(activation)
+    E = w_gate_up.shape[0]
+    if w_gate_up.dim() != 3 or w_down.dim() != 3 or w_down.shape[0] != E:
+        raise ValueError(
+            f"expert weights must be w_gate_up [E, 2F, D] and w_down [E, D, F] with the same E, got "
+            f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}"
+        )
+    if w_gate_up.shape[1] != 2 * w_down.shape[2] or w_gate_up.shape[2] != w_down.shape[1]:
+        raise ValueError(
+            f"expert weights disagree: w_gate_up {tuple(w_gate_up.shape)} needs [E, 2F, D] and w_down "
+            f"{tuple(w_down.shape)} needs [E, D, F]"
+        )
+    n_counts = counts_E.numel() if isinstance(counts_E, torch.Tensor) else len(counts_E)
+    if n_counts != E:
+        raise ValueError(f"counts_E has {n_counts} entries for {E} local experts")
+    tier = kernels_for(kernels)
+    backend = resolve_gemm(gemm, x_ND, w_gate_up)
+    if backend == "grouped_mm":
+        if not isinstance(counts_E, torch.Tensor):
+            counts_E = torch.tensor(list(counts_E), dtype=torch.int64, device=x_ND.device)
+        run = ExpertPass(counts_E.to(x_ND.device), host_counts, activation, backend, tier)
+    else:
+        counts = counts_E if host_counts is None else host_counts
+        if isinstance(counts, torch.Tensor):
+            counts = counts.tolist()  # host sync: the loop needs the row counts on the host
+        if sum(counts) != x_ND.shape[0]:
+            raise ValueError(f"counts_E sums to {sum(counts)} but x has {x_ND.shape[0]} rows")
+        counts_t = counts_E if isinstance(counts_E, torch.Tensor) else None
+        run = ExpertPass(counts_t, counts, activation, backend, tier)
+    return _ExpertMLP.apply(x_ND, w_gate_up, w_down, run)

@@ -1,0 +1,57 @@
+"""The options of expert parallelism: which dispatch strategy, kernel tier and expert GEMM a model's MoE layers use.
+
+Passed where they are used (``apply_ep(model, plan, ep_mesh, options)``, ``routed_experts(..., options=...)``,
+a dispatcher's constructor) and kept by each dispatcher, so two models in one process may use different options.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+__all__ = ["EPOptions"]
+
+DISPATCHES = ("overlapped", "all_to_all")
+KERNEL_TIERS = ("eager", "compiled", "triton")
+GEMMS = ("auto", "grouped_mm", "loop")
+
+
+@dataclass(frozen=True)
+class EPOptions:
+    """How the routed experts of every MoE layer run; all choices give the same results (to float rounding).
+
+    Attributes:
+        dispatch: the strategy for EP size > 1 (EP size 1 always runs locally): ``"overlapped"`` (every routed
+            copy bound for another rank travels by point-to-point ops while the rank's own copies go through
+            their experts) or ``"all_to_all"`` (one plain ``all_to_all_single`` each way, no overlap: the
+            readable reference).
+        kernels: the pointwise and gather kernels around the expert GEMMs: ``"eager"`` (torch ops),
+            ``"compiled"`` (``torch.compile``d, rows dynamic) or ``"triton"`` (the kernels of
+            ``moeshard.ep._triton`` on CUDA tensors, the compiled ones for everything else).
+        gemm: the expert GEMM: ``"grouped_mm"`` (one ``torch.nn.functional.grouped_mm`` per weight), ``"loop"``
+            (two matmuls per expert), ``"auto"`` (grouped_mm on CUDA for bf16/fp16 at compute capability >= 9.0,
+            the loop elsewhere).
+        sm_carveout: SMs the expert GEMMs leave free for the communication kernel while they overlap an exchange
+            (``"overlapped"`` on CUDA only); 0 turns the carve-out off.
+    """
+
+    dispatch: Literal["overlapped", "all_to_all"] = "overlapped"
+    kernels: Literal["eager", "compiled", "triton"] = "eager"
+    gemm: Literal["auto", "grouped_mm", "loop"] = "auto"
+    sm_carveout: int = 32
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("dispatch", DISPATCHES), ("kernels", KERNEL_TIERS), ("gemm", GEMMS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                hint = " (the de-duplicated 'tokens' dispatch was removed in 0.2.0)" if value == "tokens" else ""
+                raise ValueError(f"EPOptions.{name}={value!r} is not one of {allowed}{hint}")
+        if not isinstance(self.sm_carveout, int) or isinstance(self.sm_carveout, bool) or self.sm_carveout < 0:
+            raise ValueError(
+                f"EPOptions.sm_carveout={self.sm_carveout!r} is not allowed: an int >= 0 (SMs left to the exchange "
+                "while a GEMM overlaps it; 0 = off)"
+            )
+
+    def describe(self) -> str:
+        """One line, e.g. ``dispatch=overlapped kernels=triton gemm=auto sm_carveout=32``."""
+        return " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))

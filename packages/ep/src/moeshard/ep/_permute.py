@@ -1,0 +1,136 @@
+"""Sorting routed copies by expert and the permutations around the expert compute, with gather backwards.
+
+# T tokens, K top-k, D hidden, E experts, El local experts, N = T*K routed copies (copy t*K+k is token t's k-th),
+# S sources of received rows, R received rows
+
+Every backward here is a gather through the inverse permutation (no atomic scatter-add), which is deterministic
+and, for the row expansion, reads each token's K copies once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeshard.ep._kernels import Kernels
+
+__all__ = [
+    "combine",
+    "expand_rows",
+    "inverse_permutation",
+    "permute_rows",
+    "regroup_by_local_expert",
+    "sort_by_expert",
+]
+
+
+def sort_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Order the T*K routed copies by expert, stably (ties keep token order).
+
+    Returns:
+        ``order_N``: flat copy indices (``t * K + k``) in expert order; the copy's token is ``order_N // K``.
+        ``counts_E``: copies per expert (int64, on the ids' device), computed without a host sync.
+    """
+    ids_N = topk_ids_TK.reshape(-1)
+    sorted_ids_N, order_N = torch.sort(ids_N, stable=True)
+    # searchsorted gives each expert's first position in the sorted ids; bincount would sync on CUDA.
+    bounds = torch.arange(num_experts + 1, device=ids_N.device, dtype=sorted_ids_N.dtype)
+    counts_E = torch.diff(torch.searchsorted(sorted_ids_N, bounds)).to(torch.int64)
+    return order_N, counts_E
+
+
+def inverse_permutation(perm_N: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[perm[i]] = i``, so ``a[perm][inv] == a``."""
+    inv_N = torch.empty_like(perm_N)
+    inv_N[perm_N] = torch.arange(perm_N.numel(), device=perm_N.device, dtype=perm_N.dtype)
+    return inv_N
+
+
+def regroup_by_local_expert(recv_counts_SEl: torch.Tensor, num_rows: int) -> torch.Tensor | None:
+    """Permutation taking received rows from (source, local expert) order to (local expert, source) order.
+
+    Args:
+        recv_counts_SEl: ``[S, El]`` rows received from each source for each local expert (device tensor).
+        num_rows: the total ``R`` (known on the host; passing it spares repeat_interleave a sync).
+
+    Returns:
+        ``perm_R`` such that ``rows[perm_R]`` is grouped by local expert, sources in order within each; None
+        when there is one source: its rows already come grouped by local expert (no gather needed).
+    """
+    S, El = recv_counts_SEl.shape
+    if S == 1:
+        return None
+    expert_of_block = torch.arange(El, device=recv_counts_SEl.device).repeat(S)
+    expert_of_row_R = torch.repeat_interleave(expert_of_block, recv_counts_SEl.reshape(-1), output_size=num_rows)
+    return torch.sort(expert_of_row_R, stable=True)[1]
+
+
+class _ExpandRows(torch.autograd.Function):
+    """``x_TD[order_N // K]``: each token copied K times, in expert order; backward adds the K copies' grads."""
+
+    @staticmethod
+    def forward(ctx, x_TD, order_N, inv_N, K: int, kernels: Kernels):  # noqa: D102
+        ctx.save_for_backward(inv_N)
+        ctx.K, ctx.kernels = K, kernels
+        return kernels.expand_rows(x_TD, order_N, K)
+
+    @staticmethod
+    def backward(ctx, grad_ND):  # noqa: D102
+        (inv_N,) = ctx.saved_tensors
+        # back to copy order t*K+k, then the K copies of token t are adjacent: a sum, no scatter.
+        return ctx.kernels.gather_sum(grad_ND.contiguous(), inv_N, ctx.K), None, None, None, None
+
+
+def expand_rows(x_TD: torch.Tensor, order_N: torch.Tensor, inv_N: torch.Tensor, K: int, kernels: Kernels):
+    """``x_sorted_ND = x_TD[order_N // K]`` under autograd (see :func:`sort_by_expert`); ``inv_N`` is the inverse
+    of ``order_N``, used by the backward."""
+    return _ExpandRows.apply(x_TD, order_N, inv_N, K, kernels)
+
+
+class _Combine(torch.autograd.Function):
+    """``Σ_k w_tk · y_sorted[inv[t*K+k]]`` in float32, each direction one fused gather-and-arithmetic kernel
+    (compiled or triton kernels) instead of a permutation gather followed by the weighted sum."""
+
+    @staticmethod
+    def forward(ctx, y_sorted_ND, w_TK, order_N, inv_N, kernels: Kernels):  # noqa: D102
+        ctx.save_for_backward(y_sorted_ND, w_TK, order_N, inv_N)
+        ctx.kernels = kernels
+        return kernels.unsort_weighted_sum(y_sorted_ND, inv_N, w_TK)
+
+    @staticmethod
+    def backward(ctx, g_TD):  # noqa: D102
+        y_sorted_ND, w_TK, order_N, inv_N = ctx.saved_tensors
+        need_gy, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gy, gw = ctx.kernels.combine_backward(g_TD.contiguous(), y_sorted_ND, order_N, inv_N, w_TK, need_gy, need_gw)
+        return gy, None if gw is None else gw.to(w_TK.dtype), None, None, None
+
+
+def combine(
+    y_sorted_ND: torch.Tensor,
+    order_N: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    inv_N: torch.Tensor,
+    kernels: Kernels,
+) -> torch.Tensor:
+    """Un-sort the expert outputs and add each token's K copies, weighted, in float32.
+
+    Returns:
+        ``y_TD`` in float32.
+    """
+    return _Combine.apply(y_sorted_ND, topk_weights_TK, order_N, inv_N, kernels)
+
+
+class _PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RD, perm_R, inv_R):  # noqa: D102
+        ctx.save_for_backward(inv_R)
+        return x_RD.index_select(0, perm_R)
+
+    @staticmethod
+    def backward(ctx, grad_RD):  # noqa: D102
+        (inv_R,) = ctx.saved_tensors
+        return grad_RD.index_select(0, inv_R), None, None
+
+
+def permute_rows(x_RD: torch.Tensor, perm_R: torch.Tensor, inv_R: torch.Tensor) -> torch.Tensor:
+    """``x_RD[perm_R]`` under autograd, whose backward gathers through ``inv_R`` (the inverse of ``perm_R``)."""
+    return _PermuteRows.apply(x_RD, perm_R, inv_R)

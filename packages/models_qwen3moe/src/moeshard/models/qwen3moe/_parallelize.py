@@ -1,0 +1,198 @@
+"""Parallelising Qwen3-MoE for training: one function, one fixed order, options passed in.
+
+    meshes = build_meshes(ep_size=2)                       # under torchrun (or fake_process_group to plan)
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(get_preset_config("qwen3-30b-a3b"))
+    par = parallelize(model, meshes, ParallelOptions(compile=True, ep=EPOptions(kernels="triton")))
+    model.to_empty(device="cuda")
+    load_hf_weights(model, "/ckpt/Qwen3-30B-A3B")          # or torch.manual_seed(s); model.init_weights()
+
+Needs the ``parallel`` extra (moeshard-meshes, moeshard-fsdp-moe, moeshard-prefetch), imported only when
+:func:`parallelize` runs: the model itself needs none of them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from moeshard.ep import EPInfo, EPOptions
+from moeshard.models.qwen3moe.model import Qwen3MoeForCausalLM
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from moeshard.fsdp_moe import FSDPUnits
+    from moeshard.meshes import ParallelMeshes
+    from moeshard.prefetch import PrefetchSchedule
+
+__all__ = ["ParallelOptions", "Parallelized", "parallelize"]
+
+PARAM_DTYPES = ("auto", "float32", "bfloat16")
+"""Values of :attr:`ParallelOptions.param_dtype`: ``auto`` is bfloat16 on CUDA, float32 elsewhere."""
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """How :func:`parallelize` parallelises the model; each field is validated on construction (``ValueError``).
+
+    Attributes:
+        ep: the expert-parallel options (dispatch strategy, kernel tier, expert GEMM, SM carve-out) given to
+            ``moeshard.ep.apply_ep``.
+        compile: ``torch.compile`` each decoder layer's ``attention_half`` (norms, projections, RoPE, attention,
+            residual: one graph, shared by all layers) and the LM head's loss chunk (rows dynamic).
+        activation_checkpointing: recompute each decoder layer in backward (FQNs unchanged).
+        param_dtype: the compute dtype: ``auto`` (bfloat16 on CUDA, float32 elsewhere), ``float32`` or
+            ``bfloat16``; master weights and gradient reduction stay float32.
+        reshard_after_forward: free each unit's gathered parameters after its forward (gather again in backward).
+        prefetch_depth: units each stage prefetches ahead (forward) and behind (backward); 0 keeps FSDP's default
+            order.
+        prefetch_at_host_sync: with EP > 1 and ``prefetch_depth`` > 0, issue the next layer's all-gathers at each
+            MoE layer's device->host sync instead of in the layer's pre-forward (the same prefetches, issued while
+            the host would otherwise wait); ignored otherwise.
+    """
+
+    ep: EPOptions = field(default_factory=EPOptions)
+    compile: bool = False
+    activation_checkpointing: bool = False
+    param_dtype: str = "auto"
+    reshard_after_forward: bool = True
+    prefetch_depth: int = 1
+    prefetch_at_host_sync: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ep, EPOptions):
+            raise ValueError(f"ParallelOptions.ep={self.ep!r} is not allowed: a moeshard.ep.EPOptions")
+        for name in ("compile", "activation_checkpointing", "reshard_after_forward", "prefetch_at_host_sync"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"ParallelOptions.{name}={value!r} is not allowed: True or False")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"ParallelOptions.param_dtype={self.param_dtype!r} is not one of {PARAM_DTYPES}")
+        depth = self.prefetch_depth
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+            raise ValueError(
+                f"ParallelOptions.prefetch_depth={depth!r} is not allowed: an int >= 0 (0 = FSDP's default order)"
+            )
+
+    def describe(self) -> list[str]:
+        """The options as lines for ``plan``, e.g. ``compile: attention half of each decoder layer, loss chunk``."""
+        dtype = {"auto": "auto (bfloat16 on CUDA, float32 elsewhere)"}.get(self.param_dtype, self.param_dtype)
+        if self.prefetch_depth == 0:
+            prefetch = "off (FSDP's default order)"
+        else:
+            where = "at each MoE layer's host sync when EP > 1" if self.prefetch_at_host_sync else "in pre-forward"
+            prefetch = f"depth {self.prefetch_depth}, forward prefetch issued {where}"
+        return [
+            f"ep: {self.ep.describe()}",
+            "compile: " + ("attention half of each decoder layer, loss chunk" if self.compile else "off"),
+            "activation checkpointing: " + ("each decoder layer" if self.activation_checkpointing else "off"),
+            f"param dtype: {dtype}; master weights and gradient reduction float32",
+            f"reshard after forward: {self.reshard_after_forward}",
+            f"prefetch: {prefetch}",
+        ]
+
+
+@dataclass
+class Parallelized:
+    """What :func:`parallelize` did.
+
+    Attributes:
+        units: the FSDP units in forward order (``moeshard.fsdp_moe.shard_model``).
+        schedule: the applied prefetch schedule, or None with ``prefetch_depth`` 0.
+        ep_info: the EP metadata ``moeshard.ep.apply_ep`` recorded (experts held, global shapes).
+        options: the options it was given.
+    """
+
+    units: FSDPUnits
+    schedule: PrefetchSchedule | None
+    ep_info: EPInfo | None
+    options: ParallelOptions
+
+
+def parallelize(
+    model: Qwen3MoeForCausalLM, meshes: ParallelMeshes, options: ParallelOptions = ParallelOptions()
+) -> Parallelized:
+    """Apply expert parallelism, activation checkpointing, compilation, FSDP2 and prefetching, in that order.
+
+    Why this order:
+
+    1. **EP** (``moeshard.ep.apply_ep``) first: it slices the expert tensors to this rank's experts and installs
+       each MoE layer's dispatcher, and it must see the model's own FQNs and plain (not yet DTensor) parameters.
+       Everything after works on the EP-local experts (FSDP shards those again, on dim 1).
+    2. **Activation checkpointing** of each decoder layer call (the model's flag: no wrapper module, FQNs kept).
+    3. **Compile**: ``layer.attention_half = torch.compile(layer.attention_half)`` on each decoder layer (an
+       instance attribute: FQNs and the state dict unchanged) and ``moeshard.ep.compile_rows_dynamic`` on the
+       head's loss chunk. Nothing compiles until the first forward. The compiled region lies inside the layer's
+       forward, so FSDP's hooks (after step 4) run outside it and it sees plain gathered parameters; under
+       checkpointing the recomputation runs the compiled graph again. The MoE half stays eager: it syncs with
+       the host (split sizes), where a graph would break anyway.
+    4. **FSDP2** (``moeshard.fsdp_moe.shard_model``), bottom-up: experts on ``meshes.ep_fsdp`` (dim 1), then
+       each unit and the root on ``meshes.fsdp``, with the mixed-precision policy of ``options.param_dtype``. It
+       needs the EP metadata of step 1.
+    5. **Prefetch** last, over the units of step 4 (``moeshard.prefetch.build_schedule`` / ``apply_schedule``;
+       with EP > 1 and ``prefetch_at_host_sync`` the forward prefetches are issued at each MoE layer's host sync,
+       through ``moeshard.ep.add_host_sync_hook(model, ...)``).
+
+    It does not materialise or load weights: a model built on ``meta`` stays there (so ``plan`` can build any
+    world size with the fake backend). Then ``model.to_empty(device=...)`` and ``load_hf_weights(model, path)``,
+    or ``torch.manual_seed(s); model.init_weights()``.
+
+    Args:
+        model: a :class:`Qwen3MoeForCausalLM` without EP or FSDP applied, on ``meta`` or materialised.
+        meshes: ``moeshard.meshes.build_meshes(ep_size=...)`` of this job.
+        options: see :class:`ParallelOptions`.
+
+    Returns:
+        The FSDP units, the prefetch schedule, the EP metadata and the options (:class:`Parallelized`).
+
+    Raises:
+        TypeError: ``model`` is not a :class:`Qwen3MoeForCausalLM` or ``options`` not a :class:`ParallelOptions`.
+        ValueError: from ``apply_ep`` / ``shard_model`` (EP or FSDP already applied, an EP size that does not
+            divide the experts, meshes of another world, ...).
+    """
+    from moeshard.ep import add_host_sync_hook, apply_ep, compile_rows_dynamic
+    from moeshard.fsdp_moe import shard_model
+    from moeshard.prefetch import apply_schedule, build_schedule, prefetch_forward_at_host_sync
+
+    if not isinstance(model, Qwen3MoeForCausalLM):
+        raise TypeError(f"parallelize takes a Qwen3MoeForCausalLM, got {type(model).__name__}")
+    if not isinstance(options, ParallelOptions):
+        raise TypeError(f"options must be a ParallelOptions, got {type(options).__name__}")
+
+    ep_info = apply_ep(model, model.get_parallel_plan(), meshes.ep if meshes.ep_size > 1 else None, options.ep)
+    if options.activation_checkpointing:
+        model.enable_activation_checkpointing()
+    if options.compile:
+        for layer in model.model.layers:
+            # At the call site, from outside (the bound method, compiled): every layer shares one graph.
+            layer.attention_half = torch.compile(layer.attention_half)
+        # The row count varies (the last chunk), the vocabulary width never does.
+        model.lm_head.chunk_loss = compile_rows_dynamic(model.lm_head.chunk_loss)
+    units = shard_model(
+        model,
+        meshes,
+        mp_policy=_mp_policy(options.param_dtype, meshes.device_type),
+        reshard_after_forward=options.reshard_after_forward,
+    )
+    schedule = None
+    if options.prefetch_depth > 0:
+        schedule = build_schedule(units.stages, depth=options.prefetch_depth)
+        apply_schedule(schedule)
+        if options.prefetch_at_host_sync and meshes.ep_size > 1:
+            prefetch_forward_at_host_sync(schedule, functools.partial(add_host_sync_hook, model))
+    return Parallelized(units=units, schedule=schedule, ep_info=ep_info, options=options)
+
+
+def _mp_policy(param_dtype: str, device_type: str) -> MixedPrecisionPolicy:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from moeshard.fsdp_moe import default_mp_policy
+
+    if param_dtype == "auto":
+        return default_mp_policy(device_type)
+    # An explicit dtype is the compute dtype; master weights and gradient reduction stay float32.
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)

@@ -1,0 +1,69 @@
+"""The decoder layer is plain PyTorch: forward = attention_half then the MLP, and the two things ``parallelize``
+compiles (a layer's ``attention_half``, the head's ``chunk_loss``) are instance attributes it may replace."""
+
+import pytest
+import torch
+
+from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, get_preset_config
+from moeshard.models.qwen3moe.fused_loss import ce_chunk
+from moeshard.models.qwen3moe.moe import SparseMoeBlock
+
+
+def _model() -> Qwen3MoeForCausalLM:
+    model = Qwen3MoeForCausalLM(get_preset_config("tiny", num_hidden_layers=2, mlp_only_layers=[1]))
+    model.init_weights(torch.Generator().manual_seed(1))
+    return model
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_attention_half_then_mlp_is_the_layer(padded):
+    from moeshard.models.qwen3moe.layers import build_attention_mask
+
+    torch.manual_seed(0)
+    model = _model()
+    b, s = 2, 12
+    x_BSD = torch.randn(b, s, model.config.hidden_size)
+    mask_BS = torch.ones(b, s, dtype=torch.long)
+    if padded:
+        mask_BS[1, :3] = 0
+    mask = build_attention_mask(mask_BS, s)
+    cos, sin = model.model.rotary_emb(torch.arange(s)[None], x_BSD.dtype)
+    for layer in model.model.layers:
+        x_half, h_half = layer.attention_half(x_BSD, cos, sin, mask)
+        x_ref = x_BSD + layer.self_attn(layer.input_layernorm(x_BSD), cos, sin, mask)
+        assert torch.equal(x_half, x_ref)
+        assert torch.equal(h_half, layer.post_attention_layernorm(x_ref))
+        out, logits = layer(x_BSD, cos, sin, mask)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            y, ref_logits = layer.mlp(h_half)
+            assert torch.equal(logits, ref_logits)
+        else:
+            y = layer.mlp(h_half)
+            assert logits is None
+        assert torch.equal(out, x_half + y)
+
+
+def test_instance_attributes_replace_the_compiled_parts_and_keep_fqns():
+    torch.manual_seed(0)
+    model = _model()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    ref = model(ids, labels=ids, return_logits=False).loss
+    keys = list(model.state_dict())
+    calls = {"attention_half": 0, "chunk_loss": 0}
+
+    def counting(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+
+        return call
+
+    for layer in model.model.layers:
+        layer.attention_half = counting("attention_half", layer.attention_half)
+    model.lm_head.chunk_loss = counting("chunk_loss", model.lm_head.chunk_loss)
+    assert type(model.lm_head).chunk_loss is ce_chunk  # the class default is untouched
+    loss = model(ids, labels=ids, return_logits=False).loss
+    assert calls == {"attention_half": 2, "chunk_loss": 1}
+    assert torch.equal(loss, ref)
+    assert list(model.state_dict()) == keys
+    assert [n for n, _ in model.named_parameters()] == keys

@@ -1,0 +1,266 @@
+"""parallelize: its options, the plan it builds at world 16 (fake backend, meta model), and its numbers on gloo.
+
+Gloo runs compare with one process: the loss and every gradient after ``parallelize`` (2 nodes x 2 ranks, EP 2)
+equal the plain model's on the global batch, and the compiled model (``compile=True``) equals the eager one and
+compiles once, not every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor, Shard
+
+import moeshard.ep
+import moeshard.fsdp_moe
+from moeshard.ep import EPOptions
+from moeshard.meshes import build_meshes, fake_process_group
+from moeshard.meshes.testing import run_distributed
+from moeshard.models.qwen3moe import (
+    Parallelized,
+    ParallelOptions,
+    Qwen3MoeForCausalLM,
+    load_hf_config,
+    load_hf_weights,
+    parallelize,
+)
+from moeshard.models.qwen3moe.fused_loss import ce_chunk
+
+# ---- options ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("ep", "overlapped"),
+        ("compile", 1),
+        ("activation_checkpointing", "yes"),
+        ("param_dtype", "float16"),
+        ("param_dtype", torch.bfloat16),
+        ("reshard_after_forward", None),
+        ("prefetch_depth", -1),
+        ("prefetch_depth", 1.0),
+        ("prefetch_depth", True),
+        ("prefetch_at_host_sync", 0),
+    ],
+)
+def test_options_refuse_bad_values_naming_the_field(name, value):
+    with pytest.raises(ValueError, match=rf"ParallelOptions\.{name}="):
+        ParallelOptions(**{name: value})
+
+
+def test_options_are_frozen_and_describe_themselves():
+    default = ParallelOptions()
+    with pytest.raises(AttributeError):
+        default.compile = True  # type: ignore[misc]
+    lines = default.describe()
+    assert lines[0] == f"ep: {EPOptions().describe()}"
+    assert "compile: off" in lines and "activation checkpointing: off" in lines
+    assert any(line.startswith("prefetch: depth 1") and "host sync" in line for line in lines)
+    text = "\n".join(
+        ParallelOptions(
+            ep=EPOptions(dispatch="all_to_all"),
+            compile=True,
+            activation_checkpointing=True,
+            param_dtype="bfloat16",
+            prefetch_depth=0,
+        ).describe()
+    )
+    for part in ("dispatch=all_to_all", "compile: attention half", "each decoder layer", "bfloat16", "prefetch: off"):
+        assert part in text
+
+
+# ---- the plan at world 16 (fake backend, nothing materialised) --------------------------------------------------
+
+_OPTIONS = {
+    "defaults": ParallelOptions(),
+    "everything": ParallelOptions(
+        compile=True,
+        activation_checkpointing=True,
+        param_dtype="bfloat16",
+        reshard_after_forward=False,
+        prefetch_depth=2,
+    ),
+    "no-prefetch": ParallelOptions(prefetch_depth=0),
+    "prefetch-in-pre-forward": ParallelOptions(prefetch_at_host_sync=False),
+}
+
+
+def _spy(monkeypatch, module, name: str, calls: list):
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+
+
+@pytest.mark.parametrize("ep", [1, 4, 8])
+@pytest.mark.parametrize("which", list(_OPTIONS))
+@pytest.mark.filterwarnings("ignore:DTensor random operators")
+def test_plan_at_world_16(tiny_hf_config, monkeypatch, ep, which):
+    options = _OPTIONS[which]
+    config = tiny_hf_config()  # 3 layers, layer 1 dense; 8 experts, D 64, F 32
+    host_sync_hooks, shard_calls = [], []
+    _spy(monkeypatch, moeshard.ep, "add_host_sync_hook", host_sync_hooks)
+    _spy(monkeypatch, moeshard.fsdp_moe, "shard_model", shard_calls)
+    with fake_process_group(16, rank=13):
+        meshes = build_meshes(ep_size=ep, ranks_per_node=8, device_type="cpu")  # 2 nodes x 8
+        with torch.device("meta"):
+            model = Qwen3MoeForCausalLM(config)
+        keys = list(model.state_dict())
+        par = parallelize(model, meshes, options)
+
+        assert isinstance(par, Parallelized) and par.options is options
+        assert (par.ep_info.ep_size, par.ep_info.ep_rank) == (ep, 13 % ep)
+        assert list(model.state_dict()) == keys  # FQNs unchanged by every step
+        ep_fsdp = 16 // ep
+        for name, param in model.named_parameters():
+            assert isinstance(param, DTensor) and param.to_local().device.type == "meta", name
+            if ".mlp.experts." in name:
+                global_shape = (8 // ep, 64, 64) if name.endswith("gate_up_proj") else (8 // ep, 64, 32)
+                assert param.device_mesh.mesh_dim_names == ("ep_fsdp",) and param.placements == (Shard(1),)
+                assert tuple(param.shape) == global_shape, name
+                assert tuple(param.to_local().shape) == (8 // ep, 64 // ep_fsdp, global_shape[2]), name
+            else:
+                assert param.device_mesh.mesh_dim_names == ("fsdp",) and param.placements == (Shard(0),), name
+
+        stages = [[fqn for fqn, _ in stage.modules] for stage in par.units.stages]
+        assert stages == [
+            ["model.embed_tokens"],
+            ["model.layers.0", "model.layers.0.mlp.experts"],
+            ["model.layers.1"],
+            ["model.layers.2", "model.layers.2.mlp.experts"],
+            ["lm_head"],
+        ]
+        (_, shard_kwargs), *more = shard_calls
+        assert not more
+        dtype = {"auto": None, "bfloat16": torch.bfloat16}[options.param_dtype]
+        expected_mp = MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(dtype, torch.float32)
+        assert shard_kwargs == {"mp_policy": expected_mp, "reshard_after_forward": options.reshard_after_forward}
+
+        if options.prefetch_depth:
+            assert par.schedule.depth == options.prefetch_depth and len(par.schedule.stages) == 5
+        else:
+            assert par.schedule is None
+        at_sync = ep > 1 and options.prefetch_depth > 0 and options.prefetch_at_host_sync
+        assert [args[0] for args, _ in host_sync_hooks] == ([model] if at_sync else [])
+
+        assert model.model.activation_checkpointing == options.activation_checkpointing
+        for layer in model.model.layers:
+            assert ("attention_half" in vars(layer)) == options.compile  # an instance attribute, from outside
+        assert ("chunk_loss" in vars(model.lm_head)) == options.compile
+        assert type(model.lm_head).chunk_loss is ce_chunk
+
+        with pytest.raises(ValueError):
+            parallelize(model, meshes, options)  # once per model
+
+
+def test_parallelize_refuses_what_it_cannot_parallelize(tiny_hf_config):
+    with fake_process_group(2):
+        meshes = build_meshes(ep_size=1, device_type="cpu")
+        with pytest.raises(TypeError, match="Qwen3MoeForCausalLM"):
+            parallelize(torch.nn.Linear(2, 2), meshes)
+        with torch.device("meta"):
+            model = Qwen3MoeForCausalLM(tiny_hf_config())
+        with pytest.raises(TypeError, match="ParallelOptions"):
+            parallelize(model, meshes, {"compile": True})
+
+
+# ---- numbers on gloo ------------------------------------------------------------------------------------------
+
+
+def _parallel_step(path, ids_RBS, options):
+    """One rank: parallelize the meta model, load the checkpoint, forward and backward this rank's sequences."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    meshes = build_meshes(ep_size=2, device_type="cpu")
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(load_hf_config(path))
+    par = parallelize(model, meshes, options)
+    model.to_empty(device="cpu")
+    load_hf_weights(model, path)
+    # This rank's share of the global mean (FSDP averages over ranks): its summed loss / (N_global / world).
+    n_global = ids_RBS.shape[0] * ids_RBS.shape[1] * (ids_RBS.shape[2] - 1)
+    ids = ids_RBS[rank]
+    loss = model(ids, labels=ids, num_items_in_batch=n_global / world, output_router_logits=False).loss
+    loss.backward()
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    experts = {fqn: (m.expert_start, m.expert_end) for fqn, m in par.ep_info.params.items()}
+    return loss.detach(), grads, experts
+
+
+@pytest.mark.parametrize(
+    "options",
+    [ParallelOptions(), ParallelOptions(activation_checkpointing=True, reshard_after_forward=False, prefetch_depth=2)],
+    ids=["defaults", "checkpointing"],
+)
+def test_two_nodes_of_two_at_ep_2_equal_one_process(hf_dir, options):
+    ids_RBS = torch.randint(1, 512, (4, 2, 10), generator=torch.Generator().manual_seed(3))
+    ref = Qwen3MoeForCausalLM.from_pretrained(hf_dir)
+    all_ids = ids_RBS.reshape(-1, ids_RBS.shape[-1])
+    ref_loss = ref(all_ids, labels=all_ids, output_router_logits=False).loss
+    ref_loss.backward()
+    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    results = run_distributed(_parallel_step, 4, hf_dir, ids_RBS, options, ranks_per_node=2)
+    torch.testing.assert_close(sum(loss for loss, _, _ in results) / 4, ref_loss, rtol=0, atol=1e-5)
+    for _, grads, experts in results:
+        assert grads.keys() == ref_grads.keys()
+        for name, grad in grads.items():
+            expected = ref_grads[name]
+            if name in experts:
+                start, end = experts[name]
+                expected = expected[start:end]
+            torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _compiled_and_eager(path, ids_RSBS):
+    """One rank of 2 (EP 2: experts kept out of FSDP): three steps eager, then compiled, then compiled with
+    activation checkpointing (the recomputation runs the compiled graph), same data."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    rank = dist.get_rank()
+    meshes = build_meshes(ep_size=2, device_type="cpu")
+    out = {}
+    for name, options in (
+        ("eager", ParallelOptions()),
+        ("compiled", ParallelOptions(compile=True)),
+        ("compiled+checkpointing", ParallelOptions(compile=True, activation_checkpointing=True)),
+    ):
+        with torch.device("meta"):
+            model = Qwen3MoeForCausalLM(load_hf_config(path))
+        parallelize(model, meshes, options)
+        model.to_empty(device="cpu")
+        load_hf_weights(model, path)
+        losses, graphs = [], []
+        for ids in ids_RSBS[rank]:
+            model.zero_grad()
+            loss = model(ids, labels=ids, return_logits=False).loss  # the head's chunk loss too
+            loss.backward()
+            losses.append(loss.detach())
+            graphs.append(counters["stats"]["unique_graphs"])
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        out[name] = (losses, grads, graphs)
+    return out
+
+
+def test_compiled_equals_eager_and_compiles_once(hf_dir):
+    ids_RSBS = torch.randint(1, 512, (2, 3, 2, 10), generator=torch.Generator().manual_seed(4))
+    for out in run_distributed(_compiled_and_eager, 2, hf_dir, ids_RSBS, timeout=600):
+        eager_losses, eager_grads, eager_graphs = out["eager"]
+        assert eager_graphs == [0, 0, 0]  # nothing compiles without compile=True
+        # One graph for every layer's attention half, one for the loss chunk; none added after the first step.
+        assert out["compiled"][2] == [2, 2, 2], out["compiled"][2]
+        checkpointed_graphs = out["compiled+checkpointing"][2]
+        assert checkpointed_graphs[0] == checkpointed_graphs[2], checkpointed_graphs
+        for variant in ("compiled", "compiled+checkpointing"):
+            losses, grads, _ = out[variant]
+            torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=1e-5, atol=1e-5)
+            for name, grad in grads.items():
+                torch.testing.assert_close(
+                    grad, eager_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=f"{variant} {name}": f"{n}: {m}"
+                )
