@@ -1,97 +1,150 @@
-"""Sessions: one per package (installs it with its internal dependencies, runs its tests), ``all`` (everything,
-top-level ``tests/`` included: what CI runs), ``lint`` (ruff).
+"""Sessions: one per package, ``cross`` (the tests that need several packages), ``all``, ``lint``, ``job``, ``build``,
+``release_check``, ``public_api``.
 
-    python3 -m pip install nox && python3 -m nox -s all
-    python3 -m nox -s meshes            # one package
-    MOESHARD_TORCH="torch==2.11.0" python3 -m nox -s ep   # another torch (>= 2.11 supported)
+    python3 -m pip install 'nox>=2024.4' && python3 -m nox   # what CI runs: lint, each package alone, cross
+    python3 -m nox -s ep                                       # one package
+    python3 -m nox -s all                                      # everything in one venv, every test folder
+    MOESHARD_TORCH="torch==2.11.0" python3 -m nox -s ep       # another torch (>= 2.11 supported)
 
-Virtual environments are reused between runs (``--no-reuse-existing-virtualenvs`` for a fresh one).
+A package's session installs exactly that package, what its ``pyproject.toml`` declares and its ``test`` extra, so
+a test that imports something undeclared fails there. The moeshard packages it declares are installed editable
+from this tree, so its version ranges must accept their versions here. Tests that need a package their own package
+does not declare live in the top-level ``tests/`` and run in ``cross``, which installs everything.
+
+Virtual environments are reused between runs (``--no-reuse-existing-virtualenvs`` for a fresh one); pass pytest
+arguments after ``--`` (``python3 -m nox -s ep -- -k dispatch``).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import nox
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
+ROOT = Path(__file__).resolve().parent
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "all"]  # `job` runs the main job
 
 # The CPU build of torch; an open range could pull a multi-GB CUDA build from PyPI.
 TORCH = os.environ.get("MOESHARD_TORCH", "torch==2.13.0")
-TEST_DEPS = ["pytest>=8", "pytest-timeout>=2.3"]
-# moeshard.ep's triton kernels are checked on CPU under triton's interpreter (CUDA builds of torch bring triton).
+# A CUDA build of torch brings the triton it was built with; a CPU build brings none, and a test extra's open
+# `triton` requirement would take the newest release. This is the one torch 2.13 was built with.
 TRITON = os.environ.get("MOESHARD_TRITON", "triton==3.6.0")
+# Byte-compiling all of torch at install time doubles the install; modules compile when first imported instead.
+PIP_ARGS = ["--no-compile"]
+# pytest's summary names every skipped test with its reason, and the slowest tests.
+PYTEST_ARGS = ["-rfEs", "--durations=15"]
 
-# package folder -> the internal packages it needs (in install order), and extra test-only needs.
-PACKAGES: dict[str, tuple[list[str], list[str]]] = {
-    "meshes": (["packages/meshes"], []),
-    "ep": (["packages/meshes", "packages/ep"], []),
-    "fsdp_moe": (
-        ["packages/meshes", "packages/ep", "packages/fsdp_moe", "packages/models_qwen3moe"],
-        [],  # tests compare against the model package and transformers
-    ),
-    "prefetch": (
-        ["packages/meshes", "packages/ep", "packages/fsdp_moe", "packages/prefetch", "packages/models_qwen3moe"],
-        [],
-    ),
-    "qwen3moe": (["packages/meshes", "packages/ep", "packages/models_qwen3moe"], []),
-    "train": (
-        [
-            "packages/meshes",
-            "packages/ep",
-            "packages/fsdp_moe",
-            "packages/prefetch",
-            "packages/models_qwen3moe",
-            "apps/train",
-        ],
-        [],
-    ),
+# session name -> the package's folder (its tests are <folder>/tests); every folder under packages/ and apps/ has one
+# (tests/test_noxfile.py checks), dependencies before their dependents.
+PACKAGES = {
+    "meshes": "packages/meshes",
+    "ep": "packages/ep",
+    "fsdp_moe": "packages/fsdp_moe",
+    "prefetch": "packages/prefetch",
+    "qwen3moe": "packages/models_qwen3moe",
+    "data": "packages/data",
+    "train": "apps/train",
 }
-TEST_DIRS = {
-    "meshes": ["packages/meshes/tests"],
-    "ep": ["packages/ep/tests"],
-    "fsdp_moe": ["packages/fsdp_moe/tests"],
-    "prefetch": ["packages/prefetch/tests"],
-    "qwen3moe": ["packages/models_qwen3moe/tests"],
-    "train": ["apps/train/tests"],
-}
+# What the cross-package tests need beyond every package and its `test` extra (tests/test_releases.py,
+# tests/test_noxfile.py).
+CROSS_TEST_DEPS = ["packaging>=23", "nox>=2024.4"]
+# `python3 -m nox` without -s: what CI runs (.ci/run, README "Run all tests").
+nox.options.sessions = ["lint", *PACKAGES, "cross"]
 
 
-def _install(session: nox.Session, paths: list[str], extra: list[str]) -> None:
-    session.install(TORCH)
-    session.install(*TEST_DEPS, *extra)
-    editable = [arg for p in paths for arg in ("-e", p)]
-    session.install(*editable)
-    if "packages/ep" in paths:
-        # optional: without it the triton kernel tests skip (and say so) instead of failing the session
-        session.run("python", "-m", "pip", "install", "-q", TRITON, success_codes=[0, 1])
+def _project(folder: str) -> dict:
+    return nox.project.load_toml(ROOT / folder / "pyproject.toml")["project"]
+
+
+def _requirements(folder: str, extras: tuple[str, ...]) -> list[Requirement]:
+    """What ``folder`` declares with ``extras``; an extra may name the package's own other extras."""
+    project = _project(folder)
+    name = canonicalize_name(project["name"])
+    reqs, todo, seen = [Requirement(r) for r in project.get("dependencies", [])], list(extras), set()
+    while todo:
+        extra = todo.pop()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for r in map(Requirement, project.get("optional-dependencies", {}).get(extra, [])):
+            if canonicalize_name(r.name) == name:
+                todo += sorted(r.extras)
+            else:
+                reqs.append(r)
+    return reqs
+
+
+def _internal_closure(folder: str, extras: tuple[str, ...] = ("test",)) -> list[str]:
+    """The folders of the moeshard packages that ``folder`` declares with ``extras``, recursively (with the extras
+    each requirement names, ``moeshard-x[parallel]``), dependencies first, ``folder`` itself last."""
+    by_name = {canonicalize_name(_project(f)["name"]): f for f in PACKAGES.values()}
+    order: list[str] = []
+
+    def visit(f: str, wanted: tuple[str, ...], path: tuple[str, ...]) -> None:
+        if f in path:
+            raise ValueError(f"dependency cycle: {' -> '.join((*path, f))}")
+        for r in _requirements(f, wanted):
+            dep = by_name.get(canonicalize_name(r.name))
+            if dep is not None:
+                visit(dep, tuple(sorted(r.extras)), (*path, f))
+        if f not in order:
+            order.append(f)
+
+    visit(folder, extras, ())
+    return order
+
+
+def _install(session: nox.Session, folders: list[str], with_test_extra: list[str]) -> None:
+    """The pinned torch first, then ``folders`` editable in one resolve (``with_test_extra`` with their ``test``
+    extra): each moeshard requirement resolves to this tree's folder, the rest to the index."""
+    session.install(*PIP_ARGS, TORCH)
+    if any(r.name == "triton" for f in with_test_extra for r in _requirements(f, ("test",))):
+        probe = "import importlib.util; print(importlib.util.find_spec('triton') is not None)"
+        found = session.run_install("python", "-c", probe, silent=True)  # None under --no-install
+        if found is not None and found.strip().endswith("False"):
+            session.install(*PIP_ARGS, TRITON)  # a CPU torch: the pinned one, not the newest (see TRITON)
+    editable = [a for f in folders for a in ("-e", f"{f}[test]" if f in with_test_extra else f)]
+    session.install(*PIP_ARGS, *editable)
 
 
 def _pytest(session: nox.Session, dirs: list[str]) -> None:
-    session.run("python", "-m", "pytest", *dirs, *session.posargs, env={"OMP_NUM_THREADS": "1"})
+    session.run("python", "-m", "pytest", *PYTEST_ARGS, *dirs, *session.posargs, env={"OMP_NUM_THREADS": "1"})
 
 
-def _make_package_session(name: str) -> None:
-    paths, extra = PACKAGES[name]
-
+def _make_package_session(name: str, folder: str) -> None:
     @nox.session(name=name)
     def _session(session: nox.Session) -> None:
-        _install(session, paths, extra)
-        _pytest(session, TEST_DIRS[name])
+        _install(session, _internal_closure(folder), with_test_extra=[folder])
+        _pytest(session, [f"{folder}/tests"])
 
-    _session.__doc__ = f"Install {name} with its internal dependencies and run its tests."
+    _session.__doc__ = f"{folder} alone: it, what it declares and its `test` extra; its tests."
 
 
-for _name in PACKAGES:
-    _make_package_session(_name)
+for _name, _folder in PACKAGES.items():
+    _make_package_session(_name, _folder)
+
+
+def _install_everything(session: nox.Session) -> None:
+    folders = list(PACKAGES.values())
+    _install(session, folders, with_test_extra=folders)
+    session.install(*CROSS_TEST_DEPS)
+
+
+@nox.session
+def cross(session: nox.Session) -> None:
+    """Every package with its `test` extra; the cross-package tests (top-level tests/)."""
+    _install_everything(session)
+    _pytest(session, ["tests"])
 
 
 @nox.session(name="all")
 def all_tests(session: nox.Session) -> None:
-    """Every package and the app installed together; all tests, top-level tests/ included."""
-    _install(session, PACKAGES["train"][0], [])
-    _pytest(session, [d for dirs in TEST_DIRS.values() for d in dirs] + ["tests"])
+    """Every package in one venv; every package's tests and tests/ (for developers: one venv, one run)."""
+    _install_everything(session)
+    _pytest(session, [f"{f}/tests" for f in PACKAGES.values()] + ["tests"])
 
 
 @nox.session
@@ -107,7 +160,7 @@ def job(session: nox.Session) -> None:
     """The main job on its embedded default: tiny Qwen3-MoE, 2 "nodes" x 2 CPU processes on localhost, EP 2."""
     import time
 
-    _install(session, PACKAGES["train"][0], [])
+    _install(session, _internal_closure(PACKAGES["train"], extras=()), with_test_extra=[])
     out = f"outputs/job-{time.strftime('%Y%m%d-%H%M%S')}"
     session.run(
         "moeshard-train",
@@ -143,5 +196,5 @@ def release_check(session: nox.Session) -> None:
 @nox.session
 def public_api(session: nox.Session) -> None:
     """Check each package's ``__all__``, docstrings and README list; ``-- write`` refreshes the README lists."""
-    _install(session, PACKAGES["train"][0], [])
+    _install_everything(session)
     session.run("python", "tools/public_api.py", *(session.posargs or ["check"]))

@@ -6,7 +6,8 @@
     # CPU smoke test of the plumbing (gloo, no kernels, so no all-gather time):
     torchrun --standalone --nproc-per-node 2 benchmarks/prefetch_profile.py --preset tiny --seq-len 64 --layers 4
 
-One model (8 layers by default, meta → EP → expert-aware FSDP2 → materialised), bf16 compute with fp32 master
+One model (8 layers by default, meta → ``parallelize`` without a prefetch schedule (EP → expert-aware FSDP2) →
+materialised), bf16 compute with fp32 master
 weights and fp32 gradient reduction, AdamW, micro-batch 1 × seq 4096 of random tokens. For each prefetch depth
 (0 = FSDP2's default, 1, 2) the schedule is applied to the same model, then: warm-up steps, timed steps (median),
 and profiled steps whose CUDA kernels give the exposed all-gather time (all-gather kernel time during which the
@@ -55,26 +56,23 @@ def init_distributed() -> torch.device:
 
 def build(args: argparse.Namespace, device: torch.device):
     """The sharded model, its FSDP stages, the optimizer and the vocab size."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    from moeshard.ep import apply_ep
-    from moeshard.fsdp_moe import shard_model
+    from moeshard.fsdp_moe import build_optimizer
     from moeshard.meshes import build_meshes
-    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, get_preset_config
+    from moeshard.models.qwen3moe import ParallelOptions, Qwen3MoeForCausalLM, get_preset_config, parallelize
 
     meshes = build_meshes(args.ep_size, device_type=device.type)
     config = get_preset_config(args.preset, num_hidden_layers=args.layers)
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(config)
-    apply_ep(model, model.get_parallel_plan(), meshes.ep)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
-    units = shard_model(model, meshes, mp_policy=mp)
+    # No schedule here (prefetch_depth 0): run_config applies each depth's schedule to this one model. Compute in
+    # bf16 on CUDA, float32 on CPU (param_dtype auto).
+    parallel = parallelize(model, meshes, ParallelOptions(prefetch_depth=0))
     model.to_empty(device=device)
     torch.manual_seed(0)
     model.init_weights()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=device.type == "cuda")
+    optim = build_optimizer(model, lr=1e-5)
     print0(meshes.describe())
-    return model, units.stages, optim, config.vocab_size, meshes
+    return model, parallel.units.stages, optim, config.vocab_size, meshes
 
 
 def sync(device: torch.device) -> None:

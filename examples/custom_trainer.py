@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 4 examples/custom_trainer.py --model /tmp/tiny/model --data /tmp/tiny/data.jsonl \
         --ep-size 2 --ranks-per-node 2 --losses /tmp/tiny/losses.json        # CPU: 4 gloo ranks as 2 nodes x 2
 
-Order of composition: meshes -> model on meta -> EP plan -> expert-aware FSDP2 -> prefetch -> weights -> loop.
+Order of composition: meshes -> model on meta -> ``parallelize`` (EP plan -> expert-aware FSDP2 -> prefetch) ->
+memory and weights -> ``build_optimizer`` -> the loop (zero_grad -> micro-batches forward/backward -> clip -> step).
 The loss is the mean over every label token of the global batch: each rank passes ``N_global / W`` as
 ``num_items_in_batch`` and FSDP averages gradients over the W ranks. Data order: step s trains on records
 s*B .. s*B+B-1 (B = global batch), rank r on its contiguous share, in micro-batches (gradient accumulation).
@@ -20,11 +21,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moeshard.ep import apply_ep
-from moeshard.fsdp_moe import clip_grad_norm_, num_items_for_global_mean, save_checkpoint, shard_model
+from moeshard.ep import EPOptions
+from moeshard.fsdp_moe import build_optimizer, num_items_for_global_mean, save_checkpoint
 from moeshard.meshes import build_meshes
-from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, load_hf_config, load_hf_weights
-from moeshard.prefetch import apply_schedule, build_schedule
+from moeshard.models.qwen3moe import (
+    ParallelOptions,
+    Qwen3MoeForCausalLM,
+    load_hf_config,
+    load_hf_weights,
+    parallelize,
+)
 
 IGNORE = -100
 
@@ -73,6 +79,7 @@ def main() -> None:
     p.add_argument("--ep-size", type=int, default=2)
     p.add_argument("--ranks-per-node", type=int, default=None, help="default: LOCAL_WORLD_SIZE")
     p.add_argument("--prefetch-depth", type=int, default=1)
+    p.add_argument("--dispatch", choices=("overlapped", "all_to_all"), default="overlapped", help="EP token exchange")
     p.add_argument("--losses", type=Path, default=None, help="write the per-step losses here (JSON)")
     p.add_argument("--checkpoint", type=Path, default=None, help="DCP checkpoint folder written at the end")
     args = p.parse_args()
@@ -89,25 +96,21 @@ def main() -> None:
     meshes = build_meshes(args.ep_size, device_type=device.type, ranks_per_node=args.ranks_per_node)
     print0(meshes.describe())
 
-    # 2. The model on meta (no memory), its EP plan, expert-aware FSDP2, the prefetch schedule.
+    # 2. The model on meta (no memory), parallelised in one call: experts sliced on dim 0 to this EP rank's share
+    # (EP), then FSDP2 (experts: dim 1 over ep_fsdp; the rest: dim 0 over all ranks), then the prefetch schedule.
     config = load_hf_config(args.model)
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(config)
-    apply_ep(model, model.get_parallel_plan(), meshes.ep)  # experts sliced on dim 0 to this EP rank's share
-    units = shard_model(model, meshes)  # experts: dim 1 over ep_fsdp; the rest: dim 0 over all ranks
-    apply_schedule(build_schedule(units.stages, depth=args.prefetch_depth))
+    options = ParallelOptions(ep=EPOptions(dispatch=args.dispatch), prefetch_depth=args.prefetch_depth)
+    parallelize(model, meshes, options)
+    print0("\n".join(options.describe()))
 
     # 3. Memory, then weights: every rank reads only the slices it holds.
     model.to_empty(device=device)
     load_hf_weights(model, args.model)
-    # Fused on GPU: one kernel for the whole update, which also applies the clip coefficient (see below).
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=args.lr,
-        betas=tuple(args.betas),
-        weight_decay=args.weight_decay,
-        fused=device.type == "cuda",
-    )
+    # AdamW for every parameter (fused on GPU); experts kept out of FSDP (ep_fsdp of one rank) get one fused pass
+    # from their compute-dtype gradients. One step(), zero_grad(), state_dict() and clip_grad_norm_() for all.
+    optimizer = build_optimizer(model, lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay)
 
     pad = next((t for t in (getattr(config, "pad_token_id", None), config.eos_token_id) if t is not None), 0)
     pad = pad[0] if isinstance(pad, list) else pad
@@ -115,6 +118,7 @@ def main() -> None:
     coef = config.router_aux_loss_coef
     losses, grad_norms = [], []
     for step in range(args.steps):
+        optimizer.zero_grad(set_to_none=True)
         micro = my_micro_batches(step, rank, world, args.global_batch, args.micro_batch, len(samples))
         batches = [[torch.stack(t).to(device) for t in zip(*(samples[i] for i in mb))] for mb in micro]
         # N_global / W: with it each rank's loss is W * (its token-loss sum) / N_global, and FSDP's average over
@@ -136,10 +140,9 @@ def main() -> None:
             # The router's load-balancing loss is a per-micro-batch mean: average it over the accumulation steps.
             (lm + coef * out.aux_loss / len(batches)).backward()
             lm_sum += lm.detach()
-        # One norm over both meshes; a fused AdamW applies the clip in its step (no extra pass over the gradients).
-        grad_norm = clip_grad_norm_(model, args.max_grad_norm, optimizer=optimizer)
+        # One norm over both meshes (a device tensor, no host sync); the step may apply the clip coefficient itself.
+        grad_norm = optimizer.clip_grad_norm_(args.max_grad_norm)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(lm_sum)
         losses.append(lm_sum.item() / world)
         grad_norms.append(grad_norm.item())

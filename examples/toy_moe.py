@@ -4,9 +4,10 @@
     torchrun --nproc-per-node 4 examples/toy_moe.py --ranks-per-node 2 --out /tmp/toy_ep.pt   # EP 2 x ep_fsdp 2
 
 The toy's experts live at ``blocks.*.ffn.routed.{w_in,w_out}`` and its FSDP units are ``tok_emb``, ``blocks.*``
-and ``out``; all the pieces need is its ``get_parallel_plan()`` and an expert module that calls
-``moeshard.ep.routed_experts``. Under torchrun it applies EP, expert-aware FSDP2 and the prefetch schedule; run
-alone it is the plain module. Both write the losses of a few AdamW steps and the full gradients of the first
+and ``out``; all the pieces need is its ``get_parallel_plan()`` and an expert module that routes through
+``self.dispatch`` (``moeshard.ep``'s protocol: a ``LocalDispatch`` until ``apply_ep`` installs the dispatcher of
+its EP group). Under torchrun it applies EP, expert-aware FSDP2 and the prefetch schedule; run alone it is the
+plain module. Both write the losses of a few AdamW steps and the full gradients of the first
 step, which agree (the tests compare them).
 """
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from moeshard.ep import ParallelPlan, apply_ep, ep_group, get_ep_info, routed_experts
+from moeshard.ep import LocalDispatch, ParallelPlan, apply_ep, get_ep_info
 from moeshard.fsdp_moe import clip_grad_norm_, num_items_for_global_mean, shard_model
 from moeshard.meshes import ParallelMeshes, build_meshes
 from moeshard.prefetch import apply_schedule, build_schedule
@@ -38,12 +39,11 @@ class RoutedFFN(nn.Module):
         self.num_experts = num_experts  # global; apply_ep leaves E / ep_size in the tensors
         self.w_in = nn.Parameter(torch.randn(num_experts, 2 * width, dim) / dim**0.5)
         self.w_out = nn.Parameter(torch.randn(num_experts, dim, width) / width**0.5)
+        self.dispatch = LocalDispatch(num_experts)  # apply_ep replaces it with its EP group's dispatcher
 
     def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        """Each token through its top-k experts (all-to-all over the EP group when EP is applied)."""
-        return routed_experts(
-            x_TD, ids_TK, weights_TK, self.w_in, self.w_out, num_experts=self.num_experts, ep_group=ep_group(self)
-        )
+        """Each token through its top-k experts (exchanged over the EP group when EP is applied)."""
+        return self.dispatch(x_TD, ids_TK, weights_TK, self.w_in, self.w_out)
 
 
 class FFN(nn.Module):

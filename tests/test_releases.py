@@ -51,13 +51,17 @@ def _git(repo: Path, *args: str) -> str:
     return res.stdout
 
 
-def _write_package(repo: Path, short: str, version: str, deps: list[str], imports: str = "") -> Path:
+def _write_package(
+    repo: Path, short: str, version: str, deps: list[str], imports: str = "", extras: dict[str, list[str]] | None = None
+) -> Path:
     folder = repo / "packages" / short
     (folder / "src" / "moeshard" / short).mkdir(parents=True, exist_ok=True)
     (folder / "tests").mkdir(exist_ok=True)
     deps_toml = ", ".join(f'"{d}"' for d in deps)
+    extras_toml = "".join(f"{k} = [{', '.join(repr(r) for r in v)}]\n" for k, v in (extras or {}).items())
     (folder / "pyproject.toml").write_text(
         f'[project]\nname = "moeshard-{short}"\nversion = "{version}"\ndependencies = [{deps_toml}]\n'
+        + (f"\n[project.optional-dependencies]\n{extras_toml}" if extras else "")
     )
     (folder / "CHANGELOG.md").write_text(f"# Changelog\n\n## {version}\n- First release.\n")
     (folder / "README.md").write_text(f"# moeshard-{short}\n")
@@ -147,6 +151,38 @@ def test_versions_changelog_ranges_and_imports(repo):
     assert _problems(repo) == ["moeshard-b: its source imports moeshard.a but does not declare moeshard-a"]
 
 
+def test_extras_lazy_imports_and_test_imports(repo):
+    """An extra's moeshard requirement is held to the same ranges; source may import a package declared only in an
+    extra (not ``test``) inside a function, never at module level; tests may import what any extra declares."""
+    lazy = "def f():\n    from moeshard.a import x\n"
+    _write_package(repo, "b", "0.1.0", [], imports=lazy, extras={"more": ["moeshard-a>=0.1,<0.2"]})
+    assert _problems(repo) == []
+
+    _write_package(repo, "b", "0.1.0", [], imports=lazy, extras={"more": ["moeshard-a>=0.1"]})
+    assert _problems(repo) == [
+        "moeshard-b: requirement 'moeshard-a>=0.1' (extra 'more') needs an upper bound, e.g. 'moeshard-a>=0.1,<0.2'"
+    ]
+    _write_package(repo, "b", "0.1.0", [], imports=lazy, extras={"more": ["moeshard-a>=0.2,<0.3"]})
+    assert "excludes moeshard-a 0.1.0 of this tree" in _problems(repo)[0]
+
+    _write_package(repo, "b", "0.1.0", [], imports="import moeshard.a\n", extras={"more": ["moeshard-a>=0.1,<0.2"]})
+    assert _problems(repo) == [
+        "moeshard-b: its source imports moeshard.a at module level but declares moeshard-a only in extra more "
+        "(import it inside the function that needs it, or make it a dependency)"
+    ]
+    _write_package(repo, "b", "0.1.0", [], imports=lazy, extras={"test": ["moeshard-a>=0.1,<0.2", "pytest"]})
+    assert _problems(repo) == ["moeshard-b: its source imports moeshard.a but does not declare moeshard-a"]
+
+    _write_package(repo, "b", "0.1.0", [])
+    (repo / "packages/b/tests/test_b.py").write_text("def test_x():\n    import moeshard.a\n")
+    assert _problems(repo) == [
+        "moeshard-b: its tests import moeshard.a but it does not declare moeshard-a (add it to the 'test' extra, "
+        "or move the tests to the repository's tests/)"
+    ]
+    _write_package(repo, "b", "0.1.0", [], extras={"test": ["moeshard-b[more]"], "more": ["moeshard-a>=0.1,<0.2"]})
+    assert _problems(repo) == []
+
+
 def test_check_passes_on_this_repository():
     res = subprocess.run([sys.executable, str(ROOT / "tools/release.py"), "check"], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -171,13 +207,18 @@ SMOKE = {
         assert model(ids, labels=ids).loss.isfinite()
         """
     ),
+    "moeshard-qwen3moe[parallel]": (
+        "import moeshard.fsdp_moe, moeshard.meshes, moeshard.prefetch; "
+        "from moeshard.models.qwen3moe import ParallelOptions, parallelize; assert callable(parallelize)"
+    ),
     "moeshard-train": "from moeshard.train import load_config; assert load_config().parallel.ep_size == 2",
 }
-# Chains of wheel sets, one fresh environment each: every step's environment is exactly its package's closure.
+# Chains of wheel sets (a name, or a name with an extra), one fresh environment each: every step's environment is
+# exactly its closure (the extras of a package's `test` extra are never installed).
 CHAINS = [
     ["moeshard-meshes", "moeshard-ep", "moeshard-fsdp-moe"],
     ["moeshard-prefetch"],
-    ["moeshard-qwen3moe", "moeshard-train"],
+    ["moeshard-qwen3moe", "moeshard-qwen3moe[parallel]", "moeshard-train"],
 ]
 
 
@@ -195,21 +236,26 @@ def _site_packages(env: Path) -> Path:
     return Path(sysconfig.get_path("purelib", vars={"base": str(env), "platbase": str(env)}))
 
 
-def _wheel_requires(wheel: Path) -> list[Requirement]:
+def _wheel_requires(wheel: Path, extras: frozenset[str] = frozenset()) -> list[Requirement]:
+    """The wheel's requirements that apply with ``extras`` (here: on this machine)."""
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         parsed = email.parser.Parser().parsestr(z.read(meta).decode())
-    return [Requirement(r) for r in parsed.get_all("Requires-Dist") or []]
+    reqs = [Requirement(r) for r in parsed.get_all("Requires-Dist") or []]
+    return [r for r in reqs if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in {"", *extras})]
 
 
-def _closure(name: str, wheels: dict[str, Path]) -> set[str]:
-    out, todo = set(), [name]
+def _closure(spec: str, wheels: dict[str, Path]) -> dict[str, frozenset[str]]:
+    """Every moeshard distribution that ``spec`` (``name`` or ``name[extra]``) pulls in, with the extras asked of it."""
+    out: dict[str, frozenset[str]] = {}
+    todo = [Requirement(spec)]
     while todo:
-        n = todo.pop()
-        if n in out:
+        r = todo.pop()
+        name, extras = canonicalize_name(r.name), frozenset(r.extras)
+        if name in out and extras <= out[name]:
             continue
-        out.add(n)
-        todo += [canonicalize_name(r.name) for r in _wheel_requires(wheels[n]) if canonicalize_name(r.name) in wheels]
+        out[name] = out.get(name, frozenset()) | extras
+        todo += [d for d in _wheel_requires(wheels[name], out[name]) if canonicalize_name(d.name) in wheels]
     return out
 
 
@@ -246,7 +292,7 @@ def test_wheels_and_sdists_hold_their_package_only(built):
 @pytest.mark.slow
 def test_each_wheel_set_installs_with_only_what_it_declares(built, tmp_path):
     dist, wheels = built
-    assert sorted(n for chain in CHAINS for n in chain) == sorted(wheels)
+    assert sorted({canonicalize_name(Requirement(s).name) for chain in CHAINS for s in chain}) == sorted(wheels)
     torch_env = tmp_path / "torch-env"
     venv.EnvBuilder(with_pip=True).create(torch_env)
     pip = [_bin(torch_env, "python"), "-m", "pip"]
@@ -256,22 +302,37 @@ def test_each_wheel_set_installs_with_only_what_it_declares(built, tmp_path):
         venv.EnvBuilder(with_pip=False).create(env)
         (_site_packages(env) / "_torch_layer.pth").write_text(str(_site_packages(torch_env)) + "\n")
         py = _bin(env, "python")
-        for name in chain:
-            closure = _closure(name, wheels)
+        for spec in chain:
+            closure = _closure(spec, wheels)
             external = {
-                str(r) for n in closure for r in _wheel_requires(wheels[n]) if canonicalize_name(r.name) not in wheels
+                str(r)
+                for n, extras in closure.items()
+                for r in _wheel_requires(wheels[n], extras)
+                if canonicalize_name(r.name) not in wheels
             }
             _run(*pip, "--python", py, "install", "-q", *sorted(external))  # from the index: what is declared
             # Our wheels only from dist/, never from an index: pip can use nothing undeclared.
-            version = wheels[name].name.split("-")[1]
-            _run(*pip, "--python", py, "install", "-q", "--no-index", "--find-links", dist, f"{name}=={version}")
+            req = Requirement(spec)
+            version = wheels[canonicalize_name(req.name)].name.split("-")[1]
+            extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+            _run(
+                *pip,
+                "--python",
+                py,
+                "install",
+                "-q",
+                "--no-index",
+                "--find-links",
+                dist,
+                f"{req.name}{extras}=={version}",
+            )
             probe = (
                 "import importlib.metadata as m, importlib.util as u, json; "
                 "print(json.dumps([sorted(d.metadata['Name'] for d in m.distributions() "
                 "if d.metadata['Name'].startswith('moeshard')), bool(u.find_spec('transformers'))]))"
             )
             installed, has_transformers = json.loads(_run(py, "-c", probe))
-            assert {canonicalize_name(n) for n in installed} == closure, name
-            assert has_transformers == ("moeshard-qwen3moe" in closure), name
-            _run(py, "-c", SMOKE[name], cwd=tmp_path)
+            assert {canonicalize_name(n) for n in installed} == set(closure), spec
+            assert has_transformers == ("moeshard-qwen3moe" in closure), spec
+            _run(py, "-c", SMOKE[spec], cwd=tmp_path)
     _run(_bin(tmp_path / "env-moeshard-qwen3moe", "moeshard-train"), "plan", "--nnodes", "2", "--nproc-per-node", "2")

@@ -40,7 +40,6 @@ UNPREFIXED_INTERNAL_MODULES: dict[str, frozenset[str]] = {
             "checkpoint",
             "checkpoint_save",
             "fused_loss",
-            "kernels",
             "layers",
             "model",
             "moe",

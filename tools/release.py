@@ -9,8 +9,11 @@ Release tags are ``<name>-v<version>`` where ``name`` is the distribution withou
 distribution:
 
 - its version has no ``## <version>`` entry in its CHANGELOG.md;
-- a ``moeshard-*`` requirement has no upper bound, or excludes that distribution's version in this tree;
-- its source imports another moeshard distribution it does not declare;
+- a ``moeshard-*`` requirement (in ``dependencies`` or an optional extra) has no upper bound, or excludes that
+  distribution's version in this tree;
+- its source imports another moeshard distribution it does not declare: in ``dependencies``, or in an extra other
+  than ``test`` when every import of it is inside a function (a lazy import: ``moeshard-qwen3moe[parallel]``);
+- its tests import another moeshard distribution that neither its dependencies nor its extras declare;
 - its version is lower than its newest tag, or equal to it while ``src/`` or ``pyproject.toml`` differ from the
   tagged tree (a change since the release without a version bump). A distribution with no tag passes, and the
   report says so.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -49,6 +53,7 @@ class Dist:
     version: Version
     requires: tuple[Requirement, ...]
     import_name: str  # e.g. "moeshard.models.qwen3moe"
+    extras: dict[str, tuple[Requirement, ...]] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def short(self) -> str:
@@ -78,6 +83,10 @@ def discover(root: Path = ROOT) -> list[Dist]:
                 version=Version(meta["version"]),
                 requires=tuple(Requirement(r) for r in meta.get("dependencies", [])),
                 import_name=import_name,
+                extras={
+                    name: tuple(Requirement(r) for r in reqs)
+                    for name, reqs in meta.get("optional-dependencies", {}).items()
+                },
             )
         )
     return _dependency_order(dists)
@@ -132,21 +141,30 @@ def changed_since(root: Path, dist: Dist, tag: str) -> list[str]:
     return sorted(p for p in changed if "__pycache__" not in p)
 
 
-def imported_dists(root: Path, dist: Dist, by_import: dict[str, Dist]) -> set[str]:
-    """The moeshard distributions that ``dist``'s source imports (top-level or inside functions)."""
-    found = set()
-    for py in sorted((root / dist.path / "src").rglob("*.py")):
-        for node in ast.walk(ast.parse(py.read_text(), str(py))):
-            if isinstance(node, ast.Import):
-                modules = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                modules = [node.module]
-            else:
-                continue
-            for module in modules:
-                for import_name, other in by_import.items():
-                    if module == import_name or module.startswith(import_name + "."):
-                        found.add(other.name)
+def imported_dists(root: Path, dist: Dist, by_import: dict[str, Dist], folder: str = "src") -> dict[str, bool]:
+    """The moeshard distributions that the ``*.py`` files under ``dist``'s ``folder`` import, each with whether
+    every import of it is lazy (inside a function, or under ``if TYPE_CHECKING:``)."""
+    found: dict[str, bool] = {}
+
+    def visit(node: ast.AST, lazy: bool) -> None:
+        if isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+        else:
+            modules = []
+        for module in modules:
+            for import_name, other in by_import.items():
+                if module == import_name or module.startswith(import_name + "."):
+                    found[other.name] = found.get(other.name, True) and lazy
+        inner = lazy or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            inner = True
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    for py in sorted((root / dist.path / folder).rglob("*.py")):
+        visit(ast.parse(py.read_text(), str(py)), False)
     return found
 
 
@@ -167,22 +185,42 @@ def check(root: Path = ROOT) -> tuple[list[str], list[str]]:
         changelog = root / d.path / "CHANGELOG.md"
         if not changelog.is_file() or f"## {d.version}" not in changelog.read_text():
             problems.append(f"{d.name}: CHANGELOG.md has no '## {d.version}' entry")
-        declared = {}
-        for req in d.requires:
-            name = canonicalize_name(req.name)
-            declared[name] = req
-            dep = by_name.get(name)
-            if dep is None:
+        declared = {canonicalize_name(r.name) for r in d.requires}
+        in_extras = {e: {canonicalize_name(r.name) for r in reqs} for e, reqs in d.extras.items()}
+        for where, req in [("", r) for r in d.requires] + [
+            (f" (extra '{e}')", r) for e, reqs in d.extras.items() for r in reqs
+        ]:
+            dep = by_name.get(canonicalize_name(req.name))
+            if dep is None or dep.name == d.name:  # an extra may name the package's own extras
                 continue
             if not any(s.operator in ("<", "<=", "==", "~=") for s in req.specifier):
-                problems.append(f"{d.name}: requirement '{req}' needs an upper bound, e.g. '{compatible_range(dep)}'")
+                problems.append(
+                    f"{d.name}: requirement '{req}'{where} needs an upper bound, e.g. '{compatible_range(dep)}'"
+                )
             if dep.version not in req.specifier:
                 problems.append(
-                    f"{d.name}: requirement '{req}' excludes {dep.name} {dep.version} of this tree; "
+                    f"{d.name}: requirement '{req}'{where} excludes {dep.name} {dep.version} of this tree; "
                     "widen the range (and release this package) or hold the dependency back"
                 )
-        for name in sorted(imported_dists(root, d, by_import) - {d.name} - set(declared)):
-            problems.append(f"{d.name}: its source imports {by_name[name].import_name} but does not declare {name}")
+        optional = set().union(*(names for e, names in in_extras.items() if e != "test"))
+        for name, lazy in sorted(imported_dists(root, d, by_import).items()):
+            if name == d.name or name in declared:
+                continue
+            what = f"its source imports {by_name[name].import_name}"
+            if name not in optional:
+                problems.append(f"{d.name}: {what} but does not declare {name}")
+            elif not lazy:
+                extras = sorted(e for e, names in in_extras.items() if e != "test" and name in names)
+                problems.append(
+                    f"{d.name}: {what} at module level but declares {name} only in extra {', '.join(extras)} "
+                    "(import it inside the function that needs it, or make it a dependency)"
+                )
+        everything = declared.union(*in_extras.values())
+        for name in sorted(set(imported_dists(root, d, by_import, "tests")) - {d.name} - everything):
+            problems.append(
+                f"{d.name}: its tests import {by_name[name].import_name} but it does not declare {name} (add it to "
+                "the 'test' extra, or move the tests to the repository's tests/)"
+            )
         versions = tagged_versions(root, d)
         if not versions:
             report.append(f"{d.short} {d.version}: no release tag yet (a release of this version is tagged {d.tag})")

@@ -84,6 +84,8 @@ def test_plan_30b_on_two_nodes_of_eight(capsys):
     out = capsys.readouterr().out
     assert "world 16 = 2 node(s) x 8 ranks; ep 8 x ep_fsdp 2" in out
     assert "ep_fsdp  (experts dim 1):          [0,8], [1,9]" in out
+    # The options the job builds with (train.compile: compiled attention, triton expert kernels).
+    assert "dispatch=overlapped kernels=triton gemm=auto sm_carveout=32" in out
     row = next(ln for ln in out.splitlines() if ln.startswith("model.layers.0.mlp.experts.down_proj "))
     assert row.split()[1:] == ["[128,", "2048,", "768]", "[16,", "1024,", "768]", "ep:Shard(0)x8", "ep_fsdp:S(1)x2"]
     embed = next(ln for ln in out.splitlines() if ln.startswith("model.embed_tokens.weight "))

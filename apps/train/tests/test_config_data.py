@@ -144,7 +144,7 @@ def test_parquet_and_text_with_a_local_tokenizer(tmp_path):
 
 
 def test_lr_schedule():
-    from moeshard.train.trainer import lr_at
+    from moeshard.train.train import lr_at
 
     cfg = load_config(None, ["--train.steps=10", "--train.warmup_steps=2", "--train.lr=1.0", "--train.min_lr=0.1"])
     lrs = [lr_at(s, cfg) for s in range(10)]
@@ -160,3 +160,47 @@ def test_a_path_on_the_command_line_replaces_the_files_preset():
     assert cfg.model.path == "/models/q" and cfg.model.preset is None
     with pytest.raises(ConfigError, match="exactly one of model.preset or model.path"):
         load_config(CONFIGS / "qwen3_30b_a3b_2x8.yaml", ["--model.path=/models/q", "--model.preset=tiny"])
+
+
+def test_parallel_options_map_the_config_keys():
+    from moeshard.ep import EPOptions
+    from moeshard.models.qwen3moe import ParallelOptions
+    from moeshard.train.config import parallel_options
+
+    assert parallel_options(JobConfig()) == ParallelOptions()  # the defaults agree
+    gpu = load_config(CONFIGS / "qwen3_30b_a3b_2x8.yaml")  # compile and activation checkpointing on, bf16
+    assert parallel_options(gpu) == ParallelOptions(
+        ep=EPOptions(kernels="triton"), compile=True, activation_checkpointing=True, param_dtype="bfloat16"
+    )
+    cfg = load_config(
+        None,
+        [
+            "--train.compile=true",
+            "--parallel.expert_kernels=compiled",
+            "--parallel.dispatch=all_to_all",
+            "--parallel.sm_carveout=0",
+            "--parallel.prefetch_depth=2",
+            "--parallel.prefetch_at_host_sync=false",
+            "--parallel.reshard_after_forward=false",
+        ],
+    )
+    assert parallel_options(cfg) == ParallelOptions(
+        ep=EPOptions(dispatch="all_to_all", kernels="compiled", sm_carveout=0),
+        compile=True,
+        reshard_after_forward=False,
+        prefetch_depth=2,
+        prefetch_at_host_sync=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("--parallel.dispatch=tokens", "parallel.dispatch must be one of overlapped, all_to_all, got 'tokens'"),
+        ("--parallel.expert_kernels=fast", "parallel.expert_kernels must be one of auto, eager, compiled, triton"),
+        ("--parallel.sm_carveout=-1", "parallel.sm_carveout must be >= 0"),
+    ],
+)
+def test_parallel_option_errors(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, [override])

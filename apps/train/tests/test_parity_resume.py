@@ -63,7 +63,7 @@ def _full_params(job) -> dict[str, torch.Tensor] | None:
 
     from moeshard.fsdp_moe import get_state_dict
 
-    sd = get_state_dict(job.model)["model"]
+    sd = get_state_dict(job.model, job.optimizer)["model"]
     full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in sd.items()}
     return full if dist.get_rank() == 0 else None
 
@@ -75,7 +75,7 @@ def _metrics(path: Path) -> list[dict]:
 def _four_ranks(paths: dict) -> dict:
     import os
 
-    from moeshard.train.runner import run
+    from moeshard.train.job import run_job as run
 
     step2 = f"{paths['root']}/a/checkpoints/step_00000002"
     a = run(_cfg(paths, "a"))
@@ -94,7 +94,7 @@ def _four_ranks(paths: dict) -> dict:
 
 def _two_ranks(paths: dict) -> dict:
     from moeshard.train.errors import CheckpointSaveError
-    from moeshard.train.runner import run
+    from moeshard.train.job import run_job as run
 
     step2 = f"{paths['root']}/a/checkpoints/step_00000002"
     loaded = run(_cfg(paths, "d0", "--parallel.ep_size=2", "--train.steps=2", f"--checkpoint.resume={step2}"))
@@ -119,7 +119,7 @@ def _reference_losses(paths: dict) -> tuple[list[float], list[float]]:
 
     from moeshard.train.config import DataConfig
     from moeshard.train.data import GlobalBatches, build_dataset
-    from moeshard.train.trainer import lr_at
+    from moeshard.train.train import lr_at
 
     cfg = _cfg(paths, "unused")
     model = Qwen3MoeForCausalLM.from_pretrained(paths["hf"], dtype=torch.float32)

@@ -1,12 +1,13 @@
-"""clip_grad_norm_(..., optimizer=fused AdamW): the clip coefficient goes to the fused kernel as ``grad_scale``
-instead of a multiply pass over the gradients. One CPU process (torch's fused AdamW has a CPU kernel); the
-sharded case is in test_qwen3moe_dist.py."""
+"""OptimizersContainer.clip_grad_norm_ with torch's fused AdamW: the clip coefficient goes to the fused kernel as
+``grad_scale`` inside the container's step instead of a multiply pass over the gradients. One CPU process (torch's
+fused AdamW has a CPU kernel); the sharded cases are in test_fused_update.py and tests/test_fsdp_moe_qwen3moe_dist.py.
+"""
 
 import pytest
 import torch
 from torch import nn
 
-from moeshard.fsdp_moe import clip_grad_norm_
+from moeshard.fsdp_moe import OptimizersContainer, clip_grad_norm_, get_total_norm
 
 STEPS, MAX_NORM = 5, 0.02  # the gradients' norm is ~0.3: every step clips
 ADAM = dict(lr=1e-2, weight_decay=0.1, eps=1e-6)
@@ -28,30 +29,33 @@ def _params(model):
 
 
 def _train(mode, steps=STEPS, clip_steps=None):
-    """``mode``: "into" (hand-over to fused AdamW), "fused" (in-place clip, fused AdamW), "loop" (torch's clip,
-    for-loop AdamW). Returns the parameters after each step."""
+    """``mode``: "container" (the container's clip with a fused AdamW: the coefficient in the step), "fused"
+    (in-place clip, fused AdamW), "loop" (torch's clip, for-loop AdamW). Returns the parameters after each step."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), **ADAM, fused=mode != "loop", foreach=False)
+    container = OptimizersContainer([opt])
     out = []
     for step in range(steps):
         _backward(model, step)
         if clip_steps is None or step in clip_steps:
             if mode == "loop":
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            elif mode == "container":
+                norm = container.clip_grad_norm_(MAX_NORM)
             else:
-                norm = clip_grad_norm_(model, MAX_NORM, optimizer=opt if mode == "into" else None)
+                norm = clip_grad_norm_(model, MAX_NORM)
             assert norm > 5 * MAX_NORM  # clipping is active
-        opt.step()
+        container.step()
         assert not hasattr(opt, "grad_scale")
-        opt.zero_grad(set_to_none=True)
+        container.zero_grad()
         out.append(_params(model))
     return out
 
 
 @pytest.mark.parametrize("reference", ["fused", "loop"])
-def test_handover_gives_the_parameters_of_an_in_place_clip(reference):
-    into, ref = _train("into"), _train(reference)
-    for step, (a, b) in enumerate(zip(into, ref, strict=True)):
+def test_coefficient_in_the_step_gives_the_parameters_of_an_in_place_clip(reference):
+    got, ref = _train("container"), _train(reference)
+    for step, (a, b) in enumerate(zip(got, ref, strict=True)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()), msg=f"step {step}")
     # Without the coefficient the parameters move differently: the comparison above can fail.
     unclipped = _train("fused", clip_steps=())
@@ -61,38 +65,45 @@ def test_handover_gives_the_parameters_of_an_in_place_clip(reference):
 def test_gradients_untouched_until_the_step_then_clipped_and_the_scale_gone():
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), **ADAM, fused=True)
+    container = OptimizersContainer([opt])
+    seen = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(getattr(o, "grad_scale", None)))
     _backward(model, 0)
     raw = [p.grad.clone() for p in model.parameters()]
-    norm = clip_grad_norm_(model, MAX_NORM, optimizer=opt)
+    norm = container.clip_grad_norm_(MAX_NORM)
     coef = MAX_NORM / (norm + 1e-6)
     for p, g in zip(model.parameters(), raw, strict=True):
         assert torch.equal(p.grad, g)  # no multiply pass
-    assert opt.grad_scale.dtype == torch.float32 and opt.grad_scale.shape == ()
-    torch.testing.assert_close(opt.grad_scale, 1 / coef)
-    opt.step()
+    assert not hasattr(opt, "grad_scale")
+    container.step()
+    assert len(seen) == 1 and seen[0].dtype == torch.float32 and seen[0].shape == ()
+    torch.testing.assert_close(seen[0], 1 / coef)  # torch's fused step divides by it
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
     for p, g in zip(model.parameters(), raw, strict=True):
         torch.testing.assert_close(p.grad, g * coef)  # the fused kernel stores the clipped gradient back
 
 
 def test_steps_without_a_clip_are_unaffected():
-    # Clip (hand-over) on steps 0 and 2 only: steps 1, 3 and 4 see no stale coefficient.
-    into = _train("into", clip_steps={0, 2})
+    # Clip on steps 0 and 2 only: steps 1, 3 and 4 see no stale coefficient.
+    got = _train("container", clip_steps={0, 2})
     ref = _train("fused", clip_steps={0, 2})
-    for step, (a, b) in enumerate(zip(into, ref, strict=True)):
+    for step, (a, b) in enumerate(zip(got, ref, strict=True)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(b.abs().max()), msg=f"step {step}")
 
 
-def test_clipping_twice_before_the_step_applies_the_coefficient_once():
+def test_clipping_twice_before_the_step_applies_the_coefficient_as_an_in_place_clip_twice():
     model, ref = _model(), _model()
-    opt = torch.optim.AdamW(model.parameters(), **ADAM, fused=True)
+    container = OptimizersContainer([torch.optim.AdamW(model.parameters(), **ADAM, fused=True)])
     ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM, fused=True)
     _backward(model, 0)
     _backward(ref, 0)
-    clip_grad_norm_(model, MAX_NORM, optimizer=opt)
-    clip_grad_norm_(model, MAX_NORM, optimizer=opt)  # replaces the first hand-over
+    first = container.clip_grad_norm_(MAX_NORM)
+    second = container.clip_grad_norm_(MAX_NORM)  # the norm with the kept coefficient applied: ~max_norm
+    assert first > 5 * MAX_NORM and second == pytest.approx(MAX_NORM, rel=1e-4)
+    assert get_total_norm(container) == pytest.approx(MAX_NORM, rel=1e-4)
     clip_grad_norm_(ref, MAX_NORM)
-    opt.step()
+    clip_grad_norm_(ref, MAX_NORM)
+    container.step()
     ref_opt.step()
     torch.testing.assert_close(_params(model), _params(ref), rtol=1e-6, atol=1e-7)
 
@@ -100,61 +111,52 @@ def test_clipping_twice_before_the_step_applies_the_coefficient_once():
 def test_other_optimizers_get_the_in_place_multiply():
     for kwargs in (dict(foreach=True), dict(foreach=False)):
         model, ref = _model(), _model()
-        opt = torch.optim.AdamW(model.parameters(), **ADAM, **kwargs)
+        container = OptimizersContainer([torch.optim.AdamW(model.parameters(), **ADAM, **kwargs)])
         _backward(model, 0)
         _backward(ref, 0)
-        assert torch.equal(clip_grad_norm_(model, MAX_NORM, optimizer=opt), clip_grad_norm_(ref, MAX_NORM))
+        assert torch.equal(clip_grad_norm_(container, MAX_NORM), clip_grad_norm_(ref, MAX_NORM))
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-            assert torch.equal(p.grad, q.grad)  # bit for bit the path without optimizer=
-        assert not hasattr(opt, "grad_scale") and not opt._optimizer_step_pre_hooks
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    clip_grad_norm_(model, MAX_NORM, optimizer=sgd)
-    assert not hasattr(sgd, "grad_scale")
+            assert torch.equal(p.grad, q.grad)  # bit for bit the in-place clip
+        assert container._clip_coefs == [None]
 
 
-def test_stale_or_replaced_hand_over_is_refused():
+def test_two_children_clip_as_one():
+    """A fused AdamW and an SGD over the two layers: one norm over both, each child's step clipped."""
+    model, ref = _model(), _model()
+    container = OptimizersContainer(
+        [torch.optim.AdamW(model[0].parameters(), **ADAM, fused=True), torch.optim.SGD(model[2].parameters(), lr=0.1)]
+    )
+    ref_opts = [
+        torch.optim.AdamW(ref[0].parameters(), **ADAM, fused=True),
+        torch.optim.SGD(ref[2].parameters(), lr=0.1),
+    ]
+    assert [g["lr"] for g in container.param_groups] == [1e-2, 0.1]
+    for step in range(3):
+        _backward(model, step)
+        _backward(ref, step)
+        n = container.clip_grad_norm_(MAX_NORM)
+        assert torch.equal(n, clip_grad_norm_(ref, MAX_NORM))
+        container.step()
+        for o in ref_opts:
+            o.step()
+        container.zero_grad()
+        ref.zero_grad()
+    torch.testing.assert_close(_params(model), _params(ref), rtol=1e-6, atol=1e-7)
+    assert container.state.keys() == {p for o in container.optimizers for p in o.state}
+
+
+def test_a_grad_scale_of_other_code_is_refused():
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), **ADAM, fused=True)
-
-    def stale(change):
-        _backward(model, 0)
-        clip_grad_norm_(model, MAX_NORM, optimizer=opt)
-        change()
-        with pytest.raises(RuntimeError, match="gradients changed"):
-            opt.step()
-        assert not hasattr(opt, "grad_scale")
-        opt.zero_grad(set_to_none=True)
-
-    def new_backward():
-        opt.zero_grad(set_to_none=True)
-        _backward(model, 1)
-
-    stale(new_backward)
-    stale(lambda: opt.zero_grad(set_to_none=False))
-    stale(lambda: clip_grad_norm_(model, MAX_NORM))  # an in-place clip on top: the coefficient twice
-
-    _backward(model, 0)
-    clip_grad_norm_(model, MAX_NORM, optimizer=opt)
-    opt.grad_scale = torch.tensor(2.0)  # what torch.amp.GradScaler does around its step
-    with pytest.raises(RuntimeError, match="grad_scale was replaced"):
-        opt.step()
-    with pytest.raises(ValueError, match="already has a grad_scale"):
-        clip_grad_norm_(model, MAX_NORM, optimizer=opt)
-    del opt.grad_scale
-
-    # After the refusals a clip and step work as usual.
-    clip_grad_norm_(model, MAX_NORM, optimizer=opt)
-    opt.step()
-    assert not hasattr(opt, "grad_scale")
-
-
-def test_optimizer_over_other_parameters_is_refused():
-    model = _model()
-    opt = torch.optim.AdamW(model[0].parameters(), **ADAM, fused=True)
+    container = OptimizersContainer([opt])
     _backward(model, 0)
     raw = [p.grad.clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match=r"steps 0 parameter\(s\).* and 2 clipped one\(s\) it does not step"):
-        clip_grad_norm_(model, MAX_NORM, optimizer=opt)
-    assert not hasattr(opt, "grad_scale")
+    opt.grad_scale = torch.tensor(2.0)  # what torch.amp.GradScaler does around its step
+    with pytest.raises(ValueError, match="grad_scale or found_inf set by other code"):
+        container.clip_grad_norm_(MAX_NORM)
+    del opt.grad_scale
     for p, g in zip(model.parameters(), raw, strict=True):
-        assert torch.equal(p.grad, g)  # nothing clipped either
+        assert torch.equal(p.grad, g)  # nothing clipped
+    container.clip_grad_norm_(MAX_NORM)  # after the refusal a clip and step work as usual
+    container.step()
+    assert not hasattr(opt, "grad_scale")

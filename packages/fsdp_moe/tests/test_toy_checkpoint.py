@@ -1,6 +1,9 @@
 """DCP checkpoints of the toy MoE LM move between layouts: saved with EP 2 x ep_fsdp 2 (with activation
 checkpointing wrappers in the FQNs), loaded without them with EP 4 x 1, EP 1 x 4 (4 processes) and EP 2 x 1,
-EP 1 x 2 (2 processes); parameters and optimizer state are identical."""
+EP 1 x 2 (2 processes); parameters and optimizer state are identical. And between fused and unfused expert
+updates (``build_optimizer(..., fuse_local_experts=...)``): saved with LocalExpertAdamW at EP 4 x 1, loaded by
+torch's AdamW at EP 2 x 2, 1 x 4 and 4 x 1 and by LocalExpertAdamW at EP 2 x 1 (2 processes); saved unfused at
+EP 2 x 2, loaded fused at EP 4 x 1; each continues with the saving run's numbers."""
 
 import numpy as np
 import torch
@@ -18,7 +21,8 @@ def _batch(seed):
     return ids, ids.clone()
 
 
-def _build(ep_size, seed, lr, wrap=False):
+def _build(ep_size, seed, lr, wrap=False, fuse=None):
+    """``fuse`` None: torch's AdamW as is; True / False: ``build_optimizer(..., fuse_local_experts=fuse)``."""
     from moeshard.ep import apply_ep
     from moeshard.fsdp_moe import shard_model
     from moeshard.meshes import build_meshes
@@ -33,7 +37,11 @@ def _build(ep_size, seed, lr, wrap=False):
         for i, layer in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(layer)
     shard_model(model, meshes)
-    return meshes, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    if fuse is None:
+        return meshes, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    from moeshard.fsdp_moe import build_optimizer
+
+    return meshes, model, build_optimizer(model, lr=lr, weight_decay=0.1, fuse_local_experts=fuse)
 
 
 def _step(model, opt, meshes, seed):
@@ -98,9 +106,79 @@ def test_checkpoint_moves_between_layouts(tmp_path):
     meta = FileSystemReader(path).read_metadata().state_dict_metadata
     assert tuple(meta["model.layers.0.experts.gate_up_proj"].size) == (8, 16, 16)
     assert tuple(meta["optimizer.state.layers.1.experts.down_proj.exp_avg"].size) == (8, 16, 8)
-    assert any(k.endswith("exp_avg") for k in saved) and float(saved["lr"][0]) == 1e-2
+    assert any(k.endswith("exp_avg") for k in saved) and float(saved["lr.embed.weight"]) == 1e-2
     for ep in (4, 1):
         _same(loaded[ep], saved, f"EP {ep} x {4 // ep} load")
         _same(loaded[f"{ep}-next"], after, f"EP {ep} x {4 // ep} step after load", exact=False)
     for ep, snap in run_distributed(_load, 2, path)[0].items():
         _same(snap, saved, f"world 2, EP {ep} x {2 // ep} load")
+
+
+# ---- fused <-> unfused expert updates -------------------------------------------------------------------------------
+
+
+def _kinds(opt):
+    return [type(o).__name__ for o in opt.optimizers]
+
+
+def _fused_then_unfused(path):
+    from moeshard.fsdp_moe import load_checkpoint, save_checkpoint
+
+    out = {}
+    meshes, model, opt = _build(4, seed=0, lr=1e-2, fuse=True)  # EP 4 x 1: experts outside FSDP, fused
+    out["saving"] = _kinds(opt)
+    _step(model, opt, meshes, seed=1)
+    save_checkpoint(f"{path}/fused", model, opt)
+    out["saved"] = _snapshot(model, opt)
+    _step(model, opt, meshes, seed=2)
+    out["after"] = _snapshot(model, opt)
+    for ep, fuse in ((2, False), (1, False), (4, False), (4, True)):
+        meshes, model, opt = _build(ep, seed=7, lr=5e-3, fuse=fuse)  # other weights and lr
+        out[f"kinds {ep} {fuse}"] = _kinds(opt)
+        load_checkpoint(f"{path}/fused", model, opt)
+        out[f"loaded {ep} {fuse}"] = _snapshot(model, opt)
+        _step(model, opt, meshes, seed=2)
+        out[f"next {ep} {fuse}"] = _snapshot(model, opt)
+
+    meshes, model, opt = _build(2, seed=0, lr=1e-2, fuse=False)  # EP 2 x 2 (expert FSDP units), unfused
+    _step(model, opt, meshes, seed=1)
+    save_checkpoint(f"{path}/unfused", model, opt)
+    out["saved unfused"] = _snapshot(model, opt)
+    _step(model, opt, meshes, seed=2)
+    out["after unfused"] = _snapshot(model, opt)
+    meshes, model, opt = _build(4, seed=7, lr=5e-3, fuse=True)
+    load_checkpoint(f"{path}/unfused", model, opt)
+    out["loaded fused"] = _snapshot(model, opt)
+    _step(model, opt, meshes, seed=2)
+    out["next fused"] = _snapshot(model, opt)
+    return out
+
+
+def _load_fused_on_two(path):
+    from moeshard.fsdp_moe import load_checkpoint
+
+    _, model, opt = _build(2, seed=7, lr=5e-3, fuse=True)  # EP 2 x 1 on 2 processes: fused
+    load_checkpoint(path, model, opt)
+    return _kinds(opt), _snapshot(model, opt)
+
+
+def test_checkpoints_move_between_fused_and_unfused_expert_updates(tmp_path):
+    out = run_distributed(_fused_then_unfused, 4, str(tmp_path), ranks_per_node=2)[0]
+    assert out["saving"] == ["LocalExpertAdamW", "AdamW"]
+    # The file holds what torch's AdamW over float32 experts holds: the masters under the parameters' names.
+    meta = FileSystemReader(str(tmp_path / "fused")).read_metadata().state_dict_metadata
+    assert tuple(meta["model.layers.0.experts.gate_up_proj"].size) == (8, 16, 16)
+    assert meta["model.layers.0.experts.gate_up_proj"].properties.dtype == torch.float32
+    assert not [k for k in meta if "master" in k]
+    expert_keys = sorted(k.rsplit(".", 1)[1] for k in meta if k.startswith("optimizer.state.layers.1.experts.down"))
+    assert expert_keys == ["exp_avg", "exp_avg_sq", "step"]
+    for ep, fuse in ((2, False), (1, False), (4, False), (4, True)):
+        what = f"EP {ep} x {4 // ep} {'fused' if fuse else 'unfused'}"
+        assert out[f"kinds {ep} {fuse}"] == (["LocalExpertAdamW", "AdamW"] if fuse else ["AdamW"]), what
+        _same(out[f"loaded {ep} {fuse}"], out["saved"], f"{what} loading the fused checkpoint")
+        _same(out[f"next {ep} {fuse}"], out["after"], f"{what}: step after load", exact=False)
+    _same(out["loaded fused"], out["saved unfused"], "EP 4 x 1 fused loading EP 2 x 2 unfused")
+    _same(out["next fused"], out["after unfused"], "EP 4 x 1 fused: step after load", exact=False)
+    kinds, snap = run_distributed(_load_fused_on_two, 2, str(tmp_path / "fused"))[0]
+    assert kinds == ["LocalExpertAdamW", "AdamW"]
+    _same(snap, out["saved"], "world 2, EP 2 x 1 fused")

@@ -28,11 +28,11 @@ def _train(argv: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     import torch.distributed as dist
 
-    from moeshard.train.runner import run
+    from moeshard.train.job import run_job
 
     # Known and harmless here: DTensor's note on CPU random ops (initialisation).
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-    run(cfg)
+    run_job(cfg)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -5,7 +5,9 @@
 
 Synthetic tokens, seq 4096, 4 sequences per GPU per step by default, bf16 compute with fp32 master weights and
 fp32 gradient reduction, AdamW, clipping. Prints and writes (JSON) tokens/s/GPU (median of the steps after
-warm-up), MFU, peak memory, device→host syncs per step (``torch.cuda.set_sync_debug_mode``) and the layout.
+warm-up), MFU, peak memory, device→host syncs per step (``torch.cuda.set_sync_debug_mode``), the layout and the
+options. It builds and steps through ``moeshard.train.train`` (``build``, ``train_step``) like the training job;
+``--dispatch``, ``--expert-kernels``, ``--sm-carveout`` and ``--compile`` set the job's keys of the same names.
 FLOPs/token = 6·(matmul params active per token) + 6·L·2·(S/2)·(heads·head_dim); MFU over 989 TFLOP/s.
 
 Steps run back to back, as a training loop runs them (no synchronisation between steps; the losses are read
@@ -28,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 from moeshard.train.config import (
+    DISPATCH,
+    EXPERT_KERNELS,
     CheckpointConfig,
     DataConfig,
     JobConfig,
@@ -59,7 +63,12 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-reshard-after-forward", action="store_true")
-    p.add_argument("--compile", action="store_true", help="torch.compile-fused RMSNorm, RoPE and SwiGLU kernels")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="train.compile: torch.compile each layer's attention half and the loss chunk; expert kernels triton "
+        "(unless --expert-kernels says otherwise)",
+    )
     p.add_argument(
         "--no-fused-expert-update",
         action="store_true",
@@ -78,7 +87,21 @@ def main(argv: list[str]) -> int:
         help="read each step's loss and grad norm before its optimizer step, as moeshard-train's loop does (it "
         "updates only after finding them finite): one more device-to-host sync per step",
     )
-    p.add_argument("--dispatch", choices=("tokens", "copies"), default="copies", help="EP token dispatch mode")
+    p.add_argument(
+        "--dispatch", choices=DISPATCH, default="overlapped", help="parallel.dispatch: the EP token exchange (EP > 1)"
+    )
+    p.add_argument(
+        "--expert-kernels",
+        choices=EXPERT_KERNELS,
+        default="auto",
+        help="parallel.expert_kernels: pointwise kernels around the expert GEMMs (auto: triton with --compile)",
+    )
+    p.add_argument(
+        "--sm-carveout",
+        type=int,
+        default=ParallelConfig.sm_carveout,
+        help="parallel.sm_carveout: SMs left to the exchange while an expert GEMM overlaps it (0: off)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, help="write the torch.profiler kernel table of one step here")
     p.add_argument("--trace", default=None, help="write rank 0's Chrome trace of the profiled step here (.json.gz)")
@@ -90,16 +113,9 @@ def main(argv: list[str]) -> int:
     )
     args = p.parse_args(argv)
 
-    from moeshard.train.trainer import build_job, host_stats, init_distributed, train_step
+    from moeshard.train.train import StepStats, build, init_distributed, train_step
 
     device = init_distributed()
-    from moeshard.ep import set_ep_dispatch
-
-    set_ep_dispatch(args.dispatch)
-    if args.compile:
-        from moeshard.models.qwen3moe import set_compiled_kernels
-
-        set_compiled_kernels(True)
     world = dist.get_world_size()
     mb = args.micro_batch or args.batch_per_gpu
     cfg = JobConfig(
@@ -113,6 +129,9 @@ def main(argv: list[str]) -> int:
             prefetch_depth=args.prefetch_depth,
             prefetch_at_host_sync=not args.no_prefetch_at_host_sync,
             reshard_after_forward=not args.no_reshard_after_forward,
+            dispatch=args.dispatch,
+            expert_kernels=args.expert_kernels,
+            sm_carveout=args.sm_carveout,
         ),
         data=DataConfig(seq_len=args.seq_len, synthetic=True),
         train=TrainConfig(
@@ -123,13 +142,16 @@ def main(argv: list[str]) -> int:
             warmup_steps=1,
             min_lr=1e-5,
             activation_checkpointing=args.activation_checkpointing,
+            compile=args.compile,
             fused_expert_update=not args.no_fused_expert_update,
         ),
         checkpoint=CheckpointConfig(resume="none"),
         logging=LoggingConfig(tensorboard=False, progress_bar=False),
     )
     torch.manual_seed(0)
-    job = build_job(cfg, device)
+    job = build(cfg, device)
+    if dist.get_rank() == 0:
+        print("\n".join(job.parallel.options.describe()))
     vocab = job.model_config.vocab_size
     g = torch.Generator().manual_seed(1234 + dist.get_rank())
 
@@ -178,12 +200,7 @@ def main(argv: list[str]) -> int:
             if back_to_back:
                 marks.append(mark())
             t0 = time.perf_counter()
-            stats = train_step(job, micro)
-            if args.check_finite:
-                host_stats(stats)
-            job.optimizer.step()
-            job.scheduler.step()
-            job.optimizer.zero_grad(set_to_none=True)
+            stats = train_step(job, micro, before_update=StepStats.read if args.check_finite else None)
             if count:
                 torch.cuda.set_sync_debug_mode("default")
             if not back_to_back:
@@ -205,15 +222,13 @@ def main(argv: list[str]) -> int:
         torch.cuda.synchronize()
         times = [a.elapsed_time(b) / 1000 for a, b in zip(marks, marks[1:])]
     times = times[args.warmup :]
-    losses = [host_stats(stats)["loss"] for stats in step_stats]  # read after the timed steps
+    losses = [stats.read().loss for stats in step_stats]  # read after the timed steps
     if (args.profile or args.trace) and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CUDA] if args.trace_gpu_only else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
         with profile(activities=activities) as prof:
             train_step(job, batches())
-            job.optimizer.step()
-            job.optimizer.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
         if dist.get_rank() == 0 and args.trace:
             prof.export_chrome_trace(args.trace)
@@ -239,6 +254,8 @@ def main(argv: list[str]) -> int:
         "compile": args.compile,
         "fused_expert_update": not args.no_fused_expert_update,
         "dispatch": args.dispatch,
+        "expert_kernels": job.parallel.options.ep.kernels,
+        "sm_carveout": args.sm_carveout,
         "check_finite": args.check_finite,
         "timing": "isolated steps (host clock)" if not back_to_back else "back to back (CUDA events)",
         "step_time_s_median": step_s,

@@ -7,6 +7,9 @@ our own stale temporary folders, never the newest complete one and never anythin
 A failed save (e.g. a full disk) on any rank removes the temporary folder and raises
 :class:`~moeshard.train.errors.CheckpointSaveError` on every rank; the previous checkpoint is untouched. A rank
 killed while saving leaves only a ``.tmp-`` folder, which ``resume: auto`` ignores and a later save replaces.
+
+:func:`save_job` / :func:`resume_job` put a training job (model, optimizer, scheduler, step, RNG) into and out of
+such a folder; :class:`Checkpointer` is the training loop's callback that saves every ``checkpoint.every_steps``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from moeshard.train import faults
 from moeshard.train.errors import CheckpointSaveError
+from moeshard.train.train import Callback, Job, StepStats, lr_at
 
 COMPLETE = "COMPLETE"
 _NAME = re.compile(r"^step_(\d{8})$")
@@ -181,3 +185,70 @@ def load_checkpoint(path: Path, app_state: dict[str, Any]) -> tuple[dict[str, An
     same_world = marker.get("world_size") == dist.get_world_size()  # else the per-rank files do not map
     rank_state = torch.load(rank_file, weights_only=False) if same_world and rank_file.is_file() else None
     return extra, rank_state
+
+
+# ---- a training job in a checkpoint ------------------------------------------------------------------------------
+
+
+def app_state(job: Job) -> dict[str, Any]:
+    """Model and optimizer state for DCP (layout independent, see ``moeshard.fsdp_moe.get_state_dict``)."""
+    from moeshard.fsdp_moe import get_state_dict
+
+    return get_state_dict(job.model, job.optimizer)
+
+
+def save_job(job: Job, ckpt_dir: Path, step: int) -> Path:
+    """Save an atomic, layout-independent checkpoint after ``step`` steps (model, optimizer, scheduler, data
+    position, RNG); returns its folder."""
+    extra = {
+        "step": step,
+        "scheduler": job.scheduler.state_dict(),
+        "world_size": dist.get_world_size(),
+        "config": job.cfg.to_dict(),
+        "model_config": job.model_config.to_dict(),
+        # The data order is a pure function of the step (moeshard.train.data), so the step is the position.
+        "data": {"step": step, "samples_seen": step * job.cfg.train.global_batch_size},
+    }
+    rank_state = {"cpu_rng": torch.get_rng_state()}
+    if job.device.type == "cuda":
+        rank_state["cuda_rng"] = torch.cuda.get_rng_state(job.device)
+    return save_checkpoint(ckpt_dir, step, app_state(job), extra, rank_state, keep_last=job.cfg.checkpoint.keep_last)
+
+
+def resume_job(job: Job, path: Path) -> int:
+    """Load a checkpoint of any layout into the job; returns the step it was taken after."""
+    from moeshard.fsdp_moe import set_state_dict
+
+    state = app_state(job)
+    extra, rank_state = load_checkpoint(path, state)
+    set_state_dict(job.model, state, job.optimizer)
+    step = int(extra["step"])
+    # The schedule is a function of the step (the saved scheduler state has one entry per parameter group, and the
+    # groups depend on the layout: experts outside FSDP have an optimizer of their own). train.steps may have
+    # changed: the schedule of this run decides.
+    job.scheduler.last_epoch = step
+    lr = lr_at(step, job.cfg)
+    for group in job.optimizer.param_groups:
+        group["lr"] = lr
+    if rank_state is not None:  # same world size: each rank continues its own random stream
+        torch.set_rng_state(rank_state["cpu_rng"])
+        if "cuda_rng" in rank_state and job.device.type == "cuda":
+            torch.cuda.set_rng_state(rank_state["cuda_rng"], job.device)
+    return step
+
+
+class Checkpointer(Callback):
+    """Saves the job after every ``checkpoint.every_steps`` steps and after the last one (``save_final``)."""
+
+    def __init__(self, job: Job, ckpt_dir: Path) -> None:
+        self.job, self.ckpt_dir = job, ckpt_dir
+        self.last_saved = newest_checkpoint(ckpt_dir)
+
+    def due(self, step: int) -> bool:
+        """Whether the loop saves after ``step``."""
+        c = self.job.cfg.checkpoint
+        return bool(c.every_steps and step % c.every_steps == 0) or (step == self.job.cfg.train.steps and c.save_final)
+
+    def on_step_end(self, step: int, stats: StepStats) -> None:
+        if self.due(step):
+            self.last_saved = save_job(self.job, self.ckpt_dir, step)

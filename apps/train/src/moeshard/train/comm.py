@@ -9,7 +9,6 @@ tokens, so it is given for uniform routing together with its upper bound (every 
 
 from __future__ import annotations
 
-from math import comb
 from typing import Any
 
 
@@ -20,15 +19,12 @@ def moe_layer_count(config: Any) -> int:
     return sum(1 for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
 
 
-def a2a_rows_per_token(config: Any, ep_size: int, dispatch: str, uniform: bool = True) -> float:
-    """Rows one token sends to the other EP ranks: ``copies`` sends each routed copy, ``tokens`` sends a token
-    once to each rank that holds any of its experts. Expected value under uniform routing, or the upper bound."""
-    e, k, p = config.num_experts, config.num_experts_per_tok, ep_size
-    if dispatch == "copies":
-        return k * (p - 1) / p if uniform else float(k)
-    if not uniform:
-        return float(min(p - 1, k))
-    return (p - 1) * (1.0 - comb(e - e // p, k) / comb(e, k))  # P(one of its K experts lives on a given peer)
+def a2a_rows_per_token(config: Any, ep_size: int, uniform: bool = True) -> float:
+    """Rows one token sends to the other EP ranks: each of its K routed copies whose expert lives elsewhere
+    (every dispatch strategy of moeshard.ep sends copies). Expected value under uniform routing, or the upper
+    bound (all K elsewhere)."""
+    k, p = config.num_experts_per_tok, ep_size
+    return k * (p - 1) / p if uniform else float(k)
 
 
 def estimate_comm_bytes(
@@ -43,7 +39,6 @@ def estimate_comm_bytes(
     reshard_after_forward: bool,
     once_numel: int = 0,
     activation_checkpointing: bool = False,
-    dispatch: str = "tokens",
     uniform_routing: bool = True,
 ) -> dict[tuple[str, str], float]:
     """Bytes leaving one rank per optimizer step, keyed by ``(kind, "intra-node" | "inter-node")``.
@@ -56,15 +51,13 @@ def estimate_comm_bytes(
             never resharded after forward (FSDP2's root; the head, which backward needs first), gathered once per
             micro-batch.
         activation_checkpointing: the recomputed forward repeats the dispatch all-to-alls.
-        dispatch: moeshard.ep's mode, ``tokens`` (de-duplicated) or ``copies``.
         uniform_routing: False gives the all-to-all upper bound (every token to every EP peer).
 
     all-to-all per MoE layer and token: the token's hidden state out and its partial output back, in forward and
-    backward (4 passes, 6 with activation checkpointing), plus, for ``tokens``, its K expert ids and weights
-    (float32, forward and backward). Reduce-scatter is float32.
+    backward (4 passes, 6 with activation checkpointing), plus the per-expert row counts (int64) of each forward.
+    Reduce-scatter is float32.
     """
     d = config.hidden_size
-    k = config.num_experts_per_tok
     moe_layers = moe_layer_count(config)
     ep_fsdp = world_size // ep_size
     nodes = world_size // ranks_per_node
@@ -79,16 +72,11 @@ def estimate_comm_bytes(
             if share > 0:
                 out[(kind, link)] = out.get((kind, link), 0.0) + total * share
 
-    rows = a2a_rows_per_token(config, ep_size, dispatch, uniform_routing)
+    rows = a2a_rows_per_token(config, ep_size, uniform_routing)
     passes = 6 if activation_checkpointing else 4  # hidden states out + partial outputs back, fwd (x2 with AC) + bwd
     per_row = passes * d * compute_bytes
     forwards = 2 if activation_checkpointing else 1
-    el = config.num_experts // ep_size
-    if dispatch == "tokens":
-        per_row += (forwards + 1) * 2 * k * 4  # ids + weights (float32), forward(s) and the weights' gradient
-        counts = (ep_size - 1) * (el + 1) * 8  # per layer and forward: rows and copies per expert (int64)
-    else:
-        counts = (ep_size - 1) * el * 8
+    counts = (ep_size - 1) * (config.num_experts // ep_size) * 8  # per layer and forward: rows per expert (int64)
     a2a = moe_layers * (tokens_per_rank * rows * per_row + micro_batches * forwards * counts)
     ep_nodes = -(-ep_size // ranks_per_node) if ep_size > ranks_per_node else 1
     add("all_to_all", a2a, ep_size, ep_nodes)

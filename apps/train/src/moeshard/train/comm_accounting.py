@@ -16,7 +16,8 @@ peers*, per peer, so a peer on another node makes them inter-node bytes:
 - all-reduce: ``2·(n-1)/n·S`` (a reduce-scatter plus an all-gather); broadcast: ``S`` to every peer from the source.
 
 Each key is ``"<kind>/<group>"`` with the group named after the mesh axis (``ep``, ``ep_fsdp``, ``fsdp``,
-``world``) or, otherwise, its ranks.
+``world``) or, otherwise, its ranks. :class:`CommPerStep` is the training loop's callback: it counts each step and
+puts the mean per rank into the step's stats (``extra["comm"]``) for the metrics.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from moeshard.train.train import Callback, StepStats
 
 # Function name -> kind, for torch.distributed (c10d) and the functional collectives (funcol).
 _C10D = {
@@ -282,3 +285,33 @@ def merge_ranks(per_rank: list[dict[str, dict[str, float]]]) -> dict[str, dict[s
             "max_call_bytes": max(r.get("max_call_bytes", 0.0) for r in rows),
         }
     return out
+
+
+class CommPerStep(Callback):
+    """Counts every step's collectives (all ranks take part) and puts :func:`merge_ranks` of them into
+    ``stats.extra["comm"]`` after the step.
+
+    Args:
+        meshes: the job's ``ParallelMeshes`` (groups named ``ep``, ``ep_fsdp``, ``fsdp``).
+        ranks_per_node: to tell intra- from inter-node peers.
+    """
+
+    def __init__(self, meshes: Any, ranks_per_node: int) -> None:
+        labels = {meshes.ep.get_group(): "ep", meshes.ep_fsdp.get_group(): "ep_fsdp", meshes.fsdp.get_group(): "fsdp"}
+        self.accounting = CommAccounting(labels, ranks_per_node)
+
+    def on_run_start(self) -> None:
+        self.accounting.__enter__()
+
+    def on_step_start(self, step: int) -> None:
+        self.accounting.reset()
+
+    def on_step_end(self, step: int, stats: StepStats) -> None:
+        snapshot = self.accounting.snapshot()
+        with self.accounting.paused():
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, snapshot)
+        stats.extra["comm"] = merge_ranks(gathered)
+
+    def on_run_end(self) -> None:
+        self.accounting.__exit__(None, None, None)

@@ -30,7 +30,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Expert parallelism; the rest is derived from the launch (ranks per node from LOCAL_WORLD_SIZE)."""
+    """Expert parallelism and how it runs; the rest is derived from the launch (ranks per node from
+    LOCAL_WORLD_SIZE). :func:`parallel_options` maps these keys onto ``moeshard.models.qwen3moe.ParallelOptions``."""
 
     ep_size: int = 2
     allow_cross_node_ep: bool = False
@@ -38,6 +39,9 @@ class ParallelConfig:
     # With ep_size > 1: issue the forward prefetch at each MoE layer's host sync, not in the pre-forward hook.
     prefetch_at_host_sync: bool = True
     reshard_after_forward: bool = True
+    dispatch: str = "overlapped"  # EP > 1 token exchange: overlapped | all_to_all (the plain reference)
+    expert_kernels: str = "auto"  # auto (triton with train.compile, else eager) | eager | compiled | triton
+    sm_carveout: int = 32  # SMs left to the exchange while an expert GEMM overlaps it (overlapped, CUDA); 0: off
 
 
 @dataclass(frozen=True)
@@ -70,9 +74,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     activation_checkpointing: bool = False
-    compile: bool = False  # torch.compile-fused pointwise kernels (a GPU speed option; same numerics)
-    # Experts outside FSDP (ep_fsdp of one rank): AdamW updates them in one fused pass from their compute-dtype
-    # gradients and writes the next forward's compute copy (moeshard.fsdp_moe.fuse_local_expert_updates).
+    compile: bool = False  # torch.compile each layer's attention half and the loss chunk (a GPU speed option)
+    # Experts outside FSDP (ep_fsdp of one rank): one AdamW pass updates them from their compute-dtype gradients
+    # and writes the next forward's compute copy (moeshard.fsdp_moe.build_optimizer's fuse_local_experts).
     fused_expert_update: bool = True
 
 
@@ -124,6 +128,10 @@ class JobConfig:
             s.name: {k: conv(v) for k, v in dataclasses.asdict(getattr(self, s.name)).items()}
             for s in dataclasses.fields(self)
         }
+
+
+DISPATCH = ("overlapped", "all_to_all")
+EXPERT_KERNELS = ("auto", "eager", "compiled", "triton")
 
 
 class ConfigError(ValueError):
@@ -253,8 +261,14 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("model: set exactly one of model.preset or model.path")
     if m.dtype not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"model.dtype must be auto, float32 or bfloat16, got {m.dtype!r}")
-    if cfg.parallel.prefetch_depth not in (0, 1, 2):
-        raise ConfigError(f"parallel.prefetch_depth must be 0 (off), 1 or 2, got {cfg.parallel.prefetch_depth}")
+    p = cfg.parallel
+    if p.prefetch_depth not in (0, 1, 2):
+        raise ConfigError(f"parallel.prefetch_depth must be 0 (off), 1 or 2, got {p.prefetch_depth}")
+    for key, allowed in (("dispatch", DISPATCH), ("expert_kernels", EXPERT_KERNELS)):
+        if getattr(p, key) not in allowed:
+            raise ConfigError(f"parallel.{key} must be one of {', '.join(allowed)}, got {getattr(p, key)!r}")
+    if p.sm_carveout < 0:
+        raise ConfigError(f"parallel.sm_carveout must be >= 0 (0: off), got {p.sm_carveout}")
     if d.seq_len < 2:
         raise ConfigError(f"data.seq_len must be >= 2, got {d.seq_len}")
     if not d.synthetic and d.path is None:
@@ -286,3 +300,41 @@ def validate(cfg: JobConfig) -> None:
         )
     if c.every_steps < 0:
         raise ConfigError(f"checkpoint.every_steps must be >= 0, got {c.every_steps}")
+
+
+def parallel_options(cfg: JobConfig):
+    """The one mapping of the job's keys onto ``moeshard.models.qwen3moe.ParallelOptions`` (training, ``plan`` and
+    ``bench`` all build through it): ``parallel.*``, ``train.compile``, ``train.activation_checkpointing`` and
+    ``model.dtype``. ``parallel.expert_kernels: auto`` is triton with ``train.compile``, else eager."""
+    from moeshard.ep import EPOptions
+    from moeshard.models.qwen3moe import ParallelOptions
+
+    p, t = cfg.parallel, cfg.train
+    kernels = p.expert_kernels if p.expert_kernels != "auto" else ("triton" if t.compile else "eager")
+    return ParallelOptions(
+        ep=EPOptions(dispatch=p.dispatch, kernels=kernels, sm_carveout=p.sm_carveout),
+        compile=t.compile,
+        activation_checkpointing=t.activation_checkpointing,
+        param_dtype=cfg.model.dtype,
+        reshard_after_forward=p.reshard_after_forward,
+        prefetch_depth=p.prefetch_depth,
+        prefetch_at_host_sync=p.prefetch_at_host_sync,
+    )
+
+
+def resolve_model_config(cfg: JobConfig):
+    """The transformers config of the model to train (preset or local dir), with ``model.overrides`` applied.
+
+    Raises:
+        ValueError: an override names a field the config does not have.
+    """
+    from moeshard.models.qwen3moe import get_preset_config, load_hf_config
+
+    if cfg.model.path is not None:
+        config = load_hf_config(cfg.model.path)
+        for k, v in cfg.model.overrides.items():
+            if not hasattr(config, k):
+                raise ValueError(f"model.overrides.{k}: Qwen3MoeConfig has no field {k!r}")
+            setattr(config, k, v)
+        return config
+    return get_preset_config(cfg.model.preset, **cfg.model.overrides)

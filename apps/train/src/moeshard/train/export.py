@@ -43,7 +43,7 @@ def load_full_model(checkpoint: str | Path):
     from transformers import Qwen3MoeConfig
 
     from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
-    from moeshard.train.trainer import resolve_model_config
+    from moeshard.train.config import resolve_model_config
 
     src = Path(checkpoint)
     ckpt.read_marker(src)

@@ -8,7 +8,8 @@ Set ``MOESHARD_FAULT`` to one or more comma-separated faults; steps count from 1
     enospc:R:during_save:S      rank R's checkpoint write of step S fails with OSError(ENOSPC)
 
 Each fault fires once per output directory (a marker under ``<output_dir>/.faults_fired/`` is written first), so a
-job restarted by ``torchrun --max-restarts`` with the same environment does not fail again.
+job restarted by ``torchrun --max-restarts`` with the same environment does not fail again. :class:`FaultInjection`
+is the training loop's callback for the faults in a step; :func:`storage_writer` serves those during a save.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ import re
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+
+from moeshard.train.train import Callback, StepStats
 
 ENV = "MOESHARD_FAULT"
 _KINDS = {"kill_rank": ("step", "during_save"), "nan_loss": ("step",), "enospc": ("during_save",)}
@@ -116,3 +121,27 @@ def storage_writer(path: Path, step: int):
             return future
 
     return _FaultyWriter(str(path))
+
+
+class FaultInjection(Callback):
+    """The faults due in a step: ``nan_loss`` poisons this rank's loss in the step's forward, ``kill_rank`` kills
+    the rank after the step's backward, before its optimizer step (reads :func:`configure`'s faults)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._poison = None
+
+    def on_step_start(self, step: int) -> None:
+        if poison_loss(step):
+            self._poison = self.model.register_forward_hook(_nan_loss)
+
+    def before_update(self, step: int, stats: StepStats) -> None:
+        if self._poison is not None:
+            self._poison.remove()
+            self._poison = None
+        at_step(step)
+
+
+def _nan_loss(module: torch.nn.Module, args: object, output):
+    output.loss = output.loss * float("nan")
+    return output

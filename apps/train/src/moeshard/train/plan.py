@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from moeshard.train.config import JobConfig
+from moeshard.train.config import JobConfig, parallel_options, resolve_model_config
 
 GiB = 2**30
 
@@ -96,15 +96,13 @@ def plan(
 def plan_report(
     cfg: JobConfig, *, nnodes: int, nproc_per_node: int, rank: int = 0, micro_batch_size: int | None = None
 ) -> PlanReport:
-    """Build the job on meta under the fake backend as ``rank``: meshes, parameter rows, memory and communication.
+    """Build the job on meta under the fake backend as ``rank`` (through ``parallelize`` with the job's options):
+    meshes, options, parameter rows, memory and communication.
 
     Compute precision: ``model.dtype`` float32 means fp32, anything else bf16 (the GPU default).
     """
-    from moeshard.ep import apply_ep, get_ep_info
-    from moeshard.fsdp_moe import default_mp_policy, shard_model
     from moeshard.meshes import build_meshes, fake_process_group
-    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
-    from moeshard.train.trainer import resolve_model_config
+    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, parallelize
 
     world = nnodes * nproc_per_node
     mcfg = resolve_model_config(cfg)
@@ -120,10 +118,11 @@ def plan_report(
         )
         with torch.device("meta"):
             model = Qwen3MoeForCausalLM(mcfg)
-        apply_ep(model, model.get_parallel_plan(), meshes.ep)
-        info = get_ep_info(model)
-        units = shard_model(model, meshes, mp_policy=default_mp_policy("cpu"))
+        parallel = parallelize(model, meshes, parallel_options(cfg))
+        info, units = parallel.ep_info, parallel.units
         lines.append(meshes.describe())
+        lines += ["options:", *(f"  {line}" for line in parallel.options.describe())]
+        lines.append(f"  optimizer: AdamW, fuse_local_experts={cfg.train.fused_expert_update}")
         lines.append("")
         header = f"{'parameter':62s} {'global shape':>22s} {'local shape':>22s}  placement"
         lines.append(header)
@@ -199,7 +198,6 @@ def comm_estimate(
     cfg: JobConfig, mcfg: Any, world: int, per_node: int, elem: int, once_numel: int, *, uniform_routing: bool = True
 ) -> dict[tuple[str, str], float]:
     """Bytes per optimizer step per rank by ``(kind, link)`` for this job (see :mod:`moeshard.train.comm`)."""
-    from moeshard.ep import get_ep_dispatch
     from moeshard.train.comm import estimate_comm_bytes
 
     return estimate_comm_bytes(
@@ -213,7 +211,6 @@ def comm_estimate(
         reshard_after_forward=cfg.parallel.reshard_after_forward,
         once_numel=once_numel,
         activation_checkpointing=cfg.train.activation_checkpointing,
-        dispatch=get_ep_dispatch(),
         uniform_routing=uniform_routing,
     )
 

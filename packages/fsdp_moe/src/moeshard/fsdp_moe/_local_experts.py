@@ -1,4 +1,4 @@
-"""Expert modules without FSDP where ``ep_fsdp`` has one rank: float32 master DTensors, a compute copy per forward.
+"""Expert modules without FSDP where ``ep_fsdp`` has one rank: DTensor parameters, local tensors in the forward.
 
 On a one-rank ``ep_fsdp`` mesh nothing is gathered or reduced, yet an FSDP2 unit still costs, per expert module
 and step, a cast into an all-gather buffer and a copy out of it in forward, and in backward a copy of the gradients
@@ -8,28 +8,25 @@ CPU time. Here the parameters stay exactly what FSDP2 would have made of them �
 no difference, and two hooks on the expert module do the rest:
 
 - forward pre-hook: each parameter in ``module._parameters`` is replaced by :class:`_ToCompute` of it (its local
-  tensor in ``mp_policy.param_dtype``), the way FSDP2 swaps in its unsharded parameters; floating-point inputs are
-  cast like FSDP2's ``cast_forward_inputs``;
+  tensor, cast to ``mp_policy.param_dtype`` where the parameter holds the master), the way FSDP2 swaps in its
+  unsharded parameters; floating-point inputs are cast like FSDP2's ``cast_forward_inputs``;
 - forward hook (also on an exception, e.g. the early stop of a checkpoint's recomputation): the parameters go
   back; outputs are cast to ``mp_policy.output_dtype`` if set.
 
-:class:`_ToCompute`'s backward is the whole gradient path: the compute-dtype gradient times the divide factor
-``1 / W`` (W the world size, as FSDP2 applies it), in the master dtype, in one pass, returned as a DTensor like the
-parameter, so autograd stores it in (first micro-batch) or adds it to (later ones) ``param.grad``. With activation
-checkpointing the recomputation casts again; only the first forward's graph carries the gradients.
+Two modes per parameter:
 
-Fed to the optimizer (:func:`moeshard.fsdp_moe.fuse_local_expert_updates` switches a module into this mode): the
-gradient is not cast into ``param.grad`` but kept as it arrives, in the compute dtype, as the parameter's
-*pending gradient* (:func:`expert_grad` shows it as the float32 DTensor ``param.grad`` would have been), and the
-compute-dtype copy of each parameter is kept between steps: the optimizer's fused update reads the pending
-gradient and writes the master weights, the moments and the next forward's copy in one pass. A copy is used only
-while the master is unchanged since it was written (the version counters of the DTensor and of its local tensor),
-so loading a checkpoint or any other in-place change makes the next forward cast afresh.
+- *master* (``shard_model``'s result; what torch's AdamW steps): the parameter is the float32 master;
+  :class:`_ToCompute`'s backward is the whole gradient path: the compute-dtype gradient times the divide factor
+  ``1 / W`` (W the world size, as FSDP2 applies it), in the master dtype, in one pass, returned as a DTensor like
+  the parameter, so autograd stores it in (first micro-batch) or adds it to (later ones) ``param.grad``. With
+  activation checkpointing the recomputation casts again; only the first forward's graph carries the gradients.
+- *compute* (after :class:`moeshard.fsdp_moe.LocalExpertAdamW` took the master into its state): the parameter is
+  already in the compute dtype; the forward uses its local tensor as it is and the backward hands the gradient
+  to autograd unchanged (no cast, no divide factor: the optimizer applies ``1 / W`` in float32 as it reads it).
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -39,55 +36,38 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["expert_grad", "keep_experts_local", "local_experts_state", "pending_grads", "pending_to_grad"]
+__all__ = ["dtensor_like", "keep_experts_local", "local_experts_state"]
 
 _STATE_ATTR = "_moeshard_local_experts"
 
 
 class _ToCompute(torch.autograd.Function):
-    """DTensor parameter → its local tensor in the compute dtype; gradient → ``grad * scale`` as a DTensor.
-
-    Fed to the optimizer, the gradient goes to the module's pending gradients instead (and None to autograd).
-    """
+    """DTensor parameter → its local tensor (cast to ``dtype`` unless None); gradient → ``grad * scale`` as a
+    contiguous DTensor of the parameter's dtype."""
 
     @staticmethod
-    def forward(
-        ctx: Any, param: DTensor, dtype: torch.dtype | None, scale: float, state: _LocalExperts, name: str
-    ) -> torch.Tensor:
+    def forward(ctx: Any, param: DTensor, dtype: torch.dtype | None, scale: float) -> torch.Tensor:
         ctx.spec = (param.device_mesh, param.placements, param.shape, param.stride(), param.dtype)
         ctx.scale = scale
-        ctx.fed = (state, name) if state.fed else None
-        local = param._local_tensor  # the local tensor itself (no autograd inside forward)
+        local = param.to_local()  # the local tensor itself (no autograd inside forward)
         if dtype is None or dtype == local.dtype:
             return local.view_as(local)  # a fresh tensor object: autograd writes its metadata into it
-        if state.fed:
-            return state.compute_copy(name, param, dtype).view_as(local)
         return local.to(dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor | None, None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None, None]:
         mesh, placements, shape, stride, dtype = ctx.spec
-        if ctx.fed is not None:
-            state, name = ctx.fed
-            state.add_pending(name, grad, ctx.scale, dtype)
-            return None, None, None, None, None
         if ctx.scale != 1.0 or grad.dtype != dtype or not grad.is_contiguous():
-            # One pass into a contiguous master-dtype tensor (the parameter's layout, as the optimizer expects).
+            # One pass into a contiguous tensor of the parameter's dtype (its layout, as the optimizer expects).
             # The factor is a one-element tensor of the master dtype, not a Python scalar: type promotion then
             # computes in the master dtype (float32) in the kernel that reads the compute-dtype gradient, as
             # FSDP2's cast into its float32 buffer followed by its division by W (which CUDA computes as a
             # multiplication by 1/W as well; on CPU the two agree exactly when W is a power of two).
-            grad = _scaled(grad, ctx.scale, dtype)
-        return (
-            DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride),
-            None,
-            None,
-            None,
-            None,
-        )
+            grad = scaled(grad, ctx.scale, dtype)
+        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride), None, None
 
 
-def _scaled(grad: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+def scaled(grad: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """``grad * scale`` as a new contiguous tensor of ``dtype`` (products computed in ``dtype``)."""
     fused = _fused_scale(grad, scale, dtype) if grad.is_cuda and scale != 1.0 else None
     if fused is not None:
@@ -100,36 +80,13 @@ def _scaled(grad: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tenso
     return out
 
 
-class PendingGrad:
-    """A parameter's gradient as its fused update will read it: ``local * scale * mult`` (see :func:`expert_grad`).
-
-    ``local`` is the compute-dtype gradient of one micro-batch (``scale`` the FSDP divide factor ``1/W``), or from
-    the second micro-batch on the float32 sum of the scaled ones (``scale`` 1.0); ``mult`` a float32 scalar tensor
-    that in-place clipping multiplies in (None: 1).
-    """
-
-    __slots__ = ("local", "mult", "scale")
-
-    def __init__(self, local: torch.Tensor, scale: float):
-        self.local = local
-        self.scale = scale
-        self.mult: torch.Tensor | None = None
-
-    def materialize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The gradient as a new tensor of ``dtype`` (the master dtype), computed as the unfused path computes it."""
-        out = _scaled(self.local, self.scale, dtype) if self.scale != 1.0 else self.local.to(dtype, copy=True)
-        if self.mult is not None:
-            out.mul_(self.mult.to(out.device))
-        return out
-
-
 def _scale_into(grad: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     return grad.contiguous().to(dtype) * scale
 
 
-# On CUDA the broadcast one-element factor above keeps the eager kernel from vectorising (~2 TB/s on an H200 for
-# 0.6 ms per layer's gate/up gradient); compiled, the same cast-and-multiply is one vectorised pass. Compiled once
-# on first use; if compiling is not possible here, the eager kernel stays.
+# On CUDA the broadcast one-element factor above keeps the eager kernel from vectorising; compiled, the same
+# cast-and-multiply is one vectorised pass. Compiled once on first use (a cache, not a switch: the numbers are the
+# same); if compiling is not possible here, the eager kernel stays.
 _FUSED: list = [None]
 
 
@@ -148,70 +105,27 @@ def _fused_scale(grad: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.
         return None
 
 
-def _versions(param: DTensor) -> tuple[int, int]:
-    # In-place changes through the DTensor (an optimizer, a checkpoint load) count on the DTensor's version
-    # counter, not its local tensor's (DTensor runs the op below autograd); changes to the local tensor count there.
-    return param._version, param._local_tensor._version
-
-
 def _cast_floating(dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
     # FSDP2's rule for forward inputs and outputs: floating-point tensors only, and only when the dtype differs.
     return x.to(dtype) if torch.is_floating_point(x) and x.dtype != dtype else x
 
 
-class _LocalExperts:
-    """The hooks' state for one expert module (readable with :func:`local_experts_state`)."""
+class LocalExperts:
+    """The hooks' state for one expert module (read with :func:`local_experts_state`).
 
-    def __init__(self, names: tuple[str, ...], mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, scale: float):
-        self.names = names
-        self.mesh = mesh
+    Attributes:
+        params: the module's parameters by name (the objects the hooks swap in and out).
+        mp_policy: the mixed-precision policy the forward follows (FSDP2's).
+        scale: the gradient divide factor as a multiplier, ``1 / W``.
+        in_compute_dtype: names of the parameters in *compute* mode (their master lives in an optimizer).
+    """
+
+    def __init__(self, params: dict[str, nn.Parameter], mp_policy: MixedPrecisionPolicy, scale: float):
+        self.params = params
         self.mp_policy = mp_policy
         self.scale = scale
+        self.in_compute_dtype: set[str] = set()
         self._saved: list[tuple[str, nn.Parameter]] = []
-        # Fed to the optimizer (fuse_local_expert_updates): pending gradients, and compute copies kept between
-        # steps as {name: (copy, the master local tensor it was made from, the versions then (see _versions))}.
-        self.fed = False  # set with feed()
-        self.params: dict[str, nn.Parameter] = {}
-        self.pending: dict[str, PendingGrad] = {}
-        self.copies: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, int]]] = {}
-
-    def feed(self) -> None:
-        """From now on gradients go to ``pending`` and compute copies are kept (see the module docstring)."""
-        self.fed = True
-        _FED.add(self)
-
-    def compute_copy(self, name: str, param: DTensor, dtype: torch.dtype) -> torch.Tensor:
-        """The kept compute-dtype copy of ``name`` if it is still the master's; else a fresh cast, kept."""
-        local = param._local_tensor
-        kept = self.copies.get(name)
-        if kept is not None and kept[1] is local and kept[2] == _versions(param) and kept[0].dtype == dtype:
-            return kept[0]
-        copy = local.to(dtype)
-        self.copies[name] = (copy, local, _versions(param))
-        return copy
-
-    def copy_written(self, name: str) -> None:
-        """The fused update rewrote ``name``'s master and its copy: the copy matches the master as it is now."""
-        kept = self.copies.get(name)
-        if kept is not None:
-            self.copies[name] = (kept[0], kept[1], _versions(self.params[name]))
-
-    def add_pending(self, name: str, grad: torch.Tensor, scale: float, dtype: torch.dtype) -> None:
-        """Keep (first micro-batch) or add (later ones, in ``dtype``) ``name``'s gradient."""
-        grad = grad.contiguous()
-        pg = self.pending.get(name)
-        if pg is None:
-            self.pending[name] = PendingGrad(grad, scale)
-            return
-        if pg.mult is not None:
-            raise RuntimeError(
-                f"{name}: a gradient arrived after its pending gradient was clipped; clip after the last backward "
-                "of the step"
-            )
-        if pg.scale != 1.0 or pg.local.dtype != dtype:
-            # From the second micro-batch on: the float32 sum of the scaled gradients, as param.grad would be.
-            pg.local, pg.scale = pg.materialize(dtype), 1.0
-        pg.local.add_(_scaled(grad, scale, dtype) if scale != 1.0 or grad.dtype != dtype else grad)
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -220,11 +134,14 @@ class _LocalExperts:
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         assert not self._saved, "the expert module's forward was entered twice without leaving it"
-        for name in self.names:
+        for name in self.params:
             param = module._parameters[name]
             assert isinstance(param, DTensor), (name, type(param))
             self._saved.append((name, param))
-            module._parameters[name] = _ToCompute.apply(param, self.compute_dtype, self.scale, self, name)
+            if name in self.in_compute_dtype:
+                module._parameters[name] = _ToCompute.apply(param, None, 1.0)
+            else:
+                module._parameters[name] = _ToCompute.apply(param, self.compute_dtype, self.scale)
         if self.mp_policy.cast_forward_inputs and self.compute_dtype is not None:
             args, kwargs = tree_map_only(torch.Tensor, lambda t: _cast_floating(self.compute_dtype, t), (args, kwargs))
         return args, kwargs
@@ -238,28 +155,9 @@ class _LocalExperts:
         return tree_map_only(torch.Tensor, lambda t: _cast_floating(self.mp_policy.output_dtype, t), output)
 
 
-def local_experts_state(module: nn.Module) -> _LocalExperts | None:
+def local_experts_state(module: nn.Module) -> LocalExperts | None:
     """The state :func:`keep_experts_local` left on ``module``, or None."""
     return module.__dict__.get(_STATE_ATTR)
-
-
-# Every module state whose gradients are fed to an optimizer, to find a parameter's pending gradient. (Nothing is
-# stored on the parameters: ``to_empty`` and other ``_apply`` conversions of DTensor parameters swap the Python
-# objects' contents, attributes included, with new tensors; the objects themselves stay the module's.)
-_FED: weakref.WeakSet[_LocalExperts] = weakref.WeakSet()
-
-
-def _pending(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, _LocalExperts, str]]:
-    """``(param, its module state, its name)`` for each of ``params`` whose gradient waits for a fused update."""
-    if not _FED:
-        return []
-    owners = {id(p): (p, st, name) for st in list(_FED) for name, p in st.params.items()}
-    out = []
-    for p in params:
-        hit = owners.get(id(p))
-        if hit is not None and hit[0] is p and hit[2] in hit[1].pending:
-            out.append(hit)
-    return out
 
 
 def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
@@ -267,34 +165,6 @@ def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
     return DTensor.from_local(
         local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
     )
-
-
-def _as_grad(param: torch.Tensor, pg: PendingGrad) -> DTensor:
-    """The pending gradient as the float32 DTensor ``param.grad`` would hold (a new tensor)."""
-    return dtensor_like(pg.materialize(param.dtype), param)
-
-
-def pending_grads(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, PendingGrad]]:
-    """``(param, pending gradient)`` for each of ``params`` whose gradient waits for a fused update."""
-    return [(p, st.pending[name]) for p, st, name in _pending(params)]
-
-
-def pending_to_grad(params: list[torch.Tensor]) -> int:
-    """Move the pending gradients of ``params`` into their ``param.grad`` (float32 DTensors, as unfused); returns
-    how many there were."""
-    found = _pending(params)
-    for p, st, name in found:
-        p.grad = _as_grad(p, st.pending.pop(name))
-    return len(found)
-
-
-def expert_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """``param.grad``, or for a local expert parameter fed to a fused update its pending gradient as the float32
-    DTensor ``param.grad`` would hold (a new tensor; clipping applied so far included). None without either."""
-    if param.grad is not None:
-        return param.grad
-    found = _pending([param])
-    return _as_grad(param, found[0][1].pending[found[0][2]]) if found else None
 
 
 def keep_experts_local(
@@ -327,8 +197,7 @@ def keep_experts_local(
         new = nn.Parameter(dt, requires_grad=param.requires_grad)
         module.register_parameter(name, new)
         params[name] = new
-    state = _LocalExperts(tuple(params), mesh, mp_policy, 1 / divide_factor)
-    state.params = dict(params)
+    state = LocalExperts(params, mp_policy, 1 / divide_factor)
     module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
     module.register_forward_hook(state.post_forward, with_kwargs=True, always_call=True)
     setattr(module, _STATE_ATTR, state)

@@ -10,6 +10,16 @@ Format: ``{"model": {fqn: tensor}, "optimizer": {"state": {fqn: {...}}, "param_g
 
 DCP stores each rank's pieces with their global offsets, so a checkpoint written with one EP size / world size
 loads into any other: ``dcp.load`` reads exactly the slices the loading rank holds.
+
+The optimizer may be a torch optimizer, a :class:`~moeshard.fsdp_moe.LocalExpertAdamW` or an
+:class:`~moeshard.fsdp_moe.OptimizersContainer` of them. Experts updated by a LocalExpertAdamW are written as torch's
+AdamW over their float32 parameters would write them: the model entry is the float32 master (not the compute-dtype
+parameter), the optimizer entry ``{step, exp_avg, exp_avg_sq}``, and its parameter groups have AdamW's keys. So a
+checkpoint loads across layouts *and* between fused and unfused expert updates (``build_optimizer(...,
+fuse_local_experts=...)``). Parameter groups with equal hyper-parameters (all keys but ``params``, ``fused``,
+``foreach``) are written as one group, as torch's AdamW over every parameter writes them; loading matches groups by
+the FQNs they hold, as torch's ``set_optimizer_state_dict`` does. (A move between fused and unfused needs the same
+distinct hyper-parameter groups on both sides: DCP asks for every ``param_groups`` entry of the loading side.)
 """
 
 from __future__ import annotations
@@ -29,7 +39,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard
 
 from moeshard.ep import EPParamMeta
-from moeshard.fsdp_moe._local_experts import dtensor_like
+from moeshard.fsdp_moe._local_adamw import LocalExpertAdamW
+from moeshard.fsdp_moe._local_experts import dtensor_like, local_experts_state
+from moeshard.fsdp_moe._optim import OptimizersContainer
 from moeshard.fsdp_moe._shard import EXPERT_DIM, ShardingInfo, clean_fqn, get_sharding_info
 from moeshard.meshes import ParallelMeshes
 
@@ -92,35 +104,112 @@ def _to_fsdp(value: Any, like: DTensor, meta: EPParamMeta, meshes: ParallelMeshe
     return dtensor_like(local.to(like.device), like)
 
 
+def _children(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, OptimizersContainer):
+        return list(optimizer.optimizers)
+    return [optimizer]
+
+
+def _masters(model: nn.Module, children: list[torch.optim.Optimizer]) -> list[LocalExpertAdamW]:
+    """The LocalExpertAdamW among ``children``, after checking that they hold every master of ``model``."""
+    fused = [o for o in children if isinstance(o, LocalExpertAdamW)]
+    held = {id(p) for o in fused for g in o.param_groups for p in g["params"]}
+    for name, module in model.named_modules():
+        st = local_experts_state(module)
+        if st is None:
+            continue
+        for pname in st.in_compute_dtype:
+            if id(st.params[pname]) not in held:
+                raise ValueError(
+                    f"{clean_fqn(f'{name}.{pname}')} is in the compute dtype: its float32 master lives in a "
+                    "LocalExpertAdamW; pass that optimizer (or the OptimizersContainer holding it)"
+                )
+    return fused
+
+
+# Group keys that choose an implementation, not the update: groups differing only there are one group.
+_IMPLEMENTATION_KEYS = frozenset({"params", "fused", "foreach"})
+
+
+def _merge_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Groups with equal hyper-parameters as one group (FQNs concatenated), in order of first appearance.
+
+    DCP stores ``param_groups`` entry by entry (``optimizer.param_groups.0.lr``, ...) and a load asks for every
+    entry of the loading side: the container's per-optimizer groups would not load from the one group of torch's
+    AdamW over every parameter, or the other way round. Merged, both write the same entries.
+    """
+    merged: list[dict[str, Any]] = []
+    for group in groups:
+        hyper = {k: v for k, v in group.items() if k not in _IMPLEMENTATION_KEYS}
+        for m in merged:
+            if {k: v for k, v in m.items() if k not in _IMPLEMENTATION_KEYS} == hyper:
+                m["params"] = [*m["params"], *group["params"]]
+                break
+        else:
+            merged.append(dict(group))
+    return merged
+
+
+def _fused_params(opt: LocalExpertAdamW):
+    for group in opt.param_groups:
+        for p in group["params"]:
+            yield opt.fqn(p), p
+
+
 def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """A DCP-ready state dict of a model sharded by ``shard_model`` (and its optimizer), experts in global shape.
 
-    The tensors alias the live parameters and optimizer state (nothing is copied), so ``dcp.load`` into this
-    dict writes the model in place; call :func:`set_state_dict` after it all the same.
+    ``optimizer``: a torch optimizer, a ``LocalExpertAdamW`` or an ``OptimizersContainer``; required where the
+    model's local experts are updated by a LocalExpertAdamW (it holds their float32 weights). The tensors alias the
+    live parameters, masters and optimizer state (nothing is copied), so ``dcp.load`` into this dict writes them in
+    place; call :func:`set_state_dict` after it all the same.
 
     Returns:
         ``{"model": ..., "optimizer": ...}`` (no ``"optimizer"`` key without an optimizer).
     """
     info = _info(model)
+    children = _children(optimizer)
+    fused = _masters(model, children)
     msd = get_model_state_dict(model)
+    for opt in fused:
+        for fqn, p in _fused_params(opt):
+            msd[fqn] = opt.state[p]["master"]
     for fqn, meta in info.expert_params.items():
         msd[fqn] = _to_global(msd[fqn], meta, info.meshes)
     out: dict[str, Any] = {MODEL_KEY: msd}
-    if optimizer is not None:
-        osd = get_optimizer_state_dict(model, optimizer)
-        for fqn, state in osd["state"].items():
-            meta = info.expert_params.get(fqn)
-            if meta is None:
-                continue
-            # A new dict: ``state`` is the optimizer's own per-parameter dict, which must keep FSDP's DTensors.
-            # Per-element state (exp_avg, ...) is sharded like the parameter; scalars (step) stay as they are.
-            osd["state"][fqn] = {
-                key: _to_global(value, meta, info.meshes)
-                if isinstance(value, DTensor) and value.dim() > EXPERT_DIM
-                else value
-                for key, value in state.items()
-            }
-        out[OPTIMIZER_KEY] = osd
+    if optimizer is None:
+        return out
+    osd: dict[str, Any] = {"state": {}, "param_groups": []}
+    groups: list[dict[str, Any]] = []
+    # torch's optimizers first: a merged group takes its implementation flags (fused, foreach) from them, as the
+    # unfused job's single AdamW would have written them.
+    for opt in sorted(children, key=lambda o: isinstance(o, LocalExpertAdamW)):
+        if isinstance(opt, LocalExpertAdamW):
+            for group in opt.param_groups:
+                groups.append({**group, "params": [opt.fqn(p) for p in group["params"]]})
+            for fqn, p in _fused_params(opt):
+                state = opt.state[p]
+                osd["state"][fqn] = {k: state[k] for k in ("step", "exp_avg", "exp_avg_sq")}
+        else:
+            part = get_optimizer_state_dict(model, opt)
+            osd["state"].update(part["state"])
+            groups += part["param_groups"]
+    osd["param_groups"] = _merge_groups(groups)
+    for fqn, state in osd["state"].items():
+        meta = info.expert_params.get(fqn)
+        if meta is None:
+            continue
+        # A new dict: ``state`` is the optimizer's own per-parameter dict, which must keep FSDP's DTensors.
+        # Per-element state (exp_avg, ...) is sharded like the parameter; scalars (step) stay as they are.
+        osd["state"][fqn] = {
+            key: _to_global(value, meta, info.meshes)
+            if isinstance(value, DTensor) and value.dim() > EXPERT_DIM
+            else value
+            for key, value in state.items()
+        }
+    out[OPTIMIZER_KEY] = osd
     return out
 
 
@@ -130,14 +219,18 @@ def set_state_dict(
     """Load a state dict in the format of :func:`get_state_dict` (typically filled by ``dcp.load``).
 
     Expert entries may be global-shape DTensors (any layout's) or full plain tensors; each rank keeps its slice.
+    ``optimizer`` as for :func:`get_state_dict`; the experts a LocalExpertAdamW updates take their masters from the
+    model entries and their parameters are rewritten from them.
     """
     info = _info(model)
+    children = _children(optimizer)
+    _masters(model, children)  # refuses a model whose masters the optimizer does not hold
     params = {clean_fqn(n): p for n, p in model.named_parameters()}
     msd = dict(state_dict[MODEL_KEY])
     for fqn, meta in info.expert_params.items():
         if fqn in msd:
             msd[fqn] = _to_fsdp(msd[fqn], params[fqn], meta, info.meshes)
-    set_model_state_dict(model, msd)
+    set_model_state_dict(model, msd)  # (a fused expert's float32 entry is cast into its parameter here)
     if optimizer is None:
         return
     if OPTIMIZER_KEY not in state_dict:
@@ -154,7 +247,22 @@ def set_state_dict(
                 for k, v in entry.items()
             }
         state[fqn] = entry
-    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": osd["param_groups"]})
+    for opt in children:
+        if not isinstance(opt, LocalExpertAdamW):
+            set_optimizer_state_dict(model, opt, {"state": state, "param_groups": osd["param_groups"]})
+            continue
+        for group in opt.param_groups:
+            # Hyper-parameters from the saved group holding this group's first parameter (torch's rule).
+            first = opt.fqn(group["params"][0]) if group["params"] else None
+            saved = next((g for g in osd["param_groups"] if first in g["params"]), None)
+            if saved is not None:
+                group.update({k: v for k, v in saved.items() if k != "params"})
+        for fqn, p in _fused_params(opt):
+            if fqn not in state:
+                raise RuntimeError(f"missing optimizer state for parameter '{fqn}' in the checkpoint")
+            if fqn not in msd:
+                raise RuntimeError(f"missing model entry (the float32 weight) for parameter '{fqn}' in the checkpoint")
+            opt.load_param_state(p, {**state[fqn], "master": msd[fqn]})
 
 
 def save_checkpoint(checkpoint_dir: str | os.PathLike, model: nn.Module, optimizer=None) -> None:

@@ -1,13 +1,14 @@
-"""Triton kernels for the local experts' fused update (CUDA; see ``_fused_update``): the AdamW pass, and the
-sum of squares of a compute-dtype gradient for the clipping norm.
+"""Triton kernels of :class:`~moeshard.fsdp_moe.LocalExpertAdamW` (CUDA; see ``_local_adamw``): the AdamW pass,
+and the sum of squares of compute-dtype gradients for the clipping norm.
 
 The update:
-per element, the gradient read in its stored dtype (the compute dtype as backward left it, or float32) and
-scaled, the master weight, both moments; written: the master weight, both moments and, if given, the compute
-copy. The arithmetic is torch's for-loop AdamW in float32 (``_single_tensor_adam``): decay, ``lerp`` of the
-first moment, the second moment, ``denom = sqrt(v) / sqrt(bias_correction2) + eps``, the step; the clip's
-``grad_scale`` divides the gradient first, as torch's fused kernel does. The kernel also runs under triton's
-interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the CPU tests check it.
+per element, the gradient read in its stored dtype (the compute dtype as autograd left it in ``param.grad``, or
+float32) and multiplied by the divide factor and the clip coefficient, the float32 master, both moments; written:
+the master, both moments and, if given, the compute-dtype parameter. The arithmetic is torch's for-loop AdamW in
+float32 (``_single_tensor_adam``): decay, ``lerp`` of the first moment, the second moment,
+``denom = sqrt(v) / sqrt(bias_correction2) + eps``, the step. (An optional ``grad_scale`` divides the gradient as
+torch's fused kernel does; the optimizer passes none.) The kernels also run under triton's interpreter
+(``TRITON_INTERPRET=1``) on CPU tensors, which is how the CPU tests check them.
 """
 
 from __future__ import annotations

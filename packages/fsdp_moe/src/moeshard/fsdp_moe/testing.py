@@ -16,17 +16,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from moeshard.ep import ParallelPlan, ep_group, routed_experts
-from moeshard.fsdp_moe._local_experts import expert_grad
+from moeshard.fsdp_moe._local_adamw import local_expert_params
+from moeshard.fsdp_moe._local_experts import dtensor_like, scaled
 from moeshard.fsdp_moe._shard import clean_fqn, get_sharding_info
-from moeshard.fsdp_moe._state_dict import _to_global
+from moeshard.fsdp_moe._state_dict import _children, _masters, _to_global
 
 __all__ = ["ToyExperts", "ToyMoELM", "checkpoint_snapshot", "full_tensors"]
 
 
 def checkpoint_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Full parameters and optimizer state as numpy arrays by ``model.FQN`` / ``optim.FQN.key``, gathered through
-    the checkpoint format itself (:func:`moeshard.fsdp_moe.get_state_dict`), plus each group's ``lr`` under
-    ``"lr"``; for comparing layouts in tests (all ranks gather)."""
+    the checkpoint format itself (:func:`moeshard.fsdp_moe.get_state_dict`), plus each parameter's ``lr`` under
+    ``lr.FQN``; for comparing layouts (and fused / unfused expert updates) in tests (all ranks gather)."""
     import numpy as np
 
     from moeshard.fsdp_moe._state_dict import get_state_dict
@@ -39,20 +40,34 @@ def checkpoint_snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> d
     out = {f"model.{k}": full(v) for k, v in sd["model"].items()}
     for fqn, state in sd["optimizer"]["state"].items():
         out.update({f"optim.{fqn}.{k}": full(v) for k, v in state.items()})
-    out["lr"] = np.array([g["lr"] for g in sd["optimizer"]["param_groups"]])
+    for group in sd["optimizer"]["param_groups"]:
+        out.update({f"lr.{fqn}": np.array(group["lr"]) for fqn in group["params"]})
     return out
 
 
-def full_tensors(model: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+def full_tensors(
+    model: nn.Module, grads: bool = False, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, torch.Tensor]:
     """Every parameter (or gradient) of a sharded model as a full plain tensor, by FQN (all ranks gather).
 
-    For tests and debugging only: it all-gathers everything.
+    Experts updated by a :class:`~moeshard.fsdp_moe.LocalExpertAdamW` (pass it, or the container holding it) show
+    their float32 master, and their gradient as the float32 path holds it (divide factor applied). For tests and
+    debugging only: it all-gathers everything.
     """
     info = get_sharding_info(model)
+    fused = {}
+    if not grads:  # (the masters: refused without the optimizer that holds them)
+        fused = {id(p): o for o in _masters(model, _children(optimizer)) for g in o.param_groups for p in g["params"]}
+    in_compute = {i: st for i, (_, st, name, _) in local_expert_params(model).items() if name in st.in_compute_dtype}
     out = {}
     for raw_fqn, param in model.named_parameters():
         fqn = clean_fqn(raw_fqn)
-        t = expert_grad(param) if grads else param.detach()
+        if grads:
+            t = param.grad
+            if t is not None and id(param) in in_compute:
+                t = dtensor_like(scaled(t.to_local(), in_compute[id(param)].scale, torch.float32), t)
+        else:
+            t = fused[id(param)].state[param]["master"] if id(param) in fused else param.detach()
         if t is None:
             continue
         meta = info.expert_params.get(fqn) if info is not None else None

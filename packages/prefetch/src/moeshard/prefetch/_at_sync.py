@@ -73,16 +73,17 @@ def prefetch_forward_at_host_sync(
     Apply the schedule first (:func:`apply_schedule`); backward prefetching is left as it is. Which units are
     prefetched, and how far ahead, does not change; only the moment the host issues them does.
 
-    Example::
+    Example (the EP split-size syncs of ``model``'s dispatchers)::
 
-        from moeshard.ep import register_host_sync_hook
+        from moeshard.ep import add_host_sync_hook
         apply_schedule(schedule)
-        prefetch_forward_at_host_sync(schedule, register_host_sync_hook)
+        prefetch_forward_at_host_sync(schedule, functools.partial(add_host_sync_hook, model))
 
     Args:
         schedule: the applied schedule.
         register_host_sync_hook: registers a no-argument callable to run right before each host sync and returns a
-            handle with ``remove()`` (``moeshard.ep.register_host_sync_hook`` for the EP split-size sync).
+            handle with ``remove()`` (``functools.partial(moeshard.ep.add_host_sync_hook, model)`` for the EP
+            split-size syncs of ``model``).
 
     Returns:
         The installed hooks; ``remove()`` restores pre-forward prefetching.

@@ -1,10 +1,14 @@
-"""A toy MoE decoder sharded like the real one, for tests of prefetch schedules (torch only).
+"""A toy MoE decoder sharded like the real one, and checks of a recorded step against a schedule, for tests of
+prefetch schedules (torch only).
 
-    from moeshard.prefetch.testing import ToyMoE, shard_toy
+    from moeshard.prefetch.testing import ToyMoE, check_scheduled_order, shard_toy, train_and_record
 
     model = ToyMoE(num_layers=4, ep_rank=meshes.ep_rank, ep_size=meshes.ep_size)
     stages = shard_toy(model, fsdp_mesh=meshes.fsdp, ep_fsdp_mesh=meshes.ep_fsdp)
-    loss = model(tokens_BT, labels_BT)
+    schedule = build_schedule(stages, depth=1)
+    apply_schedule(schedule)
+    losses, trace = train_and_record(model, stages, lambda step: model(tokens_BT, labels_BT))
+    check_scheduled_order(schedule.as_dict(), trace)
 
 Structure (names as in the real model): ``embed`` | ``layers.{i}`` = attention part + router + ``experts`` | ``head``
 (final norm + output projection). Sharding mirrors ``moeshard.fsdp_moe.shard_model`` on an ep_fsdp mesh of more
@@ -16,7 +20,10 @@ a one-rank ep_fsdp mesh too, where ``shard_model`` keeps experts out of FSDP). E
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +32,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import Shard
 
-__all__ = ["ToyMoE", "ToyStage", "shard_toy"]
+from moeshard.prefetch._record import UnshardTrace, record_unshard_order
+from moeshard.prefetch._schedule import StageLike, stage_units
+
+__all__ = [
+    "ToyMoE",
+    "ToyStage",
+    "check_default_order",
+    "check_scheduled_order",
+    "layer_stages",
+    "shard_toy",
+    "train_and_record",
+]
 
 # B batch, T sequence, D hidden, E local experts, F expert width, V vocab.
 
@@ -150,3 +168,97 @@ def shard_toy(
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
     assert isinstance(embed, FSDPModule) and isinstance(head, FSDPModule)
     return [ToyStage("embed", (("embed", embed),)), *stages, ToyStage("head", (("head", head),))]
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+
+
+def train_and_record(
+    model: nn.Module,
+    stages: Sequence[StageLike],
+    loss_fn: Callable[[int], torch.Tensor],
+    *,
+    steps: int = 3,
+    recorded_step: int = 1,
+    lr: float = 1e-2,
+) -> tuple[list[float], UnshardTrace]:
+    """Train ``steps`` steps with AdamW, recording the all-gather order of step ``recorded_step``.
+
+    Apply the schedule under test first. ``loss_fn(step)`` runs the forward and returns the loss.
+
+    Returns:
+        The losses of every step and the recorded step's trace.
+    """
+    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, trace = [], None
+    for step in range(steps):
+        recorder = record_unshard_order(stage_units(stages)) if step == recorded_step else contextlib.nullcontext()
+        with recorder as recorded:
+            loss = loss_fn(step)
+            loss.backward()
+        if step == recorded_step:
+            trace = recorded
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    assert trace is not None, f"recorded_step={recorded_step} is not below steps={steps}"
+    return losses, trace
+
+
+def layer_stages(schedule: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """``(first unit, units)`` of each decoder-layer stage of ``schedule`` (``PrefetchSchedule.as_dict()``): every
+    stage but the first (embedding) and the last (head)."""
+    return [(s["unit"], s["units"]) for s in schedule["stages"][1:-1]]
+
+
+def check_scheduled_order(schedule: dict[str, Any], trace: UnshardTrace) -> None:
+    """Assert that a recorded step followed ``schedule`` (``PrefetchSchedule.as_dict()``, depth >= 1).
+
+    Layer i's hooks request layer i+1's units in forward and layer i-1's in backward, before layer i ends; each
+    prefetch is issued by the first stage that lists it, between that stage's begin and the next unit's begin, and
+    is recorded as a prefetch.
+
+    Raises:
+        AssertionError: naming the unit (and phase) out of order.
+    """
+    layers, stages = layer_stages(schedule), schedule["stages"]
+    for (unit, _), (_, next_units) in zip(layers, layers[1:]):
+        for target in next_units:
+            assert trace.index("unshard", target, "forward") < trace.index("forward_end", unit, "forward"), target
+    for (_, prev_units), (unit, _) in zip(layers, layers[1:]):
+        for target in prev_units:
+            assert trace.index("unshard", target, "backward") < trace.index("backward_end", unit, "backward"), target
+    for phase, order in (("forward", stages), ("backward", stages[::-1])):
+        requester: dict[str, str] = {}
+        for s in order:
+            for target in s[phase]:
+                requester.setdefault(target, s["unit"])
+        for target, owner in requester.items():
+            begin = trace.index(f"{phase}_begin", owner, phase)
+            issued = trace.index("unshard", target, phase)
+            later = [i for i, e in enumerate(trace.events) if i > begin and e.kind == f"{phase}_begin"]
+            assert begin < issued < (later[0] if later else len(trace.events)), (phase, target, owner)
+            assert trace.events[issued].prefetch, (phase, target)
+
+
+def check_default_order(schedule: dict[str, Any], trace: UnshardTrace) -> None:
+    """Assert FSDP2's own order (no schedule applied): a layer's units are all-gathered only once its own forward
+    begins, and in backward a layer's later units only once that layer's backward begins.
+
+    FSDP2's default backward prefetch (reverse post-forward order, one unit ahead) reaches the previous layer's
+    first unit from this layer's last one, so only the previous layer's other units are checked in backward.
+
+    Raises:
+        AssertionError: naming the unit all-gathered early.
+    """
+    layers = layer_stages(schedule)
+    for (unit, _), (_, next_units) in zip(layers, layers[1:]):
+        end = trace.index("forward_end", unit, "forward")
+        for target in next_units:
+            issued = trace.index("unshard", target, "forward")
+            assert issued > trace.index("forward_begin", target, "forward") > end, target
+            assert not trace.events[issued].prefetch, target
+    for (_, prev_units), (unit, _) in zip(layers, layers[1:]):
+        end = trace.index("backward_end", unit, "backward")
+        for target in prev_units[1:]:
+            assert trace.index("unshard", target, "backward") > end, target

@@ -1,4 +1,5 @@
-"""The tiny Qwen3-MoE sharded by shard_model on gloo (4 processes as 2 nodes x 2) against transformers.
+"""The tiny Qwen3-MoE sharded by moeshard.fsdp_moe's shard_model on gloo (4 processes as 2 nodes x 2) against
+transformers (a cross-package test: fsdp_moe with the model package).
 
 Each rank builds our model on meta, applies EP, shards, materialises and loads the weights of a random tiny
 transformers ``Qwen3MoeForCausalLM`` saved in a temporary directory; the reference trains that transformers
@@ -74,9 +75,11 @@ def _reference(path):
     return steps
 
 
-def _build(path, ep_size, **opt_kwargs):
+def _build(path, ep_size, foreach=False, **build_kwargs):
+    """The sharded model and its optimizer container: ``build_optimizer(..., **build_kwargs)``, or with
+    ``foreach`` torch's foreach AdamW over every parameter in a container."""
     from moeshard.ep import apply_ep
-    from moeshard.fsdp_moe import shard_model
+    from moeshard.fsdp_moe import OptimizersContainer, build_optimizer, shard_model
     from moeshard.meshes import build_meshes
     from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, load_hf_config, load_hf_weights
 
@@ -87,14 +90,18 @@ def _build(path, ep_size, **opt_kwargs):
     units = shard_model(model, meshes)
     model.to_empty(device="cpu")
     load_hf_weights(model, path)
-    return meshes, model, units, torch.optim.AdamW(model.parameters(), **ADAM, **opt_kwargs)
+    if foreach:
+        opt = OptimizersContainer([torch.optim.AdamW(model.parameters(), **ADAM, foreach=True)])
+    else:
+        opt = build_optimizer(model, **ADAM, **build_kwargs)
+    return meshes, model, units, opt
 
 
-def _train(meshes, model, opt, clip_into=False):
-    """``clip_into``: pass ``optimizer=opt`` to clip_grad_norm_ (a fused AdamW then applies the coefficient)."""
+def _train(meshes, model, opt):
+    """3 steps, each clipped through the container (the coefficient in the step where the optimizer takes it)."""
     import torch.distributed as dist
 
-    from moeshard.fsdp_moe import clip_grad_norm_, get_total_norm, num_items_for_global_mean
+    from moeshard.fsdp_moe import OptimizersContainer, get_total_norm, num_items_for_global_mean
     from moeshard.fsdp_moe.testing import full_tensors
 
     W, r = meshes.world_size, meshes.rank
@@ -108,18 +115,18 @@ def _train(meshes, model, opt, clip_into=False):
         # A plain tensor (the same on every rank) is counted once, beside the two meshes' shards.
         plain = torch.full((3,), 0.5, requires_grad=True)
         plain.grad = torch.full((3,), 0.5)
+        with_plain = OptimizersContainer([*opt.optimizers, torch.optim.SGD([plain], lr=0.0)])
         extra = {
-            "inf": get_total_norm(model, float("inf")).item(),
-            "with_plain": get_total_norm([*model.parameters(), plain]).item(),
+            "inf": get_total_norm(opt, float("inf")).item(),
+            "with_plain": get_total_norm(with_plain).item(),
+            "kinds": [type(o).__name__ for o in opt.optimizers],
         }
-        norm = clip_grad_norm_(model, MAX_NORM, optimizer=opt if clip_into else None)
-        assert hasattr(opt, "grad_scale") == (clip_into and bool(opt.defaults["fused"]))
+        norm = opt.clip_grad_norm_(MAX_NORM)
         opt.step()
-        assert not hasattr(opt, "grad_scale")
         opt.zero_grad()
         logged = loss.detach().clone()
         dist.all_reduce(logged, op=dist.ReduceOp.AVG)  # the global-batch mean
-        steps.append((logged.item(), norm.item(), _np(grads), _np(full_tensors(model)), extra))
+        steps.append((logged.item(), norm.item(), _np(grads), _np(full_tensors(model, optimizer=opt)), extra))
     return steps
 
 
@@ -143,18 +150,17 @@ def _layout(meshes, model, units):
 
 
 def _ep2x2(path):
-    meshes, model, units, opt = _build(path, 2, foreach=True)  # foreach across the two meshes
-    # optimizer= with a foreach AdamW: the in-place multiply, as without it.
-    return _layout(meshes, model, units), _train(meshes, model, opt, clip_into=True)
+    meshes, model, units, opt = _build(path, 2, foreach=True)  # foreach across the two meshes: in-place clip
+    return _layout(meshes, model, units), _train(meshes, model, opt)
 
 
 def _other_layouts(path):
     out = {}
-    for ep in (4, 1):
-        meshes, model, _, opt = _build(path, ep, fused=True)  # fused AdamW across the two meshes
-        # EP 4: the clip coefficient goes to the fused kernel as grad_scale (a plain scalar tensor beside DTensors
-        # of two meshes); EP 1: the in-place clip.
-        out[ep] = _train(meshes, model, opt, clip_into=ep == 4)
+    for ep, fuse in ((4, True), (4, False), (1, True)):
+        # torch's fused AdamW across the two meshes, the clip coefficient as its grad_scale (a plain scalar tensor
+        # beside DTensors of two meshes); EP 4 x 1 fused: the local experts' LocalExpertAdamW beside it.
+        meshes, model, _, opt = _build(path, ep, fused=True, fuse_local_experts=fuse)
+        out[(ep, fuse)] = _train(meshes, model, opt)
     return out
 
 
@@ -221,8 +227,11 @@ def test_ep2_ep_fsdp2_layout_and_training_match_transformers(hf_dir, reference):
 
 def test_ep4_and_ep_fsdp4_match_transformers(hf_dir, reference):
     out = run_distributed(_other_layouts, 4, hf_dir, ranks_per_node=2)[0]
-    _compare(out[4], reference, "EP 4 x ep_fsdp 1")
-    _compare(out[1], reference, "EP 1 x ep_fsdp 4")
+    _compare(out[(4, True)], reference, "EP 4 x ep_fsdp 1, LocalExpertAdamW")
+    _compare(out[(4, False)], reference, "EP 4 x ep_fsdp 1, torch's AdamW")
+    _compare(out[(1, True)], reference, "EP 1 x ep_fsdp 4")
+    assert out[(4, True)][0][4]["kinds"] == ["LocalExpertAdamW", "AdamW"]
+    assert out[(4, False)][0][4]["kinds"] == out[(1, True)][0][4]["kinds"] == ["AdamW"]
 
 
 # ---- the router aux loss --------------------------------------------------------------------------------------

@@ -1,0 +1,56 @@
+"""noxfile.py: every package has a session, and a session installs exactly what its package declares."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("nox", reason="noxfile.py imports nox (`pip install nox`)")
+
+
+def _load_noxfile():
+    spec = importlib.util.spec_from_file_location("_moeshard_noxfile", ROOT / "noxfile.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def noxfile():
+    return _load_noxfile()  # registers its sessions with nox, which nothing here runs
+
+
+def test_every_package_has_a_session_and_ci_runs_it(noxfile):
+    folders = sorted(str(p.parent.relative_to(ROOT)) for p in [*ROOT.glob("packages/*/pyproject.toml")])
+    folders += sorted(str(p.parent.relative_to(ROOT)) for p in ROOT.glob("apps/*/pyproject.toml"))
+    assert sorted(noxfile.PACKAGES.values()) == sorted(folders)
+    assert noxfile.nox.options.sessions == ["lint", *noxfile.PACKAGES, "cross"]
+
+
+def test_a_session_installs_what_its_package_declares(noxfile):
+    closure = {name: noxfile._internal_closure(folder) for name, folder in noxfile.PACKAGES.items()}
+    assert closure["meshes"] == ["packages/meshes"]
+    assert closure["ep"] == ["packages/meshes", "packages/ep"]
+    assert closure["prefetch"] == ["packages/meshes", "packages/prefetch"]  # meshes: its tests' harness (`test`)
+    # the model's `test` extra names its `parallel` extra: meshes, fsdp_moe, prefetch
+    assert set(closure["qwen3moe"]) == {
+        "packages/meshes",
+        "packages/ep",
+        "packages/fsdp_moe",
+        "packages/prefetch",
+        "packages/models_qwen3moe",
+    }
+    assert noxfile._internal_closure("packages/models_qwen3moe", extras=()) == [
+        "packages/meshes",
+        "packages/ep",
+        "packages/models_qwen3moe",
+    ]
+    for name, folders in closure.items():  # dependencies first, the package last
+        assert folders[-1] == noxfile.PACKAGES[name]
+        for i, folder in enumerate(folders):
+            assert set(noxfile._internal_closure(folder, extras=())) <= set(folders[: i + 1]), (name, folder)
