@@ -37,26 +37,28 @@ PIP_ARGS = ["--no-compile"]
 # pytest's summary names every skipped test with its reason, and the slowest tests.
 PYTEST_ARGS = ["-rfEs", "--durations=15"]
 
-# session name -> the package's folder (its tests are <folder>/tests); every folder under packages/ and apps/ has one
-# (tests/test_noxfile.py checks), dependencies before their dependents.
-PACKAGES = {
-    "meshes": "packages/meshes",
-    "ep": "packages/ep",
-    "fsdp_moe": "packages/fsdp_moe",
-    "prefetch": "packages/prefetch",
-    "qwen3moe": "packages/models_qwen3moe",
-    "data": "packages/data",
-    "train": "apps/train",
-}
+
+def _project(folder: str) -> dict:
+    return nox.project.load_toml(ROOT / folder / "pyproject.toml")["project"]
+
+
+def _packages() -> dict[str, str]:
+    """Session name -> folder of every package under packages/ and apps/ (its tests are ``<folder>/tests``), the
+    name being the distribution's without ``moeshard-`` (``moeshard-fsdp-moe``: ``fsdp_moe``); libraries first."""
+    found = {}
+    for pattern in ("packages/*/pyproject.toml", "apps/*/pyproject.toml"):
+        for pyproject in sorted(ROOT.glob(pattern)):
+            folder = pyproject.parent.relative_to(ROOT).as_posix()
+            found[canonicalize_name(_project(folder)["name"]).removeprefix("moeshard-").replace("-", "_")] = folder
+    return found
+
+
+PACKAGES = _packages()
 # What the cross-package tests need beyond every package and its `test` extra (tests/test_releases.py,
 # tests/test_noxfile.py).
 CROSS_TEST_DEPS = ["packaging>=23", "nox>=2024.4"]
 # `python3 -m nox` without -s: what CI runs (.ci/run, README "Run all tests").
 nox.options.sessions = ["lint", *PACKAGES, "cross"]
-
-
-def _project(folder: str) -> dict:
-    return nox.project.load_toml(ROOT / folder / "pyproject.toml")["project"]
 
 
 def _requirements(folder: str, extras: tuple[str, ...]) -> list[Requirement]:

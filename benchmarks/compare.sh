@@ -3,7 +3,8 @@
 # previous commit) and of this checkout, interleaved old/new/old/new so that drift between runs shows.
 #   mkdir -p .bench_old && git archive <commit> packages apps | tar -x -C .bench_old   (here; .bench_old is ignored)
 #   OLD=.bench_old bash benchmarks/compare.sh      (on a machine with 2 GPUs; logs and JSON land in $OUT)
-# Layouts: EP 2 x ep_fsdp 1 and EP 1 x ep_fsdp 2 (LAYOUTS="2 1"), 16 timed steps after 6, --compile.
+# Layouts: EP 2 x ep_fsdp 1 and EP 1 x ep_fsdp 2 (LAYOUTS="2 1"), 16 timed steps after 6, --compile; on one GPU:
+# NPROC=1 LAYOUTS=1. ROUNDS="a b" (the default) runs each pair twice.
 set -u
 OLD=${OLD:-.bench_old}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,13 +16,13 @@ path_of() {
 }
 bench() {  # bench NAME TREE EP_SIZE
   local name=$1 tree=$2 ep=$3
-  PYTHONPATH="$(path_of "$tree")" timeout "${T:-240}" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+  PYTHONPATH="$(path_of "$tree")" timeout "${T:-240}" python3 -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-2}" \
     -m moeshard.train bench $S --ep-size "$ep" --out "$OUT/$name.json" 2>&1 \
     | grep -v "UserWarning\|warnings.warn\|_rng_tracker\|AVOID_RECORD\|_warn_once" > "$OUT/$name.log"
   tail -n 1 "$OUT/$name.log"
 }
 for ep in ${LAYOUTS:-2 1}; do
-  for round in a b; do
+  for round in ${ROUNDS:-a b}; do
     bench "old_ep${ep}_$round" "$OLD" "$ep"
     bench "new_ep${ep}_$round" "$PWD" "$ep"
   done
@@ -29,12 +30,14 @@ done
 python3 - "$OUT" <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-print(f"{'run':<14}{'tokens/s/GPU':>14}{'step ms':>10}{'peak GiB':>10}  losses")
+print(f"{'run':<14}{'tokens/s/GPU':>14}{'step s':>10}{'peak GiB':>10}{'syncs':>7}  losses")
 for f in sorted(out.glob("*_ep*_*.json")):
     d = json.loads(f.read_text())
     tps = d.get("tokens_per_s_per_gpu") or d.get("tokens_per_sec_per_gpu")
     step = d.get("step_time_s_median") or d.get("step_ms_median")
     mem = d.get("peak_reserved_gib") or d.get("max_reserved_gib")
     losses = d.get("losses", [])[:6]
-    print(f"{f.stem:<14}{tps!s:>14}{step!s:>10}{mem!s:>10}  {losses}")
+    fmt = lambda v, spec: format(v, spec) if isinstance(v, (int, float)) else str(v)
+    syncs = d.get("syncs_per_step")
+    print(f"{f.stem:<14}{fmt(tps, '.0f'):>14}{fmt(step, '.4f'):>10}{fmt(mem, '.1f'):>10}{syncs!s:>7}  {losses}")
 EOF

@@ -9,6 +9,7 @@ moeshard-train launch-local --nnodes 2 --nproc-per-node 2 -- --config FILE.yaml 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import traceback
@@ -33,6 +34,9 @@ def _train(argv: list[str]) -> int:
     # Known and harmless here: DTensor's note on CPU random ops (initialisation).
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
     run_job(cfg)
+    # The job (model, dispatchers, optimizer, hooks: some hold process groups, some in reference cycles) goes now,
+    # while the groups exist, not at interpreter exit after them.
+    gc.collect()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -1,0 +1,40 @@
+"""moeshard.data: training rows for MoE pretraining and SFT, deterministic by (step, rank).
+
+Example::
+
+    from moeshard.data import DataConfig, PrefetchLoader, StepBatches, open_dataset, prepare
+
+    prepare("corpus/*.jsonl.gz", "prepared/", tokenizer="qwen3-tokenizer/")    # once, all cores, resumable
+    cfg = DataConfig(path="prepared/", seq_len=4096, shuffle=True)
+    data = open_dataset(cfg, vocab_size=151936)                                 # reads headers only
+    batches = StepBatches(data, global_batch=256, world_size=16, micro_batch=2)
+    with PrefetchLoader(batches, rank=0, start_step=0, stop_step=1000) as loader:
+        for step, micro_batches in loader:
+            for b in micro_batches:
+                model(b.input_ids, labels=b.labels, position_ids=b.position_ids, document_ids=b.document_ids)
+"""
+
+from moeshard.data._cli import main
+from moeshard.data._config import DataConfig, SourceConfig
+from moeshard.data._dataset import Dataset, StepBatches, check_batch_sizes, open_dataset
+from moeshard.data._errors import DataError
+from moeshard.data._loader import PrefetchLoader
+from moeshard.data._packing import IGNORE_INDEX, Batch, document_causal_mask
+from moeshard.data._prepare import PrepareResult, prepare
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Batch",
+    "DataConfig",
+    "DataError",
+    "Dataset",
+    "PrefetchLoader",
+    "PrepareResult",
+    "SourceConfig",
+    "StepBatches",
+    "check_batch_sizes",
+    "document_causal_mask",
+    "main",
+    "open_dataset",
+    "prepare",
+]
