@@ -25,6 +25,8 @@ import statistics
 import time
 import traceback
 import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -43,9 +45,46 @@ from moeshard.train.config import (
 from moeshard.train.data import Batch
 from moeshard.train.metrics import flops_per_token, mfu
 
+if TYPE_CHECKING:
+    from moeshard.train.train import Job, StepStats
+
 
 def main(argv: list[str]) -> int:
     """Run the benchmark under torchrun; rank 0 prints the table and writes ``--out``."""
+    args = _parse_args(argv)
+
+    from moeshard.train.train import build, init_distributed
+
+    device = init_distributed()
+    world = dist.get_world_size()
+    mb = args.micro_batch or args.batch_per_gpu
+    cfg = _job_config(args, device, world, mb)
+    torch.manual_seed(0)
+    job = build(cfg, device)
+    if dist.get_rank() == 0:
+        print("\n".join(job.parallel.options.describe()))
+    g = torch.Generator().manual_seed(1234 + dist.get_rank())
+
+    def batches() -> list[Batch]:
+        return _synthetic_batches(args, mb, job.model_config.vocab_size, device, g)
+
+    # The batches are made before the timed loop (a training loop's data loader prepares them in the background).
+    data = [batches() for _ in range(args.steps)]
+    back_to_back = not args.isolated_steps and device.type == "cuda"
+    times, syncs, step_stats = _timed_steps(args, job, data, device, back_to_back)
+    losses = [stats.read().loss for stats in step_stats]  # read after the timed steps
+    if (args.profile or args.trace) and device.type == "cuda":
+        _profile_step(args, job, batches)
+    result = _result(args, job, device, world, mb, back_to_back, times, syncs, losses)
+    if dist.get_rank() == 0:
+        _report(result, args.out, isolated=not back_to_back)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line of ``moeshard-train bench``."""
     p = argparse.ArgumentParser(prog="moeshard-train bench")
     p.add_argument("--preset", default="qwen3-30b-a3b", help="model geometry (tiny: a CPU smoke test)")
     p.add_argument("--layers", type=int, default=8)
@@ -111,14 +150,12 @@ def main(argv: list[str]) -> int:
         help="profile GPU activity only: no host-side op records, so the host runs at nearly its unprofiled speed "
         "and host-bound stretches show as they are",
     )
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    from moeshard.train.train import StepStats, build, init_distributed, train_step
 
-    device = init_distributed()
-    world = dist.get_world_size()
-    mb = args.micro_batch or args.batch_per_gpu
-    cfg = JobConfig(
+def _job_config(args: argparse.Namespace, device: torch.device, world: int, mb: int) -> JobConfig:
+    """The training job's config for the benchmark: synthetic data, no checkpoints, no logging."""
+    return JobConfig(
         model=ModelConfig(
             preset=args.preset,
             overrides={"num_hidden_layers": args.layers},
@@ -148,34 +185,41 @@ def main(argv: list[str]) -> int:
         checkpoint=CheckpointConfig(resume="none"),
         logging=LoggingConfig(tensorboard=False, progress_bar=False),
     )
-    torch.manual_seed(0)
-    job = build(cfg, device)
-    if dist.get_rank() == 0:
-        print("\n".join(job.parallel.options.describe()))
-    vocab = job.model_config.vocab_size
-    g = torch.Generator().manual_seed(1234 + dist.get_rank())
 
-    def batches() -> list[Batch]:
-        out = []
-        for _ in range(args.batch_per_gpu // mb):
-            ids = (
-                torch.randint(0, vocab, (mb, args.seq_len), generator=g).pin_memory()
-                if device.type == "cuda"
-                else torch.randint(0, vocab, (mb, args.seq_len), generator=g)
-            )
-            out.append(Batch(ids, ids, None, ()))
-        return out
 
-    # The batches are made before the timed loop (a training loop's data loader prepares them in the background).
-    data = [batches() for _ in range(args.steps)]
-    back_to_back = not args.isolated_steps and device.type == "cuda"
+def _synthetic_batches(
+    args: argparse.Namespace, mb: int, vocab: int, device: torch.device, g: torch.Generator
+) -> list[Batch]:
+    """One step's micro-batches of random tokens (pinned on CUDA, as a data loader hands them over)."""
+    out = []
+    for _ in range(args.batch_per_gpu // mb):
+        ids = (
+            torch.randint(0, vocab, (mb, args.seq_len), generator=g).pin_memory()
+            if device.type == "cuda"
+            else torch.randint(0, vocab, (mb, args.seq_len), generator=g)
+        )
+        out.append(Batch(ids, ids, None, ()))
+    return out
 
-    def mark() -> torch.cuda.Event:
-        # An event on the compute stream, which the device passes once the previous step's work is done:
-        # consecutive marks time each step as the device ran it in a training loop.
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
+
+def _mark() -> torch.cuda.Event:
+    # An event on the compute stream, which the device passes once the previous step's work is done:
+    # consecutive marks time each step as the device ran it in a training loop.
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record()
+    return ev
+
+
+def _timed_steps(
+    args: argparse.Namespace, job: Job, data: list[list[Batch]], device: torch.device, back_to_back: bool
+) -> tuple[list[float], list[int], list[StepStats]]:
+    """Run the ``--steps`` steps; return the times and device→host sync counts of the steps after warm-up and
+    every step's ``StepStats`` (not yet read).
+
+    Back to back: CUDA events at consecutive step starts, one synchronisation after the last step. Otherwise
+    (``--isolated-steps``, or on CPU): synchronise and barrier before each step, synchronise after it, host clock.
+    """
+    from moeshard.train.train import StepStats, train_step
 
     times, syncs, step_stats, marks = [], [], [], []
     if back_to_back:
@@ -198,7 +242,7 @@ def main(argv: list[str]) -> int:
             if count:
                 torch.cuda.set_sync_debug_mode("warn")
             if back_to_back:
-                marks.append(mark())
+                marks.append(_mark())
             t0 = time.perf_counter()
             stats = train_step(job, micro, before_update=StepStats.read if args.check_finite else None)
             if count:
@@ -212,35 +256,58 @@ def main(argv: list[str]) -> int:
             found = [stack for msg, stack in caught if "synchroniz" in msg]
             syncs.append(len(found))
             if step == args.warmup and dist.get_rank() == 0:
-                for stack in found:
-                    # innermost project (or optimizer) frames first, the benchmark's own frames left out
-                    frames = [f.strip().splitlines()[0] for f in stack if "bench.py" not in f]
-                    where = [f for f in frames if "moeshard" in f or "torch/optim" in f]
-                    print("sync at", " <- ".join(reversed(where[-3:])))
+                _print_sync_sites(found)
     if back_to_back:
-        marks.append(mark())
+        marks.append(_mark())
         torch.cuda.synchronize()
         times = [a.elapsed_time(b) / 1000 for a, b in zip(marks, marks[1:])]
-    times = times[args.warmup :]
-    losses = [stats.read().loss for stats in step_stats]  # read after the timed steps
-    if (args.profile or args.trace) and device.type == "cuda":
-        from torch.profiler import ProfilerActivity, profile
+    return times[args.warmup :], syncs, step_stats
 
-        activities = [ProfilerActivity.CUDA] if args.trace_gpu_only else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-        with profile(activities=activities) as prof:
-            train_step(job, batches())
-            torch.cuda.synchronize()
-        if dist.get_rank() == 0 and args.trace:
-            prof.export_chrome_trace(args.trace)
-        if dist.get_rank() == 0 and args.profile:
-            table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=70)
-            with open(args.profile, "w") as f:
-                f.write(table)
-            print(table)
+
+def _print_sync_sites(found: list[list[str]]) -> None:
+    """Where the first timed step synchronised, one line per sync warning's Python stack."""
+    for stack in found:
+        # innermost project (or optimizer) frames first, the benchmark's own frames left out
+        frames = [f.strip().splitlines()[0] for f in stack if "bench.py" not in f]
+        where = [f for f in frames if "moeshard" in f or "torch/optim" in f]
+        print("sync at", " <- ".join(reversed(where[-3:])))
+
+
+def _profile_step(args: argparse.Namespace, job: Job, batches: Callable[[], list[Batch]]) -> None:
+    """Profile one more step (CUDA only); rank 0 writes ``--trace`` and ``--profile`` and prints the kernel table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from moeshard.train.train import train_step
+
+    activities = [ProfilerActivity.CUDA] if args.trace_gpu_only else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
+        train_step(job, batches())
+        torch.cuda.synchronize()
+    if dist.get_rank() == 0 and args.trace:
+        prof.export_chrome_trace(args.trace)
+    if dist.get_rank() == 0 and args.profile:
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=70)
+        with open(args.profile, "w") as f:
+            f.write(table)
+        print(table)
+
+
+def _result(
+    args: argparse.Namespace,
+    job: Job,
+    device: torch.device,
+    world: int,
+    mb: int,
+    back_to_back: bool,
+    times: list[float],
+    syncs: list[int],
+    losses: list[float],
+) -> dict:
+    """The figures ``--out`` holds (benchmarks/table.sh and benchmarks/compare.sh read these keys)."""
     step_s = statistics.median(times)
     tps = args.batch_per_gpu * args.seq_len / step_s
     fpt = flops_per_token(job.model_config, args.seq_len)
-    result = {
+    return {
         "layers": args.layers,
         "seq_len": args.seq_len,
         "world_size": world,
@@ -271,17 +338,19 @@ def main(argv: list[str]) -> int:
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
     }
-    if dist.get_rank() == 0:
-        print(
-            f"layers {args.layers} seq {args.seq_len} | world {world} = ep {args.ep_size} x ep_fsdp {world // args.ep_size} "
-            f"| {args.batch_per_gpu} seq/GPU (micro {mb}) | step {1000 * step_s:.1f} ms{' isolated' if not back_to_back else ''} "
-            f"(min {1000 * min(times):.1f}, max {1000 * max(times):.1f}) | {tps:,.0f} tok/s/GPU | "
-            f"MFU {100 * result['mfu']:.1f}% | peak alloc {result['peak_allocated_gib'] or 0:.1f} GiB "
-            f"reserved {result['peak_reserved_gib'] or 0:.1f} GiB | syncs/step {result['syncs_per_step']}"
-        )
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+
+
+def _report(result: dict, out: str | None, isolated: bool) -> None:
+    """Print the one-line summary (the benchmark scripts show it) and write ``result`` to ``out`` as JSON."""
+    r = result
+    times = r["step_times_s"]
+    print(
+        f"layers {r['layers']} seq {r['seq_len']} | world {r['world_size']} = ep {r['ep_size']} x ep_fsdp {r['ep_fsdp_size']} "
+        f"| {r['batch_per_gpu']} seq/GPU (micro {r['micro_batch']}) | step {1000 * r['step_time_s_median']:.1f} ms{' isolated' if isolated else ''} "
+        f"(min {1000 * min(times):.1f}, max {1000 * max(times):.1f}) | {r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU | "
+        f"MFU {100 * r['mfu']:.1f}% | peak alloc {r['peak_allocated_gib'] or 0:.1f} GiB "
+        f"reserved {r['peak_reserved_gib'] or 0:.1f} GiB | syncs/step {r['syncs_per_step']}"
+    )
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
