@@ -32,7 +32,7 @@ def _body() -> dict:
 
     from moeshard.train.config import load_config
     from moeshard.train.data import Batch
-    from moeshard.train.train import Callback, build, init_distributed, run
+    from moeshard.train.train import Callback, LossLog, build, init_distributed, run
 
     device = init_distributed()
     job = build(load_config(None, JOB), device)
@@ -68,12 +68,14 @@ def _body() -> dict:
             self.events.append((self.name, "run_end"))
 
     events: list = []
-    history = run(job, batches, [Recorder("a", events), Recorder("b", events)], start_step=1)
+    log = LossLog()
+    last = run(job, batches, [Recorder("a", events), Recorder("b", events), log], start_step=1)
     resumed = {
         "events": events,
         "asked": list(asked),
-        "steps": len(history),
-        "losses": [s.read().loss for s in history],
+        "steps": len(log.losses),
+        "losses": log.losses,
+        "last_is_final": last is not None and last.read().loss == log.losses[-1],
     }
 
     events = []
@@ -95,7 +97,7 @@ def test_hooks_order_resume_and_stop_before_update():
     ]
     assert out["events"] == [("a", "run_start"), ("b", "run_start"), *per_step, ("a", "run_end"), ("b", "run_end")]
     assert out["asked"] == [1, 2] and out["steps"] == 2  # steps 2 and 3 (0-based 1 and 2) after 1 taken
-    assert all(0 < x < 20 for x in out["losses"])
+    assert all(0 < x < 20 for x in out["losses"]) and out["last_is_final"]
     assert out["error"] == "stop before the update of step 3"
     assert out["stop_events"][-2:] == [("s", "before_update", 3), ("s", "run_end")]
     assert out["unchanged"]  # the parameters as step 2 left them
