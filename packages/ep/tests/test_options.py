@@ -103,3 +103,12 @@ def test_two_models_with_different_options_do_not_affect_each_other():
     for a, b, c in zip(before, after, got):
         assert torch.equal(a, b)
         torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["OverlappedDispatch", "AllToAllDispatch"])
+def test_a_distributed_strategy_refuses_ep_size_one(strategy):
+    import moeshard.ep as ep
+
+    with pytest.raises(ValueError, match=f"{strategy} runs over an EP group of 2 or more ranks.*make_dispatch"):
+        getattr(ep, strategy)(8)
+    assert isinstance(ep.make_dispatch(8, None), ep.LocalDispatch)

@@ -70,6 +70,9 @@ class ExpertDispatch:
     device→host sync, if they have one.
     """
 
+    distributed: bool = True
+    """Whether the strategy runs over an EP group of 2+ ranks (False: EP size 1 only)."""
+
     def __init__(
         self,
         num_experts: int,
@@ -95,6 +98,12 @@ class ExpertDispatch:
         self.ep_rank = 0 if group is None else dist.get_rank(group)
         self.kernels = kernels_for(options.kernels)
         self.host_sync_hooks = host_sync_hooks
+        if self.distributed != (self.ep_size > 1):
+            raise ValueError(
+                f"{type(self).__name__} runs "
+                + ("over an EP group of 2 or more ranks" if self.distributed else "every expert on this rank")
+                + f", but its group has {self.ep_size} rank(s); make_dispatch picks the strategy for the EP size"
+            )
 
     def __repr__(self) -> str:
         return (

@@ -9,11 +9,9 @@ hooks never run here (there is no exchange to size).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from moeshard.ep._dispatch._base import ExpertDispatch, HostSyncHooks
+from moeshard.ep._dispatch._base import ExpertDispatch
 from moeshard.ep._mlp import grouped_expert_mlp
-from moeshard.ep._options import EPOptions
 
 __all__ = ["LocalDispatch"]
 
@@ -21,20 +19,7 @@ __all__ = ["LocalDispatch"]
 class LocalDispatch(ExpertDispatch):
     """The routed experts of one MoE layer with all experts on this rank (EP size 1)."""
 
-    def __init__(
-        self,
-        num_experts: int,
-        options: EPOptions = EPOptions(),  # noqa: B008 (frozen, so one shared default is safe)
-        group: dist.ProcessGroup | None = None,
-        host_sync_hooks: HostSyncHooks | None = None,
-    ):
-        """See :class:`ExpertDispatch`; ``group`` must be None or of size 1."""
-        super().__init__(num_experts, options, group, host_sync_hooks)
-        if self.ep_size != 1:
-            raise ValueError(
-                f"LocalDispatch runs every expert on this rank, but its group has {self.ep_size} ranks; use "
-                "make_dispatch (or OverlappedDispatch / AllToAllDispatch) for EP size > 1"
-            )
+    distributed = False
 
     def run_experts(self, x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, activation) -> torch.Tensor:
         """The copies through the local experts' MLP (see :meth:`ExpertDispatch.run_experts`)."""

@@ -28,10 +28,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moeshard.ep._dispatch._base import ExpertDispatch, HostSyncHooks
+from moeshard.ep._dispatch._base import ExpertDispatch
 from moeshard.ep._kernels import Kernels
 from moeshard.ep._mlp import ExpertPass, resolve_gemm
-from moeshard.ep._options import EPOptions
 from moeshard.ep._permute import inverse_permutation, regroup_by_local_expert
 
 __all__ = ["OverlappedDispatch"]
@@ -39,18 +38,6 @@ __all__ = ["OverlappedDispatch"]
 
 class OverlappedDispatch(ExpertDispatch):
     """The routed experts of one MoE layer over an EP group of 2+ ranks, exchanges overlapped with own work."""
-
-    def __init__(
-        self,
-        num_experts: int,
-        options: EPOptions = EPOptions(),  # noqa: B008 (frozen, so one shared default is safe)
-        group: dist.ProcessGroup | None = None,
-        host_sync_hooks: HostSyncHooks | None = None,
-    ):
-        """See :class:`ExpertDispatch`; ``group`` is the EP process group (2 or more ranks)."""
-        super().__init__(num_experts, options, group, host_sync_hooks)
-        if self.ep_size < 2:
-            raise ValueError(f"{type(self).__name__} needs an EP group of 2 or more ranks; EP size 1 is LocalDispatch")
 
     def run_experts(self, x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, activation) -> torch.Tensor:
         """The copies to their experts' ranks and back (see :meth:`ExpertDispatch.run_experts`)."""
