@@ -14,6 +14,7 @@ s*B .. s*B+B-1 (B = global batch), rank r on its contiguous share, in micro-batc
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 from pathlib import Path
@@ -153,7 +154,11 @@ def main() -> None:
         save_checkpoint(args.checkpoint, model, optimizer)
     if rank == 0 and args.losses is not None:
         args.losses.write_text(json.dumps({"loss": losses, "grad_norm": grad_norms}))
-    dist.barrier()  # gloo aborts at exit without it (torch 2.13)
+    # Free the sharded model and optimizer (they hold process groups, some in reference cycles) while the groups
+    # exist, not at interpreter exit after them; and a barrier: gloo aborts at exit without it (torch 2.13).
+    del model, optimizer
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -14,6 +14,7 @@ step, which agree (the tests compare them).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 from pathlib import Path
 
@@ -155,6 +156,10 @@ def main() -> None:
         torch.save({"losses": losses, "grads": grads}, args.out)
         print("losses", " ".join(f"{x:.6f}" for x in losses))
     if meshes is not None:
+        # Free the sharded model (its modules and hooks hold process groups, some in reference cycles) while the
+        # groups exist, not at interpreter exit after them.
+        del model, optimizer, units
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 

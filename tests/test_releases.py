@@ -197,6 +197,7 @@ SMOKE = {
     "moeshard-ep": "from moeshard.ep import ParallelPlan, fqn_matches; assert fqn_matches('a.*.b', 'a.3.b')",
     "moeshard-fsdp-moe": "from moeshard.fsdp_moe import num_items_for_global_mean as n; assert float(n(3)) == 3.0",
     "moeshard-prefetch": "from moeshard.prefetch import build_schedule; assert callable(build_schedule)",
+    "moeshard-data": "from moeshard.data import DataConfig; assert DataConfig(synthetic=True).seq_len > 0",
     "moeshard-qwen3moe": textwrap.dedent(
         """
         import torch
@@ -218,6 +219,7 @@ SMOKE = {
 CHAINS = [
     ["moeshard-meshes", "moeshard-ep", "moeshard-fsdp-moe"],
     ["moeshard-prefetch"],
+    ["moeshard-data"],
     ["moeshard-qwen3moe", "moeshard-qwen3moe[parallel]", "moeshard-train"],
 ]
 
