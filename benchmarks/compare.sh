@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 S="--layers 8 --steps ${STEPS:-22} --warmup 6 --compile"
 path_of() {
   local root=$1
-  echo "$root/packages/meshes/src:$root/packages/ep/src:$root/packages/fsdp_moe/src:$root/packages/prefetch/src:$root/packages/models_qwen3moe/src:$root/apps/train/src"
+  echo "$root/packages/meshes/src:$root/packages/ep/src:$root/packages/fsdp_moe/src:$root/packages/prefetch/src:$root/packages/models_qwen3moe/src:$root/packages/data/src:$root/apps/train/src"
 }
 bench() {  # bench NAME TREE EP_SIZE
   local name=$1 tree=$2 ep=$3

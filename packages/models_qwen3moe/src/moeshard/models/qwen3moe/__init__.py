@@ -29,7 +29,17 @@ from moeshard.models.qwen3moe.model import (
     Qwen3MoeModel,
     causal_lm_loss,
 )
-from moeshard.models.qwen3moe.moe import Experts, SparseMoeBlock, TopKRouter, load_balancing_loss
+from moeshard.models.qwen3moe.moe import (
+    Experts,
+    SparseMoeBlock,
+    TopKRouter,
+    expert_counts,
+    global_balancing_loss,
+    load_balancing_loss,
+    router_z_loss,
+    routers,
+    update_router_bias,
+)
 from moeshard.models.qwen3moe.presets import (
     MODEL_TYPE,
     PRESETS,
@@ -60,13 +70,18 @@ __all__ = [
     "causal_lm_loss",
     "check_config",
     "count_parameters",
+    "expert_counts",
     "get_preset_config",
+    "global_balancing_loss",
     "is_moe_layer",
     "load_balancing_loss",
     "load_hf_config",
     "load_hf_weights",
     "local_region",
     "parallelize",
+    "router_z_loss",
+    "routers",
     "save_hf_checkpoint",
     "save_hf_weights",
+    "update_router_bias",
 ]

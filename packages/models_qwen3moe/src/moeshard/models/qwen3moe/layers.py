@@ -7,9 +7,12 @@ Dh head_dim, D hidden.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import Qwen3MoeConfig
 
 from moeshard.models.qwen3moe.presets import head_dim
@@ -21,6 +24,8 @@ __all__ = [
     "RotaryEmbedding",
     "apply_rotary",
     "build_attention_mask",
+    "document_block_mask",
+    "document_causal_mask",
     "rms_norm",
 ]
 
@@ -112,6 +117,43 @@ def build_attention_mask(attention_mask_BS: torch.Tensor | None, seq_len: int) -
     return causal_SS[None, None] & attention_mask_BS.bool()[:, None, None, :]
 
 
+def document_causal_mask(document_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean SDPA mask ``[B, 1, S, S]`` (True = attend) of packed rows: token ``t`` attends to ``j <= t`` of its
+    own document (equal ``document_ids``; padding carries its own id, e.g. -1), and not to padded keys when an
+    ``attention_mask`` is given. Dense: the CPU reference path; on CUDA :func:`document_block_mask` skips the
+    masked blocks instead."""
+    if document_ids_BS.dim() != 2:
+        raise ValueError(f"document_ids must be [batch, seq_len], got shape {tuple(document_ids_BS.shape)}")
+    s = document_ids_BS.shape[1]
+    causal_SS = torch.ones(s, s, dtype=torch.bool, device=document_ids_BS.device).tril()
+    mask = (document_ids_BS[:, :, None] == document_ids_BS[:, None, :]) & causal_SS
+    if attention_mask_BS is not None:
+        mask = mask & attention_mask_BS.bool()[:, None, :]
+    return mask[:, None]
+
+
+def document_block_mask(document_ids_BS: torch.Tensor) -> BlockMask:
+    """flex_attention ``BlockMask`` of the same rule as :func:`document_causal_mask` (no attention_mask: padding
+    is its own document): blocks where no query sees a key of its document are skipped, so a row of short
+    documents costs less attention than one long document."""
+    if document_ids_BS.dim() != 2:
+        raise ValueError(f"document_ids must be [batch, seq_len], got shape {tuple(document_ids_BS.shape)}")
+    b, s = document_ids_BS.shape
+    doc = document_ids_BS
+
+    def same_document_causal(b_, h_, q_, kv_):
+        return (doc[b_, q_] == doc[b_, kv_]) & (kv_ <= q_)
+
+    return create_block_mask(same_document_causal, b, None, s, s, device=doc.device)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    # flex_attention runs its fused kernel only when compiled (eagerly it is a dense reference); compiled once per
+    # process, reused by every layer (inside an already compiled attention_half dynamo inlines it).
+    return torch.compile(flex_attention, dynamic=False)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with per-head RMSNorm on q and k before RoPE, through SDPA (causal)."""
 
@@ -134,14 +176,28 @@ class Attention(nn.Module):
         x_BSD: torch.Tensor,
         cos_BSDh: torch.Tensor,
         sin_BSDh: torch.Tensor,
-        mask_B1SS: torch.Tensor | None,
+        mask_B1SS: torch.Tensor | BlockMask | None,
     ) -> torch.Tensor:
-        """Attention output ``[B, S, D]``; ``mask_B1SS`` from :func:`build_attention_mask` or None (plain causal)."""
+        """Attention output ``[B, S, D]``. ``mask_B1SS``: None (plain causal, SDPA), a boolean mask from
+        :func:`build_attention_mask` / :func:`document_causal_mask` (SDPA), or a ``BlockMask`` from
+        :func:`document_block_mask` (compiled flex_attention)."""
         b, s, _ = x_BSD.shape
         q = self.q_norm(self.q_proj(x_BSD).view(b, s, -1, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x_BSD).view(b, s, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x_BSD).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos_BSDh, sin_BSDh), apply_rotary(k, cos_BSDh, sin_BSDh)
+        if isinstance(mask_B1SS, BlockMask):
+            if self.training and self.dropout > 0:
+                raise ValueError(
+                    f"attention_dropout={self.dropout} is not supported with document masking (flex_attention); "
+                    "set attention_dropout to 0"
+                )
+            # Compiled on CUDA (the fused kernel); eager elsewhere (a dense reference, for CPU tests of this path).
+            flex = _compiled_flex_attention() if q.is_cuda else flex_attention
+            out_BHSDh = flex(
+                q, k, v, block_mask=mask_B1SS, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads
+            )
+            return self.o_proj(out_BHSDh.transpose(1, 2).reshape(b, s, -1))
         out_BHSDh = F.scaled_dot_product_attention(
             q,
             k,

@@ -24,12 +24,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
+from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3MoeConfig
 
 from moeshard.ep import ParallelPlan
 from moeshard.models.qwen3moe.fused_loss import ce_chunk, linear_cross_entropy
-from moeshard.models.qwen3moe.layers import Attention, DenseMLP, RMSNorm, RotaryEmbedding, build_attention_mask
+from moeshard.models.qwen3moe.layers import (
+    Attention,
+    DenseMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    build_attention_mask,
+    document_block_mask,
+    document_causal_mask,
+)
 from moeshard.models.qwen3moe.moe import Experts, SparseMoeBlock, TopKRouter, load_balancing_loss
 from moeshard.models.qwen3moe.presets import check_config, is_moe_layer
 
@@ -102,7 +111,12 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3MoeModel(nn.Module):
-    """Embeddings, decoder layers and the final norm (``model.*`` in checkpoints)."""
+    """Embeddings, decoder layers and the final norm (``model.*`` in checkpoints).
+
+    ``document_attention`` says how packed rows (``document_ids``) are masked: ``"auto"`` (default) uses a
+    flex_attention ``BlockMask`` on CUDA (masked blocks skipped) and a dense SDPA mask elsewhere; ``"flex"`` and
+    ``"dense"`` force one (the dense mask is the reference; it costs ``B·S²`` booleans per forward).
+    """
 
     def __init__(self, config: Qwen3MoeConfig) -> None:
         super().__init__()
@@ -111,12 +125,14 @@ class Qwen3MoeModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.activation_checkpointing = False
+        self.document_attention = "auto"
 
     def forward(
         self,
         input_ids_BS: torch.Tensor,
         attention_mask_BS: torch.Tensor | None = None,
         position_ids_BS: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """``(hidden_BSD after the final norm, router logits of every MoE layer)``."""
         x_BSD = self.embed_tokens(input_ids_BS)
@@ -127,7 +143,7 @@ class Qwen3MoeModel(nn.Module):
         elif position_ids_BS.dim() == 1:
             position_ids_BS = position_ids_BS[None]
         cos, sin = self.rotary_emb(position_ids_BS, x_BSD.dtype)
-        mask = build_attention_mask(attention_mask_BS, s)
+        mask = self._attention_mask(attention_mask_BS, document_ids_BS, s)
         router_logits = []
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
@@ -139,6 +155,30 @@ class Qwen3MoeModel(nn.Module):
             if logits_TE is not None:
                 router_logits.append(logits_TE)
         return self.norm(x_BSD), tuple(router_logits)
+
+    def _attention_mask(
+        self, attention_mask_BS: torch.Tensor | None, document_ids_BS: torch.Tensor | None, s: int
+    ) -> torch.Tensor | BlockMask | None:
+        """One mask for every layer: None (causal), a dense boolean ``[B, 1, S, S]``, or a flex ``BlockMask``."""
+        if document_ids_BS is None:
+            return build_attention_mask(attention_mask_BS, s)
+        if document_ids_BS.shape[-1] != s:
+            raise ValueError(
+                f"document_ids must be [batch, seq_len={s}] like input_ids, got shape {tuple(document_ids_BS.shape)}"
+            )
+        kind = self.document_attention
+        if kind not in ("auto", "flex", "dense"):
+            raise ValueError(f"document_attention must be 'auto', 'flex' or 'dense', got {kind!r}")
+        if kind == "flex" and not document_ids_BS.is_cuda and torch.is_grad_enabled():
+            raise ValueError(
+                "document_attention='flex' has no backward on CPU (flex_attention); use 'auto' or 'dense' there"
+            )
+        if kind == "flex" or (kind == "auto" and document_ids_BS.is_cuda):
+            if attention_mask_BS is not None:
+                # Padding is a document of its own in packed rows (the data gives it id -1): no second mask.
+                document_ids_BS = document_ids_BS.masked_fill(attention_mask_BS == 0, -1)
+            return document_block_mask(document_ids_BS)
+        return document_causal_mask(document_ids_BS, attention_mask_BS)
 
 
 class Qwen3MoeForCausalLM(nn.Module):
@@ -162,6 +202,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         output_router_logits: bool | None = None,
         return_logits: bool = True,
@@ -172,7 +213,10 @@ class Qwen3MoeForCausalLM(nn.Module):
             input_ids: ``[B, S]`` token ids.
             labels: ``[B, S]``, shifted inside (position t predicts ``labels[t + 1]``); ``-100`` is ignored.
             attention_mask: ``[B, S]``, 1 for tokens and 0 for padding; also excludes padding from the aux loss.
-            position_ids: ``[B, S]`` or ``[S]``; default ``0..S-1``.
+            position_ids: ``[B, S]`` or ``[S]``; default ``0..S-1``. Packed rows restart them in every document.
+            document_ids: ``[B, S]``, packed rows: token ``t`` attends to ``j <= t`` only where the ids are equal
+                (padding gets an id of its own, e.g. -1). With ``position_ids`` restarting per document, each
+                document computes what it computes alone (``moeshard.data`` produces both).
             num_items_in_batch: when given, the LM loss is the sum over label tokens divided by it (for
                 gradient accumulation / data parallel), else the mean over this call's label tokens.
             output_router_logits: compute ``aux_loss`` (and add ``router_aux_loss_coef * aux_loss`` to the loss);
@@ -182,7 +226,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         """
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        hidden_BSD, router_logits = self.model(input_ids, attention_mask, position_ids)
+        hidden_BSD, router_logits = self.model(input_ids, attention_mask, position_ids, document_ids)
         loss = logits_BSV = None
         if labels is not None and not return_logits:
             shift_labels_BS = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
@@ -236,6 +280,15 @@ class Qwen3MoeForCausalLM(nn.Module):
             elif isinstance(module, Experts):
                 nn.init.normal_(module.gate_up_proj, mean=0.0, std=std, generator=generator)
                 nn.init.normal_(module.down_proj, mean=0.0, std=std, generator=generator)
+
+    def enable_router_bias(self) -> None:
+        """Give every router a selection bias (zeros) for aux-loss-free balancing (see ``update_router_bias``).
+
+        Call it after loading HF weights (their format has no such tensor) and before a distributed checkpoint is
+        loaded or saved (theirs has). Each rank holds the whole ``[E]`` bias of each layer."""
+        for module in self.modules():
+            if isinstance(module, TopKRouter):
+                module.enable_bias()
 
     def enable_activation_checkpointing(self, enabled: bool = True) -> None:
         """Recompute each decoder layer in backward (non-reentrant ``torch.utils.checkpoint``); FQNs unchanged."""

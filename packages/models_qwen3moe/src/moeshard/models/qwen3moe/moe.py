@@ -17,23 +17,53 @@ from transformers import Qwen3MoeConfig
 
 from moeshard.ep import LocalDispatch
 
-__all__ = ["Experts", "SparseMoeBlock", "TopKRouter", "load_balancing_loss"]
+__all__ = [
+    "Experts",
+    "SparseMoeBlock",
+    "TopKRouter",
+    "expert_counts",
+    "global_balancing_loss",
+    "load_balancing_loss",
+    "router_z_loss",
+    "routers",
+    "update_router_bias",
+]
 
 
 class TopKRouter(nn.Module):
-    """Linear router: softmax over experts in float32, top-k, optional renormalisation of the k weights."""
+    """Linear router: softmax over experts in float32, top-k, optional renormalisation of the k weights.
+
+    ``bias`` (None until :meth:`enable_bias`): a float32 ``[E]`` buffer added to the probabilities for the top-k
+    *selection* only; the combine weights stay the unbiased probabilities of the selected experts (aux-loss-free
+    balancing, see :func:`update_router_bias`). A persistent buffer once enabled, so distributed checkpoints keep it;
+    transformers' format has no place for it.
+    """
 
     def __init__(self, config: Qwen3MoeConfig) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+        self.bias: torch.Tensor | None = None
+
+    def enable_bias(self) -> None:
+        """Register ``bias`` (zeros, float32, on the router's device) if it is not there yet."""
+        if self.bias is None:
+            del self.bias
+            self.register_buffer("bias", torch.zeros(self.weight.shape[0], device=self.weight.device))
+
+    def select(self, probs_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_probs_TK, topk_ids_TK)``: the top-k experts by ``probs + bias``, with their unbiased probs."""
+        if self.bias is None:
+            return torch.topk(probs_TE, self.top_k, dim=-1)
+        ids_TK = torch.topk(probs_TE + self.bias, self.top_k, dim=-1).indices
+        return probs_TE.gather(-1, ids_TK), ids_TK
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(logits_TE, topk_weights_TK, topk_ids_TK)``; weights in the logits' dtype, as transformers."""
         logits_TE = F.linear(x_TD, self.weight)
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
-        weights_TK, ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
+        weights_TK, ids_TK = self.select(probs_TE)
         if self.norm_topk_prob:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         return logits_TE, weights_TK.to(logits_TE.dtype), ids_TK
@@ -114,3 +144,97 @@ def load_balancing_loss(
         prob_per_expert_E = prob_per_expert_E + (probs_TE.float() * weight_T[:, None]).sum(dim=0)
         rows = rows + weight_T.sum()
     return num_experts * torch.sum((tokens_per_expert_E / rows) * (prob_per_expert_E / rows))
+
+
+# ---- balancing over a global batch, aux-loss-free balancing, z-loss --------------------------------------------------
+
+
+def routers(model: nn.Module) -> list[TopKRouter]:
+    """The routers of ``model``'s MoE layers, in layer order (the order of ``router_logits``)."""
+    return [m for m in model.modules() if isinstance(m, TopKRouter)]
+
+
+@torch.no_grad()
+def expert_counts(
+    router_logits: tuple[torch.Tensor, ...] | list[torch.Tensor],
+    top_k: int,
+    biases: list[torch.Tensor | None] | None = None,
+    attention_mask_BS: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Tokens routed to each expert of each MoE layer: float32 ``[L, E]`` (each token counts once per selected
+    expert; padding left out when ``attention_mask_BS`` is given). The same selection as the routers' (``biases``:
+    each router's ``bias``, see :func:`routers`). No host sync: sum it over micro-batches and all-reduce it over
+    ranks for the global load of a step."""
+    rows = []
+    for i, logits_TE in enumerate(router_logits):
+        probs_TE = torch.softmax(logits_TE.detach(), dim=-1, dtype=torch.float32)
+        bias = biases[i] if biases is not None else None
+        ids_TK = torch.topk(probs_TE if bias is None else probs_TE + bias, top_k, dim=-1).indices
+        weight_TK = torch.ones_like(ids_TK, dtype=torch.float32)
+        if attention_mask_BS is not None:
+            weight_TK = weight_TK * attention_mask_BS.reshape(-1, 1).to(weight_TK)
+        rows.append(
+            torch.zeros(logits_TE.shape[-1], device=logits_TE.device).scatter_add_(
+                0, ids_TK.flatten(), weight_TK.flatten()
+            )
+        )
+    return torch.stack(rows)
+
+
+def global_balancing_loss(
+    router_logits: tuple[torch.Tensor, ...] | list[torch.Tensor],
+    counts_LE: torch.Tensor,
+    top_k: int,
+    attention_mask_BS: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Load-balancing loss with the expert frequencies of a larger batch: ``mean_l E · Σ_e f_le · P_le``.
+
+    ``f_le``: the fraction of layer ``l``'s tokens routed to expert ``e`` according to ``counts_LE`` (e.g. the step's
+    counts over all micro-batches so far and all ranks, from :func:`expert_counts` all-reduced: no gradient; the
+    ``f`` of a layer sum to ``top_k``, as in transformers' loss, so the same coefficient applies); ``P_le``: the
+    mean router probability of expert ``e`` over this call's tokens (the gradient flows through it). With this
+    call's own counts it is transformers' loss computed per layer and averaged over layers.
+    """
+    f_LE = counts_LE * top_k / counts_LE.sum(-1, keepdim=True).clamp_min(1.0)
+    p_rows = []
+    mask_T = None if attention_mask_BS is None else attention_mask_BS.reshape(-1, 1).float()
+    for logits_TE in router_logits:
+        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        if mask_T is None:
+            p_rows.append(probs_TE.mean(0))
+        else:
+            m = mask_T.to(probs_TE.device)
+            p_rows.append((probs_TE * m).sum(0) / m.sum().clamp_min(1.0))
+    p_LE = torch.stack(p_rows)
+    return counts_LE.shape[-1] * (f_LE.to(p_LE.device) * p_LE).sum(-1).mean()
+
+
+def router_z_loss(
+    router_logits: tuple[torch.Tensor, ...] | list[torch.Tensor], attention_mask_BS: torch.Tensor | None = None
+) -> torch.Tensor:
+    """ST-MoE's router z-loss: the mean over tokens and MoE layers of ``logsumexp(logits)²`` (float32)."""
+    mask_T = None if attention_mask_BS is None else attention_mask_BS.reshape(-1).float()
+    total = []
+    for logits_TE in router_logits:
+        z_T = torch.logsumexp(logits_TE.float(), dim=-1).square()
+        if mask_T is None:
+            total.append(z_T.mean())
+        else:
+            m = mask_T.to(z_T.device)
+            total.append((z_T * m).sum() / m.sum().clamp_min(1.0))
+    return torch.stack(total).mean()
+
+
+@torch.no_grad()
+def update_router_bias(model: nn.Module, load_LE: torch.Tensor, update_rate: float) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3): after an optimizer step, move each router's selection bias by
+    ``update_rate`` towards balance, ``bias_e += rate · sign(mean load - load_e)``: under-loaded experts up,
+    over-loaded down. ``load_LE``: the step's global expert counts (identical on every rank, so are the biases)."""
+    rs = routers(model)
+    if len(rs) != load_LE.shape[0]:
+        raise ValueError(f"load has {load_LE.shape[0]} layers but the model has {len(rs)} MoE layers")
+    for router, load_E in zip(rs, load_LE):
+        if router.bias is None:
+            raise ValueError("the routers have no bias: call model.enable_router_bias() before training")
+        load_E = load_E.to(router.bias.device, torch.float32)
+        router.bias.add_(update_rate * torch.sign(load_E.mean() - load_E))
