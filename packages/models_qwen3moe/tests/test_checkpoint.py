@@ -223,3 +223,28 @@ def test_save_refuses_partial_model(hf_dir, tmp_path):
     with pytest.raises(ValueError, match="save_hf_weights"):
         part.save_pretrained(tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_streamed_save_reads_each_tensor_once_and_writes_what_save_writes(hf_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from moeshard.models.qwen3moe.checkpoint_save import save_hf_weights, stream_hf_weights
+
+    model = Qwen3MoeForCausalLM.from_pretrained(hf_dir)
+    state = {k: v.detach() for k, v in model.named_parameters()}
+    specs = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    calls: list[list[str]] = []
+
+    def read(keys):
+        calls.append(keys)
+        return {k: state[k] for k in keys}
+
+    files = stream_hf_weights(specs, read, model.config, tmp_path / "s", max_shard_size="40KB", dtype=torch.bfloat16)
+    assert len(files) > 3 and all(calls)
+    read_keys = [k for c in calls for k in c]
+    assert sorted(read_keys) == sorted(state)  # every tensor read once, fused experts spanning shards too
+    save_hf_weights(state, model.config, tmp_path / "w", max_shard_size="40KB", dtype=torch.bfloat16)
+    for f in files:
+        streamed, saved = load_file(f), load_file(tmp_path / "w" / f.name)
+        assert streamed.keys() == saved.keys() and all(torch.equal(streamed[k], saved[k]) for k in saved)
+        assert all(t.dtype == torch.bfloat16 for t in streamed.values())

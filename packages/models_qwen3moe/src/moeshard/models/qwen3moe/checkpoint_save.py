@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -31,7 +31,7 @@ from moeshard.ep import get_ep_info
 from moeshard.models.qwen3moe.checkpoint import _clean_fqn
 from moeshard.models.qwen3moe.safetensors_dir import INDEX_NAME
 
-__all__ = ["EXPERT_LAYOUTS", "parse_size", "save_hf_checkpoint", "save_hf_weights"]
+__all__ = ["EXPERT_LAYOUTS", "parse_size", "save_hf_checkpoint", "save_hf_weights", "stream_hf_weights"]
 
 EXPERT_LAYOUTS = ("per_expert", "fused")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -86,6 +86,7 @@ def save_hf_weights(
     *,
     max_shard_size: int | str = "5GB",
     expert_layout: str = "per_expert",
+    dtype: torch.dtype | None = None,
 ) -> list[Path]:
     """Write full tensors (our FQNs, fused experts ``[E, ...]``) and ``config`` as a HF checkpoint directory.
 
@@ -95,25 +96,69 @@ def save_hf_weights(
         path: the directory to create or replace.
         max_shard_size: bytes per shard (int or ``"5GB"``); a larger single tensor gets a shard of its own.
         expert_layout: ``"per_expert"`` (the Hub's keys, default) or ``"fused"``.
+        dtype: cast floating-point tensors to this dtype (default: keep each tensor's).
 
     Returns:
         The weight files written, in order.
     """
-    if expert_layout not in EXPERT_LAYOUTS:
-        raise ValueError(f"expert_layout={expert_layout!r}; choose one of {EXPERT_LAYOUTS}")
-    limit = parse_size(max_shard_size)
     for key, tensor in state.items():
         if isinstance(tensor, DTensor) or tensor.device.type == "meta":
             raise ValueError(f"{key} is a DTensor or on meta: save_hf_weights needs full, materialised tensors")
+    specs = {key: (tuple(t.shape), t.dtype) for key, t in state.items()}
+    return stream_hf_weights(
+        specs,
+        lambda keys: {k: state[k] for k in keys},
+        config,
+        path,
+        max_shard_size=max_shard_size,
+        expert_layout=expert_layout,
+        dtype=dtype,
+    )
 
-    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+
+def _out_dtype(src: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and src.is_floating_point else src
+
+
+def _plan(
+    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], expert_layout: str, dtype: torch.dtype | None
+) -> Iterator[tuple[str, str, int]]:
+    """``(output key, source key, bytes)`` in writing order; fused experts expand per expert (see ``_expand``)."""
+    for fqn, (shape, src_dtype) in specs.items():
+        meta = torch.empty(shape, dtype=_out_dtype(src_dtype, dtype), device="meta")
+        for key, part in _expand({fqn: meta}, expert_layout):
+            yield key, fqn, part.numel() * part.element_size()
+
+
+def stream_hf_weights(
+    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    read: Callable[[list[str]], Mapping[str, torch.Tensor]],
+    config: Qwen3MoeConfig,
+    path: str | os.PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    expert_layout: str = "per_expert",
+    dtype: torch.dtype | None = None,
+) -> list[Path]:
+    """:func:`save_hf_weights` from tensors read a shard at a time: host memory is bounded by one output shard
+    plus the source tensors it is cut from (a fused expert tensor spanning two shards is read once and kept until
+    both are written), not by the model.
+
+    Args:
+        specs: FQN → ``(shape, dtype)`` of every full tensor, in writing order (e.g. a checkpoint's metadata).
+        read: given FQNs, their full tensors (e.g. a partial distributed-checkpoint load); called once per shard
+            with the FQNs that shard needs and that are not held from the previous shard.
+    """
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout={expert_layout!r}; choose one of {EXPERT_LAYOUTS}")
+    limit = parse_size(max_shard_size)
+    shards: list[list[tuple[str, str]]] = [[]]
     size = 0
-    for key, tensor in _expand(state, expert_layout):
-        nbytes = tensor.numel() * tensor.element_size()
+    for key, src, nbytes in _plan(specs, expert_layout, dtype):
         if shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
-        shards[-1].append((key, tensor))
+        shards[-1].append((key, src))
         size += nbytes
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -127,23 +172,34 @@ def save_hf_weights(
     stage.mkdir()
     try:
         weight_map, total_bytes, total_params = {}, 0, 0
-        for name, shard in zip(names, shards):
-            # Contiguous CPU copies: per-expert views share storage, which safetensors refuses.
-            tensors = {key: t.detach().to("cpu", copy=True).contiguous() for key, t in shard}
+        held: dict[str, torch.Tensor] = {}
+        for i, (name, shard) in enumerate(zip(names, shards)):
+            needed = list(dict.fromkeys(src for _, src in shard))
+            missing = [k for k in needed if k not in held]
+            held.update({k: v.detach() for k, v in read(missing).items()} if missing else {})
+            parts = dict(_expand({k: held[k] for k in needed}, expert_layout))
+            # Contiguous CPU copies in the output dtype: per-expert views share storage, which safetensors refuses.
+            tensors = {
+                key: parts[key].to("cpu", _out_dtype(parts[key].dtype, dtype), copy=True).contiguous()
+                for key, _ in shard
+            }
             save_file(tensors, stage / name, metadata={"format": "pt"})
             _fsync(stage / name)
             for key, t in tensors.items():
                 weight_map[key] = name
                 total_bytes += t.numel() * t.element_size()
                 total_params += t.numel()
-            del tensors
+            del tensors, parts
+            following = {src for _, src in shards[i + 1]} if i + 1 < n else set()
+            held = {k: v for k, v in held.items() if k in following}
         if n > 1:
             index = {
                 "metadata": {"total_size": total_bytes, "total_parameters": total_params},
                 "weight_map": weight_map,
             }
             (stage / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        _write_config(config, state, stage / "config.json")
+        out_dtypes = [_out_dtype(d, dtype) for _, d in specs.values()]
+        _write_config(config, out_dtypes, stage / "config.json")
         if path.exists():
             for item in path.iterdir():
                 if not _is_ours(item.name):
@@ -176,10 +232,10 @@ def _link_or_copy(src: str | Path, dst: str | Path) -> None:
         shutil.copy2(src, dst)
 
 
-def _write_config(config: Qwen3MoeConfig, state: Mapping[str, torch.Tensor], file: Path) -> None:
+def _write_config(config: Qwen3MoeConfig, tensor_dtypes: list[torch.dtype], file: Path) -> None:
     config = copy.deepcopy(config)
     config.architectures = ["Qwen3MoeForCausalLM"]
-    dtypes = [t.dtype for t in state.values() if t.is_floating_point()]
+    dtypes = [d for d in tensor_dtypes if d.is_floating_point]
     if dtypes:
         config.dtype = max(set(dtypes), key=dtypes.count)
     config.to_json_file(file, use_diff=False)
