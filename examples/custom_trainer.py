@@ -5,10 +5,12 @@
         --ep-size 2 --ranks-per-node 2 --losses /tmp/tiny/losses.json        # CPU: 4 gloo ranks as 2 nodes x 2
 
 Order of composition: meshes -> model on meta -> ``parallelize`` (EP plan -> expert-aware FSDP2 -> prefetch) ->
-memory and weights -> ``build_optimizer`` -> the loop (zero_grad -> micro-batches forward/backward -> clip -> step).
-The loss is the mean over every label token of the global batch: each rank passes ``N_global / W`` as
-``num_items_in_batch`` and FSDP averages gradients over the W ranks. Data order: step s trains on records
-s*B .. s*B+B-1 (B = global batch), rank r on its contiguous share, in micro-batches (gradient accumulation).
+memory and weights -> ``build_optimizer`` -> the data (``moeshard.data``) -> the loop (zero_grad -> micro-batches
+forward/backward -> clip -> step). The loss is the mean over every label token of the global batch: each rank
+passes ``N_global / W`` as ``num_items_in_batch`` and FSDP averages gradients over the W ranks. Data: rows of
+``seq_len`` tokens with document-masked packing (``position_ids`` restart in every document, ``document_ids`` keep
+attention inside it); the global batch of step s is a pure function of s, rank r takes its contiguous share in
+micro-batches (gradient accumulation), and a ``PrefetchLoader`` prepares the next steps in a background thread.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moeshard.data import DataConfig, PrefetchLoader, StepBatches, open_dataset
 from moeshard.ep import EPOptions
 from moeshard.fsdp_moe import build_optimizer, num_items_for_global_mean, save_checkpoint
 from moeshard.meshes import build_meshes
@@ -33,8 +36,6 @@ from moeshard.models.qwen3moe import (
     parallelize,
 )
 
-IGNORE = -100
-
 
 def print0(*args: object) -> None:
     """Print on rank 0 only."""
@@ -42,34 +43,12 @@ def print0(*args: object) -> None:
         print(*args, flush=True)
 
 
-def load_samples(path: Path, seq_len: int, pad_id: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """One ``(input_ids, labels, attention_mask)`` of ``seq_len`` per JSONL record: cut, right-padded, pads ignored."""
-    samples = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        doc = json.loads(line)["input_ids"][:seq_len]
-        ids = torch.full((seq_len,), pad_id, dtype=torch.long)
-        ids[: len(doc)] = torch.tensor(doc)
-        labels = torch.full((seq_len,), IGNORE, dtype=torch.long)
-        labels[: len(doc)] = ids[: len(doc)]
-        mask = (labels != IGNORE).long()
-        samples.append((ids, labels, mask))
-    return samples
-
-
-def my_micro_batches(step: int, rank: int, world: int, global_batch: int, micro: int, n: int) -> list[list[int]]:
-    """This rank's micro-batches (record indices) of ``step``; the records wrap around at the end of the data."""
-    per_rank = global_batch // world
-    mine = [(step * global_batch + rank * per_rank + j) % n for j in range(per_rank)]
-    return [mine[i : i + micro] for i in range(0, per_rank, micro)]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description="A hand-written EP + expert-FSDP2 training loop for Qwen3-MoE.")
     p.add_argument("--model", type=Path, required=True, help="local HF checkpoint (config.json + safetensors)")
-    p.add_argument("--data", type=Path, required=True, help='JSONL, one {"input_ids": [...]} per line')
+    p.add_argument("--data", required=True, help="JSONL/Parquet file, folder, glob or prepared folder (moeshard.data)")
     p.add_argument("--seq-len", type=int, default=24)
+    p.add_argument("--no-packing", action="store_true", help="one padded document per row instead of packing")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, all ranks")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=4)
@@ -113,43 +92,53 @@ def main() -> None:
     # from their compute-dtype gradients. One step(), zero_grad(), state_dict() and clip_grad_norm_() for all.
     optimizer = build_optimizer(model, lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay)
 
-    pad = next((t for t in (getattr(config, "pad_token_id", None), config.eos_token_id) if t is not None), 0)
-    pad = pad[0] if isinstance(pad, list) else pad
-    samples = load_samples(args.data, args.seq_len, pad)
+    # 4. The data: rows of the model's tokens (EOS after each document), validated before training starts; the
+    # micro-batches of (step, rank) are a pure function of both, so a resume needs only the step.
+    eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    rows = open_dataset(
+        DataConfig(path=args.data, seq_len=args.seq_len, packing=not args.no_packing),
+        vocab_size=config.vocab_size,
+        eos_id=eos,
+        pad_id=getattr(config, "pad_token_id", None),
+    )
+    step_batches = StepBatches(rows, global_batch=args.global_batch, world_size=world, micro_batch=args.micro_batch)
     coef = config.router_aux_loss_coef
     losses, grad_norms = [], []
-    for step in range(args.steps):
-        optimizer.zero_grad(set_to_none=True)
-        micro = my_micro_batches(step, rank, world, args.global_batch, args.micro_batch, len(samples))
-        batches = [[torch.stack(t).to(device) for t in zip(*(samples[i] for i in mb))] for mb in micro]
-        # N_global / W: with it each rank's loss is W * (its token-loss sum) / N_global, and FSDP's average over
-        # W ranks is the global-batch mean however unevenly label tokens fall on ranks.
-        local_items = sum(int((labels[:, 1:] != IGNORE).sum()) for _, labels, _ in batches)
-        num_items = num_items_for_global_mean(local_items).clamp_min(1.0 / world)
-        lm_sum = torch.zeros((), device=device)
-        for ids, labels, mask in batches:
-            # return_logits=False: the loss goes through the head in chunks, never holding the [B, S, V] logits.
-            out = model(
-                ids,
-                labels=labels,
-                attention_mask=mask,
-                num_items_in_batch=num_items,
-                output_router_logits=True,
-                return_logits=False,
-            )
-            lm = out.loss - coef * out.aux_loss  # the model's loss includes coef * aux, as in transformers
-            # The router's load-balancing loss is a per-micro-batch mean: average it over the accumulation steps.
-            (lm + coef * out.aux_loss / len(batches)).backward()
-            lm_sum += lm.detach()
-        # One norm over both meshes (a device tensor, no host sync); the step may apply the clip coefficient itself.
-        grad_norm = optimizer.clip_grad_norm_(args.max_grad_norm)
-        optimizer.step()
-        dist.all_reduce(lm_sum)
-        losses.append(lm_sum.item() / world)
-        grad_norms.append(grad_norm.item())
-        print0(f"step {step + 1}: loss {losses[-1]:.6f} grad_norm {grad_norms[-1]:.4f}")
+    # A background thread prepares the next steps' batches (in pinned memory on CUDA: the copies below are async).
+    loader = PrefetchLoader(step_batches, rank, start_step=0, stop_step=args.steps, pin_memory=device.type == "cuda")
+    with loader:
+        for step, micro_batches in loader:
+            optimizer.zero_grad(set_to_none=True)
+            # N_global / W: with it each rank's loss is W * (its token-loss sum) / N_global, and FSDP's average over
+            # W ranks is the global-batch mean however unevenly label tokens fall on ranks.
+            num_items = num_items_for_global_mean(sum(b.num_targets for b in micro_batches)).clamp_min(1.0 / world)
+            lm_sum = torch.zeros((), device=device)
+            for b in micro_batches:
+                b = b.to(device, non_blocking=True)
+                # return_logits=False: the loss goes through the head in chunks, never holding the [B, S, V] logits.
+                out = model(
+                    b.input_ids,
+                    labels=b.labels,  # -100: not a target (prompt tokens of SFT records, padding, document starts)
+                    position_ids=b.position_ids,  # restart at 0 in every document of a packed row
+                    document_ids=b.document_ids,  # a token attends to the earlier tokens of its own document only
+                    attention_mask=b.attention_mask,  # None unless rows are padded (--no-packing)
+                    num_items_in_batch=num_items,
+                    output_router_logits=True,
+                    return_logits=False,
+                )
+                lm = out.loss - coef * out.aux_loss  # the model's loss includes coef * aux, as in transformers
+                # The router's load-balancing loss is a per-micro-batch mean: average it over the accumulation steps.
+                (lm + coef * out.aux_loss / len(micro_batches)).backward()
+                lm_sum += lm.detach()
+            # One norm over both meshes (a device tensor, no host sync); the step may apply the clip coefficient.
+            grad_norm = optimizer.clip_grad_norm_(args.max_grad_norm)
+            optimizer.step()
+            dist.all_reduce(lm_sum)
+            losses.append(lm_sum.item() / world)
+            grad_norms.append(grad_norm.item())
+            print0(f"step {step + 1}: loss {losses[-1]:.6f} grad_norm {grad_norms[-1]:.4f}")
 
-    # 4. A DCP checkpoint with experts in their global shape: it loads into any EP size / world size.
+    # 5. A DCP checkpoint with experts in their global shape: it loads into any EP size / world size.
     if args.checkpoint is not None:
         save_checkpoint(args.checkpoint, model, optimizer)
     if rank == 0 and args.losses is not None:

@@ -1,12 +1,15 @@
-"""Configuration and data: strict keys, types, the embedded default, deterministic sample order, bad data."""
+"""Configuration: strict keys, types, the embedded default; the data section is moeshard.data's DataConfig.
 
-import json
+(How rows are made from data is moeshard.data's, tested in packages/data/tests.)
+"""
+
 from pathlib import Path
 
 import pytest
+import yaml
 
+import moeshard.data
 from moeshard.train.config import ConfigError, DataConfig, JobConfig, load_config
-from moeshard.train.data import GlobalBatches, build_dataset
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -34,6 +37,8 @@ def test_overrides_and_types():
         (["--train.steps=1.5"], "train.steps must be an integer, got 1.5"),
         (["--train.lr=fast"], "train.lr must be a number, got 'fast'"),
         (["--data.packing=maybe"], "data.packing must be true or false"),
+        (["--data.sources=[{path: a, wieght: 2}]"], "unknown config key data.sources[0].wieght; did you mean"),
+        (["--data.seqlen=8"], "unknown config key data.seqlen; did you mean data.seq_len?"),
         (["--train.schedule=linear"], "train.schedule must be cosine or constant"),
         (["--model.path=/m", "--model.preset=tiny"], "exactly one of model.preset or model.path"),
         (["train.lr"], "must look like --section.key=value"),
@@ -52,95 +57,33 @@ def test_unknown_key_in_yaml(tmp_path):
         load_config(f)
 
 
-def _jsonl(tmp_path, records):
-    f = tmp_path / "d.jsonl"
-    f.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(f)
-
-
-def test_unpacked_order_is_reproducible(tmp_path):
-    recs = [{"input_ids": [i % 50, 1, 2, 3][: 2 + i % 3]} for i in range(20)]
-    cfg = DataConfig(path=_jsonl(tmp_path, recs), synthetic=False, packing=False, seq_len=4)
-    ds = build_dataset(cfg, vocab_size=64, eos_id=None, pad_id=0)
-    assert len(ds) == 20
-    b = ds.collate([4])
-    assert b.input_ids[0, :3].tolist() == [4, 1, 2] and b.labels[0].tolist() == [4, 1, 2, -100]
-    assert b.attention_mask[0].tolist() == [1, 1, 1, 0]
-    gb = GlobalBatches(20, global_batch=8, world_size=4, micro_batch=1, shuffle=False, seed=0)
-    # step s uses records s*B .. s*B+B-1, each rank its contiguous share, wrapping into the next epoch
-    assert gb.global_indices(1) == list(range(8, 16))
-    assert gb.micro_batches(1, rank=2) == [[12], [13]]
-    assert gb.global_indices(2) == [16, 17, 18, 19, 0, 1, 2, 3]
-    shuffled = GlobalBatches(20, 8, 4, 1, shuffle=True, seed=3)
-    assert sorted(shuffled.global_indices(0) + shuffled.global_indices(1) + shuffled.global_indices(2)[:4]) == list(
-        range(20)
-    )
-    assert shuffled.global_indices(1) == GlobalBatches(20, 8, 4, 1, shuffle=True, seed=3).global_indices(1)
-
-
-def test_packing_cuts_the_stream(tmp_path):
-    cfg = DataConfig(
-        path=_jsonl(tmp_path, [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]), synthetic=False, seq_len=3
-    )
-    ds = build_dataset(cfg, vocab_size=64, eos_id=9, pad_id=None)
-    assert [x.tolist() for x in ds.ids] == [[1, 2, 3], [9, 4, 5]]
-
-
-def test_bad_data_errors(tmp_path):
-    with pytest.raises(ValueError, match="token id 70 outside the vocabulary \\[0, 64\\)"):
-        build_dataset(
-            DataConfig(path=_jsonl(tmp_path, [{"input_ids": [1, 70]}]), synthetic=False, seq_len=2),
-            vocab_size=64,
-            eos_id=None,
-            pad_id=None,
-        )
-    with pytest.raises(ValueError, match="no training sample"):
-        build_dataset(DataConfig(path=_jsonl(tmp_path, []), synthetic=False), vocab_size=64, eos_id=None, pad_id=None)
-    with pytest.raises(ValueError, match="has 'text' but data.tokenizer is not set"):
-        build_dataset(
-            DataConfig(path=_jsonl(tmp_path, [{"text": "hi"}]), synthetic=False),
-            vocab_size=64,
-            eos_id=None,
-            pad_id=None,
-        )
-    with pytest.raises(FileNotFoundError, match="data.path .* does not exist"):
-        build_dataset(
-            DataConfig(path=str(tmp_path / "none.jsonl"), synthetic=False), vocab_size=64, eos_id=None, pad_id=None
-        )
-    with pytest.raises(ValueError, match="fewer than one global batch of 16"):
-        GlobalBatches(10, 16, 4, 1, False, 0)
-    with pytest.raises(ValueError, match="global_batch_size 10 is not divisible by the world size 4"):
-        GlobalBatches(100, 10, 4, 1, False, 0)
-    with pytest.raises(ValueError, match="not divisible by train.micro_batch_size 3"):
-        GlobalBatches(100, 16, 4, 3, False, 0)
-
-
 def test_data_path_replaces_synthetic_data():
     cfg = load_config(None, ["--data.path=/d.jsonl"])
     assert cfg.data.synthetic is False and cfg.data.path == "/d.jsonl"
+    assert load_config(None, ["--data.seq_len=8"]).data.synthetic  # no source given: the embedded default
 
 
-def test_parquet_and_text_with_a_local_tokenizer(tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({"a": 1, "b": 2, "c": 3, "[UNK]": 0}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "tok")
-    pq.write_table(pa.table({"text": ["a b c", "c b"]}), tmp_path / "d.parquet")
-    cfg = DataConfig(path=str(tmp_path / "d.parquet"), tokenizer=str(tmp_path / "tok"), synthetic=False, seq_len=3)
-    ds = build_dataset(cfg, vocab_size=64, eos_id=9, pad_id=None)
-    assert [x.tolist() for x in ds.ids] == [[1, 2, 3], [9, 3, 2]]
-    pq.write_table(pa.table({"input_ids": [[5, 6, 7, 8]]}), tmp_path / "ids.parquet")
-    ds = build_dataset(
-        DataConfig(path=str(tmp_path / "ids.parquet"), synthetic=False, packing=False, seq_len=6),
-        vocab_size=64,
-        eos_id=None,
-        pad_id=0,
+def test_data_section_is_moeshard_datas_config(tmp_path):
+    f = tmp_path / "mix.yaml"
+    f.write_text(
+        "data:\n"
+        "  sources:\n"
+        "    - {path: /data/web, weight: 0.7}\n"
+        "    - {path: [/data/code/a.parquet, /data/code/b.parquet], weight: 0.3, name: code}\n"
+        "  seq_len: 128\n"
+        "  shuffle: true\n"
     )
-    assert ds.labels[0].tolist() == [5, 6, 7, 8, -100, -100]
+    cfg = load_config(f)
+    assert isinstance(cfg.data, moeshard.data.DataConfig) and not cfg.data.synthetic and cfg.data.packing
+    assert [(s.name, s.weight) for s in cfg.data.sources] == [("web", 0.7), ("code", 0.3)]
+    assert cfg.data.sources[1].path == ("/data/code/a.parquet", "/data/code/b.parquet")
+    # config.yaml (what the job writes) loads back to the same job
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    assert load_config(tmp_path / "config.yaml") == cfg
+    # a path or sources on the command line replaces the file's data source
+    assert load_config(f, ["--data.path=/d.jsonl"]).data == DataConfig(path="/d.jsonl", seq_len=128, shuffle=True)
+    listed = load_config(CONFIGS / "qwen3_30b_a3b_2x8.yaml", ["--data.sources=[{path: /p/a}, {path: /p/b}]"]).data
+    assert listed.path is None and [s.name for s in listed.sources] == ["a", "b"]
 
 
 def test_lr_schedule():
@@ -204,3 +147,35 @@ def test_parallel_options_map_the_config_keys():
 def test_parallel_option_errors(override, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(None, [override])
+
+
+def test_run_identity_of_the_data(tmp_path, monkeypatch):
+    """run.json's data: paths recorded absolute but the content decides; what changed, in words."""
+    import json
+
+    from moeshard.data import open_dataset
+    from moeshard.train.checks import data_changes, run_identity
+
+    monkeypatch.chdir(tmp_path)
+    for name, docs in (("a", [[1, 2, 3]] * 8), ("b", [[4, 5]] * 8), ("c", [[5, 4]] * 8)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"input_ids": d}) + "\n" for d in docs))
+
+    def ident(*overrides: str) -> dict:
+        cfg = load_config(None, ["--data.seq_len=4", *overrides])
+        return json.loads(json.dumps(run_identity(cfg, open_dataset(cfg.data, vocab_size=64))))  # as in run.json
+
+    mix = ident("--data.sources=[{path: a.jsonl, weight: 3}, {path: b.jsonl}]")
+    assert mix["data"]["sources"][0]["path"] == str(tmp_path / "a.jsonl")
+    absolute = ident(f"--data.sources=[{{path: {tmp_path}/a.jsonl, weight: 3}}, {{path: b.jsonl}}]")
+    assert data_changes(mix, absolute) == []
+    assert data_changes(mix, ident("--data.sources=[{path: a.jsonl}, {path: c.jsonl, name: b}]")) == [
+        "source 'a' weight 0.75 -> 0.5",
+        "source 'b' weight 0.25 -> 0.5",
+        "source 'b' holds other content (the same 8 documents and 16 tokens)",
+    ]
+    assert data_changes(mix, ident("--data.path=a.jsonl", "--data.seq_len=2")) == [
+        "data.seq_len 4 -> 2",
+        "source 'a' weight 0.75 -> 1",
+        "source 'b' is gone",
+    ]
+    assert data_changes(ident("--data.path=a.jsonl"), mix)[-1] == "source 'b' is new (8 documents, 16 tokens)"

@@ -74,6 +74,9 @@ def test_two_nodes_metrics_tensorboard(reference):
     assert [e.value for e in acc.Scalars("loss")] == pytest.approx([r["loss"] for r in recs])
     assert {"expert_load/max_over_mean/layer_0", "expert_load/max_over_mean/layer_1"} <= set(tags["scalars"])
     assert "comm/all_to_all/ep/bytes" in tags["scalars"]
+    # tokens seen per data source, cumulative: 16 rows of 32 per step
+    assert [r["tokens_seen"] for r in recs] == [{"synthetic": 16 * 32 * s} for s in range(1, 7)]
+    assert [e.value for e in acc.Scalars("tokens_seen/synthetic")] == [16 * 32 * s for s in range(1, 7)]
     heat = acc.Images("expert_load/heatmap")
     assert [e.step for e in heat] == [2, 4, 6]
     assert (heat[0].height, heat[0].width) == (2, 8)  # layers x experts

@@ -117,7 +117,8 @@ def test_layout_and_model_errors(capsys, tmp_path, env, args, needle):
         (["--train.stepz=3"], "unknown config key train.stepz; did you mean train.steps?", 2),
         (["--train.steps=many"], "train.steps must be an integer, got 'many'", 2),
         (["--parallel.ep_size=2.5"], "parallel.ep_size must be an integer", 2),
-        (["--data.path=/x.jsonl", "--data.synthetic=true"], "data.synthetic=true ignores data.path", 2),
+        (["--data.path=/x.jsonl", "--data.synthetic=true"], "set exactly one of data.synthetic, data.path or", 2),
+        (["--data.sources=[{path: /x, weight: 0}]"], "data.sources[0]: source '/x': weight must be a number > 0", 2),
     ],
 )
 def test_config_errors(capsys, args, needle, code):
@@ -160,14 +161,11 @@ def test_bad_safetensors(capsys, tmp_path, hf_dir, name, needle):
 @pytest.mark.parametrize(
     ("records", "extra", "needle"),
     [
-        ([{"input_ids": [1, 2, 600, 3]}] * 20, [], "record 0 holds token id 600 outside the vocabulary [0, 512)"),
-        ([], [], "no training sample of seq_len 32"),
-        (
-            [{"input_ids": [1, 2, 3]}] * 5,
-            ["--data.packing=false"],
-            "the dataset has 5 samples, fewer than one global batch of 16",
-        ),
-        ([{"text": "hello"}], [], "has 'text' but data.tokenizer is not set"),
+        ([{"input_ids": [1, 2, 600, 3]}] * 20, [], "d.jsonl:1: token id 600 is outside the vocabulary [0, 512)"),
+        ([], [], "source 'd': empty source"),
+        ([{"input_ids": [1, 2, 3]}] * 5, [], "source 'd': 15 tokens make no row of data.seq_len 32"),
+        ([{"text": "hello"}], [], "source 'd' holds 'text' records but data.tokenizer is not set"),
+        ([{"input_ids": [1, 2]}], ["--data.path=nothere/*.jsonl"], "nothere/*.jsonl: the pattern matches no file"),
     ],
 )
 def test_bad_data(capsys, tmp_path, records, extra, needle):
@@ -208,3 +206,28 @@ def test_output_dir_guard_and_resume_checks(capsys, tmp_path):
     assert main([*base, "--logging.tensorboard=false", "--train.steps=4", "--checkpoint.resume=none"]) == 0
     assert "resumed from" in capsys.readouterr().out
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_resume_on_changed_data(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    records = [{"input_ids": [(7 * i + j) % 500 for j in range(10 + i % 20)]} for i in range(40)]
+    _jsonl(tmp_path / "d.jsonl", records)
+    base = [*TINY, "--parallel.ep_size=1", "--train.global_batch_size=2", "--logging.tensorboard=false"]
+    base += ["--checkpoint.every_steps=2", f"--logging.output_dir={tmp_path / 'run'}"]
+    assert main([*base, "--data.path=d.jsonl", "--train.steps=2"]) == 0
+    # The same file by its absolute path: the same run.
+    assert main([*base, f"--data.path={tmp_path / 'd.jsonl'}", "--train.steps=3"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    # Half the records dropped: one line saying what changed and how to continue; nothing written.
+    _jsonl(tmp_path / "d.jsonl", records[:20])
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    line = _fail(capsys, [*base, "--data.path=d.jsonl", "--train.steps=4"])
+    assert "the data changed since the run in" in line and "source 'd' holds other content (40 -> 20 documents" in line
+    assert "--data.allow_changed=true" in line
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
+    # Deliberately: logged, resumed, and the run now holds the new data.
+    assert main([*base, "--data.path=d.jsonl", "--train.steps=4", "--data.allow_changed=true"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: the data changed since the run in" in out and "resumed from" in out
+    assert [json.loads(x)["step"] for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert json.loads((tmp_path / "run/run.json").read_text())["data_content"]["d"]["documents"] == 20

@@ -22,9 +22,9 @@ def _train(fused: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from moeshard.data import DataConfig, StepBatches, open_dataset
     from moeshard.fsdp_moe import build_optimizer, get_state_dict
     from moeshard.train.config import load_config
-    from moeshard.train.data import Batch
     from moeshard.train.train import build, init_distributed, lr_at, train_step
 
     device = init_distributed()
@@ -51,12 +51,11 @@ def _train(fused: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg) / t.lr)
         job = dataclasses.replace(job, optimizer=opt, scheduler=sched)
-    g = torch.Generator().manual_seed(7 + dist.get_rank())
-    vocab = job.model_config.vocab_size
+    rows = open_dataset(DataConfig(synthetic=True, seq_len=16, seed=7), vocab_size=job.model_config.vocab_size)
+    batches = StepBatches(rows, global_batch=4, world_size=2, micro_batch=1)
     norms = []
-    for _ in range(STEPS):
-        micro = [Batch(ids, ids, None, ()) for ids in torch.randint(0, vocab, (2, 1, 16), generator=g)]
-        norms.append(train_step(job, micro).read().grad_norm)
+    for step in range(STEPS):
+        norms.append(train_step(job, batches.micro_batches(step, dist.get_rank())).read().grad_norm)
     sd = get_state_dict(job.model, job.optimizer)["model"]
     params = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in sd.items()}
     return params, norms

@@ -1,8 +1,9 @@
 """The step loop (``moeshard.train.train.run``) and its callbacks, on two gloo ranks (EP 2, a tiny model).
 
-The hooks run in list order at fixed points of each step; ``start_step`` skips the steps a resumed run has taken;
-an exception raised before the update leaves every parameter as the previous step left it, and ``on_run_end``
-still runs.
+The hooks run in list order at fixed points of each step; ``start_step`` skips the steps a resumed run has taken
+and the loop takes one ``(step, micro_batches)`` per step from its iterable (a ``moeshard.data.PrefetchLoader`` in
+the job); an exception raised before the update leaves every parameter as the previous step left it, and
+``on_run_end`` still runs.
 """
 
 from __future__ import annotations
@@ -30,19 +31,20 @@ def _local_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _body() -> dict:
     import torch.distributed as dist
 
+    from moeshard.data import DataConfig, StepBatches, open_dataset
     from moeshard.train.config import load_config
-    from moeshard.train.data import Batch
     from moeshard.train.train import Callback, LossLog, build, init_distributed, run
 
     device = init_distributed()
     job = build(load_config(None, JOB), device)
-    g = torch.Generator().manual_seed(3 + dist.get_rank())
-    data = [[Batch(ids, ids, None, ()) for ids in torch.randint(0, 512, (2, 1, 16), generator=g)] for _ in range(3)]
+    rows = open_dataset(DataConfig(synthetic=True, seq_len=16), vocab_size=job.model_config.vocab_size)
+    step_batches = StepBatches(rows, global_batch=4, world_size=2, micro_batch=1)
     asked: list[int] = []
 
-    def batches(step: int) -> list[Batch]:
-        asked.append(step)
-        return data[step]
+    def batches(start: int):
+        for step in range(start, 4):
+            asked.append(step)  # taken when the loop asks for it
+            yield step, step_batches.micro_batches(step, dist.get_rank())
 
     class Recorder(Callback):
         def __init__(self, name: str, events: list, stop_before_update_of: int = 0) -> None:
@@ -69,7 +71,7 @@ def _body() -> dict:
 
     events: list = []
     log = LossLog()
-    last = run(job, batches, [Recorder("a", events), Recorder("b", events), log], start_step=1)
+    last = run(job, batches(1), [Recorder("a", events), Recorder("b", events), log], start_step=1)
     resumed = {
         "events": events,
         "asked": list(asked),
@@ -82,7 +84,7 @@ def _body() -> dict:
     stopper = Recorder("s", events, stop_before_update_of=3)
     job.cfg = load_config(None, [*JOB, "--train.steps=4"])
     try:
-        run(job, batches, [stopper], start_step=1)
+        run(job, batches(1), [stopper], start_step=1)
         error = None
     except RuntimeError as e:
         error = str(e)

@@ -1,11 +1,13 @@
 """The job against transformers, resume, and resume at other layouts (gloo, in-process ranks).
 
-One 4-rank run (2 "nodes" x 2, EP 2 x ep_fsdp 2) trains a transformers-saved tiny Qwen3-MoE on JSONL token ids of
-varying lengths without packing (padding, uneven label counts per rank, a wrap into the next epoch); its losses
-must equal a single-process transformers training on the same global batches within 1e-5. The same ranks then
-resume its step-2 checkpoint (same layout: the same losses) and at EP 4 x 1; a 2-rank run resumes it at EP 2 x 1.
-Each resumed model's full parameters equal the saved ones and its next losses equal the uninterrupted run's. The
-checkpoint also exports to a Hub folder that transformers loads with the same logits.
+One 4-rank run (2 "nodes" x 2, EP 2 x ep_fsdp 2) trains a transformers-saved tiny Qwen3-MoE on a mixture of two
+JSONL sources of token ids (weights 3:1) of varying lengths without packing (padding, records longer than a row
+split in two, uneven label counts per rank, the larger source wrapping into its next epoch); its losses must equal
+a single-process transformers training on the same global batches (``moeshard.data.StepBatches``) within 1e-5.
+The same ranks then resume its step-2 checkpoint (same layout: the same losses) and at EP 4 x 1; a 2-rank run
+resumes it at EP 2 x 1. Each resumed model's full parameters equal the saved ones, its next losses equal the
+uninterrupted run's, and so do the tokens seen per source. The checkpoint also exports to a Hub folder that
+transformers loads with the same logits.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _cfg(paths: dict, out: str, *extra: str):
         None,
         [
             f"--model.path={paths['hf']}",
-            f"--data.path={paths['data']}",
+            f"--data.sources=[{{path: {paths['a']}, weight: 3}}, {{path: {paths['b']}, weight: 1}}]",
             f"--data.tokenizer={paths['tok']}",
             *HPARAMS,
             f"--logging.output_dir={paths['root']}/{out}",
@@ -113,31 +115,28 @@ def _two_ranks(paths: dict) -> dict:
     return {"d": (d["start_step"], d["losses"]), "d_params": _full_params(loaded["job"]), "enospc": error}
 
 
-def _reference_losses(paths: dict) -> tuple[list[float], list[float]]:
-    """Single-process transformers training on the same global batches (loss = token-loss sum / label tokens)."""
+def _reference_losses(paths: dict) -> tuple[list[float], list[float], dict[str, int]]:
+    """Single-process transformers training on the same global batches (loss = token-loss sum / label tokens);
+    also the tokens each source gave."""
     from transformers import Qwen3MoeForCausalLM
 
-    from moeshard.train.config import DataConfig
-    from moeshard.train.data import GlobalBatches, build_dataset
+    from moeshard.data import StepBatches, open_dataset
     from moeshard.train.train import lr_at
 
     cfg = _cfg(paths, "unused")
     model = Qwen3MoeForCausalLM.from_pretrained(paths["hf"], dtype=torch.float32)
     model.train()
     mc = model.config
-    data = build_dataset(
-        DataConfig(path=paths["data"], synthetic=False, packing=False, seq_len=32),
-        vocab_size=mc.vocab_size,
-        eos_id=mc.eos_token_id,
-        pad_id=getattr(mc, "pad_token_id", None),
+    data = open_dataset(
+        cfg.data, vocab_size=mc.vocab_size, eos_id=mc.eos_token_id, pad_id=getattr(mc, "pad_token_id", None)
     )
-    batches = GlobalBatches(len(data), 8, 1, 8, shuffle=False, seed=0)
+    batches = StepBatches(data, global_batch=8, world_size=1, micro_batch=8)
     t = cfg.train
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, cfg) / t.lr)
     losses, norms = [], []
     for step in range(STEPS):
-        b = data.collate(batches.global_indices(step))
+        b = batches.global_batch(step)
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits.float()
         targets = b.labels[:, 1:]
         n = (targets != -100).sum()
@@ -153,7 +152,7 @@ def _reference_losses(paths: dict) -> tuple[list[float], list[float]]:
         sched.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return losses, norms
+    return losses, norms, batches.tokens_per_source(0, STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -171,9 +170,11 @@ def paths(tmp_path_factory) -> dict:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(root / "tok")
     rng = random.Random(0)
-    records = [{"input_ids": [rng.randrange(512) for _ in range(rng.randint(3, 45))]} for _ in range(20)]
-    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return {"hf": str(root / "hf"), "data": str(root / "data.jsonl"), "tok": str(root / "tok"), "root": str(root)}
+    for name, n in (("a", 14), ("b", 8)):
+        records = [{"input_ids": [rng.randrange(512) for _ in range(rng.randint(3, 45))]} for _ in range(n)]
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    files = {"hf": root / "hf", "a": root / "a.jsonl", "b": root / "b.jsonl", "tok": root / "tok", "root": root}
+    return {k: str(v) for k, v in files.items()}
 
 
 def test_parity_resume_layouts_export(paths):
@@ -182,7 +183,7 @@ def test_parity_resume_layouts_export(paths):
     from moeshard.train.export import export_hf, load_full_model
 
     four = run_distributed(_four_ranks, 4, paths, ranks_per_node=2, timeout=400)[0]
-    ref_losses, ref_norms = _reference_losses(paths)
+    ref_losses, ref_norms, ref_tokens = _reference_losses(paths)
     root = Path(paths["root"])
 
     # Equal to transformers: losses within 1e-5 relative, gradient norms (before clipping) close too.
@@ -191,6 +192,9 @@ def test_parity_resume_layouts_export(paths):
     assert norms == pytest.approx(ref_norms, rel=1e-4)
     assert max(ref_norms) > 0.5  # clipping was active
 
+    # Tokens seen per source: all ranks, padding excluded, and counted on across a resume at another layout.
+    assert _metrics(root / "a/metrics.jsonl")[-1]["tokens_seen"] == ref_tokens and set(ref_tokens) == {"a", "b"}
+    assert _metrics(root / "c/metrics.jsonl")[-1]["tokens_seen"] == ref_tokens
     # Resumed at the same layout: the same losses as uninterrupted.
     assert four["b"][0] == 2 and four["b"][1] == pytest.approx(four["a"][2:], rel=1e-6)
     # Resumed at EP 4 x 1: the saved parameters exactly, then the same training.
@@ -214,7 +218,8 @@ def test_parity_resume_layouts_export(paths):
     from moeshard.train.__main__ import main
 
     out = root / "export"
-    assert main(["export-hf", "--checkpoint", str(root / "a/checkpoints/step_00000004"), "--out", str(out)]) == 0
+    step4 = str(root / "a/checkpoints/step_00000004")
+    assert main(["export-hf", "--checkpoint", step4, "--out", str(out), "--dtype", "float32"]) == 0
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
     ours, _ = load_full_model(root / "a/checkpoints/step_00000004")
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
@@ -223,3 +228,68 @@ def test_parity_resume_layouts_export(paths):
         assert torch.allclose(hf(input_ids=ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="exists and is not empty"):
         export_hf(root / "a/checkpoints/step_00000004", out)
+
+
+# ---- packed SFT rows, raw and prepared ----------------------------------------------------------------------------
+
+
+def _packed_runs(paths: dict, sft: dict) -> dict:
+    from moeshard.train.job import run_job
+
+    base = [*HPARAMS, "--data.packing=true", "--train.steps=2", "--train.global_batch_size=4"]
+    base += ["--train.micro_batch_size=2", "--parallel.ep_size=1", "--checkpoint.every_steps=0"]
+    base += [f"--model.path={paths['hf']}"]
+
+    def run(data: str, out: str) -> list[float]:
+        from moeshard.train.config import load_config
+
+        cfg = load_config(None, [*base, f"--data.path={data}", f"--logging.output_dir={sft['root']}/{out}"])
+        return run_job(cfg)["losses"]
+
+    return {"raw": run(sft["jsonl"], "raw"), "prepared": run(sft["prepared"], "prepared")}
+
+
+def test_prepare_data_then_packed_sft_rows_match_transformers_per_document(paths, tmp_path):
+    """``prepare-data`` -> training on the prepared folder: the same losses as on the raw JSONL; packed rows of
+    ``input_ids`` + ``labels`` records (prompt masked): the first step's loss is transformers' on each document
+    piece alone, over the answer tokens only (the job gives the model ``position_ids`` and ``document_ids``)."""
+    import torch.nn.functional as F
+    from transformers import Qwen3MoeForCausalLM
+
+    from moeshard.data import DataConfig, StepBatches, open_dataset
+    from moeshard.train.__main__ import main
+
+    rng = random.Random(1)
+    records = []
+    for _ in range(24):
+        prompt = [rng.randrange(512) for _ in range(rng.randint(1, 12))]
+        answer = [rng.randrange(512) for _ in range(rng.randint(1, 30))]
+        records.append({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer})
+    jsonl = tmp_path / "sft.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    prepared = tmp_path / "prepared"
+    args = ["--input", str(jsonl), "--output", str(prepared), "--no-eos", "--workers", "1", "--vocab-size", "512"]
+    assert main(["prepare-data", *args]) == 0
+    sft = {"jsonl": str(jsonl), "prepared": str(prepared), "root": str(tmp_path)}
+    runs = run_distributed(_packed_runs, 1, paths, sft)[0]
+    assert runs["prepared"] == runs["raw"]
+
+    # transformers, one document piece at a time (positions from 0), the loss over the labelled tokens only
+    model = Qwen3MoeForCausalLM.from_pretrained(paths["hf"], dtype=torch.float32)
+    rows = open_dataset(DataConfig(path=str(prepared), seq_len=32), vocab_size=512)
+    b = StepBatches(rows, global_batch=4, world_size=1, micro_batch=4).global_batch(0)
+    total, count, unmasked, pieces = 0.0, 0, 0.0, 0
+    with torch.no_grad():
+        for ids, labels, docs in zip(b.input_ids, b.labels, b.document_ids):
+            pieces += len(docs.unique())
+            for d in docs.unique():
+                at = docs == d
+                logits = model(input_ids=ids[at][None]).logits[0, :-1]
+                total += float(F.cross_entropy(logits, labels[at][1:], ignore_index=-100, reduction="sum"))
+                count += int((labels[at][1:] != -100).sum())
+            logits = model(input_ids=ids[None]).logits[0, :-1]  # the whole row, as one causal sequence
+            unmasked += float(F.cross_entropy(logits, labels[1:], ignore_index=-100, reduction="sum"))
+    assert count == b.num_targets and int((b.labels == -100).sum()) > pieces  # prompts are no targets
+    assert runs["raw"][0] == pytest.approx(total / count, rel=1e-5)
+    # Without the document mask the loss differs by far more than the tolerance (a random model uses little context).
+    assert abs(unmasked - total) / total > 1e-4

@@ -164,6 +164,8 @@ def test_config(tmp_path, good):
         DataConfig(sources=[SourceConfig(good), SourceConfig(good)])
     with pytest.raises(DataError, match=r"data.seq_len must be >= 2"):
         DataConfig(path=good, seq_len=1)
+    with pytest.raises(DataError, match=r"data.packing must be true or false, got 'maybe'"):
+        DataConfig.from_dict({"path": good, "packing": "maybe"})
     cfg = DataConfig.from_dict({"sources": [{"path": [good], "weight": 2}], "seq_len": 8})
     assert cfg.sources[0] == SourceConfig((good,), 2.0, "good")
 

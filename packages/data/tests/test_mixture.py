@@ -75,6 +75,10 @@ def test_proportions_and_tokens_per_source(mixture_cfg):
     assert counts.tolist() == [100, 60, 40]
     assert sb.tokens_per_source(0, 20) == {"a": 100 * 16, "b": 60 * 16, "c": 40 * 16}
     assert sum(sb.tokens_per_source(3, 4).values()) == 10 * 16
+    summary = data.summary()  # what a run stores to recognise its data on resume
+    assert list(summary) == ["a", "b", "c"] and summary["a"]["documents"] == 50
+    assert summary["b"]["tokens"] == data.sources[1].store.num_tokens and summary["c"]["weight"] == pytest.approx(0.2)
+    assert "+".join(s["fingerprint"] for s in summary.values()) == data.fingerprint
 
 
 def test_small_source_repeats_in_new_orders(mixture_cfg):

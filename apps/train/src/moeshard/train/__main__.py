@@ -4,12 +4,14 @@ torchrun [torchrun args] -m moeshard.train --config FILE.yaml [--section.key=val
 moeshard-train plan --config FILE.yaml --nnodes N --nproc-per-node G [--rank R]           # dry run, no GPU
 moeshard-train export-hf --checkpoint DIR --out DIR                                        # Hub layout
 moeshard-train launch-local --nnodes 2 --nproc-per-node 2 -- --config FILE.yaml            # nodes on localhost
+moeshard-train prepare-data --input 'corpus/*.jsonl' --tokenizer DIR --output DIR          # tokenise once
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import os
 import sys
 import traceback
@@ -19,7 +21,7 @@ from moeshard.train.config import ConfigError, load_config
 
 # Messages of gloo / NCCL / c10d when a peer process is gone.
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted", "Broken pipe")
-COMMANDS = ("train", "plan", "export-hf", "launch-local", "bench")
+COMMANDS = ("train", "plan", "export-hf", "launch-local", "bench", "prepare-data")
 
 
 def _train(argv: list[str]) -> int:
@@ -30,17 +32,18 @@ def _train(argv: list[str]) -> int:
     import torch.distributed as dist
 
     from moeshard.train.job import run_job
+    from moeshard.train.preemption import EXIT_STATUS
 
     # Known and harmless here: DTensor's note on CPU random ops (initialisation).
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
-    run_job(cfg)
+    stopped = run_job(cfg)["stopped"] is not None  # a signal stopped it after saving a step (preemption)
     # The job (model, dispatchers, optimizer, hooks: some hold process groups, some in reference cycles) goes now,
     # while the groups exist, not at interpreter exit after them.
     gc.collect()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    return 0
+    return EXIT_STATUS if stopped else 0
 
 
 def _plan(argv: list[str]) -> int:
@@ -70,10 +73,14 @@ def _export(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moeshard-train export-hf", description="Checkpoint → Hub layout.")
     parser.add_argument("--checkpoint", required=True, help="a checkpoint folder (step_XXXXXXXX)")
     parser.add_argument("--out", required=True, help="new folder for config.json + safetensors (+ tokenizer)")
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "keep"), help="of the weights"
+    )
+    parser.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors file, e.g. 5GB, 500MB")
     args = parser.parse_args(argv)
     from moeshard.train.export import export_hf
 
-    path = export_hf(args.checkpoint, args.out)
+    path = export_hf(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
     print(f"wrote {path}")
     return 0
 
@@ -84,20 +91,77 @@ def _launch_local(argv: list[str]) -> int:
     return launch_main(argv)
 
 
+def _prepare_data(argv: list[str]) -> int:
+    # moeshard.data's own command line (its errors: one line, exit status 2), under the job's name.
+    from moeshard.data import main as data_main
+
+    return data_main(["prepare", *argv])
+
+
 def _bench(argv: list[str]) -> int:
     from moeshard.train.bench import main as bench_main
 
     return bench_main(argv)
 
 
-def _report(message: str, *, every_rank: bool) -> None:
-    """One line on stderr: from rank 0 only for errors every rank raises alike, else from each failing rank."""
+def _report(message: str, *, alike: bool) -> None:
+    """One line on stderr for a failure.
+
+    Args:
+        alike: every rank raises this error identically (computed from the same inputs or agreed through a
+            collective): rank 0 prints it. Otherwise the first rank to report this message prints it, with its rank
+            (the job's c10d store counts who reported what; without a reachable store each failing rank prints).
+    """
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _record_for_torchrun(message)
-    if rank == 0 or every_rank:
-        where = f" (rank {rank})" if every_rank and world > 1 else ""
+    _store_add("moeshard/errors/any", 1)  # ranks that merely lose contact with this one stay silent
+    if alike:
+        if rank == 0:
+            print(f"moeshard-train: error: {message}", file=sys.stderr, flush=True)
+        return
+    key = "moeshard/errors/" + hashlib.sha1(message.encode()).hexdigest()[:16]
+    if _store_add(key, 1) in (None, 1):
+        where = f" (rank {rank})" if world > 1 else ""
         print(f"moeshard-train: error{where}: {message}", file=sys.stderr, flush=True)
+
+
+def _report_lost_peer(detail: str) -> None:
+    """A rank whose collective failed because a peer is gone: silent when a rank already reported a cause (that
+    rank's line and torchrun's summary name it), else one line for the job (a peer killed without a word)."""
+    message = f"lost contact with another rank (it failed or was killed; see its message) [{detail[:160]}]"
+    _record_for_torchrun(message)
+    reported = _store_add("moeshard/errors/any", 0)
+    if reported is not None and reported > 0:
+        return
+    if _store_add("moeshard/errors/lost", 1) in (None, 1):
+        rank = int(os.environ.get("RANK", "0"))
+        print(f"moeshard-train: error (rank {rank}): {message}", file=sys.stderr, flush=True)
+
+
+def _store_add(key: str, amount: int) -> int | None:
+    """Add to a counter in the job's c10d store (shared by all ranks); its new value, or None without a store."""
+    try:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return None
+        store = dist.distributed_c10d._get_default_store()  # torch has no public accessor for the job's store
+        store.set_timeout(timedelta(seconds=10))  # never wait long on a store whose host is gone
+        return int(store.add(key, amount))
+    except Exception:  # noqa: BLE001 - no store: the caller prints
+        return None
+
+
+def _one_line(error: BaseException) -> str:
+    """``Type: first line``; for DCP's CheckpointException (a BaseException) each failed rank's error."""
+    if type(error).__name__ == "CheckpointException":  # torch.distributed.checkpoint's, without importing it here
+        from moeshard.train.checkpoint import describe_failure
+
+        return f"checkpoint read/write failed: {describe_failure(error)}"
+    return f"{type(error).__name__}: {error}".splitlines()[0]
 
 
 def _record_for_torchrun(message: str) -> None:
@@ -122,37 +186,52 @@ def _close_process_group() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``moeshard-train`` and ``python -m moeshard.train``.
 
-    Returns the exit status: 0, 2 for a config error, 1 for any other error. Errors every rank raises alike
-    (config, data, model, checkpoint, divergence) print one line from rank 0 and no traceback; unexpected ones
-    print one line from each failing rank, plus the traceback with ``MOESHARD_TRACEBACK=1``.
+    Returns the exit status: 0; 2 for a config error; 1 for any other error; 75 when SIGTERM or SIGUSR1 stopped
+    the training after saving a step (``moeshard.train.preemption``: run it again to continue); 130 on SIGINT.
+    Every failure is one line: errors every rank raises alike (config, data, model, checkpoint, divergence) from
+    rank 0, others from the first rank that reports them; a rank that only lost contact with a failed peer stays
+    silent. ``MOESHARD_TRACEBACK=1`` adds the traceback.
     """
     from moeshard.train.errors import JobError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
-    handler = {"train": _train, "plan": _plan, "export-hf": _export, "launch-local": _launch_local, "bench": _bench}
+    handler = {
+        "train": _train,
+        "plan": _plan,
+        "export-hf": _export,
+        "launch-local": _launch_local,
+        "bench": _bench,
+        "prepare-data": _prepare_data,
+    }
     debug = os.environ.get("MOESHARD_TRACEBACK") == "1"
+    error: BaseException | None = None
     try:
         return handler[command](argv)
     except ConfigError as e:
-        _report(f"config: {e}", every_rank=False)
-        code = 2
-    except (JobError, ValueError, FileNotFoundError) as e:  # ValueError/FileNotFoundError: plan and export-hf
-        _report(str(e), every_rank=not isinstance(e, JobError))
-        code = 1
-    except KeyboardInterrupt:
-        _report("interrupted", every_rank=False)
-        code = 130
-    except Exception as e:  # noqa: BLE001 - one line per failing rank instead of a wall of tracebacks
-        first = f"{type(e).__name__}: {e}".splitlines()[0]
-        lost_peer = any(m in str(e) for m in _PEER_LOST)
-        if lost_peer:
-            first = f"lost contact with another rank (it failed or was killed; see its message) [{first[:160]}]"
-        _report(first, every_rank=True)
-        code = 1
-        debug = debug or not lost_peer  # anything but a lost peer is unexpected: keep its traceback
+        error, code = e, 2
+        _report(f"config: {e}", alike=True)
+    except JobError as e:
+        error, code = e, 1
+        _report(str(e), alike=e.every_rank)
+    except (ValueError, FileNotFoundError) as e:  # plan and export-hf
+        error, code = e, 1
+        _report(str(e), alike=False)
+    except KeyboardInterrupt as e:
+        error, code = e, 130
+        _report("interrupted", alike=True)
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - torch.distributed raises BaseException subclasses too
+        error, code = e, 1
+        first = _one_line(e)
+        if any(m in str(e) for m in _PEER_LOST):
+            _report_lost_peer(first)
+        else:
+            _report(f"{first} (unexpected; MOESHARD_TRACEBACK=1 shows the traceback)", alike=False)
     if debug:
-        traceback.print_exc()
+        # Outside its except block only the saved exception still knows its traceback (print_exc() has none).
+        traceback.print_exception(error)
     _close_process_group()
     return code
 

@@ -25,12 +25,13 @@ import statistics
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from moeshard.data import Batch
 from moeshard.train.config import (
     DISPATCH,
     EXPERT_KERNELS,
@@ -42,7 +43,6 @@ from moeshard.train.config import (
     ParallelConfig,
     TrainConfig,
 )
-from moeshard.train.data import Batch
 from moeshard.train.metrics import flops_per_token, mfu
 
 if TYPE_CHECKING:
@@ -68,10 +68,19 @@ def main(argv: list[str]) -> int:
     def batches() -> list[Batch]:
         return _synthetic_batches(args, mb, job.model_config.vocab_size, device, g)
 
-    # The batches are made before the timed loop (a training loop's data loader prepares them in the background).
-    data = [batches() for _ in range(args.steps)]
     back_to_back = not args.isolated_steps and device.type == "cuda"
-    times, syncs, step_stats = _timed_steps(args, job, data, device, back_to_back)
+    if args.data and args.preload:
+        with _real_batches(args, job, world, mb) as loader:
+            data = [micro for _, micro in loader]  # the same rows, all made before the timed loop
+        times, syncs, step_stats = _timed_steps(args, job, data, device, back_to_back)
+    elif args.data:
+        # Real rows through the training job's loader: prepared in a background thread while the steps run.
+        with _real_batches(args, job, world, mb) as loader:
+            times, syncs, step_stats = _timed_steps(args, job, (micro for _, micro in loader), device, back_to_back)
+    else:
+        # Made before the timed loop (a training loop's data loader prepares them in the background).
+        data = [batches() for _ in range(args.steps)]
+        times, syncs, step_stats = _timed_steps(args, job, data, device, back_to_back)
     losses = [stats.read().loss for stats in step_stats]  # read after the timed steps
     if (args.profile or args.trace) and device.type == "cuda":
         _profile_step(args, job, batches)
@@ -141,6 +150,24 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         default=ParallelConfig.sm_carveout,
         help="parallel.sm_carveout: SMs left to the exchange while an expert GEMM overlaps it (0: off)",
     )
+    p.add_argument(
+        "--documents",
+        type=int,
+        default=0,
+        metavar="MEAN",
+        help="synthetic packed rows of documents with long-tailed (log-normal, sigma 1.4) lengths of mean MEAN "
+        "tokens, document-masked attention and positions restarting per document (0: one causal sequence per row)",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        help="train on this data.path (e.g. a prepared folder) through the job's loader instead of synthetic rows",
+    )
+    p.add_argument(
+        "--preload",
+        action="store_true",
+        help="with --data: read every step's rows before the timed loop (the loader's cost left out, for comparison)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, help="write the torch.profiler kernel table of one step here")
     p.add_argument("--trace", default=None, help="write rank 0's Chrome trace of the profiled step here (.json.gz)")
@@ -190,16 +217,49 @@ def _job_config(args: argparse.Namespace, device: torch.device, world: int, mb: 
 def _synthetic_batches(
     args: argparse.Namespace, mb: int, vocab: int, device: torch.device, g: torch.Generator
 ) -> list[Batch]:
-    """One step's micro-batches of random tokens (pinned on CUDA, as a data loader hands them over)."""
+    """One step's micro-batches of random tokens (pinned on CUDA, as a data loader hands them over): one causal
+    sequence per row, or with ``--documents`` packed documents (document ids, positions restarting, no target at a
+    document's first token)."""
     out = []
+    s = args.seq_len
     for _ in range(args.batch_per_gpu // mb):
-        ids = (
-            torch.randint(0, vocab, (mb, args.seq_len), generator=g).pin_memory()
-            if device.type == "cuda"
-            else torch.randint(0, vocab, (mb, args.seq_len), generator=g)
-        )
-        out.append(Batch(ids, ids, None, ()))
+        ids = torch.randint(0, vocab, (mb, s), generator=g)
+        rows = torch.arange(mb * s, dtype=torch.int32).view(mb, s) // s
+        position_ids = document_ids = None
+        labels = ids
+        if args.documents:
+            document_ids = torch.cat([_document_ids(s, args.documents, g)[None] for _ in range(mb)])
+            starts = torch.ones_like(document_ids, dtype=torch.bool)
+            starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+            index = torch.arange(s).expand(mb, s)
+            position_ids = index - torch.where(starts, index, 0).cummax(1).values
+            labels = ids.masked_fill(starts, -100)
+        cu_seqlens = torch.arange(0, mb * s + 1, s, dtype=torch.int32)  # unused by the model (informative only)
+        b = Batch(ids, labels, position_ids, document_ids, cu_seqlens, s, None, tuple(rows[:, 0].tolist()), ())
+        out.append(b.pin_memory() if device.type == "cuda" else b)
     return out
+
+
+def _document_ids(seq_len: int, mean: int, g: torch.Generator) -> torch.Tensor:
+    """Document index of each position of one row cut from log-normal document lengths of mean ``mean``."""
+    sigma = 1.4
+    mu = torch.log(torch.tensor(float(mean))) - sigma**2 / 2
+    lengths = (torch.randn(seq_len, generator=g) * sigma + mu).exp().ceil().long().clamp_min(1)
+    ends = lengths.cumsum(0)
+    n = int((ends < seq_len).sum()) + 1  # the last document is cut at the row's end
+    sizes = torch.diff(ends[:n].clamp_max(seq_len), prepend=torch.zeros(1, dtype=torch.long))
+    return torch.repeat_interleave(torch.arange(n, dtype=torch.int32), sizes)
+
+
+def _real_batches(args: argparse.Namespace, job: Job, world: int, mb: int):
+    """The job's loader over ``--data`` for this rank, steps ``[0, --steps)``."""
+    from moeshard.data import DataConfig as Rows
+    from moeshard.data import PrefetchLoader, StepBatches, open_dataset
+
+    mc = job.model_config
+    data = open_dataset(Rows(path=args.data, seq_len=args.seq_len), vocab_size=mc.vocab_size)
+    batches = StepBatches(data, global_batch=args.batch_per_gpu * world, world_size=world, micro_batch=mb)
+    return PrefetchLoader(batches, rank=dist.get_rank(), start_step=0, stop_step=args.steps)
 
 
 def _mark() -> torch.cuda.Event:
@@ -211,7 +271,7 @@ def _mark() -> torch.cuda.Event:
 
 
 def _timed_steps(
-    args: argparse.Namespace, job: Job, data: list[list[Batch]], device: torch.device, back_to_back: bool
+    args: argparse.Namespace, job: Job, data: Iterable[list[Batch]], device: torch.device, back_to_back: bool
 ) -> tuple[list[float], list[int], list[StepStats]]:
     """Run the ``--steps`` steps; return the times and device→host sync counts of the steps after warm-up and
     every step's ``StepStats`` (not yet read).
@@ -225,8 +285,7 @@ def _timed_steps(
     if back_to_back:
         torch.cuda.synchronize()
         dist.barrier()
-    for step in range(args.steps):
-        micro = data[step]
+    for step, micro in zip(range(args.steps), data):
         if not back_to_back:
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -324,6 +383,9 @@ def _result(
         "expert_kernels": job.parallel.options.ep.kernels,
         "sm_carveout": args.sm_carveout,
         "check_finite": args.check_finite,
+        "documents_mean_len": args.documents or None,
+        "data": args.data,
+        "preload": args.preload,
         "timing": "isolated steps (host clock)" if not back_to_back else "back to back (CUDA events)",
         "step_time_s_median": step_s,
         "step_times_s": times,

@@ -8,6 +8,12 @@ A failed save (e.g. a full disk) on any rank removes the temporary folder and ra
 :class:`~moeshard.train.errors.CheckpointSaveError` on every rank; the previous checkpoint is untouched. A rank
 killed while saving leaves only a ``.tmp-`` folder, which ``resume: auto`` ignores and a later save replaces.
 
+``COMPLETE`` records every file of the checkpoint with its size. Before a resume :func:`validate_checkpoint` checks
+them, ``.metadata`` (readable, and every shard file it names present and long enough) and ``extra.pt``;
+:func:`find_resume` with ``auto`` skips a damaged checkpoint for the newest one that validates, and
+:func:`set_aside` renames the damaged one to ``step_XXXXXXXX.damaged`` (kept for inspection, never deleted; no
+longer a candidate for resume, pruning or a later save of the same step).
+
 :func:`save_job` / :func:`resume_job` put a training job (model, optimizer, scheduler, step, RNG) into and out of
 such a folder; :class:`Checkpointer` is the training loop's callback that saves every ``checkpoint.every_steps``.
 """
@@ -28,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moeshard.train import faults
-from moeshard.train.errors import CheckpointSaveError
+from moeshard.train.errors import CheckpointSaveError, JobError
 from moeshard.train.train import Callback, Job, StepStats, lr_at
 
 COMPLETE = "COMPLETE"
@@ -65,6 +71,106 @@ def read_marker(path: Path) -> dict[str, Any]:
             "resume from an older one or use checkpoint.resume=auto"
         )
     return json.loads(marker.read_text())
+
+
+def validate_checkpoint(path: Path) -> None:
+    """Check a complete checkpoint's files before loading it.
+
+    ``COMPLETE`` is readable and every file it records is there with the recorded size (checkpoints written
+    before that record have none); ``.metadata`` is readable and every shard file it names is there and long
+    enough for the ranges it reads; ``extra.pt`` is there.
+
+    Raises:
+        ValueError: one line, ``checkpoint <path> is damaged: <file> ...``, naming the first damaged file (or
+            that the folder is not a complete moeshard-train checkpoint).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    def damaged(what: str) -> ValueError:
+        return ValueError(f"checkpoint {path} is damaged: {what}")
+
+    if not (path / COMPLETE).is_file():
+        read_marker(path)  # raises: not complete
+    try:
+        marker = json.loads((path / COMPLETE).read_text())
+        recorded = dict(marker.get("files") or {})
+    except (ValueError, OSError, AttributeError, TypeError) as e:
+        raise damaged(f"{COMPLETE} is unreadable ({type(e).__name__}: {e})") from None
+    for name, size in sorted(recorded.items()):
+        f = path / name
+        if not f.is_file():
+            raise damaged(f"{name} is missing ({COMPLETE} records it)")
+        if f.stat().st_size != size:
+            raise damaged(f"{name} has {f.stat().st_size} bytes, {COMPLETE} recorded {size}")
+    if not (path / ".metadata").is_file():
+        raise damaged(".metadata is missing")
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+        needed: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    except Exception as e:  # noqa: BLE001 - a pickle of any damage raises anything
+        raise damaged(f".metadata is unreadable ({type(e).__name__}: {str(e)[:120]})") from None
+    for name, end in sorted(needed.items()):
+        f = path / name
+        if not f.is_file():
+            raise damaged(f"{name} is missing (.metadata names it)")
+        if f.stat().st_size < end:
+            raise damaged(f"{name} has {f.stat().st_size} bytes, .metadata reads up to byte {end}")
+    if not (path / "extra.pt").is_file():
+        raise ValueError(
+            f"{path} has no extra.pt: it is not a moeshard-train checkpoint; point checkpoint.resume elsewhere"
+        )
+
+
+def find_resume(resume: str, ckpt_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The checkpoint ``checkpoint.resume`` (``auto``, ``none`` or a folder) names, validated before any load.
+
+    Returns:
+        ``(checkpoint or None, [(damaged checkpoint, why), ...])``: with ``auto`` the newest complete checkpoint
+        that validates, and the newer ones skipped as damaged (left in place: :func:`set_aside` is the caller's).
+
+    Raises:
+        ValueError: an explicit folder that is missing, incomplete or damaged; ``auto`` when every complete
+            checkpoint is damaged (starting over would hide them).
+    """
+    if resume == "none":
+        return None, []
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_dir():
+            raise ValueError(f"checkpoint.resume {path} does not exist; use auto, none or a checkpoint folder")
+        try:
+            validate_checkpoint(path)
+        except ValueError as e:
+            raise ValueError(f"{e}; resume another checkpoint (auto: the newest that validates)") from None
+        return path, []
+    damaged: list[tuple[Path, str]] = []
+    for path in reversed(complete_checkpoints(ckpt_dir)):
+        try:
+            validate_checkpoint(path)
+        except ValueError as e:
+            damaged.append((path, str(e)))
+            continue
+        return path, damaged
+    if damaged:
+        raise ValueError(
+            f"every checkpoint in {ckpt_dir} is damaged (the newest: {damaged[0][1].split(': ', 1)[1]}); nothing "
+            "was changed. Restore or move them away to start over, or point checkpoint.resume at a good copy"
+        )
+    return None, []
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint to ``<name>.damaged`` (kept, never deleted): resume, pruning and a later save of
+    the same step no longer see it. Returns the new path."""
+    target = path.with_name(f"{path.name}.damaged")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.damaged{n}")
+    os.rename(path, target)
+    return target
 
 
 def _fsync_dir(path: Path) -> None:
@@ -118,16 +224,19 @@ def save_checkpoint(
         previous = newest_checkpoint(ckpt_dir)
         raise CheckpointSaveError(
             f"saving the checkpoint of step {step} failed"
-            + (f" ({_describe(error)})" if error is not None else f" on {int(failed.item())} other rank(s)")
+            + (f" ({describe_failure(error)})" if error is not None else f" on {int(failed.item())} other rank(s)")
             + f"; nothing was published, the previous checkpoint {previous or '(none)'} is intact. "
             "Free disk space or point checkpoint.dir elsewhere, then resume"
         ) from error
     if rank == 0:
-        for f in tmp.iterdir():
+        files = {}
+        for f in sorted(tmp.iterdir()):
             if f.is_file():
                 with f.open("rb") as fh:
                     os.fsync(fh.fileno())
-        marker = {"step": step, "world_size": dist.get_world_size(), "time": time.time()}
+                files[f.name] = f.stat().st_size
+        # The record validate_checkpoint checks before a resume: every file of the checkpoint and its size.
+        marker = {"step": step, "world_size": dist.get_world_size(), "time": time.time(), "files": files}
         (tmp / COMPLETE).write_text(json.dumps(marker))
         _fsync_dir(tmp)
         old = ckpt_dir / f".old-{checkpoint_name(step)}"
@@ -142,14 +251,15 @@ def save_checkpoint(
     return final
 
 
-def _describe(error: BaseException) -> str:
-    """One line per failed rank (DCP reports every rank's failure to every rank)."""
+def describe_failure(error: BaseException) -> str:
+    """One line for a failed save or load: each failed rank's error (DCP's ``CheckpointException``, a
+    ``BaseException``, reports every rank's failure to every rank), else ``Type: message``."""
     if isinstance(error, CheckpointException):
         return "; ".join(
             f"rank {r}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             for r, (exc, _) in sorted(error.failures.items())
         )
-    return f"{type(error).__name__}: {error}"
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 def prune(ckpt_dir: Path, keep_last: int) -> list[Path]:
@@ -179,11 +289,22 @@ def load_checkpoint(path: Path, app_state: dict[str, Any]) -> tuple[dict[str, An
         raise ValueError(
             f"{path} has no extra.pt: it is not a moeshard-train checkpoint; point checkpoint.resume elsewhere"
         )
-    dcp.load(app_state, checkpoint_id=str(path))
-    extra = torch.load(path / "extra.pt", weights_only=False)
+    advice = "its files may be damaged: resume an older checkpoint with checkpoint.resume=<folder>"
+    try:
+        dcp.load(app_state, checkpoint_id=str(path))
+    except CheckpointException as e:  # a BaseException; DCP raises it on every rank with every rank's failure
+        raise JobError(f"checkpoint {path} could not be loaded ({describe_failure(e)}); {advice}") from e
+    try:
+        extra = torch.load(path / "extra.pt", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - a damaged pickle raises anything
+        raise JobError(f"checkpoint {path}: extra.pt is unreadable ({describe_failure(e)}); {advice}") from e
     rank_file = path / f"rank_{dist.get_rank():05d}.pt"
     same_world = marker.get("world_size") == dist.get_world_size()  # else the per-rank files do not map
-    rank_state = torch.load(rank_file, weights_only=False) if same_world and rank_file.is_file() else None
+    try:
+        rank_state = torch.load(rank_file, weights_only=False) if same_world and rank_file.is_file() else None
+    except Exception as e:  # noqa: BLE001 - this rank's file only: the other ranks may not fail
+        msg = f"checkpoint {path}: {rank_file.name} is unreadable ({describe_failure(e)}); {advice}"
+        raise JobError(msg, every_rank=False) from e
     return extra, rank_state
 
 
@@ -206,7 +327,7 @@ def save_job(job: Job, ckpt_dir: Path, step: int) -> Path:
         "world_size": dist.get_world_size(),
         "config": job.cfg.to_dict(),
         "model_config": job.model_config.to_dict(),
-        # The data order is a pure function of the step (moeshard.train.data), so the step is the position.
+        # The data order is a pure function of the step (moeshard.data.StepBatches), so the step is the position.
         "data": {"step": step, "samples_seen": step * job.cfg.train.global_batch_size},
     }
     rank_state = {"cpu_rng": torch.get_rng_state()}
@@ -238,7 +359,8 @@ def resume_job(job: Job, path: Path) -> int:
 
 
 class Checkpointer(Callback):
-    """Saves the job after every ``checkpoint.every_steps`` steps and after the last one (``save_final``)."""
+    """Saves the job after every ``checkpoint.every_steps`` steps, after the last one (``save_final``) and after a
+    step the ranks agreed to stop at (``StepStats.stop_agreed``: a preemption)."""
 
     def __init__(self, job: Job, ckpt_dir: Path) -> None:
         self.job, self.ckpt_dir = job, ckpt_dir
@@ -250,5 +372,5 @@ class Checkpointer(Callback):
         return bool(c.every_steps and step % c.every_steps == 0) or (step == self.job.cfg.train.steps and c.save_final)
 
     def on_step_end(self, step: int, stats: StepStats) -> None:
-        if self.due(step):
+        if self.due(step) or stats.stop_agreed:  # the ranks stop after this step (preemption): save it
             self.last_saved = save_job(self.job, self.ckpt_dir, step)

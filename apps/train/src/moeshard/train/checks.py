@@ -1,25 +1,26 @@
 """Before a run: every check that needs no process group, on every rank alike, before anything is written.
 
-The layout, batch sizes, the model config, the output directory, the checkpoint to resume and the data are checked
-first; such problems raise :class:`~moeshard.train.errors.JobError` (rank 0 prints it as one line). With
-``checkpoint.resume: auto`` (also after ``torchrun --max-restarts`` restarts the job) the newest complete
-checkpoint is resumed.
+The layout, batch sizes, the model config, the checkpoint to resume, the data (opened with ``moeshard.data``) and
+the output directory are checked first; such problems raise :class:`~moeshard.train.errors.JobError` (rank 0
+prints it as one line). With ``checkpoint.resume: auto`` (also after ``torchrun --max-restarts`` restarts the job)
+the newest complete checkpoint is resumed. ``run.json`` in the output directory holds what identifies the run,
+the data's content included (:func:`run_identity`): a resume on other data stops, unless ``data.allow_changed``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from moeshard.data import Dataset, StepBatches, check_batch_sizes, open_dataset
 from moeshard.models.qwen3moe import STRUCTURAL_CONFIG_KEYS
 from moeshard.train import checkpoint as ckpt
 from moeshard.train.config import JobConfig, resolve_model_config
-from moeshard.train.data import GlobalBatches, TokenDataset, build_dataset, check_batch_sizes
 from moeshard.train.errors import JobError
 from moeshard.train.train import check_model_fits
 
@@ -30,19 +31,65 @@ def print0(*args: Any) -> None:
         print(*args, flush=True)
 
 
-def run_identity(cfg: JobConfig) -> dict[str, Any]:
+def _absolute(path: Any) -> Any:
+    if isinstance(path, list):
+        return [_absolute(p) for p in path]
+    return os.path.abspath(os.path.expanduser(path)) if isinstance(path, str) else path
+
+
+def run_identity(cfg: JobConfig, data: Dataset) -> dict[str, Any]:
     """What makes two runs "the same run": model, data and optimisation (steps, layout, logging and
-    checkpointing may change between a run and its resumption)."""
+    checkpointing may change between a run and its resumption).
+
+    The data are the ``data`` settings, with paths made absolute (for the record: what decides is the content), and
+    ``data_content``: each source's weight, counts and content fingerprint (``moeshard.data.Dataset.summary``).
+    """
     d = cfg.to_dict()
     train = {k: v for k, v in d["train"].items() if k != "steps"}
-    return {"model": d["model"], "data": d["data"], "train": train}
+    settings = {k: v for k, v in d["data"].items() if k != "allow_changed"}  # a switch of the resume, not the run
+    settings["path"], settings["tokenizer"] = _absolute(settings["path"]), _absolute(settings["tokenizer"])
+    settings["sources"] = [{**s, "path": _absolute(s["path"])} for s in settings["sources"]]
+    return {"model": d["model"], "data": settings, "train": train, "data_content": data.summary()}
 
 
-def guard_output_dir(cfg: JobConfig, output_dir: Path, resuming: bool) -> None:
-    """Refuse an output_dir that holds a different run, or the same run without resuming it.
+def data_changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs between the data of two run identities: settings other than paths (the same files named by
+    another path, relative or absolute, are the same data), and each source's weight, counts and content."""
+
+    def settings(ident: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in ident.get("data", {}).items() if k not in ("path", "tokenizer", "sources")}
+
+    out = []
+    old, new = settings(before), settings(now)
+    out += [f"data.{k} {old.get(k)} -> {new.get(k)}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    if "data_content" not in before:
+        return [*out, "the run's run.json records no data content (written before moeshard-train 0.3)"]
+    old, new = before["data_content"], now["data_content"]
+    for name in [*old, *(n for n in new if n not in old)]:
+        a, b = old.get(name), new.get(name)
+        if b is None:
+            out.append(f"source {name!r} is gone")
+        elif a is None:
+            out.append(f"source {name!r} is new ({b['documents']:,} documents, {b['tokens']:,} tokens)")
+        else:
+            if a["weight"] != b["weight"]:
+                out.append(f"source {name!r} weight {a['weight']:.4g} -> {b['weight']:.4g}")
+            if a["fingerprint"] != b["fingerprint"]:
+                counts = (
+                    f"{a['documents']:,} -> {b['documents']:,} documents, {a['tokens']:,} -> {b['tokens']:,} tokens"
+                    if (a["documents"], a["tokens"]) != (b["documents"], b["tokens"])
+                    else f"the same {b['documents']:,} documents and {b['tokens']:,} tokens"
+                )
+                out.append(f"source {name!r} holds other content ({counts})")
+    return out
+
+
+def guard_output_dir(cfg: JobConfig, output_dir: Path, resuming: bool, identity: dict[str, Any]) -> None:
+    """Refuse an output_dir that holds a different run, or the same run without resuming it; a resume on changed
+    data (``identity``'s settings or content) continues only with ``data.allow_changed``, and says what changed.
 
     Raises:
-        JobError: naming the differing keys and the way out; nothing has been written.
+        JobError: naming the differing keys (or what changed in the data) and the way out; nothing has been written.
     """
     run_file = output_dir / "run.json"
     if not run_file.is_file():
@@ -53,18 +100,26 @@ def guard_output_dir(cfg: JobConfig, output_dir: Path, resuming: bool) -> None:
             )
         return
     previous = json.loads(run_file.read_text())
-    ident = run_identity(cfg)
-    if previous != ident:
-        diff = [
-            f"{s}.{k}"
-            for s in ident
-            for k in set(ident[s]) | set(previous.get(s, {}))
-            if ident[s].get(k) != previous.get(s, {}).get(k)
-        ]
+    diff = [
+        f"{s}.{k}"
+        for s in ("model", "train")
+        for k in set(identity[s]) | set(previous.get(s, {}))
+        if identity[s].get(k) != previous.get(s, {}).get(k)
+    ]
+    changed = data_changes(previous, identity)
+    if diff or (changed and not resuming):
         raise JobError(
-            f"logging.output_dir {output_dir} holds a different run (differs in {', '.join(sorted(diff))}); "
-            "nothing was overwritten. Choose another logging.output_dir, or restore that run's settings to resume it"
+            f"logging.output_dir {output_dir} holds a different run (differs in {'; '.join([*sorted(diff), *changed])}"
+            "); nothing was overwritten. Choose another logging.output_dir, or restore that run's settings to resume it"
         )
+    if changed:
+        what = f"the data changed since the run in {output_dir} began: {'; '.join(changed)}"
+        if not cfg.data.allow_changed:
+            raise JobError(
+                f"{what}; nothing was overwritten. Restore that data to resume exactly, or continue on this data "
+                "deliberately with --data.allow_changed=true"
+            )
+        print0(f"warning: {what}; continuing on this data (data.allow_changed=true)")
     if not resuming:
         raise JobError(
             f"logging.output_dir {output_dir} already holds this run and checkpoint.resume is 'none'; "
@@ -74,17 +129,20 @@ def guard_output_dir(cfg: JobConfig, output_dir: Path, resuming: bool) -> None:
 
 @dataclass
 class Prepared:
-    """What the checks produced: the model config, the data, where to write and what to resume."""
+    """What the checks produced: the model config, the data, the run's identity (for run.json), where to write
+    and what to resume."""
 
     model_config: Any
-    data: TokenDataset
-    batches: GlobalBatches
+    data: Dataset
+    batches: StepBatches
+    identity: dict[str, Any]
     output_dir: Path
     ckpt_dir: Path
     resume_path: Path | None
     rank: int
     world_size: int
     ranks_per_node: int
+    damaged: list[tuple[Path, str]] = field(default_factory=list)  # newer checkpoints skipped: (folder, why)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -111,6 +169,14 @@ def prepare(cfg: JobConfig) -> Prepared:
             plan_layout(world, per_node, p.ep_size, allow_cross_node_ep=p.allow_cross_node_ep)
         except ValueError as e:  # the package speaks of its argument; the user sets a config key
             msg = str(e).replace("pass allow_cross_node_ep=True", "set parallel.allow_cross_node_ep=true")
+            if "WORLD_SIZE" not in os.environ:  # started as a plain process, not by torchrun
+                msg = (
+                    f"parallel.ep_size {p.ep_size} needs at least {p.ep_size} processes and this job runs as one (started "
+                    f"without torchrun): run `torchrun --nproc-per-node {p.ep_size} -m moeshard.train ...` (or "
+                    f"`moeshard-train launch-local --nnodes 1 --nproc-per-node {p.ep_size} -- ...`), or set "
+                    "--parallel.ep_size=1"
+                )
+                raise ValueError(msg) from None
             raise ValueError(f"parallel.ep_size: {msg}") from None
         check_batch_sizes(cfg.train.global_batch_size, world, cfg.train.micro_batch_size)
         mcfg = resolve_model_config(cfg)
@@ -126,45 +192,52 @@ def prepare(cfg: JobConfig) -> Prepared:
         if resume == "none" and _env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0:
             print0("restarted by torchrun: continuing this run from its newest complete checkpoint")
             resume = "auto"
-        resume_path = None
-        if resume == "auto":
-            resume_path = ckpt.newest_checkpoint(ckpt_dir)
-        elif resume != "none":
-            resume_path = Path(resume)
-            if not resume_path.is_dir():
-                raise ValueError(
-                    f"checkpoint.resume {resume_path} does not exist; use auto, none or a checkpoint folder"
-                )
-            ckpt.read_marker(resume_path)
+        resume_path, damaged = ckpt.find_resume(resume, ckpt_dir)  # validated: auto skips damaged checkpoints
         if resume_path is not None:
             _check_same_model(resume_path, mcfg)
-        guard_output_dir(cfg, output_dir, resuming=resume != "none")
-        data = build_dataset(
+        data = open_dataset(  # moeshard.data.DataError (a ValueError) names the file/record/key and the fix
             cfg.data,
             vocab_size=mcfg.vocab_size,
             eos_id=_first(mcfg.eos_token_id),
             pad_id=getattr(mcfg, "pad_token_id", None),
         )
-        batches = GlobalBatches(
-            len(data), cfg.train.global_batch_size, world, cfg.train.micro_batch_size, cfg.data.shuffle, cfg.data.seed
+        batches = StepBatches(
+            data, global_batch=cfg.train.global_batch_size, world_size=world, micro_batch=cfg.train.micro_batch_size
         )
+        identity = run_identity(cfg, data)
+        guard_output_dir(cfg, output_dir, resuming=resume != "none", identity=identity)
     except (ValueError, FileNotFoundError) as e:
         raise JobError(str(e)) from e
-    return Prepared(mcfg, data, batches, output_dir, ckpt_dir, resume_path, rank, world, per_node)
+    return Prepared(mcfg, data, batches, identity, output_dir, ckpt_dir, resume_path, rank, world, per_node, damaged)
 
 
 def _check_same_model(path: Path, mcfg: Any) -> None:
+    """Refuse a checkpoint of another model: every shape-deciding key (``STRUCTURAL_CONFIG_KEYS``: layers, widths,
+    heads, experts, vocabulary) is compared under either of its names (the saved config stores ``num_experts`` as
+    ``num_local_experts``); keys the saved config lacks are not compared."""
     extra_file = path / "extra.pt"
     if not extra_file.is_file():
         raise ValueError(
             f"{path} has no extra.pt: it is not a moeshard-train checkpoint; point checkpoint.resume elsewhere"
         )
-    saved = torch.load(extra_file, weights_only=False).get("model_config") or {}
-    diff = [k for k in STRUCTURAL_CONFIG_KEYS if k in saved and saved[k] != getattr(mcfg, k, None)]
+    try:
+        saved = torch.load(extra_file, weights_only=False).get("model_config") or {}
+    except Exception as e:  # noqa: BLE001 - a damaged pickle raises anything
+        raise ValueError(f"checkpoint {path} is damaged: extra.pt is unreadable ({type(e).__name__})") from None
+    aliases = {v: k for k, v in getattr(type(mcfg), "attribute_map", {}).items()}  # stored name -> alias
+    aliases.update(getattr(type(mcfg), "attribute_map", {}))  # alias -> stored name
+    diff = []
+    for key in STRUCTURAL_CONFIG_KEYS:
+        name = key if key in saved else aliases.get(key)
+        if name not in saved or saved[name] is None:
+            continue
+        now = getattr(mcfg, key, None)
+        if saved[name] != (list(now) if isinstance(now, tuple) else now):
+            diff.append(f"{key} {saved[name]} in the checkpoint, {now} now")
     if diff:
         raise ValueError(
-            f"checkpoint {path} holds another model (differs in {', '.join(diff)}); resume it with its own model "
-            "settings, or start this model without checkpoint.resume"
+            f"checkpoint {path} holds another model ({'; '.join(diff)}); resume it with its own model settings, or "
+            "start this model in another logging.output_dir (or with checkpoint.resume=none)"
         )
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+import moeshard.data
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -45,17 +47,18 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
-    """Training data: JSONL/Parquet with "text" or "input_ids", or generated sequences (synthetic)."""
+class DataConfig(moeshard.data.DataConfig):
+    """The data section: ``moeshard.data.DataConfig`` (``path`` or weighted ``sources`` or ``synthetic``,
+    ``tokenizer``, ``seq_len``, ``packing``, ``shuffle``, ``seed``, ...; its keys and checks) plus one key of the
+    job: ``allow_changed``, a resume continues on data whose content or settings changed since the run began
+    (the change is logged) instead of stopping."""
 
-    path: str | None = None
-    tokenizer: str | None = None
-    seq_len: int = 64
-    packing: bool = True
-    shuffle: bool = False
-    seed: int = 0
-    synthetic: bool = True
-    synthetic_samples: int = 4096
+    allow_changed: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.allow_changed, bool):
+            raise moeshard.data.DataError(f"data.allow_changed must be true or false, got {self.allow_changed!r}")
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ class JobConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(synthetic=True))
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -118,8 +121,8 @@ class JobConfig:
         """Plain nested dict (YAML/JSON-safe)."""
 
         def conv(v: Any) -> Any:
-            if isinstance(v, tuple):
-                return list(v)
+            if isinstance(v, (tuple, list)):
+                return [conv(x) for x in v]
             if isinstance(v, dict):
                 return {k: conv(x) for k, x in v.items()}
             return v
@@ -204,6 +207,36 @@ def _parse_value(text: str) -> Any:
     return yaml.safe_load(text) if text != "" else ""
 
 
+def _read_config_file(p: Path) -> dict[str, Any]:
+    """The file's mapping of sections. Raises ConfigError (one line: ``file:line:column`` for a YAML error) for a
+    missing, unreadable or empty file and for anything but a mapping of section names."""
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        problem, context = getattr(e, "problem", None), getattr(e, "context", None)
+        what = f"{problem}{f' ({context})' if context else ''}" if problem else str(e).replace("\n", " ")
+        raise ConfigError(f"config file {where}: YAML syntax error: {what}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {p} cannot be read: {e}") from None
+    if loaded is None:
+        raise ConfigError(
+            f"config file {p} is empty; give it sections (model:, train:, ...), or leave out --config for the "
+            "embedded default job"
+        )
+    if not isinstance(loaded, dict):
+        raise ConfigError(
+            f"config file {p} must hold a mapping of sections (model:, train:, ...), got a {type(loaded).__name__}"
+        )
+    for key in loaded:
+        if not isinstance(key, str):
+            raise ConfigError(f"config file {p}: section names are words (model, train, ...), got {key!r}")
+    return loaded
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
     """Load a YAML file (optional) and apply ``section.key=value`` overrides; validate everything.
 
@@ -212,12 +245,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """
     raw: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {p} must hold a mapping of sections, got {type(loaded).__name__}")
+        loaded = _read_config_file(Path(path))
         raw = {k: dict(v or {}) if isinstance(v, dict) or v is None else v for k, v in loaded.items()}
     from_cli: set[str] = set()
     for item in overrides:
@@ -233,30 +261,58 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         else:
             raw.setdefault(section, {})[key] = _parse_value(value)
     sections = {f.name: f.type for f in dataclasses.fields(JobConfig)}
-    hints = typing.get_type_hints(JobConfig)
     for name in raw:
         if name not in sections:
             near = difflib.get_close_matches(name, sections, n=1)
             hint = f"; did you mean {near[0]}?" if near else f"; sections: {', '.join(sections)}"
             raise ConfigError(f"unknown config section {name!r}{hint}")
-    # A path replaces the default preset / generated data; a path on the command line also replaces the YAML
-    # file's preset / synthetic setting (unless the command line sets that too).
-    for section, path_key, other, cleared in (("model", "path", "preset", None), ("data", "path", "synthetic", False)):
-        sec = raw.get(section, {})
-        if not isinstance(sec, dict) or sec.get(path_key) is None:
-            continue
-        path_from_cli = f"{section}.{path_key}" in from_cli
-        other_from_cli = f"{section}.{other}" in from_cli
-        if other not in sec or (path_from_cli and not other_from_cli):
-            sec[other] = cleared
-    cfg = JobConfig(**{name: _section_from_dict(hints[name], name, raw[name]) for name in raw})
+    # A path replaces the default preset; a path on the command line also replaces the YAML file's preset (unless
+    # the command line sets that too).
+    model = raw.get("model", {})
+    if isinstance(model, dict) and model.get("path") is not None:
+        if "preset" not in model or ("model.preset" not in from_cli and "model.path" in from_cli):
+            model["preset"] = None
+    _data_source(raw.get("data"), from_cli)
+    cfg = config_from_dict(raw)
     validate(cfg)
     return cfg
 
 
+def config_from_dict(raw: dict[str, Any]) -> JobConfig:
+    """The job of a mapping of sections (a YAML file's, or ``JobConfig.to_dict()``'s); absent sections and keys
+    keep their defaults.
+
+    Raises:
+        ConfigError: an unknown section or key, or a value of the wrong type.
+    """
+    hints = typing.get_type_hints(JobConfig)
+    try:
+        built = {name: _section_from_dict(hints[name], name, raw[name]) for name in raw if name != "data"}
+        if "data" in raw:
+            built["data"] = DataConfig.from_dict(raw["data"], "data")  # moeshard.data's keys and checks
+    except moeshard.data.DataError as e:
+        raise ConfigError(str(e)) from None
+    return JobConfig(**built)
+
+
+def _data_source(data: Any, from_cli: set[str]) -> None:
+    """Where the rows come from: ``data.path``, ``data.sources`` or ``data.synthetic`` (the embedded default when
+    none is given). A path or sources given on the command line replaces the YAML file's (unless the command
+    line sets that too)."""
+    if not isinstance(data, dict):
+        return  # DataConfig.from_dict names the problem
+    keys = ("path", "sources", "synthetic")
+    if any(f"data.{k}" in from_cli for k in ("path", "sources")):
+        for k in keys:
+            if f"data.{k}" not in from_cli:
+                data.pop(k, None)
+    if data.get("path") is None and not data.get("sources") and "synthetic" not in data:
+        data["synthetic"] = True
+
+
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group (world-size checks happen at launch)."""
-    m, d, t, c = cfg.model, cfg.data, cfg.train, cfg.checkpoint
+    m, t, c = cfg.model, cfg.train, cfg.checkpoint
     if (m.preset is None) == (m.path is None):
         raise ConfigError("model: set exactly one of model.preset or model.path")
     if m.dtype not in ("auto", "float32", "bfloat16"):
@@ -269,12 +325,6 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(f"parallel.{key} must be one of {', '.join(allowed)}, got {getattr(p, key)!r}")
     if p.sm_carveout < 0:
         raise ConfigError(f"parallel.sm_carveout must be >= 0 (0: off), got {p.sm_carveout}")
-    if d.seq_len < 2:
-        raise ConfigError(f"data.seq_len must be >= 2, got {d.seq_len}")
-    if not d.synthetic and d.path is None:
-        raise ConfigError("data: set data.path to a JSONL/Parquet file, or data.synthetic=true")
-    if d.synthetic and d.path is not None:
-        raise ConfigError("data: data.synthetic=true ignores data.path; set data.synthetic=false or drop data.path")
     if t.warmup_steps < 0 or t.max_grad_norm <= 0 or t.weight_decay < 0:
         raise ConfigError(
             "train.warmup_steps must be >= 0, train.max_grad_norm > 0 and train.weight_decay >= 0 "

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from moeshard.train import checkpoint as ckpt
-from moeshard.train.config import JobConfig, _section_from_dict
+from moeshard.train.config import config_from_dict
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -22,13 +22,6 @@ _TOKENIZER_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
-
-
-def _job_config(raw: dict) -> JobConfig:
-    import typing
-
-    hints = typing.get_type_hints(JobConfig)
-    return JobConfig(**{k: _section_from_dict(hints[k], k, v) for k, v in raw.items()})
 
 
 def load_full_model(checkpoint: str | Path):
@@ -50,7 +43,7 @@ def load_full_model(checkpoint: str | Path):
     if not (src / "extra.pt").is_file():
         raise ValueError(f"{src} has no extra.pt: it is not a moeshard-train checkpoint")
     extra = torch.load(src / "extra.pt", weights_only=False)
-    cfg = _job_config(extra["config"])
+    cfg = config_from_dict(extra["config"])
     # The model config saved with the checkpoint: the run's model.path may be gone by now.
     mcfg = Qwen3MoeConfig.from_dict(extra["model_config"]) if "model_config" in extra else resolve_model_config(cfg)
     model = Qwen3MoeForCausalLM(mcfg)
@@ -62,20 +55,73 @@ def load_full_model(checkpoint: str | Path):
     return model, cfg
 
 
-def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write ``config.json``, per-expert safetensors shards + index (and the run's tokenizer files) to ``out``.
+def export_hf(
+    checkpoint: str | Path, out: str | Path, *, dtype: str = "bfloat16", max_shard_size: str | int = "5GB"
+) -> Path:
+    """Write ``config.json``, per-expert safetensors shards + index (and the run's tokenizer files) to ``out``,
+    streaming from the checkpoint's DCP files: each output shard reads only the tensors it is cut from, so host
+    memory is bounded by one shard (plus a fused expert tensor spanning two), not the model.
+
+    Args:
+        dtype: of the floating-point tensors written (``bfloat16``, ``float16``, ``float32``, or ``keep``: the
+            checkpoint's, float32 for moeshard-train runs).
+        max_shard_size: bytes per safetensors file (``"5GB"``, ``"500MB"``, an int).
 
     Raises:
-        ValueError: ``checkpoint`` is not a complete checkpoint, or ``out`` exists and is not empty.
+        ValueError: ``checkpoint`` is not a complete checkpoint, ``out`` exists and is not empty, a bad dtype.
     """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from transformers import Qwen3MoeConfig
+
+    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
+    from moeshard.models.qwen3moe.checkpoint_save import stream_hf_weights
+
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "keep": None}
+    if dtype not in dtypes:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(dtypes)}")
     dst = Path(out)
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"--out {dst} exists and is not empty; nothing was overwritten. Choose a new folder")
-    model, cfg = load_full_model(checkpoint)
-    model.save_pretrained(dst)
-    if cfg.data.tokenizer:
+    src = Path(checkpoint)
+    ckpt.read_marker(src)
+    if not (src / "extra.pt").is_file():
+        raise ValueError(f"{src} has no extra.pt: it is not a moeshard-train checkpoint")
+    extra = torch.load(src / "extra.pt", weights_only=False)
+    cfg = config_from_dict(extra["config"])
+    if "model_config" in extra:
+        mcfg = Qwen3MoeConfig.from_dict(extra["model_config"])
+    else:
+        from moeshard.train.config import resolve_model_config
+
+        mcfg = resolve_model_config(cfg)
+    stored = dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    with torch.device("meta"):
+        names = [n for n, _ in Qwen3MoeForCausalLM(mcfg).named_parameters()]  # the HF tensors, in model order
+    specs = {}
+    for name in names:
+        md = stored.get(f"model.{name}")
+        if not isinstance(md, TensorStorageMetadata):
+            raise ValueError(f"{src} holds no tensor model.{name}: it is not a checkpoint of this model")
+        specs[name] = (tuple(md.size), md.properties.dtype)
+    if any(k.startswith("model.") and k.endswith(".mlp.gate.bias") for k in stored):
+        warnings.warn(
+            "the routers' selection bias (train.router_bias) is not exported: transformers' Qwen3-MoE has no such "
+            "tensor, so the exported model routes without it",
+            stacklevel=2,
+        )
+
+    def read(keys: list[str]) -> dict[str, torch.Tensor]:
+        state = {"model": {k: torch.empty(specs[k][0], dtype=specs[k][1]) for k in keys}}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(src), no_dist=True)  # reads only these tensors' bytes
+        return state["model"]
+
+    stream_hf_weights(specs, read, mcfg, dst, max_shard_size=max_shard_size, dtype=dtypes[dtype])
+    tokenizer = cfg.data.tokenizer
+    if tokenizer:
         for name in _TOKENIZER_FILES:
-            f = Path(cfg.data.tokenizer) / name
+            f = Path(tokenizer) / name
             if f.is_file():
                 shutil.copy2(f, dst / name)
     return dst

@@ -1,10 +1,13 @@
-"""One training run: checks -> process group -> build -> resume -> the step loop with its callbacks -> summary.
+"""One training run: checks -> process group -> output-directory lock -> build -> resume -> the step loop with its
+callbacks -> summary. SIGTERM / SIGUSR1 end the loop after a saved step (``moeshard.train.preemption``).
 
     torchrun --nproc-per-node 4 -m moeshard.train --config apps/train/configs/default.yaml
 
 A run resumes from the newest complete checkpoint with ``checkpoint.resume: auto`` (also after ``torchrun
---max-restarts`` restarts it) and then computes the same losses as an uninterrupted run. The loop itself is
-:func:`moeshard.train.train.run`; this module chooses its callbacks.
+--max-restarts`` restarts it) and then computes the same losses as an uninterrupted run: the rows of a step are a
+pure function of the step (``moeshard.data.StepBatches``), whatever the layout. The loop itself is
+:func:`moeshard.train.train.run`, fed by a ``moeshard.data.PrefetchLoader`` (the next steps' batches are prepared
+in a background thread, pinned on CUDA); this module chooses its callbacks.
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moeshard.data import PrefetchLoader
 from moeshard.train import checkpoint as ckpt
-from moeshard.train import faults
-from moeshard.train.checks import prepare, print0, run_identity
+from moeshard.train import faults, preemption
+from moeshard.train.checks import Prepared, prepare, print0
 from moeshard.train.comm_accounting import CommPerStep
 from moeshard.train.config import JobConfig
 from moeshard.train.errors import JobError, TrainingDiverged
-from moeshard.train.metrics import MetricsLogger, ProgressBar, StepTimer
+from moeshard.train.lock import OutputLock
+from moeshard.train.metrics import MetricsLogger, ProgressBar, StepTimer, TokensPerSource
+from moeshard.train.preemption import StopOnSignal
 from moeshard.train.train import Callback, LossLog, StepStats, build, init_distributed, run
 
 
@@ -53,28 +59,42 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
 
     Returns:
         ``{"losses": [...] (steps run by this call), "start_step": int, "checkpoint": newest saved or None,
-        "job": the trained Job (model, optimizer, meshes)}``.
+        "job": the trained Job (model, optimizer, meshes), "stopped": None, or when a signal stopped the run
+        before its last step (preemption) {"signal", "step", "checkpoint"}}``.
 
     Raises:
-        JobError: bad inputs, a diverged loss, a failed checkpoint save (every rank raises it alike).
+        JobError: bad inputs, a diverged loss, a failed checkpoint save, another job in the output directory.
     """
     prep = prepare(cfg)
     faults.configure(prep.output_dir, prep.rank)
-    device = init_distributed()
+    # From here SIGTERM / SIGUSR1 stop the run after a step, with a checkpoint of it, instead of ending the process.
+    with StopOnSignal() as stop:
+        device = init_distributed()
+        with OutputLock(prep.output_dir, device):  # one job per output directory: a second one stops here
+            return _run(cfg, prep, device, stop)
+
+
+def _run(cfg: JobConfig, prep: Prepared, device: torch.device, stop: StopOnSignal) -> dict[str, Any]:
     rank = dist.get_rank()
+    if rank == 0:
+        for path, why in prep.damaged:  # resume: auto skipped them for an older checkpoint that validates
+            kept = ckpt.set_aside(path)
+            print0(f"{why}; kept as {kept.name}, resuming from the newest checkpoint that validates instead")
+        preemption.clear_marker(prep.output_dir)
     try:
         torch.manual_seed(cfg.train.seed)
         job = build(cfg, device)
         print0(job.meshes.describe())
+        print0(prep.data.describe())
         start_step = 0
         if prep.resume_path is not None:
             start_step = ckpt.resume_job(job, prep.resume_path)
             print0(f"resumed from {prep.resume_path} at step {start_step}")
-    except (ValueError, FileNotFoundError) as e:
-        raise JobError(str(e)) from e
+    except (ValueError, FileNotFoundError) as e:  # e.g. a weights file: each rank reads only its slices
+        raise JobError(str(e), every_rank=False) from e  # printed once, by the first rank that reports it
     if rank == 0:
         prep.output_dir.mkdir(parents=True, exist_ok=True)
-        (prep.output_dir / "run.json").write_text(json.dumps(run_identity(cfg), indent=1))
+        (prep.output_dir / "run.json").write_text(json.dumps(prep.identity, indent=1))
         (prep.output_dir / "config.yaml").write_text(_yaml(cfg))
 
     # Callbacks run in this order at each hook: the step's read of its stats and the checks before its update
@@ -86,21 +106,33 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
         StopOnNonFinite(prep.ckpt_dir),
         StepTimer(restart_after=checkpointer.due),
         *([CommPerStep(job.meshes, prep.ranks_per_node)] if cfg.logging.comm_accounting else []),
+        *([TokensPerSource(prep.batches.tokens_per_source, start_step)] if rank == 0 else []),
         MetricsLogger(job, prep.output_dir, enabled=rank == 0, start_step=start_step, console=bar and bar.write),
         *([bar] if bar else []),
         checkpointer,
     ]
 
-    def batches(step: int) -> list:
-        return [prep.data.collate(ix) for ix in prep.batches.micro_batches(step, rank)]
-
     losses = LossLog()
-    run(job, batches, [*callbacks, losses], start_step=start_step)
+    pin = device.type == "cuda"
+    with PrefetchLoader(prep.batches, rank, start_step, cfg.train.steps, pin_memory=pin) as batches:
+        last = run(job, batches, [*callbacks, losses], start_step=start_step, stop_requested=stop.requested)
+    stopped = None
+    step = start_step + len(losses.losses)
+    if last is not None and last.stop_agreed and step < cfg.train.steps:  # a preemption, saved by the checkpointer
+        stopped = {"signal": stop.received or "a signal to another rank", "step": step}
+        stopped["checkpoint"] = str(checkpointer.last_saved)
+        if rank == 0:
+            preemption.write_marker(prep.output_dir, stopped)
+            print0(
+                f"stopped by {stopped['signal']} after step {step}: checkpoint {checkpointer.last_saved} is "
+                f"complete; exit status {preemption.EXIT_STATUS}, the same command resumes at step {step + 1}"
+            )
     return {
         "losses": losses.losses,
         "start_step": start_step,
         "checkpoint": str(checkpointer.last_saved) if checkpointer.last_saved else None,
         "job": job,
+        "stopped": stopped,
     }
 
 

@@ -8,12 +8,17 @@ launch of a real cluster, so the job sees exactly what it sees there; with ``--m
 every agent restart its workers, which resume from the newest complete checkpoint. The agents run with
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless set): restarted workers then meet in a fresh store instead of
 reading the previous attempt's rendezvous keys (with gloo on torch 2.13 they otherwise fail to connect).
+
+SIGTERM or SIGUSR1 to this command goes to every agent, and each agent forwards it to its workers (they handle
+SIGUSR1 too: ``--signals-to-handle``), which stop after a step with a checkpoint of it
+(``moeshard.train.preemption``); the agents then exit with status 1 (torchrun's own status after a signal).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +26,7 @@ import time
 import uuid
 
 GRACE_S = 60.0  # after one agent fails, how long the others get to notice and stop
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # torchrun's default and SLURM's early warning
 
 
 def agent_command(nnodes: int, nproc_per_node: int, port: int, run_id: str, max_restarts: int) -> list[str]:
@@ -36,6 +42,7 @@ def agent_command(nnodes: int, nproc_per_node: int, port: int, run_id: str, max_
         f"--rdzv-id={run_id}",
         f"--max-restarts={max_restarts}",
         "--monitor-interval=1",
+        f"--signals-to-handle={SIGNALS_TO_HANDLE}",
         "-m",
         "moeshard.train",
     ]
@@ -59,6 +66,14 @@ def main(argv: list[str]) -> int:
     }
     command = agent_command(args.nnodes, args.nproc_per_node, port, uuid.uuid4().hex[:12], args.max_restarts)
     procs = [subprocess.Popen([*command, *job_args], env=env) for _ in range(args.nnodes)]
+
+    def forward(signum: int, frame: object) -> None:  # a preemption: every agent passes it on to its workers
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, forward)
     failed_at = None
     try:
         while any(p.poll() is None for p in procs):

@@ -95,6 +95,26 @@ class StepTimer(Callback):
         stats.extra["step_time_s"], self._last = now - self._last, now
 
 
+class TokensPerSource(Callback):
+    """Puts ``tokens_seen`` into each step's stats: per data source, the tokens trained on up to and including the
+    step (all ranks, padding excluded), so metrics.jsonl and TensorBoard (``tokens_seen/<source>``) show the mixture.
+
+    Args:
+        tokens_per_source: ``(start_step, stop_step) -> {source: tokens}`` of steps ``[start, stop)``, 0-based
+            (``moeshard.data.StepBatches.tokens_per_source``: a pure function, so a resumed run continues the count).
+        start_step: steps already taken.
+    """
+
+    def __init__(self, tokens_per_source: Callable[[int, int], dict[str, int]], start_step: int = 0) -> None:
+        self.tokens_per_source = tokens_per_source
+        self.seen = tokens_per_source(0, start_step)
+
+    def on_step_end(self, step: int, stats: StepStats) -> None:
+        for source, n in self.tokens_per_source(step - 1, step).items():  # step counts from 1
+            self.seen[source] += n
+        stats.extra["tokens_seen"] = dict(self.seen)
+
+
 class ProgressBar(Callback):
     """A tqdm bar with ETA on stderr (rank 0); :meth:`write` prints a line without breaking it."""
 
@@ -122,7 +142,7 @@ class MetricsLogger(Callback):
 
     A record holds the step's ``loss``, ``aux_loss``, ``grad_norm`` (before clipping), ``lr`` (the one it used),
     throughput from ``step_time_s`` (a :class:`StepTimer` earlier in the callback list), MFU, peak memory, and
-    whatever else earlier callbacks put into ``stats.extra`` (``comm``).
+    whatever else earlier callbacks put into ``stats.extra`` (``comm``, ``tokens_seen``).
     """
 
     def __init__(

@@ -5,12 +5,15 @@
 - :func:`build`: meshes -> model on meta -> ``parallelize`` (EP -> activation checkpointing -> compile -> FSDP2 ->
   prefetch) -> memory -> weights (loaded or initialised) -> optimizer -> learning-rate schedule.
 - :func:`train_step`: zero_grad -> forward/backward of each micro-batch -> clip -> optimizer step -> schedule.
-- :func:`run`: the step loop. Timing, fault injection, communication accounting, metrics, the progress bar and
-  checkpoints are :class:`Callback` objects (``moeshard.train.metrics``, ``faults``, ``comm_accounting``,
-  ``checkpoint``); ``moeshard.train.job`` checks the inputs, resumes and chooses them.
+- :func:`run`: the step loop over ``(step, micro_batches)`` (``moeshard.data``'s ``PrefetchLoader`` in the job).
+  Timing, fault injection, communication accounting, metrics, the progress bar and checkpoints are
+  :class:`Callback` objects (``moeshard.train.metrics``, ``faults``, ``comm_accounting``, ``checkpoint``);
+  ``moeshard.train.job`` checks the inputs, resumes, opens the data and chooses them.
 
 Loss: the mean over every label token of the global batch. FSDP averages gradients over the world (experts
 included, see moeshard.fsdp_moe), so each rank back-propagates ``W · (sum of its token losses) / N_global``.
+Packed rows (``moeshard.data.Batch``) give the model ``position_ids`` and ``document_ids``: a token attends only to
+its own document.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -26,10 +29,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from moeshard.data import Batch
 from moeshard.train.config import JobConfig, parallel_options, resolve_model_config
-from moeshard.train.data import Batch
-
-IGNORE = -100
 
 
 def init_distributed() -> torch.device:
@@ -152,31 +153,49 @@ class HostStats(NamedTuple):
 @dataclass
 class StepStats:
     """One optimizer step: the global mean loss (without the aux term), the mean router aux loss and the gradient
-    norm before clipping as device tensors, the learning rate the step used, and what callbacks measured of the
-    step (``extra``, e.g. ``step_time_s``, ``comm``: the metrics log it)."""
+    norm before clipping as device tensors, the learning rate the step used, what callbacks measured of the
+    step (``extra``, e.g. ``step_time_s``, ``comm``: the metrics log it) and how many ranks asked to stop after
+    it (``stop_votes``, see :attr:`stop_agreed`)."""
 
     loss: torch.Tensor
     aux_loss: torch.Tensor
     grad_norm: torch.Tensor
     lr: float
     extra: dict[str, Any] = field(default_factory=dict)
+    stop_votes: torch.Tensor | None = None
     _host: HostStats | None = field(default=None, repr=False)
+    _stop: bool = field(default=False, repr=False)
 
     def read(self) -> HostStats:
         """The figures on the host in one transfer (it waits for the step's backward); later calls reuse them."""
         if self._host is None:
-            self._host = HostStats(*torch.stack([self.loss, self.aux_loss, self.grad_norm.float()]).tolist())
+            figures = [self.loss, self.aux_loss, self.grad_norm.float()]
+            host = torch.stack(figures + ([self.stop_votes] if self.stop_votes is not None else [])).tolist()
+            self._host, self._stop = HostStats(*host[:3]), len(host) > 3 and host[3] > 0
         return self._host
+
+    @property
+    def stop_agreed(self) -> bool:
+        """Whether any rank asked to stop after this step (``train_step(stop_requested=True)``). The votes are
+        summed by the step's loss all-reduce, so every rank gets the same answer, in the same transfer as
+        :meth:`read`'s figures."""
+        self.read()
+        return self._stop
 
 
 def train_step(
-    job: Job, micro_batches: Sequence[Batch], before_update: Callable[[StepStats], None] | None = None
+    job: Job,
+    micro_batches: Sequence[Batch],
+    before_update: Callable[[StepStats], None] | None = None,
+    *,
+    stop_requested: bool = False,
 ) -> StepStats:
     """One optimizer step over this rank's micro-batches (gradient accumulation); no host sync of its own.
 
     Args:
         before_update: called after backward and clipping, before the optimizer step (the loop's finiteness check
             reads the stats there; an exception leaves the parameters unchanged).
+        stop_requested: this rank's vote to stop after this step, counted in ``StepStats.stop_votes``.
     """
     from moeshard.fsdp_moe import num_items_for_global_mean
 
@@ -184,16 +203,20 @@ def train_step(
     coef = float(getattr(job.model_config, "router_aux_loss_coef", 0.0))
     lr = job.optimizer.param_groups[0]["lr"]
     job.optimizer.zero_grad(set_to_none=True)
-    local_tokens = sum(int((b.labels[:, 1:] != IGNORE).sum()) for b in micro_batches)  # CPU tensors: no sync
+    local_tokens = sum(b.num_targets for b in micro_batches)  # CPU tensors: no sync
     # N_global / W on the device (no host sync): each rank's loss is W * sum_r / N_global, FSDP averages over W.
     num_items = num_items_for_global_mean(local_tokens).clamp_min(1.0 / world)
     lm_sum = torch.zeros((), device=device, dtype=torch.float32)
     aux_sum = torch.zeros((), device=device, dtype=torch.float32)
     for b in micro_batches:
+        b = b.to(device, non_blocking=True)  # pinned by the loader on CUDA: an asynchronous copy
         out = model(
-            b.input_ids.to(device, non_blocking=True),
-            labels=b.labels.to(device, non_blocking=True),
-            attention_mask=b.attention_mask.to(device, non_blocking=True) if b.attention_mask is not None else None,
+            b.input_ids,
+            labels=b.labels,
+            # Packed rows: positions restart and attention stays inside each document (document_ids -1: padding).
+            position_ids=b.position_ids,
+            document_ids=b.document_ids,
+            attention_mask=b.attention_mask,  # None unless padded; keeps padding out of the router's aux loss too
             num_items_in_batch=num_items,
             output_router_logits=True,
             return_logits=False,  # the loss goes through the head in chunks, never holding [tokens, vocab] logits
@@ -206,9 +229,11 @@ def train_step(
         aux_sum += aux.detach().float() / len(micro_batches)
     # One norm over both meshes; the container may apply the clip coefficient inside its step (no extra pass).
     grad_norm = job.optimizer.clip_grad_norm_(job.cfg.train.max_grad_norm)
-    summed = torch.stack([lm_sum, aux_sum])
+    # The stop vote rides in the loss all-reduce: every rank learns of any rank's vote at the same step, without a
+    # collective or a host sync of its own (torch.full is a fill kernel, not a host-to-device copy).
+    summed = torch.stack([lm_sum, aux_sum, torch.full((), float(stop_requested), device=device)])
     dist.all_reduce(summed)
-    stats = StepStats(summed[0] / world, summed[1] / world, grad_norm, lr)
+    stats = StepStats(summed[0] / world, summed[1] / world, grad_norm, lr, stop_votes=summed[2])
     if before_update is not None:
         before_update(stats)
     job.optimizer.step()
@@ -227,7 +252,7 @@ class Callback:
         """Before the first step."""
 
     def on_step_start(self, step: int) -> None:
-        """Before the step's batch is made and its forward runs."""
+        """Before the step takes its batch and its forward runs."""
 
     def before_update(self, step: int, stats: StepStats) -> None:
         """After backward and clipping, before the optimizer step; raising leaves the parameters unchanged."""
@@ -241,17 +266,27 @@ class Callback:
 
 def run(
     job: Job,
-    batches: Callable[[int], Sequence[Batch]],
+    batches: Iterable[tuple[int, Sequence[Batch]]],
     callbacks: Sequence[Callback] = (),
     *,
     start_step: int = 0,
+    stop_requested: Callable[[], bool] | None = None,
 ) -> StepStats | None:
-    """Train from ``start_step`` (steps already taken) to ``cfg.train.steps``; returns the last step's stats.
+    """Train from ``start_step`` (steps already taken) to ``cfg.train.steps``, or until the ranks agree to stop;
+    returns the last step's stats.
 
     Nothing is kept per step (a run may take millions): a callback records what it needs (e.g. :class:`LossLog`).
 
     Args:
-        batches: step (0-based) -> this rank's micro-batches of that step.
+        batches: ``(step, this rank's micro-batches)`` for steps ``start_step, start_step + 1, ...`` (0-based), in
+            order: a ``moeshard.data.PrefetchLoader`` (prepared in the background), or any iterable, e.g.
+            ``((s, step_batches.micro_batches(s, rank)) for s in range(start_step, steps))``.
+        stop_requested: this rank's wish to stop (e.g. a signal arrived), asked before each step's all-reduce. When
+            any rank wishes it, every rank ends the run after that same step (its callbacks see
+            ``stats.stop_agreed``; a checkpoint callback saves it).
+
+    Raises:
+        ValueError: ``batches`` ran out, or gave another step than the loop's next.
     """
 
     def each(hook: str, *args: Any) -> None:
@@ -259,13 +294,24 @@ def run(
             getattr(callback, hook)(*args)
 
     stats = None
+    steps = iter(batches)
     each("on_run_start")
     try:
         for step in range(start_step, job.cfg.train.steps):
             done = step + 1  # steps count from 1 in callbacks, metrics, checkpoints and messages
             each("on_step_start", done)
-            stats = train_step(job, batches(step), before_update=functools.partial(each, "before_update", done))
+            given, micro_batches = next(steps, (None, None))
+            if given != step:
+                raise ValueError(f"the batches gave step {given} where the loop takes step {step} (0-based)")
+            stats = train_step(
+                job,
+                micro_batches,
+                before_update=functools.partial(each, "before_update", done),
+                stop_requested=stop_requested is not None and stop_requested(),
+            )
             each("on_step_end", done, stats)
+            if stop_requested is not None and stats.stop_agreed:
+                break
     finally:
         each("on_run_end")
     return stats

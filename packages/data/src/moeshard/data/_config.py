@@ -95,6 +95,11 @@ class DataConfig:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise DataError(f"data.{key} must be an integer, got {v!r}")
+        for key in ("packing", "shuffle", "synthetic"):
+            if not isinstance(getattr(self, key), bool):
+                raise DataError(f"data.{key} must be true or false, got {getattr(self, key)!r}")
+        if self.tokenizer is not None and not (isinstance(self.tokenizer, str) and self.tokenizer):
+            raise DataError(f"data.tokenizer must be a local tokenizer folder, got {self.tokenizer!r}")
         if self.seq_len < 2:
             raise DataError(f"data.seq_len must be >= 2, got {self.seq_len}")
         if self.synthetic and self.synthetic_samples < 1:

@@ -183,6 +183,20 @@ class Dataset:
         src, idx = self.locate(np.arange(start, stop))
         return {s.name: s.tokens_in_rows(idx[src == k]) for k, s in enumerate(self.sources)}
 
+    def summary(self) -> dict[str, dict[str, int | float | str]]:
+        """Per source name: its ``weight`` (normalised), ``tokens``, ``documents``, ``rows`` and content
+        ``fingerprint``; JSON-safe, to store with a run and say what changed when a resume finds other data."""
+        return {
+            s.name: {
+                "weight": w,
+                "tokens": s.store.num_tokens,
+                "documents": s.store.num_documents,
+                "rows": s.num_rows,
+                "fingerprint": s.store.fingerprint,
+            }
+            for s, w in zip(self.sources, self.weights)
+        }
+
     def describe(self) -> str:
         """One line per source: name, weight, tokens, rows."""
         return "\n".join(

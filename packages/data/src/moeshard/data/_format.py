@@ -184,6 +184,11 @@ class TokenStore:
         """Tokens in the stream."""
         return int(self.starts[-1])
 
+    @property
+    def num_documents(self) -> int:
+        """Documents in the stream."""
+        return sum(s.num_docs for s in self.shards)
+
     @classmethod
     def open(cls, folders: Sequence[str], name: str) -> TokenStore:
         """The shards of prepared folders, as one stream in the given order (reads the headers only).
