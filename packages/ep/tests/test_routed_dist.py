@@ -21,6 +21,7 @@ from moeshard.ep import (
     apply_ep,
     ep_group,
     get_ep_info,
+    recompute_contexts,
     routed_experts,
 )
 from moeshard.ep.testing import ToyMoE, count_host_syncs, reference_routed_experts, toy_plan
@@ -105,21 +106,21 @@ def _ep_layer_body():
 
 
 def _same_under_activation_checkpointing(experts, world, rank):
-    """The layer under non-reentrant activation checkpointing (recomputed in backward) gives identical results."""
+    """The layer under non-reentrant activation checkpointing (recomputed in backward) gives identical results;
+    with ``recompute_contexts`` the recompute replays the forward's exchange sizes: no second host sync."""
     from torch.utils.checkpoint import checkpoint
 
     from moeshard.ep._dispatch import overlapped
 
     x_TD, ids_TK, w_TK, _ = _problem(world, "random")[rank]
-    results = []
-    forwards = []
+    results, forwards, syncs = [], [], []
     original = overlapped._OverlappedExperts.forward
 
     def counted(*args):
         forwards.append(1)
         return original(*args)
 
-    for use_checkpoint in (False, True):
+    for mode in ("none", "checkpoint", "checkpoint_replay"):
         experts.zero_grad(set_to_none=True)
         x = x_TD.clone().requires_grad_(True)
 
@@ -129,14 +130,22 @@ def _same_under_activation_checkpointing(experts, world, rank):
         forwards.clear()
         overlapped._OverlappedExperts.forward = staticmethod(counted)
         try:
-            y = checkpoint(layer, x, use_reentrant=False) if use_checkpoint else layer(x)
-            y.square().sum().backward()
+            with count_host_syncs() as counts:
+                if mode == "none":
+                    y = layer(x)
+                else:
+                    context = {"context_fn": recompute_contexts} if mode == "checkpoint_replay" else {}
+                    y = checkpoint(layer, x, use_reentrant=False, **context)
+                y.square().sum().backward()
         finally:
             overlapped._OverlappedExperts.forward = staticmethod(original)
+        syncs.append(counts["tolist"])
         results.append([y.detach(), x.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()])
-    same = all(torch.equal(a, b) for a, b in zip(*results))
+    same = all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r))
     # the overlapped layer ran twice when checkpointed (forward + one recomputation), not once per pass
-    return same and len(forwards) == (2 if isinstance(experts.dispatch, OverlappedDispatch) else 0)
+    ran = len(forwards) == (2 if isinstance(experts.dispatch, OverlappedDispatch) else 0)
+    # one exchange-size sync per forward; the plain recompute syncs again, the replaying one does not
+    return same and ran and syncs == [1, 2, 1]
 
 
 def _host_sync_hooks(meshes, strategy):

@@ -24,6 +24,7 @@ from moeshard.ep._dispatch import (
     OverlappedDispatch,
     all_to_all,
     make_dispatch,
+    recompute_contexts,
     routed_experts,
 )
 from moeshard.ep._kernels import ACTIVATIONS, compile_rows_dynamic
@@ -64,5 +65,6 @@ __all__ = [
     "grouped_expert_mlp",
     "is_expert_module",
     "make_dispatch",
+    "recompute_contexts",
     "routed_experts",
 ]

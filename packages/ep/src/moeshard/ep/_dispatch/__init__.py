@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moeshard.ep._dispatch._base import ExpertDispatch, HostSyncHooks
+from moeshard.ep._dispatch._base import ExpertDispatch, HostSyncHooks, recompute_contexts
 from moeshard.ep._dispatch.all_to_all import AllToAllDispatch, all_to_all
 from moeshard.ep._dispatch.local import LocalDispatch
 from moeshard.ep._dispatch.overlapped import OverlappedDispatch
@@ -25,6 +25,7 @@ __all__ = [
     "OverlappedDispatch",
     "all_to_all",
     "make_dispatch",
+    "recompute_contexts",
     "routed_experts",
 ]
 

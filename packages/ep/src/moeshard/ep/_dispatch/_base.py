@@ -13,7 +13,8 @@ the outputs back in the same order.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import threading
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 import torch
@@ -24,7 +25,49 @@ from moeshard.ep._kernels import activation_fn, kernels_for
 from moeshard.ep._options import EPOptions
 from moeshard.ep._permute import combine, expand_rows, inverse_permutation, sort_by_expert
 
-__all__ = ["ExpertDispatch", "HostSyncHooks"]
+__all__ = ["ExpertDispatch", "HostSyncHooks", "recompute_contexts"]
+
+
+class _SplitLog:
+    """The exchange sizes of one checkpointed region, recorded by its forward and replayed by its recompute."""
+
+    def __init__(self) -> None:
+        self.sizes: deque[list[int]] = deque()
+
+
+class _SplitMode:
+    """While active (per thread), EP layers record (``"record"``) or replay (``"replay"``) their exchange sizes."""
+
+    _active = threading.local()
+
+    def __init__(self, mode: str, log: _SplitLog) -> None:
+        self.mode, self.log = mode, log
+
+    def __enter__(self) -> _SplitMode:
+        self._outer = getattr(_SplitMode._active, "mode", None)
+        _SplitMode._active.mode = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _SplitMode._active.mode = self._outer
+
+    @staticmethod
+    def current() -> _SplitMode | None:
+        return getattr(_SplitMode._active, "mode", None)
+
+
+def recompute_contexts() -> tuple[_SplitMode, _SplitMode]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` around code with EP layers:
+    the forward records each layer's exchange sizes (its one device→host sync) and the recompute in backward
+    replays them instead of synchronising again, so activation checkpointing adds no host sync.
+
+    The recompute routes the same tokens the same way (checkpointing replays the forward on the same inputs), so the
+    sizes are the same. A new pair per ``checkpoint`` call::
+
+        checkpoint(layer, x, use_reentrant=False, context_fn=recompute_contexts)
+    """
+    log = _SplitLog()
+    return _SplitMode("record", log), _SplitMode("replay", log)
 
 
 class HostSyncHooks:
@@ -149,6 +192,25 @@ class ExpertDispatch:
             activation: a name of ``ACTIVATIONS``.
         """
         raise NotImplementedError
+
+    def host_sizes(self, counts_E: torch.Tensor, recv_counts_E: torch.Tensor) -> list[int]:
+        """The layer's one device→host sync: ``counts_E`` then ``recv_counts_E`` as one host list (hooks first).
+
+        In the recompute of a region checkpointed with :func:`recompute_contexts`, the list its forward read: no
+        sync and no hooks."""
+        mode = _SplitMode.current()
+        if mode is not None and mode.mode == "replay":
+            if not mode.log.sizes:
+                raise RuntimeError(
+                    "activation-checkpoint recompute ran more EP layers than its forward: the recomputed region must "
+                    "route exactly as its forward did"
+                )
+            return mode.log.sizes.popleft()
+        self.before_host_sync()
+        host = torch.cat([counts_E, recv_counts_E]).tolist()
+        if mode is not None and mode.mode == "record":
+            mode.log.sizes.append(host)
+        return host
 
     def before_host_sync(self) -> None:
         """Run the host-sync hooks (if any); strategies call it right before their device→host sync."""

@@ -66,8 +66,7 @@ class AllToAllDispatch(ExpertDispatch):
         recv_counts_E = torch.empty_like(counts_E)
         dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)
         # 2. the one device→host sync of the layer; sent and received counts in one .tolist(), not two
-        self.before_host_sync()
-        host = torch.cat([counts_E, recv_counts_E]).tolist()
+        host = self.host_sizes(counts_E, recv_counts_E)  # replayed in a checkpoint recompute
         send, recv = host[: P * El], host[P * El :]
         in_splits = [sum(send[r * El : (r + 1) * El]) for r in range(P)]
         out_splits = [sum(recv[r * El : (r + 1) * El]) for r in range(P)]

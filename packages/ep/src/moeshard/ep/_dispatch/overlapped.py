@@ -51,8 +51,7 @@ class OverlappedDispatch(ExpertDispatch):
         device_counts = (local_E[:half], sources_SEl.sum(0), local_E[half:])
         offsets = tuple(torch.cumsum(c, 0, dtype=torch.int32) for c in device_counts)
         # The one device→host sync of the layer: both count tensors in one .tolist(), not two.
-        self.before_host_sync()
-        host = torch.cat([counts_E, recv_counts_E]).tolist()
+        host = self.host_sizes(counts_E, recv_counts_E)  # replayed in a checkpoint recompute
         gemm = resolve_gemm(self.options.gemm, x_sorted_ND, w_gate_up_EXD)
         ex = _Exchange(self, El, host[: P * El], host[P * El :], sources_SEl, device_counts, offsets, gemm, activation)
         return _OverlappedExperts.apply(x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex)

@@ -28,7 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3MoeConfig
 
-from moeshard.ep import ParallelPlan
+from moeshard.ep import ParallelPlan, recompute_contexts
 from moeshard.models.qwen3moe.fused_loss import ce_chunk, linear_cross_entropy
 from moeshard.models.qwen3moe.layers import (
     Attention,
@@ -149,7 +149,10 @@ class Qwen3MoeModel(nn.Module):
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # Non-reentrant checkpoint of the call, not a wrapper module: FQNs stay ``model.layers.N.*``,
                 # and FSDP2 hooks on the layer run again (all-gather) during recomputation.
-                x_BSD, logits_TE = checkpoint(layer, x_BSD, cos, sin, mask, use_reentrant=False)
+                # The recompute replays the EP layers' exchange sizes recorded by the forward: no extra host sync.
+                x_BSD, logits_TE = checkpoint(
+                    layer, x_BSD, cos, sin, mask, use_reentrant=False, context_fn=recompute_contexts
+                )
             else:
                 x_BSD, logits_TE = layer(x_BSD, cos, sin, mask)
             if logits_TE is not None:
