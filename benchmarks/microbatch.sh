@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Micro-batch and activation-checkpointing sweep at the same tokens per step, in one device call, and a GPU-only
+# trace of one step at micro-batch 1 and 4 (summarised by benchmarks/trace_summary.py), next to `plan`'s estimate.
+#   NPROC=1 EP=1 bash benchmarks/microbatch.sh          (logs, JSON and trace summaries land in $OUT)
+#   TREE=.bench_new bash benchmarks/microbatch.sh       (another source tree, e.g. a `git archive` of a commit)
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+R=$(cd "${TREE:-.}" && pwd)
+export PYTHONPATH="$R/packages/meshes/src:$R/packages/ep/src:$R/packages/fsdp_moe/src:$R/packages/prefetch/src:$R/packages/models_qwen3moe/src:$R/packages/data/src:$R/apps/train/src"
+L=${LAYERS:-8}; EP=${EP:-1}; N=${NPROC:-1}
+S="--layers $L --steps ${STEPS:-16} --warmup 5 --compile --ep-size $EP --batch-per-gpu 4"
+bench() {  # bench NAME ARGS...
+  local name=$1; shift
+  timeout "${T:-240}" python3 -m torch.distributed.run --standalone --nproc-per-node "$N" \
+    -m moeshard.train bench $S "$@" --out "$OUT/$name.json" 2>&1 \
+    | grep -v "UserWarning\|warnings.warn\|_rng_tracker\|AVOID_RECORD\|_warn_once" > "$OUT/$name.log"
+  echo "$name: $(tail -n 1 "$OUT/$name.log")"
+  grep -q "tok/s/GPU" "$OUT/$name.log" || tail -n 25 "$OUT/$name.log"
+}
+plan() {  # plan MICRO_BATCH [AC]
+  python3 -m moeshard.train plan --nnodes 1 --nproc-per-node "$N" --micro-batch-size "$1" \
+    --model.preset=qwen3-30b-a3b "--model.overrides={\"num_hidden_layers\": $L}" --data.seq_len=4096 \
+    --parallel.ep_size="$EP" --model.dtype=bfloat16 ${2:+--train.activation_checkpointing=true} 2>/dev/null \
+    | grep -E "^  (activations|total)" | tr -s ' ' | tr '\n' ' '
+}
+for mb in 4 2 1; do
+  bench "mb$mb" --micro-batch "$mb"
+  echo "  plan mb$mb: $(plan $mb)"
+done
+bench "mb4_ac" --micro-batch 4 --activation-checkpointing
+echo "  plan mb4 ac: $(plan 4 ac)"
+bench "mb1_ac" --micro-batch 1 --activation-checkpointing
+echo "  plan mb1 ac: $(plan 1 ac)"
+for mb in ${TRACE_MB:-1 4}; do
+  bench "trace_mb$mb" --micro-batch "$mb" --steps 8 --warmup 4 --trace "$OUT/trace_mb$mb.json.gz" --trace-gpu-only
+  python3 "$R/benchmarks/trace_summary.py" "$OUT/trace_mb$mb.json.gz" --top 25 > "$OUT/trace_mb$mb.txt" 2>&1
+  rm -f "$OUT/trace_mb$mb.json.gz"
+done
+rm -f "$OUT"/*.log "$OUT"/trace_mb*.json  # at most 8 files come back from the device: the sweep's JSON and the summaries
