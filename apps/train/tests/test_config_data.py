@@ -3,6 +3,7 @@
 (How rows are made from data is moeshard.data's, tested in packages/data/tests.)
 """
 
+import math
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,15 @@ def test_overrides_and_types():
         (["--data.packing=maybe"], "data.packing must be true or false"),
         (["--data.sources=[{path: a, wieght: 2}]"], "unknown config key data.sources[0].wieght; did you mean"),
         (["--data.seqlen=8"], "unknown config key data.seqlen; did you mean data.seq_len?"),
-        (["--train.schedule=linear"], "train.schedule must be cosine or constant"),
+        (["--train.schedule=linear"], "train.schedule must be one of cosine, constant, wsd"),
+        (["--train.decay_shape=sqrt"], "train.decay_shape one of linear, cosine, 1-sqrt"),
+        (["--train.decay_fraction=0"], "train.decay_fraction must be in (0, 1]"),
+        (["--train.aux_loss.scope=global"], "train.aux_loss.scope must be one of micro_batch, global_batch"),
+        (["--train.aux_loss.cof=1"], "unknown config key train.aux_loss.cof; did you mean train.aux_loss.coef?"),
+        (["--train.z_loss_coef=-1"], "train.aux_loss.coef and train.z_loss_coef must be >= 0"),
+        (["--train.router_bias.update_rate=0"], "train.router_bias.update_rate must be > 0"),
+        (["--eval.path=/v.jsonl", "--eval.synthetic=true"], "set one of eval.path or eval.synthetic"),
+        (["--eval.max_batches=-1"], "eval.every_steps and eval.max_batches must be >= 0"),
         (["--model.path=/m", "--model.preset=tiny"], "exactly one of model.preset or model.path"),
         (["train.lr"], "must look like --section.key=value"),
     ],
@@ -86,6 +95,19 @@ def test_data_section_is_moeshard_datas_config(tmp_path):
     assert listed.path is None and [s.name for s in listed.sources] == ["a", "b"]
 
 
+def test_balancing_and_eval_keys():
+    cfg = load_config(None, ["--train.aux_loss.scope=global_batch", "--train.router_bias=true"])
+    assert cfg.train.aux_loss.scope == "global_batch" and cfg.train.aux_loss.coef is None
+    assert cfg.train.router_bias.update_rate == 1e-3 and JobConfig().train.router_bias is None
+    assert load_config(None, ["--train.router_bias.update_rate=0.01"]).train.router_bias.update_rate == 0.01
+    # the default job evaluates generated held-out rows; a job on real data evaluates only what eval.path names
+    assert JobConfig().eval.synthetic and JobConfig().eval.enabled
+    assert not load_config(None, ["--data.path=/d.jsonl"]).eval.enabled
+    ev = load_config(None, ["--data.path=/d.jsonl", "--eval.path=/v.jsonl", "--eval.every_steps=100"]).eval
+    assert ev.enabled and ev.path == "/v.jsonl" and not ev.synthetic
+    assert (ev.every_steps, ev.max_batches, ev.at_start) == (100, 2, True)
+
+
 def test_lr_schedule():
     from moeshard.train.train import lr_at
 
@@ -96,6 +118,31 @@ def test_lr_schedule():
         None, ["--train.schedule=constant", "--train.warmup_steps=0", "--train.lr=0.5", "--train.min_lr=0"]
     )
     assert {lr_at(s, const) for s in range(5)} == {0.5}
+    # WSD: warm-up, stable at lr, then the last decay_fraction of the steps down to min_lr (reached at the last step)
+    wsd = ["--train.schedule=wsd", "--train.steps=20", "--train.warmup_steps=2", "--train.lr=1.0", "--train.min_lr=0.0"]
+    shapes = {}
+    for shape in ("linear", "cosine", "1-sqrt"):
+        cfg = load_config(None, [*wsd, "--train.decay_fraction=0.25", f"--train.decay_shape={shape}"])
+        shapes[shape] = [lr_at(s, cfg) for s in range(20)]
+        assert shapes[shape][:2] == [0.5, 1.0] and set(shapes[shape][2:15]) == {1.0} and shapes[shape][19] == 0.0
+    at = 16  # the second of 5 decay steps: progress 2/5
+    assert shapes["linear"][at] == pytest.approx(0.6)
+    assert shapes["cosine"][at] == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.4)))
+    assert shapes["1-sqrt"][at] == pytest.approx(1 - math.sqrt(0.4))
+
+
+def test_a_resume_with_another_schedule_says_what_the_lr_does():
+    from moeshard.train.train import schedule_change
+
+    before = load_config(None, ["--train.steps=100", "--train.lr=1.0", "--train.min_lr=0.0", "--train.warmup_steps=0"])
+    saved = before.to_dict()["train"]
+    assert schedule_change(saved, before, 50) is None
+    longer = load_config(None, ["--train.steps=200", "--train.lr=1.0", "--train.min_lr=0.0", "--train.warmup_steps=0"])
+    line = schedule_change(saved, longer, 50)
+    assert line.startswith("resuming after step 50 with a changed schedule (train.steps 100 -> 200): the learning rate")
+    assert "0.854 at step 51 (the checkpoint's schedule: 0.5)" in line and "at its last step 200" in line
+    wsd = load_config(None, ["--train.steps=100", "--train.lr=1.0", "--train.min_lr=0.0", "--train.schedule=wsd"])
+    assert "train.schedule cosine -> wsd" in schedule_change(saved, wsd, 50)
 
 
 def test_a_path_on_the_command_line_replaces_the_files_preset():

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -32,7 +33,7 @@ JOB = [
     "--checkpoint.every_steps=2",
     "--logging.expert_load_every=2",
 ]
-KEYS = {"step", "loss", "aux_loss", "grad_norm", "lr", "tokens_per_s_per_gpu", "mfu", "max_memory_gib"}
+KEYS = {"step", "loss", "aux_loss", "grad_norm", "lr", "tokens_per_s_per_gpu", "max_memory_gib"}  # no mfu on CPU
 
 
 def _launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -43,6 +44,11 @@ def _launch(args: list[str], env: dict[str, str] | None = None, timeout: float =
 
 
 def _records(out: Path) -> list[dict]:
+    """The training steps' records (the evaluations' have ``val_loss`` instead of ``loss``)."""
+    return [r for r in _all_records(out) if "loss" in r]
+
+
+def _all_records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -56,6 +62,7 @@ def reference(tmp_path_factory) -> Path:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert "world 4 = 2 node(s) x 2 ranks; ep 2 x ep_fsdp 2" in res.stdout
     assert "Traceback" not in res.stdout + res.stderr
+    (out.parent / "ref.stdout").write_text(res.stdout)
     return out
 
 
@@ -82,6 +89,19 @@ def test_two_nodes_metrics_tensorboard(reference):
     assert (heat[0].height, heat[0].width) == (2, 8)  # layers x experts
     ckpts = sorted(p.name for p in (reference / "checkpoints").iterdir())
     assert ckpts == ["step_00000004", "step_00000006"]  # keep_last 2
+    # The global expert load (all ranks' counts) every expert_load_every steps, in metrics.jsonl too.
+    loads = {r["step"]: r["expert_load"]["max_over_mean"] for r in recs if "expert_load" in r}
+    assert set(loads) == {2, 4, 6} and all(set(v) == {"layer_0", "layer_1"} for v in loads.values())
+    assert all(1.0 <= x <= 4.0 for v in loads.values() for x in v.values())  # top-2 of 8: at most 4
+    # The default job's evaluation: before the first update and after the last step, 2 global batches of 16 x 31.
+    val = [r for r in _all_records(reference) if "val_loss" in r]
+    assert [r["step"] for r in val] == [0, 6] and val[1]["val_loss"] < val[0]["val_loss"]
+    assert all(r["val_tokens"] == 2 * 16 * 31 and r["val_ppl"] == pytest.approx(math.exp(r["val_loss"])) for r in val)
+    assert [e.step for e in acc.Scalars("val_loss")] == [0, 6]
+    stdout = (reference.parent / "ref.stdout").read_text()
+    assert "eval      0 | val_loss" in stdout and "tok/s/gpu (predicted)" in stdout
+    assert "checkpoint of step 4: " in stdout and "MiB, " in stdout
+    assert "done: steps 1-6 (6 in this run) | 2,976 predicted tokens | wall " in stdout
 
 
 def test_comm_accounting_stays_in_its_links_and_matches_plan(reference):
@@ -98,7 +118,9 @@ def test_comm_accounting_stays_in_its_links_and_matches_plan(reference):
             assert group == "ep" and c["bytes"] > 0 and c["inter_node_bytes"] == 0, key
         elif c["inter_node_bytes"] > 0:
             fsdp_traffic = kind in ("all_gather", "reduce_scatter") and group in ("fsdp", "ep_fsdp")
-            scalars = kind == "all_reduce" and c["max_call_bytes"] <= 64  # loss, token count, grad norm
+            # the step's scalars (loss, token counts, grad norm) and its expert counts (2 layers x 8 float32, 64
+            # bytes); an all-reduce sends up to twice its tensor
+            scalars = kind == "all_reduce" and c["max_call_bytes"] <= 2 * 64
             assert fsdp_traffic or scalars, (key, c)
         if kind != "all_reduce":
             per_kind[(kind, "inter-node")] = per_kind.get((kind, "inter-node"), 0.0) + c["inter_node_bytes"]

@@ -293,3 +293,75 @@ def test_prepare_data_then_packed_sft_rows_match_transformers_per_document(paths
     assert runs["raw"][0] == pytest.approx(total / count, rel=1e-5)
     # Without the document mask the loss differs by far more than the tolerance (a random model uses little context).
     assert abs(unmasked - total) / total > 1e-4
+
+
+# ---- validation, and the balancing state across a resume ----------------------------------------------------------
+
+BALANCING = [
+    "--parallel.ep_size=2",
+    "--train.aux_loss.coef=0.01",
+    "--train.aux_loss.scope=global_batch",
+    "--train.router_bias.update_rate=0.01",
+    "--train.z_loss_coef=0.001",
+    "--eval.max_batches=0",
+    "--eval.every_steps=2",
+    "--train.steps=3",  # 3 bias updates: every bias is an odd multiple of the rate, never 0
+]
+
+
+def _eval_runs(paths: dict) -> dict:
+    import torch.distributed as dist
+
+    from moeshard.models.qwen3moe import routers
+    from moeshard.train.job import run_job as run
+
+    evaluated = [*BALANCING, f"--eval.path={paths['b']}"]
+    a = run(_cfg(paths, "val_a", *evaluated))
+    step2 = f"{paths['root']}/val_a/checkpoints/step_00000002"
+    b = run(_cfg(paths, "val_b", *evaluated, f"--checkpoint.resume={step2}"))
+    return {
+        "rank": dist.get_rank(),
+        "a": a["losses"],
+        "val_a": a["val"],
+        "b": (b["start_step"], b["losses"], b["val"]),
+        "biases": torch.stack([r.bias for r in routers(a["job"].model)]),
+    }
+
+
+def test_eval_at_step_0_equals_transformers_and_balancing_resumes_exactly(paths):
+    """Two ranks, EP 2, uneven eval rows (the last global batch is partly filler rows): the validation loss before
+    any update is transformers' mean token loss over the eval set; training with the global-batch aux loss, the
+    router bias and the z-loss resumes exactly (the biases are in the checkpoint) and the biases are the same on
+    every rank."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import Qwen3MoeForCausalLM
+
+    from moeshard.data import StepBatches, open_dataset
+    from moeshard.train.checks import eval_data_config
+
+    out = run_distributed(_eval_runs, 2, paths, timeout=400)
+    r0 = out[0]
+    # the reference: transformers on every eval row at once (right-padded rows, the attention mask)
+    cfg = _cfg(paths, "unused", *BALANCING, f"--eval.path={paths['b']}")
+    model = Qwen3MoeForCausalLM.from_pretrained(paths["hf"], dtype=torch.float32)
+    mc = model.config
+    rows = open_dataset(eval_data_config(cfg), vocab_size=mc.vocab_size, eos_id=mc.eos_token_id, pad_id=None)
+    assert rows.num_rows % 8 and rows.num_rows > 8  # a partial last global batch
+    n = rows.num_rows
+    b = StepBatches(rows, global_batch=n, world_size=1, micro_batch=n).global_batch(0)  # every row once
+    with torch.no_grad():
+        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1]
+    targets = b.labels[:, 1:]
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    steps, losses = zip(*r0["val_a"])
+    assert steps == (0, 2, 3) and losses[0] == pytest.approx(float(want), rel=1e-5)
+    val = [json.loads(x) for x in (Path(paths["root"]) / "val_a/metrics.jsonl").read_text().splitlines()]
+    val = [r for r in val if "val_loss" in r]
+    assert [r["step"] for r in val] == [0, 2, 3] and {r["val_tokens"] for r in val} == {int((targets != -100).sum())}
+    # the balancing state resumes exactly: same losses, same evaluation at step 3
+    assert r0["b"][0] == 2 and r0["b"][1] == pytest.approx(r0["a"][2:], rel=1e-6)
+    assert r0["b"][2] == [(3, pytest.approx(losses[2], rel=1e-6))]
+    stored = dcp.FileSystemReader(f"{paths['root']}/val_a/checkpoints/step_00000002").read_metadata()
+    assert "model.model.layers.0.mlp.gate.bias" in stored.state_dict_metadata
+    # aux-loss-free balancing moved the biases, identically on both ranks (from the same global counts)
+    assert torch.equal(out[0]["biases"], out[1]["biases"]) and out[0]["biases"].abs().min() >= 0.01 - 1e-6

@@ -85,12 +85,17 @@ def _fail(capsys, args: list[str], code: int = 1) -> str:
     return _errors(err)[0]
 
 
+def _train_records(out: Path) -> list[dict]:
+    """The training steps' records of metrics.jsonl (not the evaluations')."""
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
 def _steps(out: Path) -> list[int]:
-    return [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in _train_records(out)]
 
 
 def _losses(out: Path) -> list[float]:
-    return [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in _train_records(out)]
 
 
 # ---- config files, launch ---------------------------------------------------------------------------------------

@@ -92,3 +92,73 @@ def test_z_loss_and_bias_update(model):
         assert r.bias[0] == pytest.approx(-0.01) and torch.allclose(r.bias[1:], torch.full_like(r.bias[1:], 0.01))
     with pytest.raises(ValueError, match="MoE layers"):
         update_router_bias(model, torch.ones(3, model.config.num_experts), 0.1)
+
+
+def test_global_counts_without_a_process_group():
+    from moeshard.models.qwen3moe import GlobalExpertCounts
+
+    counts = GlobalExpertCounts()
+    assert counts.total() is None
+    a, b = torch.tensor([[1.0, 3.0]]), torch.tensor([[2.0, 0.0]])
+    assert torch.equal(counts.add(a, all_reduce=True), a)  # running: micro-batches 1..m
+    assert torch.equal(counts.add(b, all_reduce=True), a + b)
+    assert torch.equal(counts.total(), a + b)
+    counts.reset()
+    counts.add(a)
+    assert torch.equal(counts.add(b), a + b) and torch.equal(counts.total(), a + b)
+
+
+def _two_ranks_counts() -> dict:
+    import torch.distributed as dist
+
+    from moeshard.models.qwen3moe import GlobalExpertCounts
+
+    r = dist.get_rank()
+    mine = [torch.tensor([[1.0 + r, 0.0]]), torch.tensor([[0.0, 10.0 * (r + 1)]])]
+    running = GlobalExpertCounts()
+    seen = [running.add(c, all_reduce=True).clone() for c in mine]
+    local = GlobalExpertCounts()
+    before = [local.add(c).clone() for c in mine]
+    return {"seen": seen, "total": running.total(), "local": before, "local_total": local.total()}
+
+
+def test_global_counts_over_two_ranks():
+    from moeshard.meshes.testing import run_distributed
+
+    out = run_distributed(_two_ranks_counts, 2)
+    for r, res in enumerate(out):
+        # micro-batch 1 of both ranks, then micro-batches 1 and 2 of both ranks
+        assert torch.equal(res["seen"][0], torch.tensor([[3.0, 0.0]]))
+        assert torch.equal(res["seen"][1], torch.tensor([[3.0, 30.0]]))
+        assert torch.equal(res["total"], res["seen"][1]) and torch.equal(res["local_total"], res["seen"][1])
+        assert torch.equal(res["local"][1], torch.tensor([[1.0 + r, 10.0 * (r + 1)]]))  # this rank's until total()
+
+
+def test_evaluate_is_the_mean_token_loss_of_transformers(hf_dir, batch, load_reference):
+    from types import SimpleNamespace
+
+    from moeshard.models.qwen3moe import evaluate
+
+    ids, mask, labels = batch
+    ours = Qwen3MoeForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    ours.train()
+    ref = load_reference(hf_dir)
+
+    def mb(rows):
+        return SimpleNamespace(
+            input_ids=ids[rows],
+            labels=labels[rows],
+            attention_mask=mask[rows],
+            position_ids=None,
+            document_ids=None,
+            to=lambda device, non_blocking=False: mb(rows),
+        )
+
+    result = evaluate(ours, [mb([0]), mb([1])])
+    assert ours.training  # restored
+    with torch.no_grad():
+        logits = ref(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    targets = labels[:, 1:]
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    assert result.tokens == int((targets != -100).sum())
+    assert result.loss == pytest.approx(float(want), rel=1e-5) and result.ppl == pytest.approx(float(want.exp()))

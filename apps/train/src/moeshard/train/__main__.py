@@ -1,7 +1,8 @@
-"""Command line of the training job.
+"""Command line of the training job (``moeshard-train --help`` lists the commands).
 
 torchrun [torchrun args] -m moeshard.train --config FILE.yaml [--section.key=value ...]    # train
-moeshard-train plan --config FILE.yaml --nnodes N --nproc-per-node G [--rank R]           # dry run, no GPU
+moeshard-train config --show [--config FILE.yaml] [--section.key=value ...]               # every key explained
+moeshard-train plan --config FILE.yaml --nnodes N --nproc-per-node G [--rank R] [--summary]  # dry run, no GPU
 moeshard-train export-hf --checkpoint DIR --out DIR                                        # Hub layout
 moeshard-train launch-local --nnodes 2 --nproc-per-node 2 -- --config FILE.yaml            # nodes on localhost
 moeshard-train prepare-data --input 'corpus/*.jsonl' --tokenizer DIR --output DIR          # tokenise once
@@ -21,11 +22,36 @@ from moeshard.train.config import ConfigError, load_config
 
 # Messages of gloo / NCCL / c10d when a peer process is gone.
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted", "Broken pipe")
-COMMANDS = ("train", "plan", "export-hf", "launch-local", "bench", "prepare-data")
+# Each command and its one line in `moeshard-train --help`.
+COMMANDS = {
+    "train": "train (the default command; run it under torchrun): --config FILE.yaml [--section.key=value ...]",
+    "config": "the resolved configuration as YAML; --show: every key with its value, default and meaning",
+    "plan": "dry run for any cluster, no GPU: meshes, parameter shards, memory and communication per rank",
+    "export-hf": "a checkpoint -> a Hub folder (config.json, safetensors, tokenizer) that transformers loads",
+    "launch-local": "N torchrun agents on this machine, as N nodes would run the job",
+    "bench": "time training steps of the 30B geometry with L layers (under torchrun); checkpoint cost",
+    "prepare-data": "tokenise a corpus once, on all cores, into the flat token format",
+}
+USAGE = """usage: moeshard-train [COMMAND] [options]        (no command: train)
+       torchrun [torchrun options] -m moeshard.train [COMMAND] [options]
+
+commands:
+{commands}
+
+`moeshard-train COMMAND --help` lists a command's options; `moeshard-train config --show` every config key.
+Exit status: 0, 1 an error, 2 a config error, 75 stopped by SIGTERM / SIGUSR1 after saving (run it again)."""
+
+
+def _help() -> str:
+    return USAGE.format(commands="\n".join(f"  {name:14s}{line}" for name, line in COMMANDS.items()))
 
 
 def _train(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="moeshard-train", description="Train (run under torchrun).")
+    parser = argparse.ArgumentParser(
+        prog="moeshard-train",
+        description="Train (run under torchrun). `moeshard-train --help` lists the other commands.",
+        epilog="Overrides: --section.key=value, e.g. --train.lr=1e-4; `moeshard-train config --show` lists every key.",
+    )
     parser.add_argument("--config", default=None, help="YAML file; omitted: the embedded default job")
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
@@ -46,6 +72,52 @@ def _train(argv: list[str]) -> int:
     return EXIT_STATUS if stopped else 0
 
 
+def _config(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="moeshard-train config",
+        description="The job's configuration (the YAML file, if any, with the overrides applied), as YAML.",
+        epilog="Overrides: --section.key=value, e.g. --train.lr=1e-4 --logging.wandb.project=x",
+    )
+    parser.add_argument("--config", default=None, help="YAML file; omitted: the embedded default job")
+    parser.add_argument("--show", action="store_true", help="every key with its value, default and meaning")
+    args, overrides = parser.parse_known_args(argv)
+    cfg = load_config(args.config, overrides)
+    if not args.show:
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
+    from moeshard.train.config import GROUP_OFF, describe_keys
+
+    rows = [(key, _show(v), _show(d), meaning) for key, v, d, meaning in describe_keys(cfg)]
+    wk = max(len(r[0]) for r in rows)
+    wv = min(24, max(len(r[1]) for r in rows))
+    wd = min(18, max(len(r[2]) for r in rows))
+    print(f"{'key':{wk}s}  {'value':{wv}s}  {'default':{wd}s}  meaning")
+    for key, v, d, meaning in rows:
+        mark = "*" if v not in (d, GROUP_OFF) else " "  # changed by the file or the command line
+        print(f"{key:{wk}s} {mark}{v:{wv}s}  {d:{wd}s}  {meaning}")
+    return 0
+
+
+def _show(value: object) -> str:
+    """A value as YAML writes it in flow style (``null``, ``true``, ``[0.9, 0.95]``); floats short."""
+    import json
+
+    if isinstance(value, float):
+        short = f"{value:.6g}"
+        return short if any(c in short for c in ".einf") else f"{short}.0"
+    if isinstance(value, str):
+        return value
+    if hasattr(value, "__dataclass_fields__"):
+        return "{...}"  # a group of keys, shown on the rows below
+    if isinstance(value, tuple) and value and hasattr(value[0], "__dataclass_fields__"):
+        import dataclasses
+
+        value = [dataclasses.asdict(v) for v in value]
+    return json.dumps(value, default=str).replace('"', "")
+
+
 def _plan(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="moeshard-train plan", description="Dry run on the fake backend.")
     parser.add_argument("--config", default=None)
@@ -53,6 +125,7 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument("--nproc-per-node", type=int, required=True)
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--micro-batch-size", type=int, default=None, help="for the activation estimate")
+    parser.add_argument("--summary", action="store_true", help="the totals, without the table of parameters")
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     from moeshard.train.plan import plan
@@ -64,6 +137,7 @@ def _plan(argv: list[str]) -> int:
             nproc_per_node=args.nproc_per_node,
             rank=args.rank,
             micro_batch_size=args.micro_batch_size,
+            table=not args.summary,
         )
     )
     return 0
@@ -195,9 +269,23 @@ def main(argv: list[str] | None = None) -> int:
     from moeshard.train.errors import JobError
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--help"], ["-h"], ["help"]):
+        print(_help())
+        return 0
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        import difflib
+
+        near = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f"did you mean {near[0]}? " if near else ""
+        print(
+            f"moeshard-train: error: unknown command {argv[0]!r}; {hint}moeshard-train --help lists them",
+            file=sys.stderr,
+        )
+        return 2
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
     handler = {
         "train": _train,
+        "config": _config,
         "plan": _plan,
         "export-hf": _export,
         "launch-local": _launch_local,

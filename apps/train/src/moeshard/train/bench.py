@@ -15,17 +15,27 @@ after the last one) and each step's time is the device's, from CUDA events recor
 the host prepares a step while the device still runs the previous one. ``--isolated-steps`` times every step
 alone instead (synchronise and barrier before it, synchronise after it, host clock), so each step also pays
 the host's start-up latency before its first kernel.
+
+``--checkpoint-every N`` saves the job's checkpoint (model, optimizer: what training saves) after every N-th step
+into ``--checkpoint-dir`` (removed at the end), synchronously or with ``--async-checkpoint`` as
+``checkpoint.async: true`` does, and reports the step-time cost of one save: the time of the step before the save
+and the next one (where a background save's copy and write overlap) minus twice the median step without a save.
+
+    torchrun --nproc-per-node 1 -m moeshard.train bench --layers 8 --steps 24 --checkpoint-every 6
+    torchrun --nproc-per-node 1 -m moeshard.train bench --layers 8 --steps 24 --checkpoint-every 6 --async-checkpoint
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,22 +79,29 @@ def main(argv: list[str]) -> int:
         return _synthetic_batches(args, mb, job.model_config.vocab_size, device, g)
 
     back_to_back = not args.isolated_steps and device.type == "cuda"
+    saves = _Saves(args, job) if args.checkpoint_every else None
     if args.data and args.preload:
         with _real_batches(args, job, world, mb) as loader:
             data = [micro for _, micro in loader]  # the same rows, all made before the timed loop
-        times, syncs, step_stats = _timed_steps(args, job, data, device, back_to_back)
+        times, syncs, step_stats = _timed_steps(args, job, data, device, back_to_back, saves)
     elif args.data:
         # Real rows through the training job's loader: prepared in a background thread while the steps run.
         with _real_batches(args, job, world, mb) as loader:
-            times, syncs, step_stats = _timed_steps(args, job, (micro for _, micro in loader), device, back_to_back)
+            times, syncs, step_stats = _timed_steps(
+                args, job, (micro for _, micro in loader), device, back_to_back, saves
+            )
     else:
         # Made before the timed loop (a training loop's data loader prepares them in the background).
         data = [batches() for _ in range(args.steps)]
-        times, syncs, step_stats = _timed_steps(args, job, data, device, back_to_back)
+        times, syncs, step_stats = _timed_steps(args, job, data, device, back_to_back, saves)
+    if saves is not None:
+        saves.finish()
     losses = [stats.read().loss for stats in step_stats]  # read after the timed steps
     if (args.profile or args.trace) and device.type == "cuda":
         _profile_step(args, job, batches)
     result = _result(args, job, device, world, mb, back_to_back, times, syncs, losses)
+    if saves is not None:
+        result.update(_save_cost(args, times))
     if dist.get_rank() == 0:
         _report(result, args.out, isolated=not back_to_back)
     dist.barrier()
@@ -168,6 +185,17 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="with --data: read every step's rows before the timed loop (the loader's cost left out, for comparison)",
     )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="save the job's checkpoint after every N-th step and report the step-time cost of a save (0: none)",
+    )
+    p.add_argument("--async-checkpoint", action="store_true", help="with --checkpoint-every: checkpoint.async: true")
+    p.add_argument(
+        "--checkpoint-dir", default="bench_checkpoints", help="where --checkpoint-every saves (removed at the end)"
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, help="write the torch.profiler kernel table of one step here")
     p.add_argument("--trace", default=None, help="write rank 0's Chrome trace of the profiled step here (.json.gz)")
@@ -209,7 +237,7 @@ def _job_config(args: argparse.Namespace, device: torch.device, world: int, mb: 
             compile=args.compile,
             fused_expert_update=not args.no_fused_expert_update,
         ),
-        checkpoint=CheckpointConfig(resume="none"),
+        checkpoint=CheckpointConfig(resume="none", async_=args.async_checkpoint),
         logging=LoggingConfig(tensorboard=False, progress_bar=False),
     )
 
@@ -270,16 +298,92 @@ def _mark() -> torch.cuda.Event:
     return ev
 
 
+class _Saves:
+    """``--checkpoint-every``: the job's checkpoint after every N-th step, as the training job saves it
+    (``moeshard.train.checkpoint``), synchronously or in the background (``--async-checkpoint``)."""
+
+    def __init__(self, args: argparse.Namespace, job: Job) -> None:
+        from moeshard.train import checkpoint as ckpt
+        from moeshard.train import checkpoint_async
+
+        self.ckpt, self.job, self.every = ckpt, job, args.checkpoint_every
+        self.start_async_save = checkpoint_async.start_async_save
+        self.dir = Path(args.checkpoint_dir)
+        self.pending = None
+        self.group = dist.new_group(backend="gloo") if args.async_checkpoint else None
+        self.stager = checkpoint_async.make_stager(job.device) if args.async_checkpoint else None
+
+    def before_update(self, stats: StepStats) -> None:
+        if self.pending is not None:
+            self.pending.wait_staged()  # as the job's Checkpointer: the optimizer step changes the staged state
+
+    def after_step(self, step: int) -> None:
+        """``step`` counts from 1."""
+        if self.pending is not None and dist.get_rank() == 0:
+            self.pending.publish_if_done()
+        if step % self.every:
+            return
+        keep = self.job.cfg.checkpoint.keep_last
+        if self.pending is not None:
+            self.pending.wait()
+        if self.group is None:
+            self.ckpt.save_job(self.job, self.dir, step)
+        else:
+            state = self.ckpt.job_state(self.job, step)
+            self.pending = self.start_async_save(
+                self.dir, step, *state, keep_last=keep, group=self.group, stager=self.stager
+            )
+
+    def finish(self) -> None:
+        if self.pending is not None:
+            self.pending.wait()
+        if self.stager is not None:
+            self.stager.close()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _save_cost(args: argparse.Namespace, times: list[float]) -> dict:
+    """The step-time cost of one save: the step before it and the next one (where a background save's copy and
+    write overlap) minus twice the median step outside such windows (``times``: the steps after warm-up)."""
+    first = args.warmup  # times[j] is step first + j (0-based); a save follows 0-based step s when (s + 1) % N == 0
+    before = [j for j in range(len(times) - 1) if (first + j + 1) % args.checkpoint_every == 0]
+    windows = {j for b in before for j in (b, b + 1)}
+    plain = [t for j, t in enumerate(times) if j not in windows]
+    base = statistics.median(plain) if plain else float("nan")
+    costs = [times[b] + times[b + 1] - 2 * base for b in before]
+    return {
+        "checkpoint_every": args.checkpoint_every,
+        "async_checkpoint": args.async_checkpoint,
+        "step_time_s_median_without_save": base,
+        "save_cost_s": costs,
+        "save_cost_s_median": statistics.median(costs) if costs else None,
+    }
+
+
 def _timed_steps(
-    args: argparse.Namespace, job: Job, data: Iterable[list[Batch]], device: torch.device, back_to_back: bool
+    args: argparse.Namespace,
+    job: Job,
+    data: Iterable[list[Batch]],
+    device: torch.device,
+    back_to_back: bool,
+    saves: _Saves | None = None,
 ) -> tuple[list[float], list[int], list[StepStats]]:
     """Run the ``--steps`` steps; return the times and device→host sync counts of the steps after warm-up and
     every step's ``StepStats`` (not yet read).
 
     Back to back: CUDA events at consecutive step starts, one synchronisation after the last step. Otherwise
     (``--isolated-steps``, or on CPU): synchronise and barrier before each step, synchronise after it, host clock.
+    A save of ``saves`` after a step counts in that step's time.
     """
-    from moeshard.train.train import StepStats, train_step
+    from moeshard.train.train import train_step
+
+    def before_update(stats: StepStats) -> None:
+        if args.check_finite:
+            stats.read()  # as moeshard-train's loop: the update waits for finite figures
+        if saves is not None:
+            saves.before_update(stats)
 
     times, syncs, step_stats, marks = [], [], [], []
     if back_to_back:
@@ -303,9 +407,11 @@ def _timed_steps(
             if back_to_back:
                 marks.append(_mark())
             t0 = time.perf_counter()
-            stats = train_step(job, micro, before_update=StepStats.read if args.check_finite else None)
+            stats = train_step(job, micro, before_update=before_update)
             if count:
                 torch.cuda.set_sync_debug_mode("default")
+            if saves is not None:
+                saves.after_step(step + 1)
             if not back_to_back:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -413,6 +519,13 @@ def _report(result: dict, out: str | None, isolated: bool) -> None:
         f"MFU {100 * r['mfu']:.1f}% | peak alloc {r['peak_allocated_gib'] or 0:.1f} GiB "
         f"reserved {r['peak_reserved_gib'] or 0:.1f} GiB | syncs/step {r['syncs_per_step']}"
     )
+    if "save_cost_s_median" in r:
+        cost = r["save_cost_s_median"]
+        print(
+            f"checkpoint every {r['checkpoint_every']} steps ({'async' if r['async_checkpoint'] else 'sync'}): "
+            f"step {1000 * r['step_time_s_median_without_save']:.1f} ms without a save, a save costs "
+            + (f"{cost:.2f} s of step time" if cost is not None else "? (no save after warm-up)")
+        )
     if out:
         with open(out, "w") as f:
             json.dump(result, f, indent=1)

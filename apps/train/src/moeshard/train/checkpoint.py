@@ -14,17 +14,24 @@ them, ``.metadata`` (readable, and every shard file it names present and long en
 :func:`set_aside` renames the damaged one to ``step_XXXXXXXX.damaged`` (kept for inspection, never deleted; no
 longer a candidate for resume, pruning or a later save of the same step).
 
+``checkpoint.async``: ``moeshard.train.checkpoint_async`` writes the same folder in the background (DCP's
+``async_save``, pinned staging on CUDA) and publishes it (``COMPLETE``, rename) only once the write ended on every
+rank; a failed background write is never published and stops the job at the next save or the run's end.
+
 :func:`save_job` / :func:`resume_job` put a training job (model, optimizer, scheduler, step, RNG) into and out of
-such a folder; :class:`Checkpointer` is the training loop's callback that saves every ``checkpoint.every_steps``.
+such a folder; :class:`Checkpointer` is the training loop's callback that saves every ``checkpoint.every_steps``
+(and writes the Hub folders of ``checkpoint.save_hf``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -198,56 +205,79 @@ def save_checkpoint(
         rank_state: per-rank picklable state (RNG), one file per rank.
         keep_last: complete checkpoints to keep after this one is written.
     """
-    rank = dist.get_rank()
-    final = ckpt_dir / checkpoint_name(step)
+    tmp = _begin(ckpt_dir, step)
+    error = None
+    try:
+        dcp.save(app_state, storage_writer=faults.storage_writer(tmp, step))
+        _write_small(tmp, extra, rank_state)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn of any rank's failure
+        error = e
+    _raise_if_any_failed(ckpt_dir, tmp, step, error)
+    if dist.get_rank() == 0:
+        _publish(ckpt_dir, tmp, step, keep_last)
+    dist.barrier()
+    return ckpt_dir / checkpoint_name(step)
+
+
+def _begin(ckpt_dir: Path, step: int) -> Path:
+    """The temporary folder of a save, made empty by rank 0 before any rank writes into it."""
     tmp = ckpt_dir / f".tmp-{checkpoint_name(step)}"
-    if rank == 0:
+    if dist.get_rank() == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)  # a stale attempt of ours at this step
         tmp.mkdir()
     dist.barrier()
-    error = None
-    try:
-        dcp.save(app_state, storage_writer=faults.storage_writer(tmp, step))
-        torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")
-        if rank == 0:
-            torch.save(extra, tmp / "extra.pt")
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn of any rank's failure
-        error = e
+    return tmp
+
+
+def _write_small(tmp: Path, extra: dict[str, Any], rank_state: dict[str, Any]) -> None:
+    rank = dist.get_rank()
+    torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")
+    if rank == 0:
+        torch.save(extra, tmp / "extra.pt")
+
+
+def _raise_if_any_failed(ckpt_dir: Path, tmp: Path, step: int, error: BaseException | None, how: str = "") -> None:
+    """Agree on the outcome of a save (one all-reduce); when any rank failed, rank 0 removes the temporary folder
+    and every rank raises :class:`CheckpointSaveError`."""
     failed = torch.tensor([0 if error is None else 1])
     dist.all_reduce(failed)
-    if failed.item():
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        previous = newest_checkpoint(ckpt_dir)
-        raise CheckpointSaveError(
-            f"saving the checkpoint of step {step} failed"
-            + (f" ({describe_failure(error)})" if error is not None else f" on {int(failed.item())} other rank(s)")
-            + f"; nothing was published, the previous checkpoint {previous or '(none)'} is intact. "
-            "Free disk space or point checkpoint.dir elsewhere, then resume"
-        ) from error
-    if rank == 0:
-        files = {}
-        for f in sorted(tmp.iterdir()):
-            if f.is_file():
-                with f.open("rb") as fh:
-                    os.fsync(fh.fileno())
-                files[f.name] = f.stat().st_size
-        # The record validate_checkpoint checks before a resume: every file of the checkpoint and its size.
-        marker = {"step": step, "world_size": dist.get_world_size(), "time": time.time(), "files": files}
-        (tmp / COMPLETE).write_text(json.dumps(marker))
-        _fsync_dir(tmp)
-        old = ckpt_dir / f".old-{checkpoint_name(step)}"
-        if final.exists():  # an earlier save of the same step (resumed from before it): move it aside first
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)  # a crash from here on still leaves the older complete checkpoints
-        os.rename(tmp, final)
-        _fsync_dir(ckpt_dir)
-        shutil.rmtree(old, ignore_errors=True)
-        prune(ckpt_dir, keep_last)
+    if not failed.item():
+        return
     dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    previous = newest_checkpoint(ckpt_dir)
+    raise CheckpointSaveError(
+        f"saving the checkpoint of step {step}{how} failed"
+        + (f" ({describe_failure(error)})" if error is not None else f" on {int(failed.item())} other rank(s)")
+        + f"; nothing was published, the previous checkpoint {previous or '(none)'} is intact. "
+        "Free disk space or point checkpoint.dir elsewhere, then resume"
+    ) from error
+
+
+def _publish(ckpt_dir: Path, tmp: Path, step: int, keep_last: int) -> Path:
+    """Rank 0, once every rank's files are written: ``COMPLETE`` (every file and its size), rename, prune."""
+    final = ckpt_dir / checkpoint_name(step)
+    files = {}
+    for f in sorted(tmp.iterdir()):
+        if f.is_file():
+            with f.open("rb") as fh:
+                os.fsync(fh.fileno())
+            files[f.name] = f.stat().st_size
+    # The record validate_checkpoint checks before a resume: every file of the checkpoint and its size.
+    marker = {"step": step, "world_size": dist.get_world_size(), "time": time.time(), "files": files}
+    (tmp / COMPLETE).write_text(json.dumps(marker))
+    _fsync_dir(tmp)
+    old = ckpt_dir / f".old-{checkpoint_name(step)}"
+    if final.exists():  # an earlier save of the same step (resumed from before it): move it aside first
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)  # a crash from here on still leaves the older complete checkpoints
+    os.rename(tmp, final)
+    _fsync_dir(ckpt_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    prune(ckpt_dir, keep_last)
     return final
 
 
@@ -318,14 +348,17 @@ def app_state(job: Job) -> dict[str, Any]:
     return get_state_dict(job.model, job.optimizer)
 
 
-def save_job(job: Job, ckpt_dir: Path, step: int) -> Path:
-    """Save an atomic, layout-independent checkpoint after ``step`` steps (model, optimizer, scheduler, data
-    position, RNG); returns its folder."""
+def job_state(job: Job, step: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """What a checkpoint after ``step`` steps holds: ``(DCP state, extra, this rank's state)`` (model, optimizer;
+    scheduler, step, config, data position; RNG)."""
+    config = job.cfg.to_dict()
+    if config["data"].get("tokenizer"):  # absolute, as in run.json: an export from another folder still finds it
+        config["data"]["tokenizer"] = os.path.abspath(os.path.expanduser(config["data"]["tokenizer"]))
     extra = {
         "step": step,
         "scheduler": job.scheduler.state_dict(),
         "world_size": dist.get_world_size(),
-        "config": job.cfg.to_dict(),
+        "config": config,
         "model_config": job.model_config.to_dict(),
         # The data order is a pure function of the step (moeshard.data.StepBatches), so the step is the position.
         "data": {"step": step, "samples_seen": step * job.cfg.train.global_batch_size},
@@ -333,7 +366,28 @@ def save_job(job: Job, ckpt_dir: Path, step: int) -> Path:
     rank_state = {"cpu_rng": torch.get_rng_state()}
     if job.device.type == "cuda":
         rank_state["cuda_rng"] = torch.cuda.get_rng_state(job.device)
-    return save_checkpoint(ckpt_dir, step, app_state(job), extra, rank_state, keep_last=job.cfg.checkpoint.keep_last)
+    return app_state(job), extra, rank_state
+
+
+def save_job(job: Job, ckpt_dir: Path, step: int) -> Path:
+    """Save an atomic, layout-independent checkpoint after ``step`` steps (model, optimizer, scheduler, data
+    position, RNG); returns its folder."""
+    return save_checkpoint(ckpt_dir, step, *job_state(job, step), keep_last=job.cfg.checkpoint.keep_last)
+
+
+def write_hub_folder(checkpoint: Path, hf_dir: Path, dtype: str) -> Path:
+    """``checkpoint.save_hf``: the Hub folder ``hf_dir/<checkpoint's name>`` written from a complete checkpoint by
+    :func:`moeshard.train.export.export_hf` (streaming: host memory bounded by a shard), atomically (a temporary
+    folder renamed; an earlier folder of the same step is replaced). Returns the folder."""
+    from moeshard.train.export import export_hf
+
+    final, tmp = hf_dir / checkpoint.name, hf_dir / f".tmp-{checkpoint.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_hf(checkpoint, tmp, dtype=dtype)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    return final
 
 
 def resume_job(job: Job, path: Path) -> int:
@@ -359,18 +413,106 @@ def resume_job(job: Job, path: Path) -> int:
 
 
 class Checkpointer(Callback):
-    """Saves the job after every ``checkpoint.every_steps`` steps, after the last one (``save_final``) and after a
-    step the ranks agreed to stop at (``StepStats.stop_agreed``: a preemption)."""
+    """Saves the job after every ``checkpoint.every_steps`` steps, after the last one (``save_final``, or
+    ``save_hf`` other than ``none``) and after a step the ranks agreed to stop at (``StepStats.stop_agreed``: a
+    preemption).
 
-    def __init__(self, job: Job, ckpt_dir: Path) -> None:
+    ``checkpoint.async``: every save but the run's last runs in the background (``checkpoint_async``). The loop
+    goes on at once (on CUDA the copy to pinned host memory overlaps the next step's forward and backward; its
+    optimizer step waits for the copy); rank 0 publishes the checkpoint (``COMPLETE``, rename) at the first step
+    end after the write ended on every rank; the next save and the end of the run wait for it, and a failed write
+    stops the job there (:class:`CheckpointSaveError`), never published. ``checkpoint.save_hf``: rank 0 writes the
+    Hub folder ``<output_dir>/hf/step_XXXXXXXX`` (:func:`write_hub_folder`) from every published checkpoint
+    (``every``) or from the last step's (``final``); the other ranks wait for it at their next collective.
+
+    Args:
+        console: where rank 0's lines go (the progress bar's ``write``); ``print`` by default.
+    """
+
+    def __init__(self, job: Job, ckpt_dir: Path, console: Callable[[str], None] | None = None) -> None:
         self.job, self.ckpt_dir = job, ckpt_dir
+        self.console = console or functools.partial(print, flush=True)
         self.last_saved = newest_checkpoint(ckpt_dir)
+        self.pending = None  # a moeshard.train.checkpoint_async.PendingSave
+        self._started: dict[int, tuple[float, bool]] = {}  # step -> (save began, in the background)
+        self._group = self._stager = None
+        if job.cfg.checkpoint.async_:
+            from moeshard.train.checkpoint_async import make_stager
+
+            # A background save's collectives run on a gloo group of their own (made by every rank, here): on the
+            # training's group they would interleave with the steps'.
+            self._group = dist.new_group(backend="gloo")
+            self._stager = make_stager(job.device)
 
     def due(self, step: int) -> bool:
         """Whether the loop saves after ``step``."""
         c = self.job.cfg.checkpoint
-        return bool(c.every_steps and step % c.every_steps == 0) or (step == self.job.cfg.train.steps and c.save_final)
+        last = step == self.job.cfg.train.steps and (c.save_final or c.save_hf != "none")
+        return bool(c.every_steps and step % c.every_steps == 0) or last
+
+    def before_update(self, step: int, stats: StepStats) -> None:
+        if self.pending is not None:
+            self.pending.wait_staged()  # the optimizer step is about to change the state being copied
 
     def on_step_end(self, step: int, stats: StepStats) -> None:
-        if self.due(step) or stats.stop_agreed:  # the ranks stop after this step (preemption): save it
-            self.last_saved = save_job(self.job, self.ckpt_dir, step)
+        save = self.due(step) or stats.stop_agreed  # the ranks stop after this step (preemption): save it
+        last = step == self.job.cfg.train.steps or stats.stop_agreed
+        if self.pending is not None and (save or last):  # every rank, at the same step
+            pending, self.pending = self.pending, None
+            announced = pending.published is not None  # rank 0 published it at an earlier step end
+            path = pending.wait()
+            if not announced:
+                self._published(path, pending.step)
+        elif self.pending is not None and dist.get_rank() == 0 and self.pending.published is None:
+            if self.pending.publish_if_done() is not None:
+                self._published(self.pending.published, self.pending.step)
+        if not save:
+            return
+        self._started[step] = (time.perf_counter(), self._group is not None and not last)
+        if self._group is not None and not last:
+            from moeshard.train.checkpoint_async import start_async_save
+
+            keep = self.job.cfg.checkpoint.keep_last
+            self.pending = start_async_save(
+                self.ckpt_dir, step, *job_state(self.job, step), keep_last=keep, group=self._group, stager=self._stager
+            )
+        else:
+            self._published(save_job(self.job, self.ckpt_dir, step), step)
+
+    def _published(self, path: Path, step: int) -> None:
+        self.last_saved = path
+        c = self.job.cfg.checkpoint
+        started, background = self._started.pop(step, (None, False))
+        if dist.get_rank() == 0 and started is not None:  # one line per saved checkpoint: step, size, seconds
+            size = sum(read_marker(path).get("files", {}).values())
+            seconds = f"{time.perf_counter() - started:.1f} s{' in the background' if background else ''}"
+            size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+            self.console(f"checkpoint of step {step}: {path} ({size_text}, {seconds})")
+        if dist.get_rank() == 0 and (
+            c.save_hf == "every" or (c.save_hf == "final" and step == self.job.cfg.train.steps)
+        ):
+            try:
+                hub = write_hub_folder(path, Path(self.job.cfg.logging.output_dir) / "hf", c.hf_dtype)
+            except (OSError, ValueError) as e:  # e.g. a full disk; rank 0 only: the others stop on losing it
+                raise JobError(
+                    f"writing the Hub folder of step {step} failed ({describe_failure(e)}); the checkpoint {path} is "
+                    "complete: resume from it, or export it later with moeshard-train export-hf",
+                    every_rank=False,
+                ) from e
+            self.console(f"Hub folder {hub} written from checkpoint {path.name} ({c.hf_dtype})")
+
+    def on_run_end(self) -> None:
+        """After an error in the loop (a run that ends well waited at its last step): a background save still
+        ends (each rank waits for its own write, no collective), rank 0 publishes it if it succeeded."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            try:
+                pending.upload.result()
+                if dist.get_rank() == 0:
+                    pending.publish_if_done()
+            except BaseException:  # noqa: BLE001 - the loop's own error is the one reported
+                if dist.get_rank() == 0:
+                    shutil.rmtree(pending.tmp, ignore_errors=True)
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None

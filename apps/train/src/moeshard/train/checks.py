@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from moeshard.data import Dataset, StepBatches, check_batch_sizes, open_dataset
+from moeshard.data import DataConfig, Dataset, EvalBatches, StepBatches, check_batch_sizes, open_dataset
 from moeshard.models.qwen3moe import STRUCTURAL_CONFIG_KEYS
 from moeshard.train import checkpoint as ckpt
 from moeshard.train.config import JobConfig, resolve_model_config
 from moeshard.train.errors import JobError
-from moeshard.train.train import check_model_fits
+from moeshard.train.train import SCHEDULE_KEYS, check_model_fits
 
 
 def print0(*args: Any) -> None:
@@ -38,14 +38,15 @@ def _absolute(path: Any) -> Any:
 
 
 def run_identity(cfg: JobConfig, data: Dataset) -> dict[str, Any]:
-    """What makes two runs "the same run": model, data and optimisation (steps, layout, logging and
-    checkpointing may change between a run and its resumption).
+    """What makes two runs "the same run": model, data and optimisation (steps and the rest of the learning-rate
+    schedule, ``moeshard.train.train.SCHEDULE_KEYS``, layout, evaluation, logging and checkpointing may change
+    between a run and its resumption).
 
     The data are the ``data`` settings, with paths made absolute (for the record: what decides is the content), and
     ``data_content``: each source's weight, counts and content fingerprint (``moeshard.data.Dataset.summary``).
     """
     d = cfg.to_dict()
-    train = {k: v for k, v in d["train"].items() if k != "steps"}
+    train = {k: v for k, v in d["train"].items() if k not in SCHEDULE_KEYS}  # a resume may change the schedule
     settings = {k: v for k, v in d["data"].items() if k != "allow_changed"}  # a switch of the resume, not the run
     settings["path"], settings["tokenizer"] = _absolute(settings["path"]), _absolute(settings["tokenizer"])
     settings["sources"] = [{**s, "path": _absolute(s["path"])} for s in settings["sources"]]
@@ -100,11 +101,14 @@ def guard_output_dir(cfg: JobConfig, output_dir: Path, resuming: bool, identity:
             )
         return
     previous = json.loads(run_file.read_text())
+    defaults = JobConfig().to_dict()
     diff = [
         f"{s}.{k}"
         for s in ("model", "train")
         for k in set(identity[s]) | set(previous.get(s, {}))
         if identity[s].get(k) != previous.get(s, {}).get(k)
+        and not (s == "train" and k in SCHEDULE_KEYS)  # recorded by runs of earlier versions
+        and not (k not in previous.get(s, {}) and identity[s].get(k) == defaults[s].get(k))  # a key added since
     ]
     changed = data_changes(previous, identity)
     if diff or (changed and not resuming):
@@ -143,6 +147,7 @@ class Prepared:
     world_size: int
     ranks_per_node: int
     damaged: list[tuple[Path, str]] = field(default_factory=list)  # newer checkpoints skipped: (folder, why)
+    eval_batches: EvalBatches | None = None  # the held-out set (eval section), None without one
 
 
 def _env_int(name: str, default: int) -> int:
@@ -195,20 +200,50 @@ def prepare(cfg: JobConfig) -> Prepared:
         resume_path, damaged = ckpt.find_resume(resume, ckpt_dir)  # validated: auto skips damaged checkpoints
         if resume_path is not None:
             _check_same_model(resume_path, mcfg)
-        data = open_dataset(  # moeshard.data.DataError (a ValueError) names the file/record/key and the fix
-            cfg.data,
-            vocab_size=mcfg.vocab_size,
-            eos_id=_first(mcfg.eos_token_id),
-            pad_id=getattr(mcfg, "pad_token_id", None),
-        )
+        _check_tokenizer_folder(cfg.data.tokenizer)
+        tokens = {"vocab_size": mcfg.vocab_size, "eos_id": _first(mcfg.eos_token_id)}
+        tokens["pad_id"] = getattr(mcfg, "pad_token_id", None)
+        data = open_dataset(cfg.data, **tokens)  # moeshard.data.DataError names the file/record/key and the fix
         batches = StepBatches(
             data, global_batch=cfg.train.global_batch_size, world_size=world, micro_batch=cfg.train.micro_batch_size
         )
+        eval_batches = None
+        if cfg.eval.enabled:
+            eval_batches = EvalBatches(
+                open_dataset(eval_data_config(cfg), **tokens),
+                global_batch=cfg.train.global_batch_size,
+                world_size=world,
+                micro_batch=cfg.train.micro_batch_size,
+                max_batches=cfg.eval.max_batches,
+            )
         identity = run_identity(cfg, data)
         guard_output_dir(cfg, output_dir, resuming=resume != "none", identity=identity)
     except (ValueError, FileNotFoundError) as e:
         raise JobError(str(e)) from e
-    return Prepared(mcfg, data, batches, identity, output_dir, ckpt_dir, resume_path, rank, world, per_node, damaged)
+    return Prepared(
+        mcfg, data, batches, identity, output_dir, ckpt_dir, resume_path, rank, world, per_node, damaged, eval_batches
+    )
+
+
+def eval_data_config(cfg: JobConfig) -> DataConfig:
+    """The held-out set's data config: ``eval.path`` (or generated rows with another seed than the training data's)
+    read with the training data's ``seq_len``, ``packing`` and ``tokenizer``, in order (no shuffle)."""
+    d = cfg.data
+    common = {"tokenizer": d.tokenizer, "seq_len": d.seq_len, "packing": d.packing, "shuffle": False}
+    if cfg.eval.path is not None:
+        return DataConfig(path=cfg.eval.path, **common)
+    return DataConfig(synthetic=True, seed=d.seed + 1, synthetic_samples=d.synthetic_samples, **common)
+
+
+def _check_tokenizer_folder(tokenizer: str | None) -> None:
+    """``data.tokenizer`` is a local folder, whatever the data (exports copy its files): a Hub id is never
+    downloaded. Raises ValueError saying how to get it."""
+    if tokenizer is not None and not Path(tokenizer).expanduser().is_dir():
+        raise ValueError(
+            f"data.tokenizer {tokenizer!r} is not a local folder (the job downloads nothing); give a local folder, or "
+            f"download it first (e.g. `hf download {tokenizer if '/' in tokenizer else 'Qwen/Qwen3-30B-A3B'} "
+            "--include 'tokenizer*' 'vocab.json' 'merges.txt' --local-dir DIR`) and pass DIR"
+        )
 
 
 def _check_same_model(path: Path, mcfg: Any) -> None:

@@ -12,22 +12,34 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
 import moeshard.data
 
 
+def _key(
+    default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = dataclasses.MISSING, name: str = ""
+) -> Any:
+    """A config key: its default and its one-line meaning, the one place both are written (``moeshard-train config
+    --show`` prints them; a test checks that every key has a meaning). ``name``: the YAML key where it is not the
+    field's (``checkpoint.async``, a Python keyword)."""
+    meta = {"help": help, **({"key": name} if name else {})}
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model: a named preset or a local HF directory (config + weights), plus field overrides."""
 
-    preset: str | None = "tiny"
-    path: str | None = None
-    overrides: dict[str, Any] = field(default_factory=dict)
-    dtype: str = "auto"  # compute dtype: auto (bf16 on GPU, float32 on CPU) | float32 | bfloat16
-    init_seed: int = 0  # random init when no path is given (presets)
+    preset: str | None = _key("tiny", "a named model: tiny | qwen3-30b-a3b (null with model.path)")
+    path: str | None = _key(None, "a local HF folder (config.json + safetensors, either expert layout) to start from")
+    overrides: dict[str, Any] = _key(factory=dict, help="Qwen3MoeConfig fields to change, e.g. {num_hidden_layers: 8}")
+    dtype: str = _key("auto", "compute dtype: auto (bf16 on GPU, float32 on CPU) | float32 | bfloat16")
+    init_seed: int = _key(0, "seed of the random initialisation (presets; not with model.path)")
 
 
 @dataclass(frozen=True)
@@ -35,15 +47,19 @@ class ParallelConfig:
     """Expert parallelism and how it runs; the rest is derived from the launch (ranks per node from
     LOCAL_WORLD_SIZE). :func:`parallel_options` maps these keys onto ``moeshard.models.qwen3moe.ParallelOptions``."""
 
-    ep_size: int = 2
-    allow_cross_node_ep: bool = False
-    prefetch_depth: int = 1  # 0 leaves FSDP's default order
-    # With ep_size > 1: issue the forward prefetch at each MoE layer's host sync, not in the pre-forward hook.
-    prefetch_at_host_sync: bool = True
-    reshard_after_forward: bool = True
-    dispatch: str = "overlapped"  # EP > 1 token exchange: overlapped | all_to_all (the plain reference)
-    expert_kernels: str = "auto"  # auto (triton with train.compile, else eager) | eager | compiled | triton
-    sm_carveout: int = 32  # SMs left to the exchange while an expert GEMM overlaps it (overlapped, CUDA); 0: off
+    ep_size: int = _key(2, "expert-parallel ranks (divides the ranks per node and the experts)")
+    allow_cross_node_ep: bool = _key(False, "let an EP group span nodes (its all-to-all then crosses the slow links)")
+    prefetch_depth: int = _key(1, "FSDP units gathered ahead: 0 (FSDP's default order), 1, 2")
+    prefetch_at_host_sync: bool = _key(
+        True, "EP > 1: issue the next layer's all-gather at each MoE layer's host sync, not in the pre-forward hook"
+    )
+    reshard_after_forward: bool = _key(True, "free gathered parameters after forward (re-gather them in backward)")
+    dispatch: str = _key("overlapped", "EP > 1 token exchange: overlapped | all_to_all (the plain reference)")
+    expert_kernels: str = _key(
+        "auto",
+        "kernels around the expert GEMMs: auto (triton with train.compile, else eager) | eager | compiled | triton",
+    )
+    sm_carveout: int = _key(32, "SMs left to the exchange while an expert GEMM overlaps it (overlapped, CUDA); 0: off")
 
 
 @dataclass(frozen=True)
@@ -53,7 +69,20 @@ class DataConfig(moeshard.data.DataConfig):
     job: ``allow_changed``, a resume continues on data whose content or settings changed since the run began
     (the change is logged) instead of stopping."""
 
-    allow_changed: bool = False
+    # The meanings of the keys moeshard.data's DataConfig defines (the job's own keys carry theirs).
+    HELP: ClassVar[dict[str, str]] = {
+        "path": "a file, folder, glob, HF save_to_disk folder, prepared folder, or a list of them (one source)",
+        "sources": "or a weighted mixture: [{path, weight, name}, ...]",
+        "tokenizer": "a local tokenizer folder, for text / messages records (copied into Hub exports)",
+        "seq_len": "tokens per row",
+        "packing": "document-masked packing (rows are windows of the token stream); false: one padded document per row",
+        "shuffle": "a seeded permutation of each source's rows per epoch",
+        "seed": "seed of the shuffle",
+        "synthetic": "generated sequences instead of files (the CPU smoke test)",
+        "synthetic_samples": "rows of synthetic data",
+    }
+
+    allow_changed: bool = _key(False, "a resume may continue on changed data (logged) instead of stopping")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -62,48 +91,149 @@ class DataConfig(moeshard.data.DataConfig):
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """Validation (``moeshard.train.evaluation``): the mean loss over every predicted token of a held-out set, all
+    ranks, in global batches of ``train.global_batch_size`` rows split over the ranks like training's."""
+
+    path: str | tuple[str, ...] | None = _key(
+        None, "held-out data: anything data.path takes (read with data's seq_len, packing and tokenizer)"
+    )
+    synthetic: bool | None = _key(
+        None,
+        "held-out generated rows (data.synthetic's kind, another seed); default (null): data.synthetic, unless "
+        "eval.path is set",
+    )
+    every_steps: int = _key(20, "evaluate after every N steps (and after the last); 0: only after the last step")
+    max_batches: int = _key(2, "global batches per evaluation: the set's first N; 0: the whole set")
+    at_start: bool = _key(True, "also evaluate before the first update (step 0)")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether there is a set to evaluate."""
+        return self.path is not None or bool(self.synthetic)
+
+
+@dataclass(frozen=True)
+class AuxLossConfig:
+    """The router's load-balancing loss (``moeshard.train.train.train_step``)."""
+
+    coef: float | None = _key(
+        None,
+        "weight of the balancing loss; default (null): the model's router_aux_loss_coef (0.001 for 30B-A3B); 0: off",
+    )
+    scope: str = _key(
+        "micro_batch",
+        "expert frequencies of: micro_batch (per rank and micro-batch, transformers' loss) | global_batch (the step's "
+        "micro-batches so far on all ranks: one all-reduce of [layers, experts] per micro-batch)",
+    )
+
+
+@dataclass(frozen=True)
+class RouterBiasConfig:
+    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the routing scores for the top-k selection only."""
+
+    update_rate: float = _key(
+        1e-3, "after each optimizer step, bias += rate * sign(mean load - load) from the step's global expert load"
+    )
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Optimisation. ``global_batch_size`` counts sequences over all ranks per optimizer step."""
 
-    steps: int = 60
-    global_batch_size: int = 16
-    micro_batch_size: int = 2
-    lr: float = 3e-3
-    warmup_steps: int = 5
-    schedule: str = "cosine"  # cosine | constant
-    min_lr: float = 3e-4
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.95)
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    activation_checkpointing: bool = False
-    compile: bool = False  # torch.compile each layer's attention half and the loss chunk (a GPU speed option)
-    # Experts outside FSDP (ep_fsdp of one rank): one AdamW pass updates them from their compute-dtype gradients
-    # and writes the next forward's compute copy (moeshard.fsdp_moe.build_optimizer's fuse_local_experts).
-    fused_expert_update: bool = True
+    steps: int = _key(60, "optimizer steps of the run")
+    global_batch_size: int = _key(16, "sequences per optimizer step, all ranks together")
+    micro_batch_size: int = _key(2, "sequences per forward; accumulation = global / world / micro")
+    lr: float = _key(3e-3, "peak learning rate (AdamW)")
+    warmup_steps: int = _key(5, "steps of linear warm-up")
+    schedule: str = _key("cosine", "learning rate after warm-up: cosine | constant | wsd (warmup-stable-decay)")
+    min_lr: float | None = _key(None, "learning rate at the end of the decay; default (null): a tenth of train.lr")
+    decay_fraction: float = _key(0.1, "wsd: the last fraction of train.steps that decays to min_lr")
+    decay_shape: str = _key("linear", "wsd: the decay's shape: linear | cosine | 1-sqrt")
+    weight_decay: float = _key(0.01, "AdamW weight decay")
+    betas: tuple[float, float] = _key((0.9, 0.95), "AdamW betas")
+    max_grad_norm: float = _key(1.0, "clip the global gradient norm to this")
+    seed: int = _key(0, "seed of the run's random state (dropout-free model: little else)")
+    activation_checkpointing: bool = _key(False, "recompute each decoder layer in backward (less memory)")
+    compile: bool = _key(False, "torch.compile each layer's attention half and the loss chunk (a GPU speed option)")
+    # moeshard.fsdp_moe.build_optimizer's fuse_local_experts.
+    fused_expert_update: bool = _key(
+        True, "experts outside FSDP (ep_fsdp 1): one fused AdamW pass from their compute-dtype gradients"
+    )
+    aux_loss: AuxLossConfig = _key(factory=AuxLossConfig, help="expert balancing loss: {coef, scope}")
+    router_bias: RouterBiasConfig | None = _key(
+        None, "aux-loss-free expert balancing: {update_rate} (true: its default); null: off"
+    )
+    z_loss_coef: float = _key(0.0, "weight of the router z-loss (ST-MoE: mean logsumexp(router logits)^2); 0: off")
+
+    def __post_init__(self) -> None:
+        if self.min_lr is None and isinstance(self.lr, (int, float)):
+            # a tenth of lr, as its decimal literal (3e-4, not 3.0000000000000003e-4: the figure one reads back)
+            object.__setattr__(self, "min_lr", float(f"{self.lr / 10:.12g}"))
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Distributed checkpoints (DCP); layout independent, atomic."""
 
-    dir: str | None = None  # default: <output_dir>/checkpoints
-    every_steps: int = 0  # 0: only at the end
-    save_final: bool = True  # also save after the last step (off for throughput runs)
-    keep_last: int = 2
-    resume: str = "auto"  # auto | none | a checkpoint path
+    dir: str | None = _key(None, "where checkpoints go; default (null): <output_dir>/checkpoints")
+    every_steps: int = _key(0, "save every N steps; 0: only at the end")
+    save_final: bool = _key(True, "also save after the last step (off for throughput runs)")
+    keep_last: int = _key(2, "complete checkpoints kept (older ones are pruned)")
+    resume: str = _key("auto", "auto (the newest complete checkpoint) | none | a checkpoint folder")
+    async_: bool = _key(
+        False,
+        "save in the background (DCP async_save, pinned staging on CUDA): training goes on meanwhile",
+        name="async",
+    )
+    save_hf: str = _key(
+        "none", "also write a Hub folder (<output_dir>/hf/step_N) from a checkpoint: none | final | every"
+    )
+    hf_dtype: str = _key("bfloat16", "dtype of the Hub folder's weights: bfloat16 | float16 | float32")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases (``pip install 'moeshard-train[wandb]'``); rank 0 logs the config and every metric."""
+
+    project: str = _key("moeshard", "the W&B project")
+    mode: str = _key("offline", "offline (files under <output_dir>/wandb, no network) | online | disabled")
+    entity: str | None = _key(None, "the W&B team or user (default: yours)")
+    name: str | None = _key(None, "the run's name (default: the output folder's name)")
+    group: str | None = _key(None, "a group of runs")
+    tags: tuple[str, ...] = _key((), "tags of the run")
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    """MLflow (``pip install 'moeshard-train[mlflow]'``); rank 0 logs the config and every metric."""
+
+    tracking_uri: str | None = _key(None, "where runs go; default (null): sqlite:///<output_dir>/mlflow.db (no server)")
+    experiment: str = _key("moeshard", "the MLflow experiment")
+    run_name: str | None = _key(None, "the run's name (default: the output folder's name)")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """torch.profiler over a range of steps (``moeshard.train.profiling``)."""
+
+    steps: tuple[int, int] = _key((2, 3), "first and last step to profile (counting from 1)")
+    memory: bool = _key(False, "also record a CUDA memory snapshot of those steps (GPU only)")
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
     """Where metrics, TensorBoard events and checkpoints go."""
 
-    output_dir: str = "outputs/default"
-    every_steps: int = 1
-    tensorboard: bool = True
-    expert_load_every: int = 10
-    comm_accounting: bool = False
-    progress_bar: bool = True
+    output_dir: str = _key("outputs/default", "metrics, TensorBoard, checkpoints, run.json, Hub exports, traces")
+    every_steps: int = _key(1, "a metrics line every N steps (and the last)")
+    tensorboard: bool = _key(True, "TensorBoard events under <output_dir>/tensorboard")
+    expert_load_every: int = _key(10, "per-layer expert load in TensorBoard every N steps; 0: off")
+    comm_accounting: bool = _key(False, "count every collective's calls and bytes per step (metrics.jsonl comm)")
+    progress_bar: bool = _key(True, "a progress bar with ETA on stderr when it is a terminal")
+    wandb: WandbConfig | None = _key(None, "Weights & Biases: {project, mode, entity, name, group, tags}; null: off")
+    mlflow: MlflowConfig | None = _key(None, "MLflow: {tracking_uri, experiment, run_name}; null: off")
+    profile: ProfileConfig | None = _key(None, "torch.profiler trace of {steps: [a, b], memory}; null: off")
 
 
 @dataclass(frozen=True)
@@ -113,6 +243,7 @@ class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=lambda: DataConfig(synthetic=True))
+    eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -121,20 +252,62 @@ class JobConfig:
         """Plain nested dict (YAML/JSON-safe)."""
 
         def conv(v: Any) -> Any:
+            if dataclasses.is_dataclass(v):
+                return {yaml_key(f): conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
             if isinstance(v, (tuple, list)):
                 return [conv(x) for x in v]
             if isinstance(v, dict):
                 return {k: conv(x) for k, x in v.items()}
             return v
 
-        return {
-            s.name: {k: conv(v) for k, v in dataclasses.asdict(getattr(self, s.name)).items()}
-            for s in dataclasses.fields(self)
-        }
+        return conv(self)
+
+    def __post_init__(self) -> None:
+        if self.eval.synthetic is None:  # held-out generated rows for generated training rows, none for real data
+            synthetic = bool(self.data.synthetic) and self.eval.path is None
+            object.__setattr__(self, "eval", dataclasses.replace(self.eval, synthetic=synthetic))
+
+
+GROUP_OFF = "(off)"  # describe_keys' value of a key in an optional group that is off
+
+
+def yaml_key(f: dataclasses.Field) -> str:
+    """A field's key in YAML and on the command line (``async`` for ``CheckpointConfig.async_``)."""
+    return f.metadata.get("key", f.name)
+
+
+def describe_keys(cfg: JobConfig) -> list[tuple[str, Any, Any, str]]:
+    """Every key of the job as ``(dotted key, value, default, meaning)``, in file order; the keys of an optional
+    group (``logging.wandb.project``) follow the group's row, with the value :data:`GROUP_OFF` where it is off."""
+    rows: list[tuple[str, Any, Any, str]] = []
+
+    def walk(prefix: str, cls: type, value: Any, default: Any) -> None:
+        inherited, hints = getattr(cls, "HELP", {}), typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}.{yaml_key(f)}"
+            v = getattr(value, f.name) if value is not None else GROUP_OFF
+            rows.append((key, v, getattr(default, f.name), f.metadata.get("help") or inherited.get(f.name, "")))
+            args = typing.get_args(hints[f.name])
+            group = [a for a in args if dataclasses.is_dataclass(a)] if type(None) in args else []
+            if group:  # an optional group of keys (logging.wandb): its own defaults
+                walk(key, group[0], None if v is GROUP_OFF else v, group[0]())
+            elif dataclasses.is_dataclass(hints[f.name]):  # a group that is always there (train.aux_loss)
+                walk(key, hints[f.name], v, getattr(default, f.name))
+
+    defaults = JobConfig()
+    for f in dataclasses.fields(JobConfig):
+        walk(f.name, typing.get_type_hints(JobConfig)[f.name], getattr(cfg, f.name), getattr(defaults, f.name))
+    return rows
 
 
 DISPATCH = ("overlapped", "all_to_all")
+SCHEDULES = ("cosine", "constant", "wsd")
+DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
+AUX_SCOPES = ("micro_batch", "global_batch")
 EXPERT_KERNELS = ("auto", "eager", "compiled", "triton")
+SAVE_HF = ("none", "final", "every")
+HF_DTYPES = ("bfloat16", "float16", "float32")
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 class ConfigError(ValueError):
@@ -147,6 +320,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        if value is False and type(None) in args and any(dataclasses.is_dataclass(a) for a in args):
+            return None  # logging.wandb: false, as null: off
         errors = []
         for a in args:
             if a is type(None):
@@ -158,6 +333,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
     if tp is Any:
         return value
+    if dataclasses.is_dataclass(tp):  # a group of keys inside a section (logging.wandb)
+        if isinstance(value, tp):
+            return value
+        return _section_from_dict(tp, key, {} if value is True else value)  # true: its defaults
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -179,6 +358,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"{key} must be a string, got {value!r}")
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[str, ...]: any length
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return tuple(_coerce(key, v, args[0]) for v in value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key} must be a list of {len(args)} values, got {value!r}")
@@ -194,13 +377,13 @@ def _section_from_dict(cls: type, name: str, raw: dict[str, Any]) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"section {name!r} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
+    known = {yaml_key(f): f.name for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in known:
             near = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {name}.{near[0]}?" if near else f"; known keys: {', '.join(sorted(known))}"
             raise ConfigError(f"unknown config key {name}.{key}{hint}")
-    return cls(**{k: _coerce(f"{name}.{k}", v, hints[k]) for k, v in raw.items()})
+    return cls(**{known[k]: _coerce(f"{name}.{k}", v, hints[known[k]]) for k, v in raw.items()})
 
 
 def _parse_value(text: str) -> Any:
@@ -255,9 +438,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         dotted, value = text.split("=", 1)
         section, key = dotted.split(".", 1)
         from_cli.add(dotted)
-        if "." in key:  # model.overrides.num_hidden_layers=2
+        if "." in key:  # model.overrides.num_hidden_layers=2, logging.wandb.project=x
             key, sub = key.split(".", 1)
-            raw.setdefault(section, {}).setdefault(key, {})[sub] = _parse_value(value)
+            group = raw.setdefault(section, {})
+            if not isinstance(group.get(key), dict):  # absent, or null / true in the file
+                group[key] = {}
+            group[key][sub] = _parse_value(value)
         else:
             raw.setdefault(section, {})[key] = _parse_value(value)
     sections = {f.name: f.type for f in dataclasses.fields(JobConfig)}
@@ -273,6 +459,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if "preset" not in model or ("model.preset" not in from_cli and "model.path" in from_cli):
             model["preset"] = None
     _data_source(raw.get("data"), from_cli)
+    if "eval.path" in from_cli and isinstance(raw.get("eval"), dict) and "eval.synthetic" not in from_cli:
+        raw["eval"].pop("synthetic", None)  # a held-out path on the command line replaces the file's generated rows
     cfg = config_from_dict(raw)
     validate(cfg)
     return cfg
@@ -340,16 +528,58 @@ def validate(cfg: JobConfig) -> None:
     for key in ("steps", "global_batch_size", "micro_batch_size"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
-    if t.schedule not in ("cosine", "constant"):
-        raise ConfigError(f"train.schedule must be cosine or constant, got {t.schedule!r}")
-    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
-        raise ConfigError(f"train.lr must be > 0 and 0 <= train.min_lr <= train.lr (got lr={t.lr}, min_lr={t.min_lr})")
+    if t.schedule not in SCHEDULES:
+        raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {t.schedule!r}")
+    if not 0 < t.decay_fraction <= 1 or t.decay_shape not in DECAY_SHAPES:
+        raise ConfigError(
+            f"train.decay_fraction must be in (0, 1] and train.decay_shape one of {', '.join(DECAY_SHAPES)} "
+            f"(got {t.decay_fraction}, {t.decay_shape!r})"
+        )
+    if t.aux_loss.scope not in AUX_SCOPES:
+        raise ConfigError(f"train.aux_loss.scope must be one of {', '.join(AUX_SCOPES)}, got {t.aux_loss.scope!r}")
+    if (t.aux_loss.coef is not None and t.aux_loss.coef < 0) or t.z_loss_coef < 0:
+        raise ConfigError(
+            f"train.aux_loss.coef and train.z_loss_coef must be >= 0 (got {t.aux_loss.coef}, {t.z_loss_coef})"
+        )
+    if t.router_bias is not None and not t.router_bias.update_rate > 0:
+        raise ConfigError(
+            f"train.router_bias.update_rate must be > 0 (null turns aux-loss-free balancing off), got "
+            f"{t.router_bias.update_rate}"
+        )
+    ev = cfg.eval
+    if ev.path is not None and ev.synthetic:
+        raise ConfigError("eval: set one of eval.path or eval.synthetic, not both")
+    if ev.every_steps < 0 or ev.max_batches < 0:
+        raise ConfigError(
+            f"eval.every_steps and eval.max_batches must be >= 0 (0: after the last step only; the whole set), got "
+            f"{ev.every_steps} and {ev.max_batches}"
+        )
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr must be > 0, got {t.lr}")
+    if t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(
+            f"train.min_lr must be between 0 and train.lr (got min_lr={t.min_lr}, lr={t.lr}); leave it out for a "
+            "tenth of train.lr"
+        )
     if c.keep_last < 1:
         raise ConfigError(
             f"checkpoint.keep_last must be >= 1 (the newest checkpoint is always kept), got {c.keep_last}"
         )
     if c.every_steps < 0:
         raise ConfigError(f"checkpoint.every_steps must be >= 0, got {c.every_steps}")
+    for key, allowed in (("save_hf", SAVE_HF), ("hf_dtype", HF_DTYPES)):
+        if getattr(c, key) not in allowed:
+            raise ConfigError(f"checkpoint.{key} must be one of {', '.join(allowed)}, got {getattr(c, key)!r}")
+    lg = cfg.logging
+    if lg.wandb is not None and lg.wandb.mode not in WANDB_MODES:
+        raise ConfigError(f"logging.wandb.mode must be one of {', '.join(WANDB_MODES)}, got {lg.wandb.mode!r}")
+    if lg.profile is not None:
+        first, last = lg.profile.steps
+        if not 1 <= first <= last:
+            raise ConfigError(
+                f"logging.profile.steps must be [first, last] with 1 <= first <= last (steps count from 1), got "
+                f"{list(lg.profile.steps)}"
+            )
 
 
 def parallel_options(cfg: JobConfig):

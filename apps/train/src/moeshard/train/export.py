@@ -47,6 +47,9 @@ def load_full_model(checkpoint: str | Path):
     # The model config saved with the checkpoint: the run's model.path may be gone by now.
     mcfg = Qwen3MoeConfig.from_dict(extra["model_config"]) if "model_config" in extra else resolve_model_config(cfg)
     model = Qwen3MoeForCausalLM(mcfg)
+    stored = dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    if any(k.startswith("model.") and k.endswith(".mlp.gate.bias") for k in stored):
+        model.enable_router_bias()  # train.router_bias: the selection biases are part of the trained model
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -118,8 +121,14 @@ def export_hf(
         return state["model"]
 
     stream_hf_weights(specs, read, mcfg, dst, max_shard_size=max_shard_size, dtype=dtypes[dtype])
-    tokenizer = cfg.data.tokenizer
-    if tokenizer:
+    tokenizer = cfg.data.tokenizer  # absolute since moeshard-train 0.3 (checkpoint.job_state)
+    if tokenizer and not Path(tokenizer).is_dir():
+        warnings.warn(
+            f"the run's tokenizer folder {tokenizer} is not there (a relative path of an older run, or moved): the "
+            "export has no tokenizer files; copy them in yourself",
+            stacklevel=2,
+        )
+    elif tokenizer:
         for name in _TOKENIZER_FILES:
             f = Path(tokenizer) / name
             if f.is_file():

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +24,17 @@ import torch.distributed as dist
 
 from moeshard.data import PrefetchLoader
 from moeshard.train import checkpoint as ckpt
-from moeshard.train import faults, preemption
+from moeshard.train import faults, preemption, tracking
 from moeshard.train.checks import Prepared, prepare, print0
 from moeshard.train.comm_accounting import CommPerStep
 from moeshard.train.config import JobConfig
 from moeshard.train.errors import JobError, TrainingDiverged
+from moeshard.train.evaluation import Evaluator
 from moeshard.train.lock import OutputLock
-from moeshard.train.metrics import MetricsLogger, ProgressBar, StepTimer, TokensPerSource
+from moeshard.train.metrics import MetricsLogger, ProgressBar, RunTotals, StepTimer, TokensPerSource
 from moeshard.train.preemption import StopOnSignal
-from moeshard.train.train import Callback, LossLog, StepStats, build, init_distributed, run
+from moeshard.train.profiling import Profiler
+from moeshard.train.train import Callback, LossLog, StepStats, build, init_distributed, run, schedule_change
 
 
 class StopOnNonFinite(Callback):
@@ -60,12 +64,14 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
     Returns:
         ``{"losses": [...] (steps run by this call), "start_step": int, "checkpoint": newest saved or None,
         "job": the trained Job (model, optimizer, meshes), "stopped": None, or when a signal stopped the run
-        before its last step (preemption) {"signal", "step", "checkpoint"}}``.
+        before its last step (preemption) {"signal", "step", "checkpoint"}, "val": [(step, val_loss), ...] of this
+        call's evaluations}``.
 
     Raises:
         JobError: bad inputs, a diverged loss, a failed checkpoint save, another job in the output directory.
     """
     prep = prepare(cfg)
+    tracking.check_available(cfg)  # an enabled tracker's package is installed (every rank alike)
     faults.configure(prep.output_dir, prep.rank)
     # From here SIGTERM / SIGUSR1 stop the run after a step, with a checkpoint of it, instead of ending the process.
     with StopOnSignal() as stop:
@@ -90,6 +96,10 @@ def _run(cfg: JobConfig, prep: Prepared, device: torch.device, stop: StopOnSigna
         if prep.resume_path is not None:
             start_step = ckpt.resume_job(job, prep.resume_path)
             print0(f"resumed from {prep.resume_path} at step {start_step}")
+            saved = torch.load(prep.resume_path / "extra.pt", weights_only=False).get("config", {}).get("train", {})
+            line = schedule_change(saved, cfg, start_step)  # a changed train.steps or schedule: say what the LR does
+            if line:
+                print0(line)
     except (ValueError, FileNotFoundError) as e:  # e.g. a weights file: each rank reads only its slices
         raise JobError(str(e), every_rank=False) from e  # printed once, by the first rank that reports it
     if rank == 0:
@@ -97,18 +107,36 @@ def _run(cfg: JobConfig, prep: Prepared, device: torch.device, stop: StopOnSigna
         (prep.output_dir / "run.json").write_text(json.dumps(prep.identity, indent=1))
         (prep.output_dir / "config.yaml").write_text(_yaml(cfg))
 
-    # Callbacks run in this order at each hook: the step's read of its stats and the checks before its update
-    # first, the measurements before the metrics that log them, the checkpoint last.
-    checkpointer = ckpt.Checkpointer(job, prep.ckpt_dir)
-    bar = ProgressBar(cfg.train.steps, start_step) if rank == 0 and cfg.logging.progress_bar else None
+    # The bar only on a terminal: in a log file its redraws would break up the per-step lines.
+    bar = ProgressBar(cfg.train.steps, start_step) if rank == 0 and cfg.logging.progress_bar and _tty() else None
+    console = (bar.write if bar else print0) if rank == 0 else None
+    checkpointer = ckpt.Checkpointer(job, prep.ckpt_dir, console=console)
+    sinks = _open_trackers(cfg, prep.output_dir) if rank == 0 else ()
+    metrics = MetricsLogger(
+        job, prep.output_dir, enabled=rank == 0, start_step=start_step, console=bar and bar.write, sinks=sinks
+    )
+    profiler = None
+    if cfg.logging.profile is not None:  # first in the list: it sees the whole step
+        profiler = Profiler(cfg.logging.profile, prep.output_dir, rank, device, console=console)
+    evaluator = None
+    if prep.eval_batches is not None:  # after the metrics (their sinks are open, a step's record comes first)
+        log = metrics.log if rank == 0 else None
+        evaluator = Evaluator(job, prep.eval_batches, rank, log=log, start_step=start_step)
+    totals = RunTotals()
+    # Callbacks run in this order at each hook: the profiler around the whole step, the step's read of its stats and
+    # the checks before its update first, the measurements before the metrics that log them, the checkpoint last.
     callbacks: list[Callback] = [
+        *([profiler] if profiler else []),
         faults.FaultInjection(job.model),
         StopOnNonFinite(prep.ckpt_dir),
-        StepTimer(restart_after=checkpointer.due),
+        # The clock restarts after a save or an evaluation: neither is a step's time.
+        StepTimer(restart_after=lambda s: checkpointer.due(s) or (evaluator is not None and evaluator.due(s))),
         *([CommPerStep(job.meshes, prep.ranks_per_node)] if cfg.logging.comm_accounting else []),
         *([TokensPerSource(prep.batches.tokens_per_source, start_step)] if rank == 0 else []),
-        MetricsLogger(job, prep.output_dir, enabled=rank == 0, start_step=start_step, console=bar and bar.write),
+        totals,
+        metrics,
         *([bar] if bar else []),
+        *([evaluator] if evaluator else []),
         checkpointer,
     ]
 
@@ -127,13 +155,55 @@ def _run(cfg: JobConfig, prep: Prepared, device: torch.device, stop: StopOnSigna
                 f"stopped by {stopped['signal']} after step {step}: checkpoint {checkpointer.last_saved} is "
                 f"complete; exit status {preemption.EXIT_STATUS}, the same command resumes at step {step + 1}"
             )
+    print0(summary_line(start_step, step, totals, evaluator, checkpointer.last_saved, job.meshes.world_size))
     return {
         "losses": losses.losses,
         "start_step": start_step,
         "checkpoint": str(checkpointer.last_saved) if checkpointer.last_saved else None,
         "job": job,
         "stopped": stopped,
+        "val": list(evaluator.history) if evaluator else [],
     }
+
+
+def summary_line(
+    start_step: int, step: int, totals: RunTotals, evaluator: Evaluator | None, checkpoint: Path | None, world: int
+) -> str:
+    """The run's last line: steps, predicted tokens, wall time, mean tokens/s/GPU, last and best validation loss,
+    the newest checkpoint."""
+    wall = time.strftime("%H:%M:%S", time.gmtime(time.perf_counter() - totals.started))
+    parts = [
+        f"done: steps {start_step + 1}-{step} ({totals.steps} in this run)" if totals.steps else f"done: step {step}",
+        f"{totals.tokens:,} predicted tokens",
+        f"wall {wall}",
+        f"{totals.tokens_per_s_per_gpu(world):,.0f} tokens/s/GPU (predicted tokens over the steps' time)",
+    ]
+    if evaluator is not None and evaluator.last is not None:
+        (last_step, last), best = evaluator.last, evaluator.best
+        parts.append(f"val_loss {last:.4f} at step {last_step}")
+        if best is not None and best != evaluator.last:
+            parts.append(f"best {best[1]:.4f} at step {best[0]}")
+    parts.append(f"checkpoint {checkpoint or 'none'}")
+    return " | ".join(parts)
+
+
+def _tty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
+
+
+def _open_trackers(cfg: JobConfig, output_dir: Path) -> tuple[Any, ...]:
+    """Rank 0's W&B / MLflow runs (``moeshard.train.tracking``); a tracker that fails to start is one line."""
+    try:
+        return tuple(tracking.open_sinks(cfg, output_dir))
+    except Exception as e:  # noqa: BLE001 - the trackers raise their own types (network, credentials, store)
+        raise JobError(
+            f"experiment tracking (logging.wandb / logging.mlflow) could not start: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}",
+            every_rank=False,
+        ) from e
 
 
 def _yaml(cfg: JobConfig) -> str:

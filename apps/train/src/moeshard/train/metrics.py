@@ -1,8 +1,12 @@
 """Throughput arithmetic and the loop's measuring callbacks: step timer, metrics.jsonl + TensorBoard, progress bar.
 
+Tokens are *predicted* tokens: labels other than -100 (padding, prompt tokens of SFT records and the first token of
+each packed document piece predict nothing), summed over all ranks by the step's loss all-reduce.
+
 MFU convention (stated so figures can be compared):
 FLOPs/token = 6 · (matmul parameters active per token) + 6 · L · 2 · (S/2) · (heads · head_dim)   (causal attention)
-MFU = tokens/s/GPU · FLOPs/token / 989e12   (H200 bf16 dense datasheet peak).
+MFU = tokens/s/GPU · FLOPs/token / peak, the peak of the detected device (:data:`PEAK_BF16_FLOPS`: bf16 dense
+datasheet figures); left out on CPU and on devices the table does not know.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import json
 import resource
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,23 @@ import torch
 from moeshard.train.train import Callback, Job, StepStats
 
 H200_BF16_PEAK_FLOPS = 989e12
+
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),  # GH200 too
+    ("B200", 2.25e15),
+    ("A100", 312e12),
+)
+"""Dense bf16 peak FLOP/s by a part of the CUDA device name, first match wins (NVIDIA datasheets, SXM parts)."""
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The bf16 dense peak of ``device`` from :data:`PEAK_BF16_FLOPS`, or None (CPU, an unknown device)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for part, peak in PEAK_BF16_FLOPS if part in name), None)
 
 
 def matmul_params_per_token(config: Any) -> int:
@@ -140,9 +161,14 @@ class MetricsLogger(Callback):
     """Rank 0's ``metrics.jsonl``, TensorBoard scalars and console line every ``logging.every_steps`` steps (and the
     last), and the per-layer expert load every ``logging.expert_load_every`` steps; on other ranks it does nothing.
 
-    A record holds the step's ``loss``, ``aux_loss``, ``grad_norm`` (before clipping), ``lr`` (the one it used),
-    throughput from ``step_time_s`` (a :class:`StepTimer` earlier in the callback list), MFU, peak memory, and
-    whatever else earlier callbacks put into ``stats.extra`` (``comm``, ``tokens_seen``).
+    A record holds the step's ``loss``, ``aux_loss`` (the balancing loss of ``train.aux_loss.scope``), ``z_loss``
+    (with ``train.z_loss_coef``), ``grad_norm`` (before clipping), ``lr`` (the one it used), ``tokens_per_s_per_gpu``
+    (predicted tokens, all ranks, per rank, over ``step_time_s`` of a :class:`StepTimer` earlier in the callback
+    list), ``mfu`` (where the device's peak is known), peak memory, whatever else earlier callbacks put into
+    ``stats.extra`` (``comm``, ``tokens_seen``), and every ``expert_load_every`` steps ``expert_load``:
+    ``{"max_over_mean": {"layer_<l>": tokens of the layer's busiest expert / the mean over its experts}}``, from
+    the step's counts over all ranks (TensorBoard: the same scalars and a layers x experts heatmap). Evaluation
+    records (``val_loss``, ...) come through :meth:`log` too.
     """
 
     def __init__(
@@ -153,17 +179,18 @@ class MetricsLogger(Callback):
         enabled: bool,
         start_step: int = 0,
         console: Callable[[str], None] | None = None,
+        sinks: tuple[Any, ...] = (),
     ) -> None:
         cfg = job.cfg
+        self.sinks = sinks  # moeshard.train.tracking's W&B / MLflow runs: every TensorBoard scalar, closed at the end
         self.job, self.enabled, self.start_step = job, enabled, start_step
         self.console = console or functools.partial(print, flush=True)
         self.path = output_dir / "metrics.jsonl"
         self.tensorboard_dir = output_dir / "tensorboard" if cfg.logging.tensorboard else None
-        self.tokens_per_rank = cfg.train.global_batch_size * cfg.data.seq_len / job.meshes.world_size
+        self.world = job.meshes.world_size
         self.flops_per_token = flops_per_token(job.model_config, cfg.data.seq_len)
+        self.peak = device_peak_flops(job.device)
         self.writer = None
-        self._counts: torch.Tensor | None = None
-        self._hook = None
 
     def on_run_start(self) -> None:
         """Open the sinks; a run that (re)starts at ``start_step`` first drops the records of later steps that an
@@ -184,83 +211,102 @@ class MetricsLogger(Callback):
             # purge_step hides the events an interrupted attempt wrote after the checkpoint we resume from.
             self.writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=self.start_step + 1)
 
-    def on_step_start(self, step: int) -> None:
-        every = self.job.cfg.logging.expert_load_every
-        if self.writer is not None and every and step % every == 0:
-            self._counts = None
-            self._hook = self.job.model.register_forward_hook(self._count_experts)
-
-    def _count_experts(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if output.router_logits is not None:
-            counts = expert_counts(output.router_logits, self.job.model_config)
-            self._counts = counts if self._counts is None else self._counts + counts
-
-    def before_update(self, step: int, stats: StepStats) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-
     def on_step_end(self, step: int, stats: StepStats) -> None:
         cfg = self.job.cfg
-        if self.enabled and (step % cfg.logging.every_steps == 0 or step == cfg.train.steps):
-            loss, aux_loss, grad_norm = stats.read()
-            dt = stats.extra["step_time_s"]
-            tps = self.tokens_per_rank / dt
-            record = {
-                "step": step,
-                "loss": loss,
-                "aux_loss": aux_loss,
-                "grad_norm": grad_norm,
-                "lr": stats.lr,
-                "tokens_per_s_per_gpu": tps,
-                "mfu": mfu(tps, self.flops_per_token),
-                "max_memory_gib": max_memory_gib(self.job.device),
-                **stats.extra,
-            }
-            self.log(record)
-        if self._counts is not None:
-            self.expert_load(step, self._counts)
-            self._counts = None
+        every = cfg.logging.expert_load_every
+        load = stats.host_expert_load if every and step % every == 0 else None  # read with the step's figures
+        if not self.enabled or not (step % cfg.logging.every_steps == 0 or step == cfg.train.steps or load is not None):
+            return
+        loss, aux_loss, grad_norm = stats.read()
+        tps = stats.host_targets / self.world / stats.extra["step_time_s"]
+        record = {"step": step, "loss": loss, "aux_loss": aux_loss}
+        if stats.host_z_loss is not None:
+            record["z_loss"] = stats.host_z_loss
+        record.update(grad_norm=grad_norm, lr=stats.lr, tokens_per_s_per_gpu=tps)
+        if self.peak is not None:
+            record["mfu"] = mfu(tps, self.flops_per_token, self.peak)
+        record.update(max_memory_gib=max_memory_gib(self.job.device), **stats.extra)
+        if load is not None:
+            record["expert_load"] = {"max_over_mean": dict(zip(_layer_names(load), load_imbalance(load).tolist()))}
+        self.log(record)
+        if load is not None and self.writer is not None:
+            self.writer.add_image("expert_load/heatmap", load_heatmap(load), step, dataformats="CHW")
 
     def log(self, record: dict[str, Any]) -> None:
-        """Append one record (``step`` included) to metrics.jsonl, TensorBoard and the console."""
+        """Append one record (``step`` included) to metrics.jsonl, TensorBoard and the console: a training step's,
+        or an evaluation's (``val_loss``, ``val_ppl``, ``val_tokens``)."""
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         step = record["step"]
+        scalars = {k: v for k, v in _flatten(record).items() if k != "step" and isinstance(v, (int, float))}
         if self.writer is not None:
-            for k, v in _flatten(record).items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.writer.add_scalar(k, v, step)
-        self.console(
-            f"step {step:>6d} | loss {record['loss']:.4f} | aux {record['aux_loss']:.4f} | "
-            f"gnorm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
-            f"{record['tokens_per_s_per_gpu']:.0f} tok/s/gpu | mfu {100 * record['mfu']:.1f}% | "
-            f"mem {record['max_memory_gib']:.2f} GiB"
-        )
-
-    def expert_load(self, step: int, counts_LE: torch.Tensor) -> None:
-        """Per-layer expert load (tokens per expert): max/mean ratio scalars and a layers × experts heatmap."""
-        if self.writer is None:
-            return
-        counts = counts_LE.double()
-        ratio = counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-9)
-        for layer, r in enumerate(ratio.tolist()):
-            self.writer.add_scalar(f"expert_load/max_over_mean/layer_{layer}", r, step)
-        heat = counts / counts.max(dim=1, keepdim=True).values.clamp_min(1e-9)
-        img = (heat * 255).to(torch.uint8)[None]  # 1 x L x E grayscale
-        self.writer.add_image("expert_load/heatmap", img, step, dataformats="CHW")
+            for k, v in scalars.items():
+                self.writer.add_scalar(k, v, step)
+        for sink in self.sinks:
+            sink.log(scalars, step)
+        self.console(console_line(record))
 
     def on_run_end(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
         if self.writer is not None:
             self.writer.close()
+        for sink in self.sinks:
+            sink.close()
 
 
-def expert_counts(router_logits: Sequence[torch.Tensor], config: Any) -> torch.Tensor:
-    """Tokens per expert of each MoE layer (``[layers, experts]``, CPU) from the router logits of a forward."""
-    k = config.num_experts_per_tok
-    per_layer = [
-        torch.bincount(lg.topk(k, dim=-1).indices.flatten(), minlength=config.num_experts) for lg in router_logits
-    ]
-    return torch.stack(per_layer).cpu()
+def console_line(record: dict[str, Any]) -> str:
+    """The console line of a metrics record (a training step's or an evaluation's)."""
+    step = record["step"]
+    if "val_loss" in record:
+        return (
+            f"eval {step:>6d} | val_loss {record['val_loss']:.4f} | val_ppl {record['val_ppl']:.2f} | "
+            f"{record['val_tokens']:,} tokens | {record.get('eval_time_s', 0.0):.1f} s"
+        )
+    z = f" | z {record['z_loss']:.4f}" if "z_loss" in record else ""
+    util = f" | mfu {100 * record['mfu']:.1f}%" if "mfu" in record else ""
+    imbalance = record.get("expert_load", {}).get("max_over_mean")
+    load = f" | load max/mean {max(imbalance.values()):.2f}" if imbalance else ""
+    return (
+        f"step {step:>6d} | loss {record['loss']:.4f} | aux {record['aux_loss']:.4f}{z} | "
+        f"gnorm {record['grad_norm']:.3f} | lr {record['lr']:.2e} | "
+        f"{record['tokens_per_s_per_gpu']:.0f} tok/s/gpu (predicted){util}{load} | "
+        f"mem {record['max_memory_gib']:.2f} GiB"
+    )
+
+
+def load_imbalance(counts_LE: torch.Tensor) -> torch.Tensor:
+    """Per layer: tokens of the busiest expert over the mean tokens per expert (1 is perfect balance; ``E / K`` for
+    top-k routing that sends every token to the same experts)."""
+    counts = counts_LE.double()
+    return counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-9)
+
+
+def load_heatmap(counts_LE: torch.Tensor) -> torch.Tensor:
+    """A ``1 x layers x experts`` uint8 image of the counts, each layer scaled by its busiest expert."""
+    counts = counts_LE.double()
+    heat = counts / counts.max(dim=1, keepdim=True).values.clamp_min(1e-9)
+    return (heat * 255).to(torch.uint8)[None]
+
+
+def _layer_names(counts_LE: torch.Tensor) -> list[str]:
+    return [f"layer_{layer}" for layer in range(counts_LE.shape[0])]
+
+
+class RunTotals(Callback):
+    """What the run's final summary line adds up: steps, predicted tokens (all ranks) and the steps' time
+    (``step_time_s``: evaluations and checkpoint saves are not in it)."""
+
+    def __init__(self) -> None:
+        self.steps, self.tokens, self.step_time = 0, 0, 0.0
+        self.started = time.perf_counter()
+
+    def on_run_start(self) -> None:
+        self.started = time.perf_counter()
+
+    def on_step_end(self, step: int, stats: StepStats) -> None:
+        self.steps += 1
+        self.tokens += stats.host_targets or 0
+        self.step_time += stats.extra.get("step_time_s", 0.0)
+
+    def tokens_per_s_per_gpu(self, world: int) -> float:
+        """Mean predicted tokens per second per rank over the steps' time."""
+        return self.tokens / world / self.step_time if self.step_time > 0 else 0.0

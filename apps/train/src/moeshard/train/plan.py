@@ -85,21 +85,36 @@ class PlanReport:
 
 
 def plan(
-    cfg: JobConfig, *, nnodes: int, nproc_per_node: int, rank: int = 0, micro_batch_size: int | None = None
+    cfg: JobConfig,
+    *,
+    nnodes: int,
+    nproc_per_node: int,
+    rank: int = 0,
+    micro_batch_size: int | None = None,
+    table: bool = True,
 ) -> str:
     """Build the job on meta under the fake backend as ``rank`` and describe it (see :func:`plan_report`)."""
     return plan_report(
-        cfg, nnodes=nnodes, nproc_per_node=nproc_per_node, rank=rank, micro_batch_size=micro_batch_size
+        cfg, nnodes=nnodes, nproc_per_node=nproc_per_node, rank=rank, micro_batch_size=micro_batch_size, table=table
     ).text
 
 
 def plan_report(
-    cfg: JobConfig, *, nnodes: int, nproc_per_node: int, rank: int = 0, micro_batch_size: int | None = None
+    cfg: JobConfig,
+    *,
+    nnodes: int,
+    nproc_per_node: int,
+    rank: int = 0,
+    micro_batch_size: int | None = None,
+    table: bool = True,
 ) -> PlanReport:
     """Build the job on meta under the fake backend as ``rank`` (through ``parallelize`` with the job's options):
-    meshes, options, parameter rows, memory and communication.
+    meshes, options, parameter rows (``table=False``: left out, ``plan --summary``), memory and communication.
 
     Compute precision: ``model.dtype`` float32 means fp32, anything else bf16 (the GPU default).
+
+    Raises:
+        ValueError: the layout does not fit the cluster (naming the config key to change).
     """
     from moeshard.meshes import build_meshes, fake_process_group
     from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, parallelize
@@ -110,12 +125,15 @@ def plan_report(
     compute_bytes = 2 if gpu else 4
     lines: list[str] = []
     with fake_process_group(world, rank):
-        meshes = build_meshes(
-            cfg.parallel.ep_size,
-            ranks_per_node=nproc_per_node,
-            device_type="cpu",
-            allow_cross_node_ep=cfg.parallel.allow_cross_node_ep,
-        )
+        try:
+            meshes = build_meshes(
+                cfg.parallel.ep_size,
+                ranks_per_node=nproc_per_node,
+                device_type="cpu",
+                allow_cross_node_ep=cfg.parallel.allow_cross_node_ep,
+            )
+        except ValueError as e:  # the package speaks of its argument; the user sets a config key
+            raise ValueError(f"parallel.ep_size: {layout_error_for_config(e)}") from None
         with torch.device("meta"):
             model = Qwen3MoeForCausalLM(mcfg)
         parallel = parallelize(model, meshes, parallel_options(cfg))
@@ -125,8 +143,9 @@ def plan_report(
         lines.append(f"  optimizer: AdamW, fuse_local_experts={cfg.train.fused_expert_update}")
         lines.append("")
         header = f"{'parameter':62s} {'global shape':>22s} {'local shape':>22s}  placement"
-        lines.append(header)
-        lines.append("-" * len(header))
+        if table:
+            lines.append(header)
+            lines.append("-" * len(header))
         local_numel = 0
         total_numel = 0
         for name, p in model.named_parameters():
@@ -135,7 +154,8 @@ def plan_report(
             lshape = tuple(_local(p))
             local_numel += int(torch.Size(lshape).numel())
             total_numel += int(torch.Size(gshape).numel())
-            lines.append(f"{name:62s} {str(list(gshape)):>22s} {str(list(lshape)):>22s}  {_placement(p, meta)}")
+            if table:
+                lines.append(f"{name:62s} {str(list(gshape)):>22s} {str(list(lshape)):>22s}  {_placement(p, meta)}")
         # Expert modules kept out of FSDP (ep_fsdp of one rank) belong to no unit's gathered parameters.
         local_experts = dict(units.local_experts)
         all_units = {id(m) for stage in units.stages for _, m in stage.modules} | {id(units.root)}
@@ -166,7 +186,8 @@ def plan_report(
         unsharded=compute_bytes * (largest_unit * (1 + depth) + kept_numel) + 4 * largest_unit,
         activations=activation_bytes_per_token(mcfg, compute_bytes, cfg.train.activation_checkpointing) * tokens,
     )
-    lines.append("")
+    if table:
+        lines.append("")
     lines.append(f"parameters: {total_numel / 1e9:.3f} B in total, {local_numel / 1e6:.2f} M on rank {rank}")
     ac = "with" if cfg.train.activation_checkpointing else "without"
     lines.append(
@@ -181,6 +202,11 @@ def plan_report(
     bound = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, once_numel, uniform_routing=False)
     lines += comm_estimate_lines(comm, bound)
     return PlanReport("\n".join(lines), est, comm, bound)
+
+
+def layout_error_for_config(error: ValueError) -> str:
+    """``moeshard.meshes``' layout error in the words of the job's config (its key, not the Python argument)."""
+    return str(error).replace("pass allow_cross_node_ep=True", "set parallel.allow_cross_node_ep=true")
 
 
 def _managed_numel(unit: torch.nn.Module, skip: set[int]) -> int:

@@ -67,15 +67,65 @@ def init_distributed() -> torch.device:
 
 
 def lr_at(step: int, cfg: JobConfig) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warm-up, then cosine or constant."""
+    """Learning rate for optimizer step ``step`` (0-based): linear warm-up, then
+
+    - ``cosine``: from ``lr`` to ``min_lr`` over the steps after warm-up;
+    - ``constant``: ``lr``;
+    - ``wsd`` (warmup-stable-decay): ``lr`` until the last ``decay_fraction`` of ``train.steps``, then down to
+      ``min_lr`` (reached at the last step) along ``decay_shape``: ``linear``, ``cosine`` or ``1-sqrt``
+      (``1 - sqrt(progress)``, Hägele et al. 2024).
+    """
     t = cfg.train
     if step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
     if t.schedule == "constant":
         return t.lr
+    if t.schedule == "wsd":
+        start = max(t.warmup_steps, t.steps - max(1, round(t.decay_fraction * t.steps)))
+        if step < start:
+            return t.lr
+        progress = min(1.0, (step - start + 1) / max(1, t.steps - start))
+        left = {"linear": 1 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress))}.get(
+            t.decay_shape, 1 - math.sqrt(progress)
+        )
+        return t.min_lr + (t.lr - t.min_lr) * left
     span = max(1, t.steps - t.warmup_steps)
     progress = min(1.0, (step - t.warmup_steps) / span)
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+SCHEDULE_KEYS = ("steps", "min_lr", "warmup_steps", "schedule", "decay_fraction", "decay_shape")
+"""The ``train`` keys of the learning-rate schedule a resume may change (see :func:`schedule_change`); the peak
+``lr`` is part of the run."""
+
+
+def schedule_change(saved: dict[str, Any], cfg: JobConfig, step: int) -> str | None:
+    """One line on what a resume after ``step`` steps does to the learning rate when the schedule keys of the
+    checkpoint's ``train`` section (``saved``) differ from this run's, else None. This run's schedule decides."""
+    now = cfg.to_dict()["train"]
+    changed = [f"train.{k} {saved.get(k)} -> {now[k]}" for k in SCHEDULE_KEYS if k in saved and saved[k] != now[k]]
+    if not changed:
+        return None
+    from moeshard.train.config import config_from_dict
+
+    try:
+        keys = (*SCHEDULE_KEYS, "lr")
+        before = lr_at(step, config_from_dict({"train": {k: saved[k] for k in keys if k in saved}}))
+        was = f" (the checkpoint's schedule: {before:.3g})"
+    except ValueError:  # a saved value this version refuses
+        was = ""
+    end = lr_at(cfg.train.steps - 1, cfg) if step < cfg.train.steps else None
+    return (
+        f"resuming after step {step} with a changed schedule ({'; '.join(changed)}): the learning rate follows this "
+        f"run's schedule from here, {lr_at(step, cfg):.3g} at step {step + 1}{was}"
+        + (f", {end:.3g} at its last step {cfg.train.steps}" if end is not None else "")
+    )
+
+
+def aux_loss_coef(cfg: JobConfig, model_config: Any) -> float:
+    """``train.aux_loss.coef``, or the model config's ``router_aux_loss_coef`` when it is null."""
+    coef = cfg.train.aux_loss.coef
+    return float(getattr(model_config, "router_aux_loss_coef", 0.0) if coef is None else coef)
 
 
 def check_model_fits(cfg: JobConfig, model_config: Any) -> None:
@@ -107,6 +157,7 @@ class Job:
     parallel: Any  # moeshard.models.qwen3moe.Parallelized: FSDP units, prefetch schedule, EP info, options
     optimizer: Any  # moeshard.fsdp_moe.OptimizersContainer
     scheduler: torch.optim.lr_scheduler.LambdaLR
+    routers: list[Any] = field(default_factory=list)  # the MoE layers' TopKRouters, in router_logits order
 
 
 def build(cfg: JobConfig, device: torch.device) -> Job:
@@ -117,7 +168,7 @@ def build(cfg: JobConfig, device: torch.device) -> Job:
     """
     from moeshard.fsdp_moe import build_optimizer
     from moeshard.meshes import build_meshes
-    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, load_hf_weights, parallelize
+    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, load_hf_weights, parallelize, routers
 
     p, t = cfg.parallel, cfg.train
     meshes = build_meshes(p.ep_size, device_type=device.type, allow_cross_node_ep=p.allow_cross_node_ep)
@@ -132,11 +183,13 @@ def build(cfg: JobConfig, device: torch.device) -> Job:
     else:
         torch.manual_seed(cfg.model.init_seed)
         model.init_weights()
+    if t.router_bias is not None:
+        model.enable_router_bias()  # after the HF weights (no such tensor there), before a resume (DCP has it)
     optimizer = build_optimizer(
         model, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, fuse_local_experts=t.fused_expert_update
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / t.lr)
-    return Job(cfg, device, meshes, model, model_config, parallel, optimizer, scheduler)
+    return Job(cfg, device, meshes, model, model_config, parallel, optimizer, scheduler, routers(model))
 
 
 # ---- one step ----------------------------------------------------------------------------------------------------
@@ -152,10 +205,13 @@ class HostStats(NamedTuple):
 
 @dataclass
 class StepStats:
-    """One optimizer step: the global mean loss (without the aux term), the mean router aux loss and the gradient
-    norm before clipping as device tensors, the learning rate the step used, what callbacks measured of the
-    step (``extra``, e.g. ``step_time_s``, ``comm``: the metrics log it) and how many ranks asked to stop after
-    it (``stop_votes``, see :attr:`stop_agreed`)."""
+    """One optimizer step: the global mean loss (without the balancing terms), the mean router balancing (aux) loss
+    and the gradient norm before clipping as device tensors, the learning rate the step used, what callbacks
+    measured of the step (``extra``, e.g. ``step_time_s``, ``comm``: the metrics log it) and how many ranks asked to
+    stop after it (``stop_votes``, see :attr:`stop_agreed`); ``z_loss`` (mean router z-loss, with
+    ``train.z_loss_coef``), ``targets`` (predicted tokens of the step, all ranks) and ``expert_load``
+    (``[layers, experts]`` tokens routed to each expert in the step, all ranks) are device tensors too, read in the
+    same transfer (:attr:`host_targets`, :attr:`host_z_loss`, :attr:`host_expert_load`)."""
 
     loss: torch.Tensor
     aux_loss: torch.Tensor
@@ -163,16 +219,51 @@ class StepStats:
     lr: float
     extra: dict[str, Any] = field(default_factory=dict)
     stop_votes: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+    targets: torch.Tensor | None = None
+    expert_load: torch.Tensor | None = None
     _host: HostStats | None = field(default=None, repr=False)
     _stop: bool = field(default=False, repr=False)
+    _more: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def read(self) -> HostStats:
         """The figures on the host in one transfer (it waits for the step's backward); later calls reuse them."""
         if self._host is None:
-            figures = [self.loss, self.aux_loss, self.grad_norm.float()]
-            host = torch.stack(figures + ([self.stop_votes] if self.stop_votes is not None else [])).tolist()
-            self._host, self._stop = HostStats(*host[:3]), len(host) > 3 and host[3] > 0
+            zero = torch.zeros((), device=self.loss.device)
+            optional = [self.stop_votes, self.z_loss, self.targets]
+            figures = [self.loss, self.aux_loss, self.grad_norm] + [zero if t is None else t for t in optional]
+            flat = [torch.stack([f.double().to(self.loss.device) for f in figures])]
+            if self.expert_load is not None:
+                flat.append(self.expert_load.double().flatten().to(self.loss.device))
+            host = torch.cat(flat).cpu()  # the one device -> host transfer of the step
+            values = host[: len(figures)].tolist()
+            self._host, self._stop = HostStats(*values[:3]), values[3] > 0
+            self._more = {
+                "z_loss": values[4] if self.z_loss is not None else None,
+                "targets": int(values[5]) if self.targets is not None else None,
+                "expert_load": host[len(figures) :].float().view(self.expert_load.shape)
+                if self.expert_load is not None
+                else None,
+            }
         return self._host
+
+    @property
+    def host_targets(self) -> int | None:
+        """Predicted (non-padding, labelled) tokens of the step, all ranks."""
+        self.read()
+        return self._more["targets"]
+
+    @property
+    def host_z_loss(self) -> float | None:
+        """The mean router z-loss (None without ``train.z_loss_coef``)."""
+        self.read()
+        return self._more["z_loss"]
+
+    @property
+    def host_expert_load(self) -> torch.Tensor | None:
+        """``[layers, experts]`` tokens per expert in the step, all ranks (a CPU tensor; None without MoE layers)."""
+        self.read()
+        return self._more["expert_load"]
 
     @property
     def stop_agreed(self) -> bool:
@@ -192,15 +283,35 @@ def train_step(
 ) -> StepStats:
     """One optimizer step over this rank's micro-batches (gradient accumulation); no host sync of its own.
 
+    Expert balancing (``train.aux_loss``, ``train.z_loss_coef``, ``train.router_bias``): each micro-batch's expert
+    counts (``moeshard.models.qwen3moe.expert_counts``, the routers' own selection) go into a
+    ``GlobalExpertCounts``. With ``aux_loss.scope: micro_batch`` the balancing loss is transformers' (per rank and
+    micro-batch) and the counts are all-reduced once, after the last micro-batch; with ``global_batch`` each
+    micro-batch's counts are all-reduced at once and micro-batch ``m`` uses the counts of micro-batches ``1..m``
+    of the step over all ranks (``global_balancing_loss``). Either way the step's counts over all ranks are
+    ``StepStats.expert_load``, and with ``train.router_bias`` they move the routers' selection biases
+    after the optimizer step (identical on every rank).
+
     Args:
         before_update: called after backward and clipping, before the optimizer step (the loop's finiteness check
             reads the stats there; an exception leaves the parameters unchanged).
         stop_requested: this rank's vote to stop after this step, counted in ``StepStats.stop_votes``.
     """
     from moeshard.fsdp_moe import num_items_for_global_mean
+    from moeshard.models.qwen3moe import (
+        GlobalExpertCounts,
+        expert_counts,
+        global_balancing_loss,
+        router_z_loss,
+        update_router_bias,
+    )
 
-    model, device, world = job.model, job.device, dist.get_world_size()
-    coef = float(getattr(job.model_config, "router_aux_loss_coef", 0.0))
+    model, device, world, t = job.model, job.device, dist.get_world_size(), job.cfg.train
+    model_coef = float(getattr(job.model_config, "router_aux_loss_coef", 0.0))  # what the model adds to its loss
+    aux_coef, z_coef = aux_loss_coef(job.cfg, job.model_config), t.z_loss_coef
+    global_scope = t.aux_loss.scope == "global_batch"
+    top_k, biases = job.model_config.num_experts_per_tok, [r.bias for r in job.routers]
+    counts = GlobalExpertCounts()
     lr = job.optimizer.param_groups[0]["lr"]
     job.optimizer.zero_grad(set_to_none=True)
     local_tokens = sum(b.num_targets for b in micro_batches)  # CPU tensors: no sync
@@ -208,6 +319,8 @@ def train_step(
     num_items = num_items_for_global_mean(local_tokens).clamp_min(1.0 / world)
     lm_sum = torch.zeros((), device=device, dtype=torch.float32)
     aux_sum = torch.zeros((), device=device, dtype=torch.float32)
+    z_sum = torch.zeros((), device=device, dtype=torch.float32)
+    zero = torch.zeros((), device=device)
     for b in micro_batches:
         b = b.to(device, non_blocking=True)  # pinned by the loader on CUDA: an asynchronous copy
         out = model(
@@ -221,23 +334,47 @@ def train_step(
             output_router_logits=True,
             return_logits=False,  # the loss goes through the head in chunks, never holding [tokens, vocab] logits
         )
-        aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=device)
-        lm = out.loss - coef * aux  # our model's loss includes coef * aux, as transformers'
-        # The router's load-balancing loss is a per-micro-batch mean: averaged over the accumulation steps.
-        (lm + coef * aux / len(micro_batches)).backward()
+        aux = out.aux_loss if out.aux_loss is not None else zero
+        lm = out.loss - model_coef * aux  # our model's loss includes its coef * aux, as transformers'
+        z = zero
+        if out.router_logits:
+            mask = b.attention_mask  # None unless padded: padding routes nowhere in the counts and losses
+            running = counts.add(expert_counts(out.router_logits, top_k, biases, mask), all_reduce=global_scope)
+            if global_scope:  # the expert frequencies of micro-batches 1..m of this step, all ranks
+                aux = global_balancing_loss(out.router_logits, running, top_k, mask)
+            if z_coef:
+                z = router_z_loss(out.router_logits, mask)
+        # The balancing losses are per-micro-batch means: averaged over the accumulation steps.
+        (lm + (aux_coef * aux + z_coef * z) / len(micro_batches)).backward()
         lm_sum += lm.detach().float()
         aux_sum += aux.detach().float() / len(micro_batches)
+        z_sum += z.detach().float() / len(micro_batches)
     # One norm over both meshes; the container may apply the clip coefficient inside its step (no extra pass).
-    grad_norm = job.optimizer.clip_grad_norm_(job.cfg.train.max_grad_norm)
+    grad_norm = job.optimizer.clip_grad_norm_(t.max_grad_norm)
+    load = counts.total()  # [L, E] over the step and all ranks (one all-reduce unless global_scope did it)
     # The stop vote rides in the loss all-reduce: every rank learns of any rank's vote at the same step, without a
     # collective or a host sync of its own (torch.full is a fill kernel, not a host-to-device copy).
-    summed = torch.stack([lm_sum, aux_sum, torch.full((), float(stop_requested), device=device)])
+    votes, targets = (
+        torch.full((), float(x), device=device, dtype=torch.float64) for x in (stop_requested, local_tokens)
+    )
+    summed = torch.stack([lm_sum.double(), aux_sum.double(), z_sum.double(), targets, votes])  # counts exact > 2**24
     dist.all_reduce(summed)
-    stats = StepStats(summed[0] / world, summed[1] / world, grad_norm, lr, stop_votes=summed[2])
+    stats = StepStats(
+        summed[0] / world,
+        summed[1] / world,
+        grad_norm,
+        lr,
+        stop_votes=summed[4],
+        z_loss=summed[2] / world if z_coef else None,
+        targets=summed[3],
+        expert_load=load,
+    )
     if before_update is not None:
         before_update(stats)
     job.optimizer.step()
     job.scheduler.step()
+    if t.router_bias is not None and load is not None:
+        update_router_bias(model, load, t.router_bias.update_rate)  # the same counts on every rank: same biases
     return stats
 
 

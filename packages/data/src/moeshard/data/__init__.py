@@ -18,6 +18,7 @@ from moeshard.data._cli import main
 from moeshard.data._config import DataConfig, SourceConfig
 from moeshard.data._dataset import Dataset, StepBatches, check_batch_sizes, open_dataset
 from moeshard.data._errors import DataError
+from moeshard.data._eval import EvalBatches
 from moeshard.data._loader import PrefetchLoader
 from moeshard.data._packing import IGNORE_INDEX, Batch, document_causal_mask
 from moeshard.data._prepare import PrepareResult, prepare
@@ -28,6 +29,7 @@ __all__ = [
     "DataConfig",
     "DataError",
     "Dataset",
+    "EvalBatches",
     "PrefetchLoader",
     "PrepareResult",
     "SourceConfig",

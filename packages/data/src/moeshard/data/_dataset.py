@@ -134,6 +134,11 @@ class Dataset:
         return [s.name for s in self.sources]
 
     @property
+    def num_rows(self) -> int:
+        """Rows of all sources together (one evaluation pass: ``moeshard.data.EvalBatches``)."""
+        return sum(s.num_rows for s in self.sources)
+
+    @property
     def fingerprint(self) -> str:
         """A content fingerprint of every source (store it with a checkpoint to check a resume's data)."""
         return "+".join(s.store.fingerprint for s in self.sources)

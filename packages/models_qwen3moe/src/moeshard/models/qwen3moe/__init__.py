@@ -12,6 +12,7 @@ prefetch; needs the ``parallel`` extra).
     model.save_pretrained("/ckpt/finetuned")                         # transformers loads it too
 """
 
+from moeshard.models.qwen3moe._evaluation import EvalResult, evaluate
 from moeshard.models.qwen3moe._parallelize import Parallelized, ParallelOptions, parallelize
 from moeshard.models.qwen3moe.checkpoint import (
     STRUCTURAL_CONFIG_KEYS,
@@ -31,6 +32,7 @@ from moeshard.models.qwen3moe.model import (
 )
 from moeshard.models.qwen3moe.moe import (
     Experts,
+    GlobalExpertCounts,
     SparseMoeBlock,
     TopKRouter,
     expert_counts,
@@ -58,7 +60,9 @@ __all__ = [
     "CausalLMOutput",
     "CheckpointError",
     "DecoderLayer",
+    "EvalResult",
     "Experts",
+    "GlobalExpertCounts",
     "LoadReport",
     "ParallelOptions",
     "Parallelized",
@@ -70,6 +74,7 @@ __all__ = [
     "causal_lm_loss",
     "check_config",
     "count_parameters",
+    "evaluate",
     "expert_counts",
     "get_preset_config",
     "global_balancing_loss",

@@ -11,6 +11,7 @@ Legend: T tokens, K top-k, D hidden, E experts (local to this EP rank in paramet
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3MoeConfig
@@ -19,6 +20,7 @@ from moeshard.ep import LocalDispatch
 
 __all__ = [
     "Experts",
+    "GlobalExpertCounts",
     "SparseMoeBlock",
     "TopKRouter",
     "expert_counts",
@@ -238,3 +240,62 @@ def update_router_bias(model: nn.Module, load_LE: torch.Tensor, update_rate: flo
             raise ValueError("the routers have no bias: call model.enable_router_bias() before training")
         load_E = load_E.to(router.bias.device, torch.float32)
         router.bias.add_(update_rate * torch.sign(load_E.mean() - load_E))
+
+
+class GlobalExpertCounts:
+    """A step's expert counts summed over its micro-batches and over the ranks of ``group``, on the device.
+
+    The counts are :func:`expert_counts`' ``[L, E]`` float32, added micro-batch by micro-batch (no host sync).
+
+    - Global-batch balancing loss: ``add(counts, all_reduce=True)`` all-reduces each micro-batch's counts at once
+      (one all-reduce of ``[L, E]``) and returns the running sum: micro-batch ``m`` of a step sees the counts of
+      micro-batches ``1..m`` of that step on every rank. Pass it to :func:`global_balancing_loss`. This is the
+      running form of a global-batch loss (Megatron-LM's ``global_aux_loss`` keeps the same running sum): the
+      last micro-batch sees the whole step's counts, the first only its own micro-batch on all ranks.
+    - Otherwise ``add(counts)`` keeps them on this rank, and :meth:`total` all-reduces them once per step.
+
+    :meth:`total` gives the step's global counts, identical on every rank (for the load metrics and
+    :func:`update_router_bias`); :meth:`reset` starts the next step. Without a process group nothing is
+    communicated (one rank's counts are the global ones).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self._reduced_LE: torch.Tensor | None = None  # summed over the ranks already
+        self._local_LE: torch.Tensor | None = None  # this rank's, not yet reduced
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def reset(self) -> None:
+        """Forget the counts (a new step)."""
+        self._reduced_LE = self._local_LE = None
+
+    def add(self, counts_LE: torch.Tensor, *, all_reduce: bool = False) -> torch.Tensor:
+        """Add one micro-batch's counts of this rank.
+
+        Args:
+            all_reduce: sum them over the ranks now (every rank must call it alike, once per micro-batch).
+
+        Returns:
+            With ``all_reduce``, the running global counts of the step's micro-batches so far (all ranks); else this
+            rank's counts so far plus what was reduced already.
+        """
+        counts_LE = counts_LE.detach().float()
+        if all_reduce:
+            reduced = self._all_reduce(counts_LE.clone())
+            self._reduced_LE = reduced if self._reduced_LE is None else self._reduced_LE + reduced
+            return self._reduced_LE if self._local_LE is None else self._reduced_LE + self._local_LE
+        self._local_LE = counts_LE.clone() if self._local_LE is None else self._local_LE + counts_LE
+        return self._local_LE if self._reduced_LE is None else self._reduced_LE + self._local_LE
+
+    def total(self) -> torch.Tensor | None:
+        """The step's counts over all micro-batches and ranks (one all-reduce of the local part, if any; every rank
+        must call it alike), or None when nothing was added."""
+        if self._local_LE is not None:
+            local = self._all_reduce(self._local_LE)
+            self._reduced_LE = local if self._reduced_LE is None else self._reduced_LE + local
+            self._local_LE = None
+        return self._reduced_LE

@@ -1,0 +1,220 @@
+"""Background checkpoints (``checkpoint.async``) and Hub folders written during training (``checkpoint.save_hf``).
+
+The first two tests drive ``checkpoint_async.start_async_save`` / ``PendingSave`` directly in a world of one: a checkpoint is
+published only after its write ended, holds the values of the moment it was started although the state changes
+meanwhile, and a failed write is never published. The last two run the real entry point in this process: the
+step loop runs on while a save is still being written, each published checkpoint becomes a Hub folder that
+transformers loads with the training model's logits and the tokenizer (given by a relative path) along, and an
+injected write failure stops the job with one line and nothing published. ``bench --checkpoint-every`` reports the
+step-time cost of a save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moeshard.train import checkpoint as ckpt
+from moeshard.train import checkpoint_async, faults
+from moeshard.train.__main__ import main
+from moeshard.train.errors import CheckpointSaveError
+
+ONE = [
+    "--model.overrides.num_hidden_layers=2",
+    "--data.seq_len=32",
+    "--parallel.ep_size=1",
+    "--train.global_batch_size=4",
+    "--train.steps=4",
+    "--checkpoint.every_steps=2",
+    "--checkpoint.keep_last=5",
+    "--checkpoint.async=true",
+    "--logging.progress_bar=false",
+    "--logging.tensorboard=false",
+    "--logging.expert_load_every=0",
+]
+_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MOESHARD_FAULT")
+
+
+@pytest.fixture
+def clean_env():
+    saved = dict(os.environ)
+    for k in _ENV:
+        os.environ.pop(k, None)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    faults.configure(tmp_path, 0)
+    yield
+    dist.destroy_process_group()
+    faults.configure(tmp_path, 0)
+
+
+def _steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [r["step"] for r in map(json.loads, lines) if "loss" in r]
+
+
+# ---- PendingSave -------------------------------------------------------------------------------------------------
+
+
+def test_published_after_the_write_with_the_values_of_its_start(world_of_one, tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    writing, release = threading.Event(), threading.Event()
+
+    class HeldWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            writing.set()
+            assert release.wait(60)
+            return super().write_data(plan, planner)
+
+    monkeypatch.setattr(faults, "storage_writer", lambda path, step: HeldWriter(str(path)))
+    d, w = tmp_path / "ckpts", torch.arange(8.0)
+    stager = checkpoint_async.make_stager(torch.device("cpu"))
+    pending = checkpoint_async.start_async_save(
+        d, 3, {"model": {"w": w}}, {"step": 3}, {"rng": 3}, keep_last=2, group=dist.new_group(backend="gloo"),
+        stager=stager,
+    )  # fmt: skip
+    pending.wait_staged()
+    w.add_(100.0)  # the next optimizer step changes the live state while the write is pending
+    assert writing.wait(60)
+    assert pending.publish_if_done() is None  # still writing: not published
+    assert not (d / "step_00000003").exists() and (d / ".tmp-step_00000003/extra.pt").is_file()
+    release.set()
+    path = pending.wait()
+    assert path == d / "step_00000003" and sorted(p.name for p in d.iterdir()) == ["step_00000003"]
+    ckpt.validate_checkpoint(path)  # COMPLETE records every file, as a synchronous save's
+    state = {"model": {"w": torch.zeros(8)}}
+    extra, rank_state = ckpt.load_checkpoint(path, state)
+    assert state["model"]["w"].tolist() == [float(i) for i in range(8)]  # the values when the save began
+    assert extra == {"step": 3} and rank_state == {"rng": 3}
+    stager.close()
+
+
+def test_a_failed_background_write_is_never_published(world_of_one, tmp_path, monkeypatch):
+    d = tmp_path / "ckpts"
+    ckpt.save_checkpoint(d, 2, {"model": {"w": torch.ones(4)}}, {"step": 2}, {"rng": 2}, keep_last=2)
+    monkeypatch.setenv(faults.ENV, "enospc:0:during_save:4")
+    faults.configure(tmp_path, 0)
+    stager = checkpoint_async.make_stager(torch.device("cpu"))
+    pending = checkpoint_async.start_async_save(
+        d, 4, {"model": {"w": torch.zeros(4)}}, {"step": 4}, {"rng": 4}, keep_last=2,
+        group=dist.new_group(backend="gloo"), stager=stager,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not pending.upload.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pending.publish_if_done() is None  # rank 0 never publishes a failed write
+    with pytest.raises(CheckpointSaveError) as e:
+        pending.wait()
+    message = str(e.value)
+    assert "saving the checkpoint of step 4 (in the background) failed (rank 0: OSError" in message
+    assert "No space left on device" in message and f"the previous checkpoint {d}/step_00000002 is intact" in message
+    assert "\n" not in message
+    assert sorted(p.name for p in d.iterdir()) == ["step_00000002"]  # no step_4, no temporary folder
+    stager.close()
+
+
+# ---- in a training run -------------------------------------------------------------------------------------------
+
+
+def _tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({**{f"w{i}": i for i in range(100)}, "[UNK]": 100}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(folder)
+
+
+def test_async_run_goes_on_while_saving_and_writes_hub_folders(clean_env, capsys, tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+    from transformers import AutoModelForCausalLM
+
+    from moeshard.train.export import load_full_model
+
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run_dir.mkdir()
+    elsewhere.mkdir()
+    _tokenizer(run_dir / "tok")
+    out = tmp_path / "out"
+    real_writer, overlapped = faults.storage_writer, []
+
+    class WaitsForStep3(FileSystemWriter):
+        def write_data(self, plan, planner):
+            deadline = time.monotonic() + 60  # a slow disk: the write ends only once the loop finished step 3
+            while 3 not in _steps(out) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            overlapped.append(3 in _steps(out))
+            return super().write_data(plan, planner)
+
+    def writer(path, step):
+        return WaitsForStep3(str(path)) if step == 2 else real_writer(path, step)
+
+    monkeypatch.setattr(faults, "storage_writer", writer)
+    monkeypatch.chdir(run_dir)  # data.tokenizer by a relative path
+    hub = ["--checkpoint.save_hf=every", "--checkpoint.hf_dtype=float32", "--data.tokenizer=tok"]
+    assert main([*ONE, *hub, f"--logging.output_dir={out}"]) == 0
+    printed = capsys.readouterr().out
+    assert overlapped == [True]  # step 3 ran while the checkpoint of step 2 was being written
+    assert _steps(out) == [1, 2, 3, 4]
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000004"]
+    for step in (2, 4):
+        ckpt.validate_checkpoint(ckpts / f"step_{step:08d}")
+        folder = out / "hf" / f"step_{step:08d}"
+        assert f"Hub folder {folder} written from checkpoint step_{step:08d} (float32)" in printed
+        assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+    assert sorted(p.name for p in (out / "hf").iterdir()) == ["step_00000002", "step_00000004"]
+
+    # transformers loads the Hub folder; its logits equal the training model's (the checkpoint, in float32)
+    ours, _ = load_full_model(ckpts / "step_00000004")
+    theirs = AutoModelForCausalLM.from_pretrained(out / "hf/step_00000004", dtype=torch.float32)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
+
+    # The run recorded the tokenizer's absolute path: export-hf from another folder still copies it.
+    monkeypatch.chdir(elsewhere)
+    assert main(["export-hf", "--checkpoint", str(ckpts / "step_00000002"), "--out", "exported"]) == 0
+    assert (elsewhere / "exported/tokenizer.json").is_file()
+
+
+def test_a_failed_background_save_stops_the_run_in_one_line(clean_env, capsys, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    monkeypatch.setenv(faults.ENV, "enospc:0:during_save:2")
+    assert main([*ONE, "--checkpoint.save_hf=every", f"--logging.output_dir={out}"]) == 1
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("moeshard-train: error")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "saving the checkpoint of step 2 (in the background) failed (rank 0: OSError" in lines[0]
+    assert "No space left on device" in lines[0] and "the previous checkpoint (none) is intact" in lines[0]
+    assert _steps(out) == [1, 2, 3, 4]  # found at the next save, step 4's: the loop went on meanwhile
+    assert not ckpt.complete_checkpoints(out / "checkpoints") and not (out / "hf").exists()
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def test_bench_reports_the_step_time_cost_of_a_save(clean_env, capsys, tmp_path):
+    out, saves = tmp_path / "bench.json", tmp_path / "bench_checkpoints"
+    args = ["bench", "--preset", "tiny", "--layers", "2", "--seq-len", "32", "--batch-per-gpu", "2", "--steps", "6"]
+    args += ["--warmup", "1", "--checkpoint-every", "2", "--async-checkpoint", "--checkpoint-dir", str(saves)]
+    assert main([*args, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    # after steps 2, 4 and 6; the last one's next step is not run, so two costs
+    assert result["checkpoint_every"] == 2 and result["async_checkpoint"] and len(result["save_cost_s"]) == 2
+    assert result["step_time_s_median_without_save"] > 0 and result["save_cost_s_median"] is not None
+    assert "checkpoint every 2 steps (async): step " in capsys.readouterr().out
+    assert not saves.exists()  # removed at the end
