@@ -167,22 +167,29 @@ def test_async_run_goes_on_while_saving_and_writes_hub_folders(clean_env, capsys
     monkeypatch.setattr(faults, "storage_writer", writer)
     monkeypatch.chdir(run_dir)  # data.tokenizer by a relative path
     hub = ["--checkpoint.save_hf=every", "--checkpoint.hf_dtype=float32", "--data.tokenizer=tok"]
-    assert main([*ONE, *hub, f"--logging.output_dir={out}"]) == 0
+    # 6 steps: two saves in the background (steps 2 and 4, each with a stager of its own), the last one in place
+    assert main([*ONE, *hub, "--train.steps=6", f"--logging.output_dir={out}"]) == 0
     printed = capsys.readouterr().out
     assert overlapped == [True]  # step 3 ran while the checkpoint of step 2 was being written
-    assert _steps(out) == [1, 2, 3, 4]
+    assert _steps(out) == [1, 2, 3, 4, 5, 6]
     ckpts = out / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000004"]
-    for step in (2, 4):
+    names = ["step_00000002", "step_00000004", "step_00000006"]
+    assert sorted(p.name for p in ckpts.iterdir()) == names
+    for step in (2, 4, 6):
         ckpt.validate_checkpoint(ckpts / f"step_{step:08d}")
         folder = out / "hf" / f"step_{step:08d}"
         assert f"Hub folder {folder} written from checkpoint step_{step:08d} (float32)" in printed
         assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
-    assert sorted(p.name for p in (out / "hf").iterdir()) == ["step_00000002", "step_00000004"]
+        background = (
+            f"checkpoint of step {step}: " in printed
+            and "in the background)" in printed.split(f"checkpoint of step {step}: ")[1].splitlines()[0]
+        )
+        assert background == (step < 6), step
+    assert sorted(p.name for p in (out / "hf").iterdir()) == names
 
     # transformers loads the Hub folder; its logits equal the training model's (the checkpoint, in float32)
-    ours, _ = load_full_model(ckpts / "step_00000004")
-    theirs = AutoModelForCausalLM.from_pretrained(out / "hf/step_00000004", dtype=torch.float32)
+    ours, _ = load_full_model(ckpts / "step_00000006")
+    theirs = AutoModelForCausalLM.from_pretrained(out / "hf/step_00000006", dtype=torch.float32)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(theirs(input_ids=ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)

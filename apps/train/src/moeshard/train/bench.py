@@ -307,11 +307,10 @@ class _Saves:
         from moeshard.train import checkpoint_async
 
         self.ckpt, self.job, self.every = ckpt, job, args.checkpoint_every
-        self.start_async_save = checkpoint_async.start_async_save
+        self.start_async_save, self.make_stager = checkpoint_async.start_async_save, checkpoint_async.make_stager
         self.dir = Path(args.checkpoint_dir)
         self.pending = None
         self.group = dist.new_group(backend="gloo") if args.async_checkpoint else None
-        self.stager = checkpoint_async.make_stager(job.device) if args.async_checkpoint else None
 
     def before_update(self, stats: StepStats) -> None:
         if self.pending is not None:
@@ -331,14 +330,12 @@ class _Saves:
         else:
             state = self.ckpt.job_state(self.job, step)
             self.pending = self.start_async_save(
-                self.dir, step, *state, keep_last=keep, group=self.group, stager=self.stager
-            )
+                self.dir, step, *state, keep_last=keep, group=self.group, stager=self.make_stager(self.job.device)
+            )  # a stager per save, as the job's Checkpointer
 
     def finish(self) -> None:
         if self.pending is not None:
             self.pending.wait()
-        if self.stager is not None:
-            self.stager.close()
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -435,14 +435,11 @@ class Checkpointer(Callback):
         self.last_saved = newest_checkpoint(ckpt_dir)
         self.pending = None  # a moeshard.train.checkpoint_async.PendingSave
         self._started: dict[int, tuple[float, bool]] = {}  # step -> (save began, in the background)
-        self._group = self._stager = None
+        self._group = None
         if job.cfg.checkpoint.async_:
-            from moeshard.train.checkpoint_async import make_stager
-
             # A background save's collectives run on a gloo group of their own (made by every rank, here): on the
             # training's group they would interleave with the steps'.
             self._group = dist.new_group(backend="gloo")
-            self._stager = make_stager(job.device)
 
     def due(self, step: int) -> bool:
         """Whether the loop saves after ``step``."""
@@ -470,11 +467,14 @@ class Checkpointer(Callback):
             return
         self._started[step] = (time.perf_counter(), self._group is not None and not last)
         if self._group is not None and not last:
-            from moeshard.train.checkpoint_async import start_async_save
+            from moeshard.train.checkpoint_async import make_stager, start_async_save
 
             keep = self.job.cfg.checkpoint.keep_last
+            # A stager per save: torch 2.11's async_save closes the stager it was given once the save ends (seen on
+            # an H200: the next save with the same stager failed in its staging), so none is reused.
+            stager = make_stager(self.job.device)
             self.pending = start_async_save(
-                self.ckpt_dir, step, *job_state(self.job, step), keep_last=keep, group=self._group, stager=self._stager
+                self.ckpt_dir, step, *job_state(self.job, step), keep_last=keep, group=self._group, stager=stager
             )
         else:
             self._published(save_job(self.job, self.ckpt_dir, step), step)
@@ -513,6 +513,5 @@ class Checkpointer(Callback):
             except BaseException:  # noqa: BLE001 - the loop's own error is the one reported
                 if dist.get_rank() == 0:
                     shutil.rmtree(pending.tmp, ignore_errors=True)
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+            finally:
+                pending.close_stager()

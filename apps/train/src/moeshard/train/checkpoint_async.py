@@ -22,8 +22,8 @@ from moeshard.train.checkpoint import _begin, _publish, _raise_if_any_failed, _w
 
 
 def make_stager(device: torch.device):
-    """DCP's stager for ``checkpoint.async``: on CUDA a copy into pinned host memory on a side stream, in the
-    background (kept between saves: pinning is slow); elsewhere a plain copy in the caller. Close it at the end."""
+    """DCP's stager for one ``checkpoint.async`` save: on CUDA a copy into pinned host memory on a side stream, in
+    the background; elsewhere a plain copy in the caller. :class:`PendingSave` closes it when the save ends."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     cuda = device.type == "cuda"
@@ -44,12 +44,18 @@ class PendingSave:
     the run) agrees on the outcome and raises :class:`CheckpointSaveError` for a failed write, never published.
     """
 
-    def __init__(self, ckpt_dir: Path, tmp: Path, step: int, keep_last: int, response: Any) -> None:
-        self.ckpt_dir, self.tmp, self.step, self.keep_last = ckpt_dir, tmp, step, keep_last
+    def __init__(self, ckpt_dir: Path, tmp: Path, step: int, keep_last: int, response: Any, stager: Any) -> None:
+        self.ckpt_dir, self.tmp, self.step, self.keep_last, self.stager = ckpt_dir, tmp, step, keep_last, stager
         # DCP returns a Future, or with background staging an AsyncSaveResponse of two.
         self.upload = getattr(response, "upload_completion", response)
         self.staging = getattr(response, "staging_completion", None)
         self.published: Path | None = None
+
+    def close_stager(self) -> None:
+        """Release the save's staging resources (its thread, pinned buffers) once its write has ended."""
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
 
     def wait_staged(self) -> None:
         """Block until the state is copied to the host: call it before anything changes the state (the optimizer
@@ -76,6 +82,8 @@ class PendingSave:
             self.upload.result()
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises its BaseException on every rank
             error = e
+        finally:
+            self.close_stager()
         _raise_if_any_failed(self.ckpt_dir, self.tmp, self.step, error, how=" (in the background)")
         if dist.get_rank() == 0:
             self.publish_if_done()
@@ -113,4 +121,4 @@ def start_async_save(
     response = dcp.async_save(
         app_state, storage_writer=faults.storage_writer(tmp, step), process_group=group, async_stager=stager
     )
-    return PendingSave(ckpt_dir, tmp, step, keep_last, response)
+    return PendingSave(ckpt_dir, tmp, step, keep_last, response, stager)

@@ -58,7 +58,9 @@ def init_distributed() -> torch.device:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         if not dist.is_initialized():
-            dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=30))
+            # NCCL for CUDA tensors, gloo for the few CPU ones (the ranks' agreement on a checkpoint save, the
+            # output-dir lock, DCP's planning): one default group serves both.
+            dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=timedelta(minutes=30))
     else:
         device = torch.device("cpu")
         if not dist.is_initialized():
