@@ -12,7 +12,6 @@ step-time cost of a save.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -39,17 +38,6 @@ ONE = [
     "--logging.tensorboard=false",
     "--logging.expert_load_every=0",
 ]
-_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MOESHARD_FAULT")
-
-
-@pytest.fixture
-def clean_env():
-    saved = dict(os.environ)
-    for k in _ENV:
-        os.environ.pop(k, None)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 @pytest.fixture

@@ -30,17 +30,9 @@ ONE = [
     "--logging.tensorboard=false",
     "--logging.expert_load_every=0",
 ]
-_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MOESHARD_FAULT")
 
 
-@pytest.fixture(autouse=True)
-def clean_env():
-    saved = dict(os.environ)
-    for k in _ENV:
-        os.environ.pop(k, None)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def _error(capsys, args: list[str], code: int = 1) -> str:

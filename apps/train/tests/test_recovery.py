@@ -34,18 +34,9 @@ TINY = [
     "--logging.expert_load_every=0",
 ]
 ONE = [*TINY, "--parallel.ep_size=1", "--train.global_batch_size=4"]  # a world of one, in this process
-_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MOESHARD_FAULT")
-_ENV += ("MOESHARD_TRACEBACK", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
 
 
-@pytest.fixture(autouse=True)
-def clean_env():
-    saved = dict(os.environ)
-    for k in _ENV:
-        os.environ.pop(k, None)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 @pytest.fixture
@@ -58,18 +49,12 @@ def quiet_signals():
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
+def trained(tmp_path_factory, without_launch_env) -> Path:
     """A run of 3 steps with a checkpoint after each (copy it before changing it)."""
-    saved = dict(os.environ)
-    for k in _ENV:
-        os.environ.pop(k, None)
     out = tmp_path_factory.mktemp("trained") / "run"
-    try:
+    with without_launch_env():
         assert main([*ONE, "--train.steps=3", "--checkpoint.every_steps=1", "--checkpoint.keep_last=3"]
                     + [f"--logging.output_dir={out}"]) == 0  # fmt: skip
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     return out
 
 

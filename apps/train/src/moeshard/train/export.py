@@ -24,6 +24,26 @@ _TOKENIZER_FILES = (
 )
 
 
+def _read_run(src: Path):
+    """``(job config, model config, DCP metadata of every stored tensor)`` of a complete moeshard-train checkpoint.
+
+    Raises:
+        ValueError: ``src`` is not one (no ``COMPLETE``, no ``extra.pt``).
+    """
+    from transformers import Qwen3MoeConfig
+
+    from moeshard.train.config import resolve_model_config
+
+    ckpt.read_marker(src)
+    if not (src / "extra.pt").is_file():
+        raise ValueError(f"{src} has no extra.pt: it is not a moeshard-train checkpoint")
+    extra = torch.load(src / "extra.pt", weights_only=False)
+    cfg = config_from_dict(extra["config"])
+    # The model config saved with the checkpoint: the run's model.path may be gone by now.
+    mcfg = Qwen3MoeConfig.from_dict(extra["model_config"]) if "model_config" in extra else resolve_model_config(cfg)
+    return cfg, mcfg, dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
+
+
 def load_full_model(checkpoint: str | Path):
     """A training checkpoint (any layout) as one full, unsharded model on the CPU, in one process.
 
@@ -33,21 +53,11 @@ def load_full_model(checkpoint: str | Path):
     Raises:
         ValueError: ``checkpoint`` is not a complete moeshard-train checkpoint.
     """
-    from transformers import Qwen3MoeConfig
-
     from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
-    from moeshard.train.config import resolve_model_config
 
     src = Path(checkpoint)
-    ckpt.read_marker(src)
-    if not (src / "extra.pt").is_file():
-        raise ValueError(f"{src} has no extra.pt: it is not a moeshard-train checkpoint")
-    extra = torch.load(src / "extra.pt", weights_only=False)
-    cfg = config_from_dict(extra["config"])
-    # The model config saved with the checkpoint: the run's model.path may be gone by now.
-    mcfg = Qwen3MoeConfig.from_dict(extra["model_config"]) if "model_config" in extra else resolve_model_config(cfg)
+    cfg, mcfg, stored = _read_run(src)
     model = Qwen3MoeForCausalLM(mcfg)
-    stored = dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
     if any(k.startswith("model.") and k.endswith(".mlp.gate.bias") for k in stored):
         model.enable_router_bias()  # train.router_bias: the selection biases are part of the trained model
     state = {"model": model.state_dict()}
@@ -74,7 +84,6 @@ def export_hf(
         ValueError: ``checkpoint`` is not a complete checkpoint, ``out`` exists and is not empty, a bad dtype.
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from transformers import Qwen3MoeConfig
 
     from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
     from moeshard.models.qwen3moe.checkpoint_save import stream_hf_weights
@@ -86,18 +95,7 @@ def export_hf(
     if dst.exists() and any(dst.iterdir()):
         raise ValueError(f"--out {dst} exists and is not empty; nothing was overwritten. Choose a new folder")
     src = Path(checkpoint)
-    ckpt.read_marker(src)
-    if not (src / "extra.pt").is_file():
-        raise ValueError(f"{src} has no extra.pt: it is not a moeshard-train checkpoint")
-    extra = torch.load(src / "extra.pt", weights_only=False)
-    cfg = config_from_dict(extra["config"])
-    if "model_config" in extra:
-        mcfg = Qwen3MoeConfig.from_dict(extra["model_config"])
-    else:
-        from moeshard.train.config import resolve_model_config
-
-        mcfg = resolve_model_config(cfg)
-    stored = dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    cfg, mcfg, stored = _read_run(src)
     with torch.device("meta"):
         names = [n for n, _ in Qwen3MoeForCausalLM(mcfg).named_parameters()]  # the HF tensors, in model order
     specs = {}
