@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import yaml
-
 import moeshard.data
+from moeshard.train.config_parse import (
+    ConfigError,
+    parse_value,
+    read_config_file,
+    section_from_dict,
+    yaml_key,
+)
 
 
 def _key(
@@ -271,11 +275,6 @@ class JobConfig:
 GROUP_OFF = "(off)"  # describe_keys' value of a key in an optional group that is off
 
 
-def yaml_key(f: dataclasses.Field) -> str:
-    """A field's key in YAML and on the command line (``async`` for ``CheckpointConfig.async_``)."""
-    return f.metadata.get("key", f.name)
-
-
 def describe_keys(cfg: JobConfig) -> list[tuple[str, Any, Any, str]]:
     """Every key of the job as ``(dotted key, value, default, meaning)``, in file order; the keys of an optional
     group (``logging.wandb.project``) follow the group's row, with the value :data:`GROUP_OFF` where it is off."""
@@ -310,116 +309,6 @@ HF_DTYPES = ("bfloat16", "float16", "float32")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
-class ConfigError(ValueError):
-    """A configuration key or value that cannot be used; the message names the key."""
-
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        if value is False and type(None) in args and any(dataclasses.is_dataclass(a) for a in args):
-            return None  # logging.wandb: false, as null: off
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(key, value, a)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
-    if tp is Any:
-        return value
-    if dataclasses.is_dataclass(tp):  # a group of keys inside a section (logging.wandb)
-        if isinstance(value, tp):
-            return value
-        return _section_from_dict(tp, key, {} if value is True else value)  # true: its defaults
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key} must be an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key} must be a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key} must be a string, got {value!r}")
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # tuple[str, ...]: any length
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key} must be a list, got {value!r}")
-        return tuple(_coerce(key, v, args[0]) for v in value)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{key} must be a list of {len(args)} values, got {value!r}")
-        return tuple(_coerce(key, v, a) for v, a in zip(value, args))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be a mapping, got {value!r}")
-        return dict(value)
-    raise ConfigError(f"{key}: unsupported type {tp}")
-
-
-def _section_from_dict(cls: type, name: str, raw: dict[str, Any]) -> Any:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"section {name!r} must be a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    known = {yaml_key(f): f.name for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in known:
-            near = difflib.get_close_matches(key, known, n=1)
-            hint = f"; did you mean {name}.{near[0]}?" if near else f"; known keys: {', '.join(sorted(known))}"
-            raise ConfigError(f"unknown config key {name}.{key}{hint}")
-    return cls(**{known[k]: _coerce(f"{name}.{k}", v, hints[known[k]]) for k, v in raw.items()})
-
-
-def _parse_value(text: str) -> Any:
-    return yaml.safe_load(text) if text != "" else ""
-
-
-def _read_config_file(p: Path) -> dict[str, Any]:
-    """The file's mapping of sections. Raises ConfigError (one line: ``file:line:column`` for a YAML error) for a
-    missing, unreadable or empty file and for anything but a mapping of section names."""
-    if not p.is_file():
-        raise ConfigError(f"config file {p} does not exist")
-    try:
-        loaded = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
-        problem, context = getattr(e, "problem", None), getattr(e, "context", None)
-        what = f"{problem}{f' ({context})' if context else ''}" if problem else str(e).replace("\n", " ")
-        raise ConfigError(f"config file {where}: YAML syntax error: {what}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {p} cannot be read: {e}") from None
-    if loaded is None:
-        raise ConfigError(
-            f"config file {p} is empty; give it sections (model:, train:, ...), or leave out --config for the "
-            "embedded default job"
-        )
-    if not isinstance(loaded, dict):
-        raise ConfigError(
-            f"config file {p} must hold a mapping of sections (model:, train:, ...), got a {type(loaded).__name__}"
-        )
-    for key in loaded:
-        if not isinstance(key, str):
-            raise ConfigError(f"config file {p}: section names are words (model, train, ...), got {key!r}")
-    return loaded
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
     """Load a YAML file (optional) and apply ``section.key=value`` overrides; validate everything.
 
@@ -428,7 +317,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """
     raw: dict[str, Any] = {}
     if path is not None:
-        loaded = _read_config_file(Path(path))
+        loaded = read_config_file(Path(path))
         raw = {k: dict(v or {}) if isinstance(v, dict) or v is None else v for k, v in loaded.items()}
     from_cli: set[str] = set()
     for item in overrides:
@@ -443,9 +332,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             group = raw.setdefault(section, {})
             if not isinstance(group.get(key), dict):  # absent, or null / true in the file
                 group[key] = {}
-            group[key][sub] = _parse_value(value)
+            group[key][sub] = parse_value(value)
         else:
-            raw.setdefault(section, {})[key] = _parse_value(value)
+            raw.setdefault(section, {})[key] = parse_value(value)
     sections = {f.name: f.type for f in dataclasses.fields(JobConfig)}
     for name in raw:
         if name not in sections:
@@ -475,7 +364,7 @@ def config_from_dict(raw: dict[str, Any]) -> JobConfig:
     """
     hints = typing.get_type_hints(JobConfig)
     try:
-        built = {name: _section_from_dict(hints[name], name, raw[name]) for name in raw if name != "data"}
+        built = {name: section_from_dict(hints[name], name, raw[name]) for name in raw if name != "data"}
         if "data" in raw:
             built["data"] = DataConfig.from_dict(raw["data"], "data")  # moeshard.data's keys and checks
     except moeshard.data.DataError as e:
