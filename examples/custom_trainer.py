@@ -11,6 +11,8 @@ passes ``N_global / W`` as ``num_items_in_batch`` and FSDP averages gradients ov
 ``seq_len`` tokens with document-masked packing (``position_ids`` restart in every document, ``document_ids`` keep
 attention inside it); the global batch of step s is a pure function of s, rank r takes its contiguous share in
 micro-batches (gradient accumulation), and a ``PrefetchLoader`` prepares the next steps in a background thread.
+Optional: aux-loss-free expert balancing (``--router-bias RATE``: a selection bias per expert, moved after each step
+from the step's global expert load) and a held-out loss at the end (``--eval-data``), both from the packages.
 """
 
 from __future__ import annotations
@@ -24,16 +26,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moeshard.data import DataConfig, PrefetchLoader, StepBatches, open_dataset
+from moeshard.data import DataConfig, EvalBatches, PrefetchLoader, StepBatches, open_dataset
 from moeshard.ep import EPOptions
 from moeshard.fsdp_moe import build_optimizer, num_items_for_global_mean, save_checkpoint
 from moeshard.meshes import build_meshes
 from moeshard.models.qwen3moe import (
+    GlobalExpertCounts,
     ParallelOptions,
     Qwen3MoeForCausalLM,
+    evaluate,
+    expert_counts,
     load_hf_config,
     load_hf_weights,
     parallelize,
+    routers,
+    update_router_bias,
 )
 
 
@@ -60,6 +67,8 @@ def main() -> None:
     p.add_argument("--ranks-per-node", type=int, default=None, help="default: LOCAL_WORLD_SIZE")
     p.add_argument("--prefetch-depth", type=int, default=1)
     p.add_argument("--dispatch", choices=("overlapped", "all_to_all"), default="overlapped", help="EP token exchange")
+    p.add_argument("--router-bias", type=float, default=0.0, help="aux-loss-free balancing: bias update rate")
+    p.add_argument("--eval-data", default=None, help="held-out data (as --data): its loss after the last step")
     p.add_argument("--losses", type=Path, default=None, help="write the per-step losses here (JSON)")
     p.add_argument("--checkpoint", type=Path, default=None, help="DCP checkpoint folder written at the end")
     args = p.parse_args()
@@ -88,6 +97,8 @@ def main() -> None:
     # 3. Memory, then weights: every rank reads only the slices it holds.
     model.to_empty(device=device)
     load_hf_weights(model, args.model)
+    if args.router_bias:
+        model.enable_router_bias()  # after the HF weights (their format has no bias), before any DCP load or save
     # AdamW for every parameter (fused on GPU); experts kept out of FSDP (ep_fsdp of one rank) get one fused pass
     # from their compute-dtype gradients. One step(), zero_grad(), state_dict() and clip_grad_norm_() for all.
     optimizer = build_optimizer(model, lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay)
@@ -103,7 +114,8 @@ def main() -> None:
     )
     step_batches = StepBatches(rows, global_batch=args.global_batch, world_size=world, micro_batch=args.micro_batch)
     coef = config.router_aux_loss_coef
-    losses, grad_norms = [], []
+    losses, grad_norms, imbalance = [], [], []
+    load = GlobalExpertCounts()  # the step's expert load over its micro-batches and all ranks, on the device
     # A background thread prepares the next steps' batches (in pinned memory on CUDA: the copies below are async).
     loader = PrefetchLoader(step_batches, rank, start_step=0, stop_step=args.steps, pin_memory=device.type == "cuda")
     with loader:
@@ -113,6 +125,7 @@ def main() -> None:
             # W ranks is the global-batch mean however unevenly label tokens fall on ranks.
             num_items = num_items_for_global_mean(sum(b.num_targets for b in micro_batches)).clamp_min(1.0 / world)
             lm_sum = torch.zeros((), device=device)
+            load.reset()
             for b in micro_batches:
                 b = b.to(device, non_blocking=True)
                 # return_logits=False: the loss goes through the head in chunks, never holding the [B, S, V] logits.
@@ -130,19 +143,43 @@ def main() -> None:
                 # The router's load-balancing loss is a per-micro-batch mean: average it over the accumulation steps.
                 (lm + coef * out.aux_loss / len(micro_batches)).backward()
                 lm_sum += lm.detach()
+                biases = [r.bias for r in routers(model)] if args.router_bias else None
+                load.add(expert_counts(out.router_logits, config.num_experts_per_tok, biases))
             # One norm over both meshes (a device tensor, no host sync); the step may apply the clip coefficient.
             grad_norm = optimizer.clip_grad_norm_(args.max_grad_norm)
             optimizer.step()
+            load_LE = load.total()  # one all-reduce of [layers, experts]: the same on every rank
+            if args.router_bias:
+                update_router_bias(model, load_LE, args.router_bias)  # identical biases on every rank
+            imbalance.append((load_LE.max(-1).values / load_LE.mean(-1)).max().item())
             dist.all_reduce(lm_sum)
             losses.append(lm_sum.item() / world)
             grad_norms.append(grad_norm.item())
-            print0(f"step {step + 1}: loss {losses[-1]:.6f} grad_norm {grad_norms[-1]:.4f}")
+            print0(
+                f"step {step + 1}: loss {losses[-1]:.6f} grad_norm {grad_norms[-1]:.4f} "
+                f"expert load max/mean {imbalance[-1]:.2f}"
+            )
 
-    # 5. A DCP checkpoint with experts in their global shape: it loads into any EP size / world size.
+    # 5. A held-out loss: the mean over every predicted token of the eval rows on all ranks (every rank runs the
+    # same number of forwards, so EP's exchanges pair up even when ranks hold different token counts).
+    val_loss = None
+    if args.eval_data is not None:
+        held_out = open_dataset(
+            DataConfig(path=args.eval_data, seq_len=args.seq_len, packing=not args.no_packing),
+            vocab_size=config.vocab_size,
+            eos_id=eos,
+            pad_id=getattr(config, "pad_token_id", None),
+        )
+        batches = EvalBatches(held_out, global_batch=args.global_batch, world_size=world, micro_batch=args.micro_batch)
+        val_loss = evaluate(model, batches.rank_batches(rank), device=device).loss
+        print0(f"eval: loss {val_loss:.6f}")
+
+    # 6. A DCP checkpoint with experts in their global shape: it loads into any EP size / world size.
     if args.checkpoint is not None:
         save_checkpoint(args.checkpoint, model, optimizer)
     if rank == 0 and args.losses is not None:
-        args.losses.write_text(json.dumps({"loss": losses, "grad_norm": grad_norms}))
+        record = {"loss": losses, "grad_norm": grad_norms, "expert_load_max_over_mean": imbalance, "val_loss": val_loss}
+        args.losses.write_text(json.dumps(record))
     # Free the sharded model and optimizer (they hold process groups, some in reference cycles) while the groups
     # exist, not at interpreter exit after them; and a barrier: gloo aborts at exit without it (torch 2.13).
     del model, optimizer

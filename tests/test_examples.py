@@ -26,8 +26,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 TIMEOUT = 300
 
 # One config for both: moeshard.data's rows (document-masked packing, no shuffle), a constant lr without warm-up,
-# gradient accumulation (2 micro-batches per rank), a clipping threshold the gradients exceed.
+# gradient accumulation (2 micro-batches per rank), a clipping threshold the gradients exceed, aux-loss-free
+# expert balancing (router bias), and a held-out loss after the last step.
 HYPER = dict(seq_len=24, global_batch=8, micro_batch=1, steps=4, lr=3e-3, weight_decay=0.01, max_grad_norm=0.5)
+ROUTER_BIAS = 0.01
 APP_CONFIG = f"""
 parallel: {{ep_size: 2, prefetch_depth: 1}}
 data: {{shuffle: false, seq_len: {HYPER["seq_len"]}}}
@@ -41,6 +43,8 @@ train:
   weight_decay: {HYPER["weight_decay"]}
   betas: [0.9, 0.95]
   max_grad_norm: {HYPER["max_grad_norm"]}
+  router_bias: {{update_rate: {ROUTER_BIAS}}}
+eval: {{every_steps: 0, at_start: false, max_batches: 0}}
 checkpoint: {{resume: none}}
 logging: {{tensorboard: false, progress_bar: false, expert_load_every: 0}}
 """
@@ -96,11 +100,13 @@ def test_custom_trainer_matches_the_app(tiny, tmp_path):
         [
             sys.executable, "-m", "moeshard.train", "launch-local", "--nnodes", "2", "--nproc-per-node", "2", "--",
             "--config", str(tmp_path / "app.yaml"), f"--data.path={tiny / 'data.jsonl'}",
-            f"--model.path={tiny / 'model'}", f"--logging.output_dir={app_out}",
+            f"--model.path={tiny / 'model'}", f"--logging.output_dir={app_out}", f"--eval.path={tiny / 'data.jsonl'}",
         ],
         cwd=tmp_path,
     )  # fmt: skip
-    app = [json.loads(line) for line in (app_out / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (app_out / "metrics.jsonl").read_text().splitlines()]
+    app = [r for r in records if "loss" in r]
+    app_eval = [r for r in records if "val_loss" in r]
 
     losses_file, ckpt = tmp_path / "example_losses.json", tmp_path / "example_ckpt"
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in HYPER.items()]
@@ -108,6 +114,7 @@ def test_custom_trainer_matches_the_app(tiny, tmp_path):
         _torchrun(
             4, EXAMPLES / "custom_trainer.py", f"--model={tiny / 'model'}", f"--data={tiny / 'data.jsonl'}",
             "--ep-size=2", "--ranks-per-node=2", *flags, f"--losses={losses_file}", f"--checkpoint={ckpt}",
+            f"--router-bias={ROUTER_BIAS}", f"--eval-data={tiny / 'data.jsonl'}",
         ),
         cwd=tmp_path,
     )  # fmt: skip
@@ -117,6 +124,8 @@ def test_custom_trainer_matches_the_app(tiny, tmp_path):
     assert example["loss"] == pytest.approx([m["loss"] for m in app], rel=1e-5)
     assert example["grad_norm"] == pytest.approx([m["grad_norm"] for m in app], rel=1e-4)
     assert max(example["grad_norm"]) > HYPER["max_grad_norm"], "pick a threshold that clipping acts on"
+    assert [r["step"] for r in app_eval] == [HYPER["steps"]]
+    assert example["val_loss"] == pytest.approx(app_eval[0]["val_loss"], rel=1e-5)
     assert (ckpt / ".metadata").is_file()  # the DCP checkpoint of save_checkpoint
 
 
