@@ -18,20 +18,23 @@ bench() {  # bench NAME ARGS...
   echo "$name: $(tail -n 1 "$OUT/$name.log")"
   grep -q "tok/s/GPU" "$OUT/$name.log" || tail -n 25 "$OUT/$name.log"
 }
-plan() {  # plan MICRO_BATCH [AC]
+plan() {  # plan MICRO_BATCH [POLICY]
   python3 -m moeshard.train plan --nnodes 1 --nproc-per-node "$N" --micro-batch-size "$1" \
     --model.preset=qwen3-30b-a3b "--model.overrides={\"num_hidden_layers\": $L}" --data.seq_len=4096 \
-    --parallel.ep_size="$EP" --model.dtype=bfloat16 ${2:+--train.activation_checkpointing=true} 2>/dev/null \
+    --train.global_batch_size=$((4 * N)) --parallel.ep_size="$EP" --model.dtype=bfloat16 \
+    --train.activation_checkpointing="${2:-none}" 2>/dev/null \
     | grep -E "^  (activations|total)" | tr -s ' ' | tr '\n' ' '
 }
 for mb in 4 2 1; do
   bench "mb$mb" --micro-batch "$mb"
   echo "  plan mb$mb: $(plan $mb)"
 done
-bench "mb4_ac" --micro-batch 4 --activation-checkpointing
-echo "  plan mb4 ac: $(plan 4 ac)"
-bench "mb1_ac" --micro-batch 1 --activation-checkpointing
-echo "  plan mb1 ac: $(plan 1 ac)"
+for policy in full selective; do
+  for mb in 4 1; do
+    bench "mb${mb}_$policy" --micro-batch "$mb" --activation-checkpointing "$policy"
+    echo "  plan mb$mb $policy: $(plan "$mb" "$policy")"
+  done
+done
 for mb in ${TRACE_MB:-1 4}; do
   bench "trace_mb$mb" --micro-batch "$mb" --steps 8 --warmup 4 --trace "$OUT/trace_mb$mb.json.gz" --trace-gpu-only
   python3 "$R/benchmarks/trace_summary.py" "$OUT/trace_mb$mb.json.gz" --top 25 > "$OUT/trace_mb$mb.txt" 2>&1

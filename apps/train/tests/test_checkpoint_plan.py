@@ -98,6 +98,52 @@ def test_plan_30b_on_two_nodes_of_eight(capsys):
     assert "all_to_all       inter-node" not in out  # EP stays inside a node
 
 
+def _memory(*overrides: str, nproc: int = 2):
+    from moeshard.train.config import load_config
+    from moeshard.train.plan import plan_report
+
+    keys = ["model.preset=qwen3-30b-a3b", "model.overrides.num_hidden_layers=2", "model.dtype=bfloat16"]
+    keys += ["data.seq_len=4096", "train.global_batch_size=8", "train.micro_batch_size=4", "parallel.ep_size=2"]
+    cfg = load_config(None, keys + list(overrides))
+    report = plan_report(cfg, nnodes=1, nproc_per_node=nproc, table=False)
+    return report.memory, report.comm
+
+
+def test_plan_memory_follows_the_policies():
+    """What ``plan`` counts: experts under the fused update keep bf16 gradients; gradients of earlier micro-batches
+    sit beside the last one's activations; ``selective`` drops 3F (``mlp``) or F (``activation``) bf16 elements
+    per routed copy and layer and repeats no exchange, ``full`` keeps one hidden state per layer and does."""
+    base, comm = _memory()
+    experts = 2 * 128 // 2 * 3 * 2048 * 768  # 2 layers, 64 local experts: kept out of FSDP at EP 2 of 2 ranks
+    unfused, _ = _memory("train.fused_expert_update=false")
+    assert unfused.grads - base.grads == 2 * experts  # float32 against bfloat16
+    assert base.micro_batches == 1 and base.total == base.params + base.optimizer + base.unsharded + max(
+        base.activations, base.grads
+    )
+    accumulating, _ = _memory("train.micro_batch_size=2")
+    assert accumulating.micro_batches == 2 and accumulating.activations * 2 == base.activations
+    assert accumulating.total == (
+        base.params + base.optimizer + base.unsharded + accumulating.activations + accumulating.grads
+    )
+    once, once_comm = _memory("train.micro_batch_size=2", "train.gradient_sync=last_micro_batch")
+    assert once.held_grads > 0 and once.total == accumulating.total + once.held_grads
+    _, accumulating_comm = _memory("train.micro_batch_size=2")
+    for key, value in accumulating_comm.items():  # one reduce-scatter per step instead of one per micro-batch
+        assert once_comm[key] == (value / 2 if key[0] == "reduce_scatter" else value), key
+    tokens, copies = 4 * 4096, 8  # per micro-batch; top-8
+    for recompute, width in (("mlp", 3 * 768), ("activation", 768)):
+        selective, selective_comm = _memory(
+            "train.activation_checkpointing=selective", f"train.selective_recompute={recompute}"
+        )
+        assert base.activations - selective.activations == tokens * 2 * 2 * copies * width  # 2 layers, bf16
+        assert selective_comm == comm
+    full, full_comm = _memory("train.activation_checkpointing=full")
+    assert full.activations < selective.activations
+    # the token rows travel 6 times instead of 4 (the per-expert counts twice instead of once: a few KiB)
+    a2a = ("all_to_all", "intra-node")
+    assert full_comm[a2a] == pytest.approx(1.5 * comm[a2a], rel=1e-3)
+
+
 def test_plan_refuses_a_layout_that_does_not_fit(capsys):
     from moeshard.train.__main__ import main
 

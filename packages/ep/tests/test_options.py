@@ -24,6 +24,7 @@ from moeshard.ep.testing import ToyMoE, count_host_syncs, toy_plan
         ({"sm_carveout": -1}, r"EPOptions.sm_carveout=-1 is not allowed: an int >= 0"),
         ({"sm_carveout": 1.5}, r"EPOptions.sm_carveout=1.5 is not allowed"),
         ({"sm_carveout": True}, r"EPOptions.sm_carveout=True is not allowed"),
+        ({"recompute": "all"}, r"EPOptions.recompute='all' is not one of \('none', 'activation', 'mlp'\)"),
     ],
 )
 def test_every_field_is_validated(kwargs, message):
@@ -33,8 +34,8 @@ def test_every_field_is_validated(kwargs, message):
 
 def test_frozen_and_described():
     options = EPOptions(kernels="triton", sm_carveout=0)
-    assert options.describe() == "dispatch=overlapped kernels=triton gemm=auto sm_carveout=0"
-    assert EPOptions().describe() == "dispatch=overlapped kernels=eager gemm=auto sm_carveout=32"
+    assert options.describe() == "dispatch=overlapped kernels=triton gemm=auto sm_carveout=0 recompute=none"
+    assert EPOptions().describe() == "dispatch=overlapped kernels=eager gemm=auto sm_carveout=32 recompute=none"
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.kernels = "eager"
     assert options == EPOptions(kernels="triton", sm_carveout=0) and hash(options) == hash(

@@ -140,7 +140,8 @@ def test_ep1_installs_local_dispatchers_with_the_options():
     assert not hasattr(model.layers[1].mlp.experts, "dispatch")
     assert "dispatch" not in dict(model.named_modules())  # a plain attribute, not a submodule
     assert repr(dispatch) == (
-        "LocalDispatch(num_experts=8, ep_size=1, dispatch=overlapped kernels=compiled gemm=loop sm_carveout=32)"
+        "LocalDispatch(num_experts=8, ep_size=1, dispatch=overlapped kernels=compiled gemm=loop sm_carveout=32 "
+        "recompute=none)"
     )
 
 

@@ -100,6 +100,7 @@ def _ep_layer_body():
     for strategy in STRATEGIES:
         out["checkpointed", strategy] = _same_under_activation_checkpointing(experts[strategy, "loop"], world, rank)
         out["hooks", strategy] = _host_sync_hooks(meshes, strategy)
+        out["recompute", strategy] = _same_with_recompute(meshes, strategy, world, rank)
     if world == 4:
         out["fsdp"] = _metadata_survives_fully_shard()
     return out
@@ -146,6 +147,27 @@ def _same_under_activation_checkpointing(experts, world, rank):
     ran = len(forwards) == (2 if isinstance(experts.dispatch, OverlappedDispatch) else 0)
     # one exchange-size sync per forward; the plain recompute syncs again, the replaying one does not
     return same and ran and syncs == [1, 2, 1]
+
+
+def _same_with_recompute(meshes, strategy, world, rank):
+    """EPOptions.recompute (the expert MLP's intermediates recomputed in backward) changes no bit of the outputs
+    or gradients, with either GEMM, and adds no host sync or exchange in backward."""
+    x_TD, ids_TK, w_TK, gy_TD = _problem(world, "skewed")[rank]
+    results = {}
+    for gemm, recompute in itertools.product(GEMMS, ("none", "activation", "mlp")):
+        model = _model()
+        apply_ep(model, toy_plan(), meshes.ep, EPOptions(dispatch=strategy, gemm=gemm, recompute=recompute))
+        layer = model.layers[0].mlp.experts
+        x, w = x_TD.clone().requires_grad_(True), w_TK.clone().requires_grad_(True)
+        y = layer(x, ids_TK, w)
+        with count_host_syncs() as bwd_syncs:
+            (y * gy_TD).sum().backward()
+        results[gemm, recompute] = [y.detach(), x.grad, w.grad, layer.gate_up_proj.grad, layer.down_proj.grad]
+        if dict(bwd_syncs):
+            return False
+    return all(
+        torch.equal(a, b) for (gemm, recompute), got in results.items() for a, b in zip(results[gemm, "none"], got)
+    )
 
 
 def _host_sync_hooks(meshes, strategy):
@@ -238,6 +260,7 @@ def _check(results, world):
         assert (meta.ep_size, meta.ep_rank, meta.expert_start, meta.expert_end) == (world, r, r * El, (r + 1) * El)
         for strategy in STRATEGIES:
             assert res["checkpointed", strategy], f"rank {r} {strategy}: activation checkpointing changed the results"
+            assert res["recompute", strategy], f"rank {r} {strategy}: EPOptions.recompute changed the results"
             forward, after_backward_and_other_model, after_remove = res["hooks", strategy]
             assert forward == ["first", "second"] * 3, (strategy, forward)
             assert after_backward_and_other_model == 6, strategy

@@ -168,3 +168,40 @@ def test_weight_gradients_only_where_asked():
     xr, w1r = x.clone().requires_grad_(True), w1.clone().requires_grad_(True)
     grouped_expert_mlp(xr, counts, w1r, w2, gemm="loop").sum().backward()  # w2 is not a leaf that wants grad
     assert xr.grad is not None and w1r.grad is not None and w2.grad is None
+
+
+@pytest.mark.parametrize("gemm", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recompute_is_bit_identical_and_saves_less(gemm, dtype):
+    """EPOptions.recompute: the same outputs and gradients bit for bit, and only what it says stays saved
+    (x; x and the gate/up output; or all three), counted with saved-tensor hooks over a whole routed layer."""
+    x, ids, w_TK, w1, w2 = _problem(T=16, K=2, D=24, E=4, F=8, dtype=dtype)
+    got, saved = {}, {}
+    for recompute in ("none", "activation", "mlp"):
+        sizes = []
+
+        def pack(t, sizes=sizes):
+            sizes.append((t.shape, t.data_ptr()))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            options = EPOptions(gemm=gemm, recompute=recompute)
+            got[recompute] = _grads(LocalDispatch(4, options), x, w_TK, w1, w2, ids)
+        # the distinct saved [N, width] tensors of the N = T*K routed copies (D = 24, 2F = 16, F = 8)
+        saved[recompute] = sorted({(s[-1], p) for s, p in sizes if len(s) == 2 and s[0] == 32})
+    for recompute in ("activation", "mlp"):
+        for a, b in zip(got["none"], got[recompute]):
+            assert torch.equal(a, b), recompute
+    widths = {r: [w for w, _ in saved[r]] for r in saved}
+    # x and the expert outputs [N, D]; the gate/up output h [N, 2F]; the gated activation a [N, F]
+    assert widths["none"] == [8, 16, 24, 24], widths
+    assert widths["activation"] == [16, 24, 24], widths
+    assert widths["mlp"] == [24, 24], widths
+
+
+def test_recompute_is_validated():
+    with pytest.raises(ValueError, match="recompute='gate' is not one of"):
+        EPOptions(recompute="gate")
+    x, ids, w_TK, w1, w2 = _problem()
+    with pytest.raises(ValueError, match="recompute='all' is not one of"):
+        grouped_expert_mlp(x, [3, 3, 3, 3], w1, w2, recompute="all")

@@ -36,6 +36,8 @@ from moeshard.models.qwen3moe.fused_loss import ce_chunk
         ("ep", "overlapped"),
         ("compile", 1),
         ("activation_checkpointing", "yes"),
+        ("activation_checkpointing", None),
+        ("selective_recompute", "attention"),
         ("param_dtype", "float16"),
         ("param_dtype", torch.bfloat16),
         ("reshard_after_forward", None),
@@ -71,6 +73,22 @@ def test_options_are_frozen_and_describe_themselves():
         assert part in text
 
 
+def test_checkpointing_policies():
+    """``True``/``False`` of 0.3 read as full/none; selective reaches the experts through the EP options, and the
+    EP options' own recompute is refused (one place chooses the policy)."""
+    assert ParallelOptions(activation_checkpointing=True) == ParallelOptions(activation_checkpointing="full")
+    assert ParallelOptions(activation_checkpointing=False).activation_checkpointing == "none"
+    for options in (ParallelOptions(), ParallelOptions(activation_checkpointing="full")):
+        assert options.ep_options() == options.ep
+    selective = ParallelOptions(ep=EPOptions(gemm="loop"), activation_checkpointing="selective")
+    assert selective.ep_options() == EPOptions(gemm="loop", recompute="mlp")
+    lines = ParallelOptions(activation_checkpointing="selective", selective_recompute="activation").describe()
+    assert "activation checkpointing: selective (the routed experts recompute: activation)" in lines
+    assert lines[0].endswith("recompute=activation")
+    with pytest.raises(ValueError, match=r"ParallelOptions.ep has recompute='mlp': set activation_checkpointing="):
+        ParallelOptions(ep=EPOptions(recompute="mlp"))
+
+
 # ---- the plan at world 16 (fake backend, nothing materialised) --------------------------------------------------
 
 _OPTIONS = {
@@ -83,6 +101,7 @@ _OPTIONS = {
         prefetch_depth=2,
     ),
     "no-prefetch": ParallelOptions(prefetch_depth=0),
+    "selective": ParallelOptions(activation_checkpointing="selective", selective_recompute="activation"),
     "prefetch-in-pre-forward": ParallelOptions(prefetch_at_host_sync=False),
 }
 
@@ -148,7 +167,9 @@ def test_plan_at_world_16(tiny_hf_config, monkeypatch, ep, which):
         at_sync = ep > 1 and options.prefetch_depth > 0 and options.prefetch_at_host_sync
         assert [args[0] for args, _ in host_sync_hooks] == ([model] if at_sync else [])
 
-        assert model.model.activation_checkpointing == options.activation_checkpointing
+        assert model.model.activation_checkpointing == (options.activation_checkpointing == "full")
+        experts = [m for m in model.modules() if hasattr(m, "dispatch")]
+        assert experts and all(m.dispatch.options == options.ep_options() for m in experts)
         for layer in model.model.layers:
             assert ("attention_half" in vars(layer)) == options.compile  # an instance attribute, from outside
         assert ("chunk_loss" in vars(model.lm_head)) == options.compile
@@ -195,8 +216,12 @@ def _parallel_step(path, ids_RBS, options):
 
 @pytest.mark.parametrize(
     "options",
-    [ParallelOptions(), ParallelOptions(activation_checkpointing=True, reshard_after_forward=False, prefetch_depth=2)],
-    ids=["defaults", "checkpointing"],
+    [
+        ParallelOptions(),
+        ParallelOptions(activation_checkpointing="full", reshard_after_forward=False, prefetch_depth=2),
+        ParallelOptions(activation_checkpointing="selective"),
+    ],
+    ids=["defaults", "checkpointing", "selective"],
 )
 def test_two_nodes_of_two_at_ep_2_equal_one_process(hf_dir, options):
     ids_RBS = torch.randint(1, 512, (4, 2, 10), generator=torch.Generator().manual_seed(3))

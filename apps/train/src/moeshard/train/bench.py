@@ -7,7 +7,8 @@ Synthetic tokens, seq 4096, 4 sequences per GPU per step by default, bf16 comput
 fp32 gradient reduction, AdamW, clipping. Prints and writes (JSON) tokens/s/GPU (median of the steps after
 warm-up), MFU, peak memory, device→host syncs per step (``torch.cuda.set_sync_debug_mode``), the layout and the
 options. It builds and steps through ``moeshard.train.train`` (``build``, ``train_step``) like the training job;
-``--dispatch``, ``--expert-kernels``, ``--sm-carveout`` and ``--compile`` set the job's keys of the same names.
+``--dispatch``, ``--expert-kernels``, ``--sm-carveout``, ``--gradient-sync`` and ``--compile`` set the job's keys of
+the same names.
 FLOPs/token = 6·(matmul params active per token) + 6·L·2·(S/2)·(heads·head_dim); MFU over 989 TFLOP/s.
 
 Steps run back to back, as a training loop runs them (no synchronisation between steps; the losses are read
@@ -45,6 +46,7 @@ from moeshard.data import Batch
 from moeshard.train.config import (
     DISPATCH,
     EXPERT_KERNELS,
+    GRADIENT_SYNC,
     CheckpointConfig,
     DataConfig,
     JobConfig,
@@ -126,7 +128,20 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="issue forward prefetches in the pre-forward hooks (FSDP2's place) instead of at the EP host sync",
     )
-    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument(
+        "--activation-checkpointing",
+        nargs="?",
+        const="full",
+        default="none",
+        choices=("none", "full", "selective"),
+        help="train.activation_checkpointing (the flag alone: full)",
+    )
+    p.add_argument(
+        "--selective-recompute",
+        default="mlp",
+        choices=("mlp", "activation"),
+        help="train.selective_recompute",
+    )
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument(
         "--compile",
@@ -138,6 +153,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         "--no-fused-expert-update",
         action="store_true",
         help="update the experts outside FSDP with torch's AdamW like every other parameter (fp32 gradients)",
+    )
+    p.add_argument(
+        "--gradient-sync",
+        choices=GRADIENT_SYNC,
+        default="every_micro_batch",
+        help="train.gradient_sync: FSDP reduces gradients after every micro-batch or only after the last",
     )
     p.add_argument(
         "--isolated-steps",
@@ -234,8 +255,10 @@ def _job_config(args: argparse.Namespace, device: torch.device, world: int, mb: 
             warmup_steps=1,
             min_lr=1e-5,
             activation_checkpointing=args.activation_checkpointing,
+            selective_recompute=args.selective_recompute,
             compile=args.compile,
             fused_expert_update=not args.no_fused_expert_update,
+            gradient_sync=args.gradient_sync,
         ),
         checkpoint=CheckpointConfig(resume="none", async_=args.async_checkpoint),
         logging=LoggingConfig(tensorboard=False, progress_bar=False),
@@ -478,10 +501,12 @@ def _result(
         "batch_per_gpu": args.batch_per_gpu,
         "micro_batch": mb,
         "activation_checkpointing": args.activation_checkpointing,
+        "selective_recompute": args.selective_recompute if args.activation_checkpointing == "selective" else None,
         "prefetch_depth": args.prefetch_depth,
         "prefetch_at_host_sync": not args.no_prefetch_at_host_sync,
         "compile": args.compile,
         "fused_expert_update": not args.no_fused_expert_update,
+        "gradient_sync": args.gradient_sync,
         "dispatch": args.dispatch,
         "expert_kernels": job.parallel.options.ep.kernels,
         "sm_carveout": args.sm_carveout,

@@ -39,6 +39,7 @@ def estimate_comm_bytes(
     reshard_after_forward: bool,
     once_numel: int = 0,
     activation_checkpointing: bool = False,
+    reduce_every_micro_batch: bool = True,
     uniform_routing: bool = True,
 ) -> dict[tuple[str, str], float]:
     """Bytes leaving one rank per optimizer step, keyed by ``(kind, "intra-node" | "inter-node")``.
@@ -50,7 +51,9 @@ def estimate_comm_bytes(
         reshard_after_forward: units are gathered again in backward, except the ``once_numel`` parameters of units
             never resharded after forward (FSDP2's root; the head, which backward needs first), gathered once per
             micro-batch.
-        activation_checkpointing: the recomputed forward repeats the dispatch all-to-alls.
+        activation_checkpointing: the recomputed forward repeats the dispatch all-to-alls (full checkpointing).
+        reduce_every_micro_batch: FSDP reduce-scatters after every micro-batch (False: once per step,
+            ``train.gradient_sync: last_micro_batch``).
         uniform_routing: False gives the all-to-all upper bound (every token to every EP peer).
 
     all-to-all per MoE layer and token: the token's hidden state out and its partial output back, in forward and
@@ -91,7 +94,8 @@ def estimate_comm_bytes(
     ):
         gathered = micro_batches * (gathers * (numel - root) + root)
         add("all_gather", gathered * compute_bytes * (group - 1) / group, group, group_nodes)
-        add("reduce_scatter", micro_batches * numel * 4 * (group - 1) / group, group, group_nodes)
+        reductions = micro_batches if reduce_every_micro_batch else 1
+        add("reduce_scatter", reductions * numel * 4 * (group - 1) / group, group, group_nodes)
     return out
 
 

@@ -158,11 +158,25 @@ class TrainConfig:
     betas: tuple[float, float] = _key((0.9, 0.95), "AdamW betas")
     max_grad_norm: float = _key(1.0, "clip the global gradient norm to this")
     seed: int = _key(0, "seed of the run's random state (dropout-free model: little else)")
-    activation_checkpointing: bool = _key(False, "recompute each decoder layer in backward (less memory)")
+    activation_checkpointing: str | bool = _key(
+        "none",
+        "what backward recomputes: none | full (each decoder layer; true also means full) | selective (the routed "
+        "experts' intermediates, see train.selective_recompute)",
+    )
+    selective_recompute: str = _key(
+        "mlp",
+        "selective: mlp (the experts' gate/up GEMM and activation: one more GEMM per layer in backward) | "
+        "activation (the gated activation only)",
+    )
     compile: bool = _key(False, "torch.compile each layer's attention half and the loss chunk (a GPU speed option)")
     # moeshard.fsdp_moe.build_optimizer's fuse_local_experts.
     fused_expert_update: bool = _key(
         True, "experts outside FSDP (ep_fsdp 1): one fused AdamW pass from their compute-dtype gradients"
+    )
+    gradient_sync: str = _key(
+        "every_micro_batch",
+        "when FSDP reduce-scatters gradients: every_micro_batch | last_micro_batch (once per step; every FSDP unit "
+        "holds unsharded float32 gradients meanwhile)",
     )
     aux_loss: AuxLossConfig = _key(factory=AuxLossConfig, help="expert balancing loss: {coef, scope}")
     router_bias: RouterBiasConfig | None = _key(
@@ -171,6 +185,8 @@ class TrainConfig:
     z_loss_coef: float = _key(0.0, "weight of the router z-loss (ST-MoE: mean logsumexp(router logits)^2); 0: off")
 
     def __post_init__(self) -> None:
+        if isinstance(self.activation_checkpointing, bool):  # true / false of 0.3: full / none
+            object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
         if self.min_lr is None and isinstance(self.lr, (int, float)):
             # a tenth of lr, as its decimal literal (3e-4, not 3.0000000000000003e-4: the figure one reads back)
             object.__setattr__(self, "min_lr", float(f"{self.lr / 10:.12g}"))
@@ -303,6 +319,9 @@ DISPATCH = ("overlapped", "all_to_all")
 SCHEDULES = ("cosine", "constant", "wsd")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 AUX_SCOPES = ("micro_batch", "global_batch")
+GRADIENT_SYNC = ("every_micro_batch", "last_micro_batch")
+CHECKPOINTING = ("none", "full", "selective")  # ParallelOptions.activation_checkpointing
+SELECTIVE = ("mlp", "activation")  # ParallelOptions.selective_recompute
 EXPERT_KERNELS = ("auto", "eager", "compiled", "triton")
 SAVE_HF = ("none", "final", "every")
 HF_DTYPES = ("bfloat16", "float16", "float32")
@@ -417,6 +436,9 @@ def validate(cfg: JobConfig) -> None:
     for key in ("steps", "global_batch_size", "micro_batch_size"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+    for key, allowed in (("activation_checkpointing", CHECKPOINTING), ("selective_recompute", SELECTIVE)):
+        if getattr(t, key) not in allowed:
+            raise ConfigError(f"train.{key} must be one of {', '.join(allowed)}, got {getattr(t, key)!r}")
     if t.schedule not in SCHEDULES:
         raise ConfigError(f"train.schedule must be one of {', '.join(SCHEDULES)}, got {t.schedule!r}")
     if not 0 < t.decay_fraction <= 1 or t.decay_shape not in DECAY_SHAPES:
@@ -424,6 +446,8 @@ def validate(cfg: JobConfig) -> None:
             f"train.decay_fraction must be in (0, 1] and train.decay_shape one of {', '.join(DECAY_SHAPES)} "
             f"(got {t.decay_fraction}, {t.decay_shape!r})"
         )
+    if t.gradient_sync not in GRADIENT_SYNC:
+        raise ConfigError(f"train.gradient_sync must be one of {', '.join(GRADIENT_SYNC)}, got {t.gradient_sync!r}")
     if t.aux_loss.scope not in AUX_SCOPES:
         raise ConfigError(f"train.aux_loss.scope must be one of {', '.join(AUX_SCOPES)}, got {t.aux_loss.scope!r}")
     if (t.aux_loss.coef is not None and t.aux_loss.coef < 0) or t.z_loss_coef < 0:
@@ -484,6 +508,7 @@ def parallel_options(cfg: JobConfig):
         ep=EPOptions(dispatch=p.dispatch, kernels=kernels, sm_carveout=p.sm_carveout),
         compile=t.compile,
         activation_checkpointing=t.activation_checkpointing,
+        selective_recompute=t.selective_recompute,
         param_dtype=cfg.model.dtype,
         reshard_after_forward=p.reshard_after_forward,
         prefetch_depth=p.prefetch_depth,

@@ -25,12 +25,20 @@ class MemoryEstimate:
     optimizer: int
     unsharded: int
     activations: int
+    micro_batches: int = 1
+    held_grads: int = 0
 
     @property
     def total(self) -> int:
-        """The peak: saved activations are all alive when backward starts and gradients all exist when it ends,
-        so the two do not add up (checked on 1 and 2 H200s at 8 layers: 97.8 / 59.3 GiB estimated against
-        95.2 / 60.4 GiB measured peak allocated)."""
+        """The peak. With one micro-batch per step, saved activations are all alive when backward starts and the
+        gradients all exist when it ends, so the two do not add up; with several, the gradients of the earlier
+        micro-batches are alive beside the last one's activations, and with ``train.gradient_sync:
+        last_micro_batch`` also FSDP's unsharded float32 gradients (``held_grads``). (One H200, 8 layers, EP 1,
+        4 x 4096 tokens per step: within +1% to +4% of the measured peak allocated at micro-batch 4 / 2 / 1, with
+        and without full checkpointing; see benchmarks/NOTES.md.)"""
+        if self.micro_batches > 1:
+            held = self.activations + self.grads + self.held_grads
+            return self.params + self.optimizer + self.unsharded + held
         return self.params + self.optimizer + self.unsharded + max(self.activations, self.grads)
 
 
@@ -56,20 +64,26 @@ def _local(p: Any) -> torch.Size:
     return p.to_local().shape if isinstance(p, DTensor) else p.shape
 
 
-def activation_bytes_per_token(config: Any, compute_bytes: int, activation_checkpointing: bool = False) -> int:
+def activation_bytes_per_token(
+    config: Any, compute_bytes: int, activation_checkpointing: str = "none", selective_recompute: str = "mlp"
+) -> int:
     """Saved activations per token of one training micro-batch, all layers + the loss head.
 
-    Without activation checkpointing every layer keeps its activations; with it, each layer keeps only its input
-    and one layer at a time is recomputed in backward. The loss head is chunked (the trainer never holds the
-    ``[tokens, vocab]`` logits): it keeps the hidden states and their gradient.
+    Without activation checkpointing every layer keeps its activations; with ``full``, each layer keeps only its
+    input and one layer at a time is recomputed in backward; with ``selective`` every layer keeps its activations
+    but the routed copies' gated activation (``activation``: ``F`` elements per copy) or also their gate/up output
+    (``mlp``: ``3F``). The loss head is chunked (the trainer never holds the ``[tokens, vocab]`` logits): it keeps
+    the hidden states and their gradient.
     """
     d, e, k, f = config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     attn = compute_bytes * (4 * d + 3 * q + 2 * kv) + 4 * config.num_attention_heads  # norms, qkv, sdpa out + lse
     moe = compute_bytes * (2 * d + k * (2 * d + 4 * f)) + 4 * (2 * e + 3 * k)  # dispatch, gate_up, act, down, router
+    if activation_checkpointing == "selective":
+        moe -= compute_bytes * k * (f if selective_recompute == "activation" else 3 * f)
     head = 2 * d * compute_bytes
     layers = config.num_hidden_layers
-    if activation_checkpointing:
+    if activation_checkpointing == "full":
         return layers * d * compute_bytes + (attn + moe) + head
     return layers * (attn + moe) + head
 
@@ -176,27 +190,41 @@ def plan_report(
         kept = [head] + ([m for _, m in units.experts] if meshes.ep_fsdp_size == 1 else [])
         kept += list(local_experts.values())
         kept_numel = sum(_managed_numel(m, skip) for m in kept)
+        # Experts outside FSDP updated by the fused pass keep their gradients in the compute dtype.
+        fused_numel = sum(p.numel() for m in local_experts.values() for p in m.parameters())
+        fused_numel = fused_numel if cfg.train.fused_expert_update else 0
+        # train.gradient_sync last_micro_batch: every FSDP unit holds its unsharded float32 gradients until the
+        # step's last backward reduces them.
+        unsharded_grads_numel = sum(_managed_numel(m, skip) for _, m in units)
     mb = micro_batch_size or cfg.train.micro_batch_size
     tokens = mb * cfg.data.seq_len
     depth = cfg.parallel.prefetch_depth
+    t = cfg.train
     est = MemoryEstimate(
         params=4 * local_numel,
-        grads=4 * local_numel,
+        grads=4 * (local_numel - fused_numel) + compute_bytes * fused_numel,
         optimizer=8 * local_numel,
         unsharded=compute_bytes * (largest_unit * (1 + depth) + kept_numel) + 4 * largest_unit,
-        activations=activation_bytes_per_token(mcfg, compute_bytes, cfg.train.activation_checkpointing) * tokens,
+        activations=activation_bytes_per_token(mcfg, compute_bytes, t.activation_checkpointing, t.selective_recompute)
+        * tokens,
+        micro_batches=max(1, t.global_batch_size // world // mb),
+        held_grads=4 * unsharded_grads_numel if t.gradient_sync == "last_micro_batch" else 0,
     )
     if table:
         lines.append("")
     lines.append(f"parameters: {total_numel / 1e9:.3f} B in total, {local_numel / 1e6:.2f} M on rank {rank}")
-    ac = "with" if cfg.train.activation_checkpointing else "without"
+    ac = {"none": "no", "full": "full", "selective": f"selective ({t.selective_recompute})"}[t.activation_checkpointing]
     lines.append(
-        f"estimated memory per rank (micro batch {mb} x seq {cfg.data.seq_len}, {ac} activation checkpointing, "
-        f"{'bf16' if compute_bytes == 2 else 'fp32'} compute, fp32 master weights, AdamW):"
+        f"estimated memory per rank (micro batch {mb} x seq {cfg.data.seq_len} x {est.micro_batches} per step, "
+        f"{ac} activation checkpointing, {'bf16' if compute_bytes == 2 else 'fp32'} compute, fp32 master weights, "
+        "AdamW):"
     )
     for k in ("params", "grads", "optimizer", "unsharded", "activations"):
         lines.append(f"  {k:12s} {_size(getattr(est, k))}")
-    lines.append(f"  {'total':12s} {_size(est.total)}  (peak: activations and gradients are not alive together)")
+    if est.held_grads and est.micro_batches > 1:
+        lines.append(f"  {'held grads':12s} {_size(est.held_grads)}  (gradient_sync last_micro_batch: unsharded fp32)")
+    held = "alive together" if est.micro_batches > 1 else "not alive together"
+    lines.append(f"  {'total':12s} {_size(est.total)}  (peak: activations and gradients are {held})")
     lines.append("")
     comm = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, once_numel)
     bound = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, once_numel, uniform_routing=False)
@@ -236,7 +264,8 @@ def comm_estimate(
         compute_bytes=elem,
         reshard_after_forward=cfg.parallel.reshard_after_forward,
         once_numel=once_numel,
-        activation_checkpointing=cfg.train.activation_checkpointing,
+        activation_checkpointing=cfg.train.activation_checkpointing == "full",
+        reduce_every_micro_batch=cfg.train.gradient_sync == "every_micro_batch",
         uniform_routing=uniform_routing,
     )
 

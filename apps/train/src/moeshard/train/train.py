@@ -294,6 +294,11 @@ def train_step(
     ``StepStats.expert_load``, and with ``train.router_bias`` they move the routers' selection biases
     after the optimizer step (identical on every rank).
 
+    Gradient reduction (``train.gradient_sync``): FSDP reduce-scatters each micro-batch's gradients in its backward
+    (``every_micro_batch``), or only the sum of all of them, in the last micro-batch's backward
+    (``last_micro_batch``: FSDP2's ``set_requires_gradient_sync``; every FSDP unit holds its unsharded float32
+    gradients from the first backward to the last). The same gradients either way, to float32 rounding.
+
     Args:
         before_update: called after backward and clipping, before the optimizer step (the loop's finiteness check
             reads the stats there; an exception leaves the parameters unchanged).
@@ -323,7 +328,9 @@ def train_step(
     aux_sum = torch.zeros((), device=device, dtype=torch.float32)
     z_sum = torch.zeros((), device=device, dtype=torch.float32)
     zero = torch.zeros((), device=device)
-    for b in micro_batches:
+    last = len(micro_batches) - 1
+    defer_sync = t.gradient_sync == "last_micro_batch"
+    for m, b in enumerate(micro_batches):
         b = b.to(device, non_blocking=True)  # pinned by the loader on CUDA: an asynchronous copy
         out = model(
             b.input_ids,
@@ -346,6 +353,11 @@ def train_step(
                 aux = global_balancing_loss(out.router_logits, running, top_k, mask)
             if z_coef:
                 z = router_z_loss(out.router_logits, mask)
+        if defer_sync and m in (0, last):
+            # Off from the first backward, on for the last (every FSDP unit, expert units included): the earlier
+            # backwards add into FSDP's unsharded gradients, the last one reduce-scatters their sum once. Experts
+            # kept out of FSDP (ep_fsdp of one rank) reduce nothing and accumulate in param.grad either way.
+            model.set_requires_gradient_sync(m == last)
         # The balancing losses are per-micro-batch means: averaged over the accumulation steps.
         (lm + (aux_coef * aux + z_coef * z) / len(micro_batches)).backward()
         lm_sum += lm.detach().float()

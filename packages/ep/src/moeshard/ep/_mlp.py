@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from moeshard.ep._kernels import Kernels, activation_fn, gated, gated_backward, kernels_for
-from moeshard.ep._options import GEMMS
+from moeshard.ep._options import GEMMS, RECOMPUTES
 
 __all__ = ["ExpertPass", "grouped_expert_mlp", "resolve_gemm"]
 
@@ -65,6 +65,7 @@ class ExpertPass:
         gemm: str,
         kernels: Kernels,
         offsets: torch.Tensor | None = None,
+        recompute: str = "none",
     ):
         """
         Args:
@@ -74,31 +75,49 @@ class ExpertPass:
             gemm: ``"grouped_mm"`` or ``"loop"`` (resolved, see :func:`resolve_gemm`).
             kernels: the kernel tier (the gated activation of the grouped_mm backend).
             offsets: the int32 cumulative ``counts_E`` when the caller computed them already (grouped_mm).
+            recompute: ``"none"``, ``"activation"`` or ``"mlp"``: what backward recomputes instead of keeping it
+                (see ``EPOptions.recompute``); the saved tuple holds only the rest.
         """
         assert gemm in ("grouped_mm", "loop"), gemm
+        assert recompute in RECOMPUTES, recompute
         assert gemm == "grouped_mm" or host_counts is not None, "the loop backend needs the counts on the host"
         self.counts_E, self.host = counts_E, None if host_counts is None else list(host_counts)
         self.activation, self.gemm, self.kernels = activation, gemm, kernels
         self.offs = offsets
+        self.recompute = recompute
 
     def forward(self, x_ND, w_gate_up, w_down):
         """``(y_ND, saved)``: the output and the tensors :meth:`backward` takes back."""
+        h_NX = self._gate_up(x_ND, w_gate_up)
+        a_NF = self._gated(h_NX)
+        if self.gemm == "grouped_mm":
+            y_ND = F.grouped_mm(a_NF, w_down.transpose(-2, -1), offs=self.offs)
+        else:
+            y_ND = torch.cat([a_NF[s : s + n] @ w_down[e].transpose(0, 1) for e, (s, n) in enumerate(self._spans())])
+        saved = {"none": (x_ND, h_NX, a_NF), "activation": (x_ND, h_NX), "mlp": (x_ND,)}[self.recompute]
+        return y_ND, saved
+
+    def _gate_up(self, x_ND, w_gate_up):
+        """``h_NX``: each expert's gate/up GEMM on its rows."""
         if self.gemm == "grouped_mm":
             if self.offs is None:
                 self.offs = torch.cumsum(self.counts_E.to(x_ND.device), 0, dtype=torch.int32)
-            h_NX = F.grouped_mm(x_ND, w_gate_up.transpose(-2, -1), offs=self.offs)
-            a_NF = self.kernels.gated(self.activation, h_NX).contiguous()
-            y_ND = F.grouped_mm(a_NF, w_down.transpose(-2, -1), offs=self.offs)
-            return y_ND, (x_ND, h_NX, a_NF)
-        hs, outs, start = [], [], 0
-        for e, n in enumerate(self.host):
-            h_nX = x_ND[start : start + n] @ w_gate_up[e].transpose(0, 1)
-            hs.append(h_nX)
-            outs.append(gated(self.activation, h_nX))
-            start += n
-        a_NF = torch.cat(outs)
-        y_ND = torch.cat([a_NF[s : s + n] @ w_down[e].transpose(0, 1) for e, (s, n) in enumerate(self._spans())])
-        return y_ND, (x_ND, torch.cat(hs), a_NF)
+            return F.grouped_mm(x_ND, w_gate_up.transpose(-2, -1), offs=self.offs)
+        hs = [x_ND[s : s + n] @ w_gate_up[e].transpose(0, 1) for e, (s, n) in enumerate(self._spans())]
+        return torch.cat(hs) if hs else x_ND.new_zeros((0, w_gate_up.shape[1]))
+
+    def _gated(self, h_NX):
+        """``a_NF``: the gated activation of the gate/up output (the kernel tier's with grouped_mm)."""
+        if self.gemm == "grouped_mm":
+            return self.kernels.gated(self.activation, h_NX).contiguous()
+        return gated(self.activation, h_NX)
+
+    def _restore(self, saved, w_gate_up):
+        """``(x_ND, h_NX, a_NF)`` from what forward kept, recomputing the rest as forward computed it."""
+        x_ND, *kept = saved
+        h_NX = kept[0] if kept else self._gate_up(x_ND, w_gate_up)
+        a_NF = kept[1] if len(kept) > 1 else self._gated(h_NX)
+        return x_ND, h_NX, a_NF
 
     def _spans(self):
         start = 0
@@ -109,7 +128,7 @@ class ExpertPass:
     def backward(self, grad_ND, saved, w_gate_up, w_down, need_x: bool, need_w: bool):
         """``(grad x, grad w_gate_up, grad w_down)``; None where not needed. Every expert's weight gradient is
         produced (zeros for an expert without rows), so every rank reduces the same set of gradients."""
-        x_ND, h_NX, a_NF = saved
+        x_ND, h_NX, a_NF = self._restore(saved, w_gate_up)
         grad_ND = grad_ND.contiguous()
         gx = gw1 = gw2 = None
         if self.gemm == "grouped_mm":
@@ -165,6 +184,7 @@ def grouped_expert_mlp(
     activation: str = "silu",
     gemm: str = "auto",
     kernels: str = "eager",
+    recompute: str = "none",
 ) -> torch.Tensor:
     """Run each local expert's gated MLP on its rows: ``down_e(act(gate_e x) * up_e x)`` (SwiGLU with silu).
 
@@ -179,11 +199,15 @@ def grouped_expert_mlp(
         activation: ``"silu"`` (SwiGLU), ``"gelu"`` or ``"gelu_tanh"``.
         gemm: ``"grouped_mm"``, ``"loop"`` or ``"auto"`` (see :class:`~moeshard.ep.EPOptions`).
         kernels: the kernel tier of the gated activation, ``"eager"``, ``"compiled"`` or ``"triton"``.
+        recompute: ``"none"``, ``"activation"`` or ``"mlp"``: what backward recomputes instead of keeping it
+            (see :class:`~moeshard.ep.EPOptions`).
 
     Returns:
         ``y_ND`` in the rows' order. Every expert's weights get a gradient, zeros for an expert without rows.
     """
     activation_fn(activation)
+    if recompute not in RECOMPUTES:
+        raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTES}")
     E = w_gate_up.shape[0]
     if w_gate_up.dim() != 3 or w_down.dim() != 3 or w_down.shape[0] != E:
         raise ValueError(
@@ -203,7 +227,7 @@ def grouped_expert_mlp(
     if backend == "grouped_mm":
         if not isinstance(counts_E, torch.Tensor):
             counts_E = torch.tensor(list(counts_E), dtype=torch.int64, device=x_ND.device)
-        run = ExpertPass(counts_E.to(x_ND.device), host_counts, activation, backend, tier)
+        run = ExpertPass(counts_E.to(x_ND.device), host_counts, activation, backend, tier, recompute=recompute)
     else:
         counts = counts_E if host_counts is None else host_counts
         if isinstance(counts, torch.Tensor):
@@ -211,5 +235,5 @@ def grouped_expert_mlp(
         if sum(counts) != x_ND.shape[0]:
             raise ValueError(f"counts_E sums to {sum(counts)} but x has {x_ND.shape[0]} rows")
         counts_t = counts_E if isinstance(counts_E, torch.Tensor) else None
-        run = ExpertPass(counts_t, counts, activation, backend, tier)
+        run = ExpertPass(counts_t, counts, activation, backend, tier, recompute=recompute)
     return _ExpertMLP.apply(x_ND, w_gate_up, w_down, run)

@@ -87,6 +87,7 @@ class AllToAllDispatch(ExpertDispatch):
             activation=activation,
             gemm=self.options.gemm,
             kernels=self.options.kernels,
+            recompute=self.options.recompute,
         )
         y_recv_RD = y_out_RD if perm_R is None else permute_rows(y_out_RD, inv_R, perm_R)
         # 5. the outputs home, in the order the copies left

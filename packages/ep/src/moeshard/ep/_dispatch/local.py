@@ -31,6 +31,7 @@ class LocalDispatch(ExpertDispatch):
             activation=activation,
             gemm=self.options.gemm,
             kernels=self.options.kernels,
+            recompute=self.options.recompute,
         )
 
     def _check_expert_count(self, El: int) -> None:

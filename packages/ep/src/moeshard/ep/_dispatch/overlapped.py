@@ -70,7 +70,7 @@ class _Exchange:
     ):
         self.group, self.activation, self.gemm = d.group, activation, gemm
         self.kernels: Kernels = d.kernels
-        self.sm_carveout = d.options.sm_carveout
+        self.sm_carveout, self.recompute = d.options.sm_carveout, d.options.recompute
         # (half A of the own copies, the received copies, half B): device counts and int32 GEMM offsets
         self.device_counts, self.offsets = device_counts, offsets
         P, me, group = d.ep_size, d.ep_rank, d.group
@@ -127,7 +127,13 @@ class _LocalHalf:
         self.experts = slice(first, last)
         self.rows = slice(lo + sum(counts[:first]), lo + sum(counts[:last]))
         self.run = ExpertPass(
-            ex.device_counts[which], counts[first:last], ex.activation, ex.gemm, ex.kernels, offsets=ex.offsets[which]
+            ex.device_counts[which],
+            counts[first:last],
+            ex.activation,
+            ex.gemm,
+            ex.kernels,
+            offsets=ex.offsets[which],
+            recompute=ex.recompute,
         )
 
 
@@ -150,7 +156,9 @@ class _OverlappedExperts(torch.autograd.Function):
         N, D = x_sorted_ND.shape
         El = w_gate_up_EXD.shape[0]
         half_a, half_b = _LocalHalf(ex, 0, El // 2, 0), _LocalHalf(ex, El // 2, El, 2)
-        remote = ExpertPass(ex.device_counts[1], ex.remote_host, ex.activation, ex.gemm, ex.kernels, ex.offsets[1])
+        remote = ExpertPass(
+            ex.device_counts[1], ex.remote_host, ex.activation, ex.gemm, ex.kernels, ex.offsets[1], ex.recompute
+        )
         dev = x_sorted_ND.device
 
         def local(part):

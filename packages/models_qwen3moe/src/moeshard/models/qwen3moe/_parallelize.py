@@ -13,6 +13,7 @@ Needs the ``parallel`` extra (moeshard-meshes, moeshard-fsdp-moe, moeshard-prefe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -33,6 +34,10 @@ __all__ = ["ParallelOptions", "Parallelized", "parallelize"]
 
 PARAM_DTYPES = ("auto", "float32", "bfloat16")
 """Values of :attr:`ParallelOptions.param_dtype`: ``auto`` is bfloat16 on CUDA, float32 elsewhere."""
+CHECKPOINTING = ("none", "full", "selective")
+"""Values of :attr:`ParallelOptions.activation_checkpointing` (``True``/``False`` mean ``full``/``none``)."""
+SELECTIVE = ("activation", "mlp")
+"""Values of :attr:`ParallelOptions.selective_recompute`."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,15 @@ class ParallelOptions:
             ``moeshard.ep.apply_ep``.
         compile: ``torch.compile`` each decoder layer's ``attention_half`` (norms, projections, RoPE, attention,
             residual: one graph, shared by all layers) and the LM head's loss chunk (rows dynamic).
-        activation_checkpointing: recompute each decoder layer in backward (FQNs unchanged).
+        activation_checkpointing: what backward recomputes instead of keeping from forward: ``"none"``;
+            ``"full"`` (each decoder layer's call is checkpointed and recomputed whole, FQNs unchanged; the
+            EP exchanges run again, their sizes replayed: no extra host sync); ``"selective"`` (inside the routed
+            experts only, as ``selective_recompute`` says: no exchange runs again, results bit-identical).
+            ``True`` / ``False`` are read as ``"full"`` / ``"none"``.
+        selective_recompute: with ``"selective"``, the expert intermediates recomputed (``EPOptions.recompute``):
+            ``"mlp"`` (default: the gate/up grouped GEMM and the gated activation, from the saved expert input;
+            about a fifth of a Qwen3-30B-A3B layer's saved activations for one more GEMM per layer in backward)
+            or ``"activation"`` (the gated activation only, from the saved gate/up output: a pointwise kernel).
         param_dtype: the compute dtype: ``auto`` (bfloat16 on CUDA, float32 elsewhere), ``float32`` or
             ``bfloat16``; master weights and gradient reduction stay float32.
         reshard_after_forward: free each unit's gathered parameters after its forward (gather again in backward).
@@ -57,7 +70,8 @@ class ParallelOptions:
 
     ep: EPOptions = field(default_factory=EPOptions)
     compile: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "none"
+    selective_recompute: str = "mlp"
     param_dtype: str = "auto"
     reshard_after_forward: bool = True
     prefetch_depth: int = 1
@@ -66,7 +80,24 @@ class ParallelOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.ep, EPOptions):
             raise ValueError(f"ParallelOptions.ep={self.ep!r} is not allowed: a moeshard.ep.EPOptions")
-        for name in ("compile", "activation_checkpointing", "reshard_after_forward", "prefetch_at_host_sync"):
+        if isinstance(self.activation_checkpointing, bool):  # the bool of 0.3
+            object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(
+                f"ParallelOptions.activation_checkpointing={self.activation_checkpointing!r} is not one of "
+                f"{CHECKPOINTING}"
+            )
+        if self.selective_recompute not in SELECTIVE:
+            raise ValueError(
+                f"ParallelOptions.selective_recompute={self.selective_recompute!r} is not one of {SELECTIVE}"
+            )
+        if self.ep.recompute != "none":
+            raise ValueError(
+                f"ParallelOptions.ep has recompute={self.ep.recompute!r}: set "
+                f"activation_checkpointing='selective', selective_recompute={self.ep.recompute!r} instead (the "
+                "checkpointing policy is chosen in one place)"
+            )
+        for name in ("compile", "reshard_after_forward", "prefetch_at_host_sync"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"ParallelOptions.{name}={value!r} is not allowed: True or False")
@@ -78,6 +109,13 @@ class ParallelOptions:
                 f"ParallelOptions.prefetch_depth={depth!r} is not allowed: an int >= 0 (0 = FSDP's default order)"
             )
 
+    def ep_options(self) -> EPOptions:
+        """The EP options :func:`parallelize` gives ``apply_ep``: ``ep`` with the experts' recompute of
+        ``"selective"`` checkpointing."""
+        if self.activation_checkpointing != "selective":
+            return self.ep
+        return dataclasses.replace(self.ep, recompute=self.selective_recompute)
+
     def describe(self) -> list[str]:
         """The options as lines for ``plan``, e.g. ``compile: attention half of each decoder layer, loss chunk``."""
         dtype = {"auto": "auto (bfloat16 on CUDA, float32 elsewhere)"}.get(self.param_dtype, self.param_dtype)
@@ -87,13 +125,20 @@ class ParallelOptions:
             where = "at each MoE layer's host sync when EP > 1" if self.prefetch_at_host_sync else "in pre-forward"
             prefetch = f"depth {self.prefetch_depth}, forward prefetch issued {where}"
         return [
-            f"ep: {self.ep.describe()}",
+            f"ep: {self.ep_options().describe()}",
             "compile: " + ("attention half of each decoder layer, loss chunk" if self.compile else "off"),
-            "activation checkpointing: " + ("each decoder layer" if self.activation_checkpointing else "off"),
+            "activation checkpointing: " + _CHECKPOINTING_LINES[self.activation_checkpointing].format(self),
             f"param dtype: {dtype}; master weights and gradient reduction float32",
             f"reshard after forward: {self.reshard_after_forward}",
             f"prefetch: {prefetch}",
         ]
+
+
+_CHECKPOINTING_LINES = {
+    "none": "off",
+    "full": "full (each decoder layer recomputed in backward)",
+    "selective": "selective (the routed experts recompute: {0.selective_recompute})",
+}
 
 
 @dataclass
@@ -123,7 +168,8 @@ def parallelize(
     1. **EP** (``moeshard.ep.apply_ep``) first: it slices the expert tensors to this rank's experts and installs
        each MoE layer's dispatcher, and it must see the model's own FQNs and plain (not yet DTensor) parameters.
        Everything after works on the EP-local experts (FSDP shards those again, on dim 1).
-    2. **Activation checkpointing** of each decoder layer call (the model's flag: no wrapper module, FQNs kept).
+    2. **Activation checkpointing**: ``"full"`` checkpoints each decoder layer call (the model's flag: no wrapper
+       module, FQNs kept); ``"selective"`` is an EP option of step 1 (the experts' intermediates recomputed).
     3. **Compile**: ``layer.attention_half = torch.compile(layer.attention_half)`` on each decoder layer (an
        instance attribute: FQNs and the state dict unchanged) and ``moeshard.ep.compile_rows_dynamic`` on the
        head's loss chunk. Nothing compiles until the first forward. The compiled region lies inside the layer's
@@ -163,8 +209,9 @@ def parallelize(
     if not isinstance(options, ParallelOptions):
         raise TypeError(f"options must be a ParallelOptions, got {type(options).__name__}")
 
-    ep_info = apply_ep(model, model.get_parallel_plan(), meshes.ep if meshes.ep_size > 1 else None, options.ep)
-    if options.activation_checkpointing:
+    ep_mesh = meshes.ep if meshes.ep_size > 1 else None
+    ep_info = apply_ep(model, model.get_parallel_plan(), ep_mesh, options.ep_options())
+    if options.activation_checkpointing == "full":
         model.enable_activation_checkpointing()
     if options.compile:
         for layer in model.model.layers:
