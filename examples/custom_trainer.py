@@ -106,12 +106,14 @@ def main() -> None:
     # 4. The data: rows of the model's tokens (EOS after each document), validated before training starts; the
     # micro-batches of (step, rank) are a pure function of both, so a resume needs only the step.
     eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
-    rows = open_dataset(
-        DataConfig(path=args.data, seq_len=args.seq_len, packing=not args.no_packing),
-        vocab_size=config.vocab_size,
-        eos_id=eos,
-        pad_id=getattr(config, "pad_token_id", None),
-    )
+
+    def rows_of(path: str):
+        data = DataConfig(path=path, seq_len=args.seq_len, packing=not args.no_packing)
+        return open_dataset(
+            data, vocab_size=config.vocab_size, eos_id=eos, pad_id=getattr(config, "pad_token_id", None)
+        )
+
+    rows = rows_of(args.data)
     step_batches = StepBatches(rows, global_batch=args.global_batch, world_size=world, micro_batch=args.micro_batch)
     coef = config.router_aux_loss_coef
     losses, grad_norms, imbalance = [], [], []
@@ -164,13 +166,9 @@ def main() -> None:
     # same number of forwards, so EP's exchanges pair up even when ranks hold different token counts).
     val_loss = None
     if args.eval_data is not None:
-        held_out = open_dataset(
-            DataConfig(path=args.eval_data, seq_len=args.seq_len, packing=not args.no_packing),
-            vocab_size=config.vocab_size,
-            eos_id=eos,
-            pad_id=getattr(config, "pad_token_id", None),
+        batches = EvalBatches(
+            rows_of(args.eval_data), global_batch=args.global_batch, world_size=world, micro_batch=args.micro_batch
         )
-        batches = EvalBatches(held_out, global_batch=args.global_batch, world_size=world, micro_batch=args.micro_batch)
         val_loss = evaluate(model, batches.rank_batches(rank), device=device).loss
         print0(f"eval: loss {val_loss:.6f}")
 

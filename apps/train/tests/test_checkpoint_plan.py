@@ -144,6 +144,30 @@ def test_plan_memory_follows_the_policies():
     assert full_comm[a2a] == pytest.approx(1.5 * comm[a2a], rel=1e-3)
 
 
+def test_plan_counts_the_expert_units_options():
+    """EP 1 x ep_fsdp 2 (experts are FSDP units): experts not resharded after forward keep their bf16 copies through
+    the step and are gathered once per micro-batch; a bf16 reduce-scatter halves their reduce-scatter bytes, their
+    reduce buffers and the unsharded gradients held under ``last_micro_batch``."""
+    ep1 = "parallel.ep_size=1"
+    base, comm = _memory(ep1)
+    experts = 2 * 128 * 3 * 2048 * 768  # 2 layers' experts, gathered whole on each rank (one micro-batch)
+    ag, rs = ("all_gather", "intra-node"), ("reduce_scatter", "intra-node")
+    kept, kept_comm = _memory(ep1, "parallel.expert_reshard_after_forward=false")
+    assert kept.unsharded - base.unsharded == 2 * experts  # bf16 copies
+    assert comm[ag] - kept_comm[ag] == pytest.approx(experts)  # 2 bytes x 1/2 sent, once instead of twice
+    assert {k: v for k, v in kept_comm.items() if k != ag} == {k: v for k, v in comm.items() if k != ag}
+    # The same with every unit kept gathered (parallel.reshard_after_forward, which the experts follow by default).
+    followed, followed_comm = _memory(ep1, "parallel.reshard_after_forward=false")
+    assert followed.unsharded == kept.unsharded and followed_comm[ag] < kept_comm[ag]
+    bf16, bf16_comm = _memory(ep1, "parallel.expert_reduce_dtype=bfloat16")
+    assert comm[rs] - bf16_comm[rs] == pytest.approx(experts)  # 4 -> 2 bytes x 1/2 sent
+    assert {k: v for k, v in bf16_comm.items() if k != rs} == {k: v for k, v in comm.items() if k != rs}
+    assert base.unsharded - bf16.unsharded == experts  # one layer's expert reduce buffers, 4 -> 2 bytes
+    once = ("train.micro_batch_size=2", "train.gradient_sync=last_micro_batch")
+    held, held_bf16 = _memory(ep1, *once)[0], _memory(ep1, *once, "parallel.expert_reduce_dtype=bfloat16")[0]
+    assert held.held_grads - held_bf16.held_grads == 2 * experts
+
+
 def test_plan_refuses_a_layout_that_does_not_fit(capsys):
     from moeshard.train.__main__ import main
 

@@ -173,12 +173,16 @@ def test_parallel_options_map_the_config_keys():
             "--parallel.prefetch_depth=2",
             "--parallel.prefetch_at_host_sync=false",
             "--parallel.reshard_after_forward=false",
+            "--parallel.expert_reshard_after_forward=true",
+            "--parallel.expert_reduce_dtype=bfloat16",
         ],
     )
     assert parallel_options(cfg) == ParallelOptions(
         ep=EPOptions(dispatch="all_to_all", kernels="compiled", sm_carveout=0),
         compile=True,
         reshard_after_forward=False,
+        expert_reduce_dtype="bfloat16",
+        expert_reshard_after_forward=True,
         prefetch_depth=2,
         prefetch_at_host_sync=False,
     )
@@ -190,6 +194,8 @@ def test_parallel_options_map_the_config_keys():
         ("--parallel.dispatch=tokens", "parallel.dispatch must be one of overlapped, all_to_all, got 'tokens'"),
         ("--parallel.expert_kernels=fast", "parallel.expert_kernels must be one of auto, eager, compiled, triton"),
         ("--parallel.sm_carveout=-1", "parallel.sm_carveout must be >= 0"),
+        ("--parallel.expert_reduce_dtype=fp16", "parallel.expert_reduce_dtype must be one of float32, bfloat16, got"),
+        ("--parallel.expert_reshard_after_forward=2", "parallel.expert_reshard_after_forward must be true or false"),
     ],
 )
 def test_parallel_option_errors(override, needle):

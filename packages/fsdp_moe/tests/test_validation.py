@@ -28,6 +28,10 @@ def _refusals():
     other_world = dataclasses.replace(ep1, layout=plan_layout(8, 8, 1))
     with pytest.raises(ValueError, match=r"world of 8.*rank \d of 2.*build_meshes"):
         shard_model(ToyMoELM(), other_world)
+    with pytest.raises(ValueError, match=r"expert_reduce_dtype=torch.float16 is not allowed: torch.float32, torch"):
+        shard_model(ToyMoELM(), ep1, expert_reduce_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"expert_reshard_after_forward=1 is not allowed: True, False or None"):
+        shard_model(ToyMoELM(), ep1, expert_reshard_after_forward=1)
 
     model = ToyMoELM()
     apply_ep(model, model.get_parallel_plan(), ep2.ep)

@@ -41,6 +41,10 @@ from moeshard.models.qwen3moe.fused_loss import ce_chunk
         ("param_dtype", "float16"),
         ("param_dtype", torch.bfloat16),
         ("reshard_after_forward", None),
+        ("expert_reduce_dtype", "float16"),
+        ("expert_reduce_dtype", torch.bfloat16),
+        ("expert_reshard_after_forward", 0),
+        ("expert_reshard_after_forward", "false"),
         ("prefetch_depth", -1),
         ("prefetch_depth", 1.0),
         ("prefetch_depth", True),
@@ -71,6 +75,17 @@ def test_options_are_frozen_and_describe_themselves():
     )
     for part in ("dispatch=all_to_all", "compile: attention half", "each decoder layer", "bfloat16", "prefetch: off"):
         assert part in text
+    assert (
+        "param dtype: auto (bfloat16 on CUDA, float32 elsewhere); master weights and gradient reduction float32"
+        in lines
+    )
+    assert "reshard after forward: True" in lines
+    experts = ParallelOptions(expert_reduce_dtype="bfloat16", expert_reshard_after_forward=False).describe()
+    assert any(
+        line.endswith("gradient reduction float32, the experts' reduce-scatter bfloat16 (ep_fsdp > 1)")
+        for line in experts
+    )
+    assert "reshard after forward: True, experts False (ep_fsdp > 1)" in experts
 
 
 def test_checkpointing_policies():
@@ -101,6 +116,7 @@ _OPTIONS = {
         prefetch_depth=2,
     ),
     "no-prefetch": ParallelOptions(prefetch_depth=0),
+    "expert-units": ParallelOptions(expert_reduce_dtype="bfloat16", expert_reshard_after_forward=False),
     "selective": ParallelOptions(activation_checkpointing="selective", selective_recompute="activation"),
     "prefetch-in-pre-forward": ParallelOptions(prefetch_at_host_sync=False),
 }
@@ -158,7 +174,12 @@ def test_plan_at_world_16(tiny_hf_config, monkeypatch, ep, which):
         assert not more
         dtype = {"auto": None, "bfloat16": torch.bfloat16}[options.param_dtype]
         expected_mp = MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(dtype, torch.float32)
-        assert shard_kwargs == {"mp_policy": expected_mp, "reshard_after_forward": options.reshard_after_forward}
+        assert shard_kwargs == {
+            "mp_policy": expected_mp,
+            "reshard_after_forward": options.reshard_after_forward,
+            "expert_reduce_dtype": getattr(torch, options.expert_reduce_dtype),
+            "expert_reshard_after_forward": options.expert_reshard_after_forward,
+        }
 
         if options.prefetch_depth:
             assert par.schedule.depth == options.prefetch_depth and len(par.schedule.stages) == 5
@@ -219,9 +240,10 @@ def _parallel_step(path, ids_RBS, options):
     [
         ParallelOptions(),
         ParallelOptions(activation_checkpointing="full", reshard_after_forward=False, prefetch_depth=2),
-        ParallelOptions(activation_checkpointing="selective"),
+        # with the experts kept gathered from forward to backward (the other units resharded)
+        ParallelOptions(activation_checkpointing="selective", expert_reshard_after_forward=False),
     ],
-    ids=["defaults", "checkpointing", "selective"],
+    ids=["defaults", "checkpointing", "selective-experts-kept"],
 )
 def test_two_nodes_of_two_at_ep_2_equal_one_process(hf_dir, options):
     ids_RBS = torch.randint(1, 512, (4, 2, 10), generator=torch.Generator().manual_seed(3))

@@ -4,11 +4,11 @@
     torchrun --nproc-per-node 1 -m moeshard.train bench --layers 8 --ep-size 1
 
 Synthetic tokens, seq 4096, 4 sequences per GPU per step by default, bf16 compute with fp32 master weights and
-fp32 gradient reduction, AdamW, clipping. Prints and writes (JSON) tokens/s/GPU (median of the steps after
+fp32 gradient reduction (the experts': ``--expert-reduce-dtype``), AdamW, clipping. Prints and writes (JSON) tokens/s/GPU (median of the steps after
 warm-up), MFU, peak memory, device→host syncs per step (``torch.cuda.set_sync_debug_mode``), the layout and the
 options. It builds and steps through ``moeshard.train.train`` (``build``, ``train_step``) like the training job;
-``--dispatch``, ``--expert-kernels``, ``--sm-carveout``, ``--gradient-sync`` and ``--compile`` set the job's keys of
-the same names.
+``--dispatch``, ``--expert-kernels``, ``--sm-carveout``, ``--gradient-sync``, ``--expert-reduce-dtype``,
+``--[no-]expert-reshard-after-forward`` and ``--compile`` set the job's keys of the same names.
 FLOPs/token = 6·(matmul params active per token) + 6·L·2·(S/2)·(heads·head_dim); MFU over 989 TFLOP/s.
 
 Steps run back to back, as a training loop runs them (no synchronisation between steps; the losses are read
@@ -47,6 +47,7 @@ from moeshard.train.config import (
     DISPATCH,
     EXPERT_KERNELS,
     GRADIENT_SYNC,
+    REDUCE_DTYPES,
     CheckpointConfig,
     DataConfig,
     JobConfig,
@@ -143,6 +144,19 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         help="train.selective_recompute",
     )
     p.add_argument("--no-reshard-after-forward", action="store_true")
+    p.add_argument(
+        "--expert-reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="parallel.expert_reshard_after_forward: the expert units' own (ep_fsdp > 1; default: as the others); "
+        "--no-expert-reshard-after-forward keeps them gathered from forward to backward",
+    )
+    p.add_argument(
+        "--expert-reduce-dtype",
+        choices=REDUCE_DTYPES,
+        default="float32",
+        help="parallel.expert_reduce_dtype: the expert units' gradient reduce-scatter (ep_fsdp > 1)",
+    )
     p.add_argument(
         "--compile",
         action="store_true",
@@ -242,6 +256,8 @@ def _job_config(args: argparse.Namespace, device: torch.device, world: int, mb: 
             prefetch_depth=args.prefetch_depth,
             prefetch_at_host_sync=not args.no_prefetch_at_host_sync,
             reshard_after_forward=not args.no_reshard_after_forward,
+            expert_reshard_after_forward=args.expert_reshard_after_forward,
+            expert_reduce_dtype=args.expert_reduce_dtype,
             dispatch=args.dispatch,
             expert_kernels=args.expert_kernels,
             sm_carveout=args.sm_carveout,
@@ -504,6 +520,9 @@ def _result(
         "selective_recompute": args.selective_recompute if args.activation_checkpointing == "selective" else None,
         "prefetch_depth": args.prefetch_depth,
         "prefetch_at_host_sync": not args.no_prefetch_at_host_sync,
+        "reshard_after_forward": not args.no_reshard_after_forward,
+        "expert_reshard_after_forward": args.expert_reshard_after_forward,
+        "expert_reduce_dtype": args.expert_reduce_dtype,
         "compile": args.compile,
         "fused_expert_update": not args.no_fused_expert_update,
         "gradient_sync": args.gradient_sync,

@@ -38,6 +38,8 @@ def estimate_comm_bytes(
     compute_bytes: int,
     reshard_after_forward: bool,
     once_numel: int = 0,
+    expert_reshard_after_forward: bool | None = None,
+    expert_reduce_bytes: int = 4,
     activation_checkpointing: bool = False,
     reduce_every_micro_batch: bool = True,
     uniform_routing: bool = True,
@@ -51,6 +53,10 @@ def estimate_comm_bytes(
         reshard_after_forward: units are gathered again in backward, except the ``once_numel`` parameters of units
             never resharded after forward (FSDP2's root; the head, which backward needs first), gathered once per
             micro-batch.
+        expert_reshard_after_forward: the same for the expert units (None: ``reshard_after_forward``); False
+            gathers them once per micro-batch.
+        expert_reduce_bytes: bytes per element of the experts' reduce-scatter (2 with
+            ``parallel.expert_reduce_dtype: bfloat16``).
         activation_checkpointing: the recomputed forward repeats the dispatch all-to-alls (full checkpointing).
         reduce_every_micro_batch: FSDP reduce-scatters after every micro-batch (False: once per step,
             ``train.gradient_sync: last_micro_batch``).
@@ -58,7 +64,7 @@ def estimate_comm_bytes(
 
     all-to-all per MoE layer and token: the token's hidden state out and its partial output back, in forward and
     backward (4 passes, 6 with activation checkpointing), plus the per-expert row counts (int64) of each forward.
-    Reduce-scatter is float32.
+    Reduce-scatter is float32, the experts' ``expert_reduce_bytes`` per element.
     """
     d = config.hidden_size
     moe_layers = moe_layer_count(config)
@@ -87,15 +93,16 @@ def estimate_comm_bytes(
     expert_numel = moe_layers * config.num_experts * 3 * d * config.moe_intermediate_size
     dense_numel = _total_numel(config) - expert_numel
     gathers = 2 if reshard_after_forward else 1
+    expert_reshard = reshard_after_forward if expert_reshard_after_forward is None else expert_reshard_after_forward
     ep_fsdp_nodes = min(nodes, ep_fsdp)
-    for numel, root, group, group_nodes in (
-        (dense_numel, once_numel, world_size, nodes),
-        (expert_numel / ep_size, 0, ep_fsdp, ep_fsdp_nodes),
+    for numel, root, group, group_nodes, unit_gathers, reduce_bytes in (
+        (dense_numel, once_numel, world_size, nodes, gathers, 4),
+        (expert_numel / ep_size, 0, ep_fsdp, ep_fsdp_nodes, 2 if expert_reshard else 1, expert_reduce_bytes),
     ):
-        gathered = micro_batches * (gathers * (numel - root) + root)
+        gathered = micro_batches * (unit_gathers * (numel - root) + root)
         add("all_gather", gathered * compute_bytes * (group - 1) / group, group, group_nodes)
         reductions = micro_batches if reduce_every_micro_batch else 1
-        add("reduce_scatter", reductions * numel * 4 * (group - 1) / group, group, group_nodes)
+        add("reduce_scatter", reductions * numel * reduce_bytes * (group - 1) / group, group, group_nodes)
     return out
 
 

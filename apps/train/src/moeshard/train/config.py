@@ -58,6 +58,12 @@ class ParallelConfig:
         True, "EP > 1: issue the next layer's all-gather at each MoE layer's host sync, not in the pre-forward hook"
     )
     reshard_after_forward: bool = _key(True, "free gathered parameters after forward (re-gather them in backward)")
+    expert_reshard_after_forward: bool | None = _key(
+        None, "the expert units' own reshard_after_forward (ep_fsdp > 1); null: as reshard_after_forward"
+    )
+    expert_reduce_dtype: str = _key(
+        "float32", "the expert units' gradient reduce-scatter (ep_fsdp > 1): float32 | bfloat16 (half the bytes)"
+    )
     dispatch: str = _key("overlapped", "EP > 1 token exchange: overlapped | all_to_all (the plain reference)")
     expert_kernels: str = _key(
         "auto",
@@ -323,6 +329,7 @@ GRADIENT_SYNC = ("every_micro_batch", "last_micro_batch")
 CHECKPOINTING = ("none", "full", "selective")  # ParallelOptions.activation_checkpointing
 SELECTIVE = ("mlp", "activation")  # ParallelOptions.selective_recompute
 EXPERT_KERNELS = ("auto", "eager", "compiled", "triton")
+REDUCE_DTYPES = ("float32", "bfloat16")  # ParallelOptions.expert_reduce_dtype
 SAVE_HF = ("none", "final", "every")
 HF_DTYPES = ("bfloat16", "float16", "float32")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -416,7 +423,11 @@ def validate(cfg: JobConfig) -> None:
     p = cfg.parallel
     if p.prefetch_depth not in (0, 1, 2):
         raise ConfigError(f"parallel.prefetch_depth must be 0 (off), 1 or 2, got {p.prefetch_depth}")
-    for key, allowed in (("dispatch", DISPATCH), ("expert_kernels", EXPERT_KERNELS)):
+    for key, allowed in (
+        ("dispatch", DISPATCH),
+        ("expert_kernels", EXPERT_KERNELS),
+        ("expert_reduce_dtype", REDUCE_DTYPES),
+    ):
         if getattr(p, key) not in allowed:
             raise ConfigError(f"parallel.{key} must be one of {', '.join(allowed)}, got {getattr(p, key)!r}")
     if p.sm_carveout < 0:
@@ -511,6 +522,8 @@ def parallel_options(cfg: JobConfig):
         selective_recompute=t.selective_recompute,
         param_dtype=cfg.model.dtype,
         reshard_after_forward=p.reshard_after_forward,
+        expert_reduce_dtype=p.expert_reduce_dtype,
+        expert_reshard_after_forward=p.expert_reshard_after_forward,
         prefetch_depth=p.prefetch_depth,
         prefetch_at_host_sync=p.prefetch_at_host_sync,
     )

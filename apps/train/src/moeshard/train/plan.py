@@ -135,6 +135,11 @@ def plan_report(
 
     world = nnodes * nproc_per_node
     mcfg = resolve_model_config(cfg)
+    par = cfg.parallel
+    expert_reshard = (
+        par.reshard_after_forward if par.expert_reshard_after_forward is None else par.expert_reshard_after_forward
+    )
+    expert_reduce_bytes = _expert_grad_bytes(cfg)
     gpu = cfg.model.dtype != "float32"
     compute_bytes = 2 if gpu else 4
     lines: list[str] = []
@@ -182,20 +187,34 @@ def plan_report(
             return gathered + sum(_managed_numel(local_experts[e], skip) for e in stage.local_experts)
 
         largest_unit = max(stage_numel(stage) for stage in units.stages)
+        # Bytes per element of the gradients FSDP reduces (and holds unsharded): float32, the expert units' in
+        # parallel.expert_reduce_dtype.
+        expert_units = {id(m) for _, m in units.experts}
+
+        def grad_bytes(unit: Any) -> int:
+            return _managed_numel(unit, skip) * (expert_reduce_bytes if id(unit) in expert_units else 4)
+
+        def stage_grad_bytes(stage: Any) -> int:
+            local = sum(_managed_numel(local_experts[e], skip) for e in stage.local_experts)
+            return sum(grad_bytes(m) for _, m in stage.modules) + 4 * local
+
+        reduce_buffers = max(stage_grad_bytes(stage) for stage in units.stages)  # the largest stage's, in backward
         head = units.stages[-1].modules[0][1]
         # Gathered once per micro-batch (never resharded after forward): the root and the head (see shard_model).
         once_numel = _managed_numel(units.root, skip) + _managed_numel(head, skip)
         # Unsharded from forward to backward: the head (see shard_model), and the experts when ep_fsdp has one
-        # rank (their compute-dtype copies, saved for backward); these live through the whole step.
-        kept = [head] + ([m for _, m in units.experts] if meshes.ep_fsdp_size == 1 else [])
+        # rank (their compute-dtype copies, saved for backward) or they are not resharded after forward
+        # (parallel.expert_reshard_after_forward); these live through the whole step.
+        experts_kept = meshes.ep_fsdp_size == 1 or not expert_reshard
+        kept = [head] + ([m for _, m in units.experts] if experts_kept else [])
         kept += list(local_experts.values())
         kept_numel = sum(_managed_numel(m, skip) for m in kept)
         # Experts outside FSDP updated by the fused pass keep their gradients in the compute dtype.
         fused_numel = sum(p.numel() for m in local_experts.values() for p in m.parameters())
         fused_numel = fused_numel if cfg.train.fused_expert_update else 0
-        # train.gradient_sync last_micro_batch: every FSDP unit holds its unsharded float32 gradients until the
-        # step's last backward reduces them.
-        unsharded_grads_numel = sum(_managed_numel(m, skip) for _, m in units)
+        # train.gradient_sync last_micro_batch: every FSDP unit holds its unsharded gradients until the step's last
+        # backward reduces them, in the reduce dtype (FSDP2 accumulates in it).
+        held_grads = sum(grad_bytes(m) for _, m in units)
     mb = micro_batch_size or cfg.train.micro_batch_size
     tokens = mb * cfg.data.seq_len
     depth = cfg.parallel.prefetch_depth
@@ -204,11 +223,11 @@ def plan_report(
         params=4 * local_numel,
         grads=4 * (local_numel - fused_numel) + compute_bytes * fused_numel,
         optimizer=8 * local_numel,
-        unsharded=compute_bytes * (largest_unit * (1 + depth) + kept_numel) + 4 * largest_unit,
+        unsharded=compute_bytes * (largest_unit * (1 + depth) + kept_numel) + reduce_buffers,
         activations=activation_bytes_per_token(mcfg, compute_bytes, t.activation_checkpointing, t.selective_recompute)
         * tokens,
         micro_batches=max(1, t.global_batch_size // world // mb),
-        held_grads=4 * unsharded_grads_numel if t.gradient_sync == "last_micro_batch" else 0,
+        held_grads=held_grads if t.gradient_sync == "last_micro_batch" else 0,
     )
     if table:
         lines.append("")
@@ -222,7 +241,10 @@ def plan_report(
     for k in ("params", "grads", "optimizer", "unsharded", "activations"):
         lines.append(f"  {k:12s} {_size(getattr(est, k))}")
     if est.held_grads and est.micro_batches > 1:
-        lines.append(f"  {'held grads':12s} {_size(est.held_grads)}  (gradient_sync last_micro_batch: unsharded fp32)")
+        dtype = "fp32" if expert_reduce_bytes == 4 else "fp32, experts' bf16"
+        lines.append(
+            f"  {'held grads':12s} {_size(est.held_grads)}  (gradient_sync last_micro_batch: unsharded {dtype})"
+        )
     held = "alive together" if est.micro_batches > 1 else "not alive together"
     lines.append(f"  {'total':12s} {_size(est.total)}  (peak: activations and gradients are {held})")
     lines.append("")
@@ -235,6 +257,11 @@ def plan_report(
 def layout_error_for_config(error: ValueError) -> str:
     """``moeshard.meshes``' layout error in the words of the job's config (its key, not the Python argument)."""
     return str(error).replace("pass allow_cross_node_ep=True", "set parallel.allow_cross_node_ep=true")
+
+
+def _expert_grad_bytes(cfg: JobConfig) -> int:
+    """Bytes per element of the expert units' gradient reduce-scatter (``parallel.expert_reduce_dtype``)."""
+    return 2 if cfg.parallel.expert_reduce_dtype == "bfloat16" else 4
 
 
 def _managed_numel(unit: torch.nn.Module, skip: set[int]) -> int:
@@ -264,6 +291,8 @@ def comm_estimate(
         compute_bytes=elem,
         reshard_after_forward=cfg.parallel.reshard_after_forward,
         once_numel=once_numel,
+        expert_reshard_after_forward=cfg.parallel.expert_reshard_after_forward,
+        expert_reduce_bytes=_expert_grad_bytes(cfg),
         activation_checkpointing=cfg.train.activation_checkpointing == "full",
         reduce_every_micro_batch=cfg.train.gradient_sync == "every_micro_batch",
         uniform_routing=uniform_routing,

@@ -15,6 +15,7 @@ Gradient divide factor: both kinds of parameter are divided by the world size W 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -242,6 +243,8 @@ def shard_model(
     reshard_after_forward: bool | int = True,
     offload_policy: OffloadPolicy | None = None,
     fsdp_experts_on_one_rank: bool = False,
+    expert_reduce_dtype: torch.dtype | None = None,
+    expert_reshard_after_forward: bool | None = None,
 ) -> FSDPUnits:
     """Apply FSDP2 bottom-up: experts on dim 1 over ``meshes.ep_fsdp``, units and root on dim 0 over ``meshes.fsdp``.
 
@@ -264,12 +267,22 @@ def shard_model(
         plan: the parallel plan; defaults to ``model.get_parallel_plan()``.
         mp_policy: FSDP2 mixed precision; defaults to :func:`default_mp_policy` of the meshes' device type.
         reshard_after_forward: passed to every unit, except the last unit in forward order (the head: backward
-            starts there) and expert units on an ep_fsdp mesh of one rank (nothing to gather). The root keeps
-            FSDP2's own root rule.
+            starts there) and the expert units (``expert_reshard_after_forward``, if given; never on an ep_fsdp
+            mesh of one rank: nothing to gather). The root keeps FSDP2's own root rule.
         offload_policy: passed to every unit (e.g. ``CPUOffloadPolicy()``); with CPU offloading experts stay FSDP
             units on a one-rank ep_fsdp mesh too (FSDP2 moves them to and from the device).
         fsdp_experts_on_one_rank: make expert modules FSDP units on a one-rank ep_fsdp mesh as well (slower, same
             numbers; for comparisons).
+        expert_reduce_dtype: the dtype of the expert units' gradient reduce-scatter (``torch.float32`` or
+            ``torch.bfloat16``; None: ``mp_policy.reduce_dtype``), the other units keep ``mp_policy``'s. With
+            ``torch.bfloat16`` the reduce-scatter sends half the bytes and sums (and divides) in bfloat16; FSDP2
+            then casts the result to the parameter's dtype, so ``.grad`` stays float32 beside float32 masters.
+            Gradients accumulated unsharded across micro-batches (``set_requires_gradient_sync(False)``) are held
+            in bfloat16 too. No effect on experts kept out of FSDP (nothing is reduced).
+        expert_reshard_after_forward: for the expert units (None: ``reshard_after_forward``); False keeps each
+            expert unit's gathered parameters from its forward to its backward: one all-gather per micro-batch
+            instead of two, for the gathered experts' memory through the whole forward. Ignored on an ep_fsdp
+            mesh of one rank (never resharded: nothing to gather).
 
     Returns:
         The units in forward order (:class:`FSDPUnits`).
@@ -277,8 +290,17 @@ def shard_model(
     Raises:
         ValueError: no EP applied while ``meshes.ep_size > 1``; EP applied with other meshes; meshes from
             another world; an expert dim 1 not divisible by the ep_fsdp size; a non-expert parameter inside an
-            expert module; a plan unit matching nothing or an expert module; FSDP already applied.
+            expert module; a plan unit matching nothing or an expert module; FSDP already applied; an
+            ``expert_reduce_dtype`` or ``expert_reshard_after_forward`` of another kind.
     """
+    if expert_reduce_dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"expert_reduce_dtype={expert_reduce_dtype!r} is not allowed: torch.float32, torch.bfloat16 or None"
+        )
+    if expert_reshard_after_forward is not None and not isinstance(expert_reshard_after_forward, bool):
+        raise ValueError(
+            f"expert_reshard_after_forward={expert_reshard_after_forward!r} is not allowed: True, False or None"
+        )
     _validate(model, meshes)
     if plan is None:
         if not hasattr(model, "get_parallel_plan"):
@@ -316,6 +338,10 @@ def shard_model(
     ignore = {"ignored_params": ignored} if ignored else {}  # an empty set would still change FSDP2's module walk
 
     expert_kwargs = dict(kwargs)
+    if expert_reduce_dtype is not None:
+        expert_kwargs["mp_policy"] = dataclasses.replace(mp_policy, reduce_dtype=expert_reduce_dtype)
+    if expert_reshard_after_forward is not None:
+        expert_kwargs["reshard_after_forward"] = expert_reshard_after_forward
     if meshes.ep_fsdp_size == 1:
         expert_kwargs["reshard_after_forward"] = False
 

@@ -38,6 +38,8 @@ CHECKPOINTING = ("none", "full", "selective")
 """Values of :attr:`ParallelOptions.activation_checkpointing` (``True``/``False`` mean ``full``/``none``)."""
 SELECTIVE = ("activation", "mlp")
 """Values of :attr:`ParallelOptions.selective_recompute`."""
+REDUCE_DTYPES = ("float32", "bfloat16")
+"""Values of :attr:`ParallelOptions.expert_reduce_dtype`."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,14 @@ class ParallelOptions:
             about a fifth of a Qwen3-30B-A3B layer's saved activations for one more GEMM per layer in backward)
             or ``"activation"`` (the gated activation only, from the saved gate/up output: a pointwise kernel).
         param_dtype: the compute dtype: ``auto`` (bfloat16 on CUDA, float32 elsewhere), ``float32`` or
-            ``bfloat16``; master weights and gradient reduction stay float32.
+            ``bfloat16``; master weights and gradient reduction stay float32 (the experts': ``expert_reduce_dtype``).
         reshard_after_forward: free each unit's gathered parameters after its forward (gather again in backward).
+        expert_reduce_dtype: the dtype of the expert units' gradient reduce-scatter over ``ep_fsdp``: ``float32``
+            or ``bfloat16`` (half the bytes, summed in bfloat16; the gradients still land in float32). Only where
+            experts are FSDP units (ep_fsdp > 1).
+        expert_reshard_after_forward: for the expert units (ep_fsdp > 1): None follows ``reshard_after_forward``;
+            False keeps their gathered parameters from forward to backward (one all-gather per micro-batch instead
+            of two, for the gathered experts' memory through the forward).
         prefetch_depth: units each stage prefetches ahead (forward) and behind (backward); 0 keeps FSDP's default
             order.
         prefetch_at_host_sync: with EP > 1 and ``prefetch_depth`` > 0, issue the next layer's all-gathers at each
@@ -74,6 +82,8 @@ class ParallelOptions:
     selective_recompute: str = "mlp"
     param_dtype: str = "auto"
     reshard_after_forward: bool = True
+    expert_reduce_dtype: str = "float32"
+    expert_reshard_after_forward: bool | None = None
     prefetch_depth: int = 1
     prefetch_at_host_sync: bool = True
 
@@ -103,6 +113,15 @@ class ParallelOptions:
                 raise ValueError(f"ParallelOptions.{name}={value!r} is not allowed: True or False")
         if self.param_dtype not in PARAM_DTYPES:
             raise ValueError(f"ParallelOptions.param_dtype={self.param_dtype!r} is not one of {PARAM_DTYPES}")
+        if self.expert_reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(
+                f"ParallelOptions.expert_reduce_dtype={self.expert_reduce_dtype!r} is not one of {REDUCE_DTYPES}"
+            )
+        if self.expert_reshard_after_forward is not None and not isinstance(self.expert_reshard_after_forward, bool):
+            raise ValueError(
+                f"ParallelOptions.expert_reshard_after_forward={self.expert_reshard_after_forward!r} is not allowed: "
+                "None (as reshard_after_forward), True or False"
+            )
         depth = self.prefetch_depth
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
             raise ValueError(
@@ -124,12 +143,16 @@ class ParallelOptions:
         else:
             where = "at each MoE layer's host sync when EP > 1" if self.prefetch_at_host_sync else "in pre-forward"
             prefetch = f"depth {self.prefetch_depth}, forward prefetch issued {where}"
+        experts = self.expert_reshard_after_forward
+        experts = None if experts is None or experts == self.reshard_after_forward else experts
         return [
             f"ep: {self.ep_options().describe()}",
             "compile: " + ("attention half of each decoder layer, loss chunk" if self.compile else "off"),
             "activation checkpointing: " + _CHECKPOINTING_LINES[self.activation_checkpointing].format(self),
-            f"param dtype: {dtype}; master weights and gradient reduction float32",
-            f"reshard after forward: {self.reshard_after_forward}",
+            f"param dtype: {dtype}; master weights and gradient reduction float32"
+            + ("" if self.expert_reduce_dtype == "float32" else ", the experts' reduce-scatter bfloat16 (ep_fsdp > 1)"),
+            f"reshard after forward: {self.reshard_after_forward}"
+            + ("" if experts is None else f", experts {experts} (ep_fsdp > 1)"),
             f"prefetch: {prefetch}",
         ]
 
@@ -177,8 +200,8 @@ def parallelize(
        checkpointing the recomputation runs the compiled graph again. The MoE half stays eager: it syncs with
        the host (split sizes), where a graph would break anyway.
     4. **FSDP2** (``moeshard.fsdp_moe.shard_model``), bottom-up: experts on ``meshes.ep_fsdp`` (dim 1), then
-       each unit and the root on ``meshes.fsdp``, with the mixed-precision policy of ``options.param_dtype``. It
-       needs the EP metadata of step 1.
+       each unit and the root on ``meshes.fsdp``, with the mixed-precision policy of ``options.param_dtype``
+       (the expert units' reduce-scatter in ``options.expert_reduce_dtype``). It needs the EP metadata of step 1.
     5. **Prefetch** last, over the units of step 4 (``moeshard.prefetch.build_schedule`` / ``apply_schedule``;
        with EP > 1 and ``prefetch_at_host_sync`` the forward prefetches are issued at each MoE layer's host sync,
        through ``moeshard.ep.add_host_sync_hook(model, ...)``).
@@ -224,6 +247,8 @@ def parallelize(
         meshes,
         mp_policy=_mp_policy(options.param_dtype, meshes.device_type),
         reshard_after_forward=options.reshard_after_forward,
+        expert_reduce_dtype=getattr(torch, options.expert_reduce_dtype),
+        expert_reshard_after_forward=options.expert_reshard_after_forward,
     )
     schedule = None
     if options.prefetch_depth > 0:
