@@ -41,8 +41,7 @@ EXPERTS = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
 CONFIGS = {
     "bf16-ac-init": (torch.bfloat16, True, "init"),
     "fp32-hf": (None, False, "hf"),
-    "bf16-noac": (torch.bfloat16, False, "init"),
-}
+}  # bf16 without checkpointing: packages/fsdp_moe/tests/test_fused_update.py
 
 
 @pytest.fixture(scope="module")
