@@ -44,10 +44,12 @@ import torch.distributed as dist
 
 from moeshard.data import Batch
 from moeshard.train.config import (
+    CHECKPOINTING,
     DISPATCH,
     EXPERT_KERNELS,
     GRADIENT_SYNC,
     REDUCE_DTYPES,
+    SELECTIVE,
     CheckpointConfig,
     DataConfig,
     JobConfig,
@@ -134,13 +136,13 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         nargs="?",
         const="full",
         default="none",
-        choices=("none", "full", "selective"),
+        choices=CHECKPOINTING,
         help="train.activation_checkpointing (the flag alone: full)",
     )
     p.add_argument(
         "--selective-recompute",
         default="mlp",
-        choices=("mlp", "activation"),
+        choices=SELECTIVE,
         help="train.selective_recompute",
     )
     p.add_argument("--no-reshard-after-forward", action="store_true")

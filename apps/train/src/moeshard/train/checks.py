@@ -20,7 +20,7 @@ import torch
 from moeshard.data import DataConfig, Dataset, EvalBatches, StepBatches, check_batch_sizes, open_dataset
 from moeshard.models.qwen3moe import STRUCTURAL_CONFIG_KEYS
 from moeshard.train import checkpoint as ckpt
-from moeshard.train.config import JobConfig, resolve_model_config
+from moeshard.train.config import JobConfig, layout_error_for_config, resolve_model_config
 from moeshard.train.errors import JobError
 from moeshard.train.train import SCHEDULE_KEYS, check_model_fits
 
@@ -173,7 +173,7 @@ def prepare(cfg: JobConfig) -> Prepared:
         try:
             plan_layout(world, per_node, p.ep_size, allow_cross_node_ep=p.allow_cross_node_ep)
         except ValueError as e:  # the package speaks of its argument; the user sets a config key
-            msg = str(e).replace("pass allow_cross_node_ep=True", "set parallel.allow_cross_node_ep=true")
+            msg = layout_error_for_config(e)
             if "WORLD_SIZE" not in os.environ:  # started as a plain process, not by torchrun
                 msg = (
                     f"parallel.ep_size {p.ep_size} needs at least {p.ep_size} processes and this job runs as one (started "

@@ -506,6 +506,11 @@ def validate(cfg: JobConfig) -> None:
             )
 
 
+def layout_error_for_config(error: ValueError) -> str:
+    """``moeshard.meshes``' layout error in the words of the job's config (its key, not the Python argument)."""
+    return str(error).replace("pass allow_cross_node_ep=True", "set parallel.allow_cross_node_ep=true")
+
+
 def parallel_options(cfg: JobConfig):
     """The one mapping of the job's keys onto ``moeshard.models.qwen3moe.ParallelOptions`` (training, ``plan`` and
     ``bench`` all build through it): ``parallel.*``, ``train.compile``, ``train.activation_checkpointing`` and

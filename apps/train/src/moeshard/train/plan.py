@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from moeshard.train.config import JobConfig, parallel_options, resolve_model_config
+from moeshard.train.config import JobConfig, layout_error_for_config, parallel_options, resolve_model_config
 
 GiB = 2**30
 
@@ -252,11 +252,6 @@ def plan_report(
     bound = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, once_numel, uniform_routing=False)
     lines += comm_estimate_lines(comm, bound)
     return PlanReport("\n".join(lines), est, comm, bound)
-
-
-def layout_error_for_config(error: ValueError) -> str:
-    """``moeshard.meshes``' layout error in the words of the job's config (its key, not the Python argument)."""
-    return str(error).replace("pass allow_cross_node_ep=True", "set parallel.allow_cross_node_ep=true")
 
 
 def _expert_grad_bytes(cfg: JobConfig) -> int:
