@@ -232,7 +232,7 @@ def _store_add(key: str, amount: int) -> int | None:
 def _one_line(error: BaseException) -> str:
     """``Type: first line``; for DCP's CheckpointException (a BaseException) each failed rank's error."""
     if type(error).__name__ == "CheckpointException":  # torch.distributed.checkpoint's, without importing it here
-        from moeshard.train.checkpoint import describe_failure
+        from moeshard.checkpoint import describe_failure
 
         return f"checkpoint read/write failed: {describe_failure(error)}"
     return f"{type(error).__name__}: {error}".splitlines()[0]
@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     rank 0, others from the first rank that reports them; a rank that only lost contact with a failed peer stays
     silent. ``MOESHARD_TRACEBACK=1`` adds the traceback.
     """
+    from moeshard.checkpoint import CheckpointError
     from moeshard.train.errors import JobError
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         error, code = e, 2
         _report(f"config: {e}", alike=True)
-    except JobError as e:
+    except (JobError, CheckpointError) as e:  # the checkpoint package's errors say every_rank too
         error, code = e, 1
         _report(str(e), alike=e.every_rank)
     except (ValueError, FileNotFoundError) as e:  # plan and export-hf

@@ -20,7 +20,9 @@ the host's start-up latency before its first kernel.
 ``--checkpoint-every N`` saves the job's checkpoint (model, optimizer: what training saves) after every N-th step
 into ``--checkpoint-dir`` (removed at the end), synchronously or with ``--async-checkpoint`` as
 ``checkpoint.async: true`` does, and reports the step-time cost of one save: the time of the step before the save
-and the next one (where a background save's copy and write overlap) minus twice the median step without a save.
+and the next one (where a background save's copy and write overlap) minus twice the median step without a save;
+and per save the time it blocked the loop, the wait for the earlier save's write, its staging and write times and
+the write rate per rank (GB/s).
 
     torchrun --nproc-per-node 1 -m moeshard.train bench --layers 8 --steps 24 --checkpoint-every 6
     torchrun --nproc-per-node 1 -m moeshard.train bench --layers 8 --steps 24 --checkpoint-every 6 --async-checkpoint
@@ -106,7 +108,7 @@ def main(argv: list[str]) -> int:
         _profile_step(args, job, batches)
     result = _result(args, job, device, world, mb, back_to_back, times, syncs, losses)
     if saves is not None:
-        result.update(_save_cost(args, times))
+        result.update(_save_cost(args, times, saves))
     if dist.get_rank() == 0:
         _report(result, args.out, isolated=not back_to_back)
     dist.barrier()
@@ -341,21 +343,53 @@ def _mark() -> torch.cuda.Event:
 
 class _Saves:
     """``--checkpoint-every``: the job's checkpoint after every N-th step, as the training job saves it
-    (``moeshard.train.checkpoint``), synchronously or in the background (``--async-checkpoint``)."""
+    (``moeshard.checkpoint``, the job's staging buffers allocated once before the timed steps), synchronously or in
+    the background (``--async-checkpoint``). Each save's figures: the time it blocked the loop, the wait for the
+    earlier save's write, its staging and write times and this rank's write rate."""
 
     def __init__(self, args: argparse.Namespace, job: Job) -> None:
-        from moeshard.train import checkpoint as ckpt
-        from moeshard.train import checkpoint_async
+        from moeshard.checkpoint import Stager
+        from moeshard.train import checkpointer
 
-        self.ckpt, self.job, self.every = ckpt, job, args.checkpoint_every
-        self.start_async_save, self.make_stager = checkpoint_async.start_async_save, checkpoint_async.make_stager
+        self.checkpointer, self.job, self.every = checkpointer, job, args.checkpoint_every
         self.dir = Path(args.checkpoint_dir)
         self.pending = None
         self.group = dist.new_group(backend="gloo") if args.async_checkpoint else None
+        self.stager = Stager(job.device)
+        t0 = time.perf_counter()
+        self.buffer_bytes = self.stager.allocate(checkpointer.app_state(job)) if job.device.type == "cuda" else 0
+        self.allocate_s = time.perf_counter() - t0
+        self.records: list[dict] = []
 
     def before_update(self, stats: StepStats) -> None:
         if self.pending is not None:
             self.pending.wait_staged()  # as the job's Checkpointer: the optimizer step changes the staged state
+
+    def _record(self, saved, wait_s: float) -> None:
+        self.records.append(
+            {
+                "step": saved.step,
+                "blocking_s": saved.blocking_s,
+                "wait_for_previous_write_s": wait_s,
+                "staging_s": saved.staging_s,
+                "write_s": saved.write_s,
+                "bytes_per_rank": saved.bytes,
+                "write_gb_per_s_per_rank": saved.gb_per_s,
+            }
+        )
+
+    def _finish_pending(self) -> float:
+        """Wait for the background save in flight; returns the seconds waited."""
+        if self.pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        saved = self.pending.wait()
+        wait_s = time.perf_counter() - t0
+        self.records[-1].update(
+            staging_s=saved.staging_s, write_s=saved.write_s, write_gb_per_s_per_rank=saved.gb_per_s
+        )
+        self.pending = None
+        return wait_s
 
     def after_step(self, step: int) -> None:
         """``step`` counts from 1."""
@@ -363,28 +397,34 @@ class _Saves:
             self.pending.publish_if_done()
         if step % self.every:
             return
-        keep = self.job.cfg.checkpoint.keep_last
-        if self.pending is not None:
-            self.pending.wait()
+        wait_s = self._finish_pending()
         if self.group is None:
-            self.ckpt.save_job(self.job, self.dir, step)
+            saved = self.checkpointer.save_job(self.job, self.dir, step, self.stager)
         else:
-            state = self.ckpt.job_state(self.job, step)
-            self.pending = self.start_async_save(
-                self.dir, step, *state, keep_last=keep, group=self.group, stager=self.make_stager(self.job.device)
-            )  # a stager per save, as the job's Checkpointer
+            from moeshard.checkpoint import start_async_save
+            from moeshard.train import faults
+
+            state = self.checkpointer.job_state(self.job, step)
+            keep = self.job.cfg.checkpoint.keep_last
+            self.pending = start_async_save(
+                self.dir, step, *state, keep_last=keep, group=self.group, stager=self.stager,
+                writer_factory=faults.storage_writer,
+            )  # fmt: skip
+            saved = self.pending.times()
+        self._record(saved, wait_s)
 
     def finish(self) -> None:
-        if self.pending is not None:
-            self.pending.wait()
+        self._finish_pending()
         dist.barrier()
+        self.stager.release()
         if dist.get_rank() == 0:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _save_cost(args: argparse.Namespace, times: list[float]) -> dict:
+def _save_cost(args: argparse.Namespace, times: list[float], saves: _Saves) -> dict:
     """The step-time cost of one save: the step before it and the next one (where a background save's copy and
-    write overlap) minus twice the median step outside such windows (``times``: the steps after warm-up)."""
+    write overlap) minus twice the median step outside such windows (``times``: the steps after warm-up); and
+    each save's own figures (``saves``: blocking, wait for the earlier write, staging, write, GB/s)."""
     first = args.warmup  # times[j] is step first + j (0-based); a save follows 0-based step s when (s + 1) % N == 0
     before = [j for j in range(len(times) - 1) if (first + j + 1) % args.checkpoint_every == 0]
     windows = {j for b in before for j in (b, b + 1)}
@@ -397,6 +437,9 @@ def _save_cost(args: argparse.Namespace, times: list[float]) -> dict:
         "step_time_s_median_without_save": base,
         "save_cost_s": costs,
         "save_cost_s_median": statistics.median(costs) if costs else None,
+        "saves": saves.records,
+        "staging_buffers_bytes": saves.buffer_bytes,
+        "staging_buffers_allocate_s": saves.allocate_s,
     }
 
 
@@ -569,6 +612,13 @@ def _report(result: dict, out: str | None, isolated: bool) -> None:
             f"step {1000 * r['step_time_s_median_without_save']:.1f} ms without a save, a save costs "
             + (f"{cost:.2f} s of step time" if cost is not None else "? (no save after warm-up)")
         )
+        for sv in r["saves"]:
+            print(
+                f"  save after step {sv['step']}: blocked {sv['blocking_s']:.3f} s, waited "
+                f"{sv['wait_for_previous_write_s']:.3f} s for the earlier write, staging {sv['staging_s']:.3f} s, write "
+                f"{sv['write_s']:.2f} s at {sv['write_gb_per_s_per_rank']:.2f} GB/s per rank "
+                f"({sv['bytes_per_rank'] / 1e9:.2f} GB per rank)"
+            )
     if out:
         with open(out, "w") as f:
             json.dump(result, f, indent=1)

@@ -15,11 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from moeshard import checkpoint as ckpt
 from moeshard.data import DataConfig, Dataset, EvalBatches, StepBatches, check_batch_sizes, open_dataset
 from moeshard.models.qwen3moe import STRUCTURAL_CONFIG_KEYS
-from moeshard.train import checkpoint as ckpt
 from moeshard.train.config import JobConfig, layout_error_for_config, resolve_model_config
 from moeshard.train.errors import JobError
 from moeshard.train.train import SCHEDULE_KEYS, check_model_fits
@@ -250,15 +248,7 @@ def _check_same_model(path: Path, mcfg: Any) -> None:
     """Refuse a checkpoint of another model: every shape-deciding key (``STRUCTURAL_CONFIG_KEYS``: layers, widths,
     heads, experts, vocabulary) is compared under either of its names (the saved config stores ``num_experts`` as
     ``num_local_experts``); keys the saved config lacks are not compared."""
-    extra_file = path / "extra.pt"
-    if not extra_file.is_file():
-        raise ValueError(
-            f"{path} has no extra.pt: it is not a moeshard-train checkpoint; point checkpoint.resume elsewhere"
-        )
-    try:
-        saved = torch.load(extra_file, weights_only=False).get("model_config") or {}
-    except Exception as e:  # noqa: BLE001 - a damaged pickle raises anything
-        raise ValueError(f"checkpoint {path} is damaged: extra.pt is unreadable ({type(e).__name__})") from None
+    saved = ckpt.read_extra(path).get("model_config") or {}  # ValueError: missing or unreadable, in one line
     aliases = {v: k for k, v in getattr(type(mcfg), "attribute_map", {}).items()}  # stored name -> alias
     aliases.update(getattr(type(mcfg), "attribute_map", {}))  # alias -> stored name
     diff = []

@@ -189,6 +189,12 @@ class TrainConfig:
         None, "aux-loss-free expert balancing: {update_rate} (true: its default); null: off"
     )
     z_loss_coef: float = _key(0.0, "weight of the router z-loss (ST-MoE: mean logsumexp(router logits)^2); 0: off")
+    timeout_s: float = _key(
+        100.0,
+        "a rank that finishes no step (nor the save or evaluation after it) for this long ends the job, naming the "
+        "rank that did not arrive; 0: off",
+    )
+    init_timeout_s: float = _key(300.0, "the same before the first step ends (start-up, compilation)")
 
     def __post_init__(self) -> None:
         if isinstance(self.activation_checkpointing, bool):  # true / false of 0.3: full / none
@@ -491,6 +497,9 @@ def validate(cfg: JobConfig) -> None:
         )
     if c.every_steps < 0:
         raise ConfigError(f"checkpoint.every_steps must be >= 0, got {c.every_steps}")
+    for key in ("timeout_s", "init_timeout_s"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key} must be >= 0 (0: no hang check), got {getattr(t, key)}")
     for key, allowed in (("save_hf", SAVE_HF), ("hf_dtype", HF_DTYPES)):
         if getattr(c, key) not in allowed:
             raise ConfigError(f"checkpoint.{key} must be one of {', '.join(allowed)}, got {getattr(c, key)!r}")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from moeshard.train import checkpoint as ckpt
+from moeshard import checkpoint as ckpt
 from moeshard.train.config import config_from_dict
 
 _TOKENIZER_FILES = (
@@ -28,16 +28,14 @@ def _read_run(src: Path):
     """``(job config, model config, DCP metadata of every stored tensor)`` of a complete moeshard-train checkpoint.
 
     Raises:
-        ValueError: ``src`` is not one (no ``COMPLETE``, no ``extra.pt``).
+        ValueError: ``src`` is not one (no ``COMPLETE``, no ``extra.json``).
     """
     from transformers import Qwen3MoeConfig
 
     from moeshard.train.config import resolve_model_config
 
     ckpt.read_marker(src)
-    if not (src / "extra.pt").is_file():
-        raise ValueError(f"{src} has no extra.pt: it is not a moeshard-train checkpoint")
-    extra = torch.load(src / "extra.pt", weights_only=False)
+    extra = ckpt.read_extra(src)  # JSON (or an older checkpoint's extra.pt, weights_only)
     cfg = config_from_dict(extra["config"])
     # The model config saved with the checkpoint: the run's model.path may be gone by now.
     mcfg = Qwen3MoeConfig.from_dict(extra["model_config"]) if "model_config" in extra else resolve_model_config(cfg)

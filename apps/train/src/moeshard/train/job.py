@@ -22,15 +22,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moeshard import checkpoint as ckpt
 from moeshard.data import PrefetchLoader
-from moeshard.train import checkpoint as ckpt
 from moeshard.train import faults, preemption, tracking
+from moeshard.train.checkpointer import Checkpointer, resume_job
 from moeshard.train.checks import Prepared, prepare, print0
 from moeshard.train.comm_accounting import CommPerStep
 from moeshard.train.config import JobConfig
 from moeshard.train.errors import JobError, TrainingDiverged
 from moeshard.train.evaluation import Evaluator
-from moeshard.train.lock import OutputLock
 from moeshard.train.metrics import MetricsLogger, ProgressBar, RunTotals, StepTimer, TokensPerSource
 from moeshard.train.preemption import StopOnSignal
 from moeshard.train.profiling import Profiler
@@ -58,6 +58,23 @@ class StopOnNonFinite(Callback):
             )
 
 
+class Heartbeat(Callback):
+    """Tells the hang watchdog (``moeshard.checkpoint.HangWatchdog``, ``train.timeout_s``) that this rank finished
+    a step, after everything that runs at its end (last in the list: after a save or an evaluation)."""
+
+    def __init__(self, watchdog: ckpt.HangWatchdog) -> None:
+        self.watchdog = watchdog
+
+    def on_step_end(self, step: int, stats: StepStats) -> None:
+        self.watchdog.beat(step)
+
+
+def _watchdog(cfg: JobConfig) -> ckpt.HangWatchdog:
+    store = dist.distributed_c10d._get_default_store()  # torch has no public accessor for the job's store
+    t = cfg.train
+    return ckpt.HangWatchdog(t.timeout_s, init_timeout_s=t.init_timeout_s, store=store, key="train.timeout_s")
+
+
 def run_job(cfg: JobConfig) -> dict[str, Any]:
     """Run the job under torchrun (or as a single process); returns a summary on every rank.
 
@@ -76,7 +93,7 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
     # From here SIGTERM / SIGUSR1 stop the run after a step, with a checkpoint of it, instead of ending the process.
     with StopOnSignal() as stop:
         device = init_distributed()
-        with OutputLock(prep.output_dir, device):  # one job per output directory: a second one stops here
+        with ckpt.OutputLock(prep.output_dir, device):  # one job per output directory: a second one stops here
             return _run(cfg, prep, device, stop)
 
 
@@ -94,9 +111,9 @@ def _run(cfg: JobConfig, prep: Prepared, device: torch.device, stop: StopOnSigna
         print0(prep.data.describe())
         start_step = 0
         if prep.resume_path is not None:
-            start_step = ckpt.resume_job(job, prep.resume_path)
+            start_step = resume_job(job, prep.resume_path)
             print0(f"resumed from {prep.resume_path} at step {start_step}")
-            saved = torch.load(prep.resume_path / "extra.pt", weights_only=False).get("config", {}).get("train", {})
+            saved = ckpt.read_extra(prep.resume_path).get("config", {}).get("train", {})
             line = schedule_change(saved, cfg, start_step)  # a changed train.steps or schedule: say what the LR does
             if line:
                 print0(line)
@@ -110,7 +127,7 @@ def _run(cfg: JobConfig, prep: Prepared, device: torch.device, stop: StopOnSigna
     # The bar only on a terminal: in a log file its redraws would break up the per-step lines.
     bar = ProgressBar(cfg.train.steps, start_step) if rank == 0 and cfg.logging.progress_bar and _tty() else None
     console = (bar.write if bar else print0) if rank == 0 else None
-    checkpointer = ckpt.Checkpointer(job, prep.ckpt_dir, console=console)
+    checkpointer = Checkpointer(job, prep.ckpt_dir, console=console)
     sinks = _open_trackers(cfg, prep.output_dir) if rank == 0 else ()
     metrics = MetricsLogger(
         job, prep.output_dir, enabled=rank == 0, start_step=start_step, console=bar and bar.write, sinks=sinks
@@ -139,10 +156,12 @@ def _run(cfg: JobConfig, prep: Prepared, device: torch.device, stop: StopOnSigna
         *([evaluator] if evaluator else []),
         checkpointer,
     ]
+    watchdog = _watchdog(cfg)
+    callbacks.append(Heartbeat(watchdog))
 
     losses = LossLog()
     pin = device.type == "cuda"
-    with PrefetchLoader(prep.batches, rank, start_step, cfg.train.steps, pin_memory=pin) as batches:
+    with PrefetchLoader(prep.batches, rank, start_step, cfg.train.steps, pin_memory=pin) as batches, watchdog:
         last = run(job, batches, [*callbacks, losses], start_step=start_step, stop_requested=stop.requested)
     stopped = None
     step = start_step + len(losses.losses)

@@ -1,53 +1,103 @@
-"""Atomic, layout-independent training checkpoints with torch.distributed.checkpoint (DCP).
+"""Atomic, validated checkpoint folders of a parallel job with torch.distributed.checkpoint (DCP).
 
 A checkpoint ``<dir>/step_00000120/`` becomes visible only when complete on every rank: all ranks write into
-``<dir>/.tmp-step_00000120/``; after a barrier rank 0 writes ``COMPLETE`` and renames the folder. ``resume: auto``
-takes the newest folder that has ``COMPLETE``; pruning (``keep_last``) deletes only older complete checkpoints and
-our own stale temporary folders, never the newest complete one and never anything else in the directory.
-A failed save (e.g. a full disk) on any rank removes the temporary folder and raises
-:class:`~moeshard.train.errors.CheckpointSaveError` on every rank; the previous checkpoint is untouched. A rank
-killed while saving leaves only a ``.tmp-`` folder, which ``resume: auto`` ignores and a later save replaces.
+``<dir>/.tmp-step_00000120/``; after the ranks agree that every write succeeded, rank 0 writes ``COMPLETE`` and
+renames the folder. :func:`find_resume` with ``auto`` takes the newest folder that has ``COMPLETE`` and validates;
+pruning (``keep_last``) deletes only older complete checkpoints and our own stale temporary folders, never the
+newest complete one and never anything else in the directory. A failed save (e.g. a full disk) on any rank
+removes the temporary folder and raises :class:`CheckpointSaveError` on every rank, naming the step that failed
+and the previous checkpoint, which is untouched. A rank killed while saving leaves only a ``.tmp-`` folder, which
+``auto`` ignores and a later save replaces. Before anything is written the save's size (every rank's bytes) is
+checked against the free space (:mod:`moeshard.checkpoint._space`).
 
-``COMPLETE`` records every file of the checkpoint with its size. Before a resume :func:`validate_checkpoint` checks
-them, ``.metadata`` (readable, and every shard file it names present and long enough) and ``extra.pt``;
-:func:`find_resume` with ``auto`` skips a damaged checkpoint for the newest one that validates, and
-:func:`set_aside` renames the damaged one to ``step_XXXXXXXX.damaged`` (kept for inspection, never deleted; no
-longer a candidate for resume, pruning or a later save of the same step).
+``COMPLETE`` records every file of the checkpoint with its size. :func:`validate_checkpoint` checks them,
+``.metadata`` (readable, and every shard file it names present and long enough) and the shared small file;
+:func:`set_aside` renames a damaged one to ``step_XXXXXXXX.damaged`` (kept for inspection, never deleted).
 
-``checkpoint.async``: ``moeshard.train.checkpoint_async`` writes the same folder in the background (DCP's
-``async_save``, pinned staging on CUDA) and publishes it (``COMPLETE``, rename) only once the write ended on every
-rank; a failed background write is never published and stops the job at the next save or the run's end.
-
-:func:`save_job` / :func:`resume_job` put a training job (model, optimizer, scheduler, step, RNG) into and out of
-such a folder; :class:`Checkpointer` is the training loop's callback that saves every ``checkpoint.every_steps``
-(and writes the Hub folders of ``checkpoint.save_hf``).
+Files: DCP's ``.metadata`` (a pickle: load only your own checkpoints) and ``__<rank>_<i>.distcp`` shards (several
+per rank: ``SaveOptions.thread_count`` writer threads); ``extra.json`` (rank 0: the small state every rank shares)
+and ``rank_<r>.pt`` (tensors only, loaded with ``weights_only=True``). Checkpoints of moeshard-train 0.3 hold
+``extra.pt`` instead of ``extra.json``; it is still read, with ``weights_only=True``.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from moeshard.train import faults
-from moeshard.train.errors import CheckpointSaveError, JobError
-from moeshard.train.train import Callback, Job, StepStats, lr_at
+from moeshard.checkpoint._errors import CheckpointError, CheckpointSaveError
+from moeshard.checkpoint._space import check_room_for_save
+from moeshard.checkpoint._stage import Stager, state_bytes
+
+WriterFactory = Callable[[Path, int], StorageWriter]
 
 COMPLETE = "COMPLETE"
 _NAME = re.compile(r"^step_(\d{8})$")
 _TMP = re.compile(r"^\.tmp-step_(\d{8})$")
 _OLD = re.compile(r"^\.old-step_(\d{8})$")
+EXTRA_JSON, EXTRA_LEGACY = "extra.json", "extra.pt"
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How a save writes (DCP's ``FileSystemWriter`` options).
+
+    Args:
+        thread_count: writer threads per rank, each writing a file of its own (several files per rank: a single
+            stream does not reach a fast disk's rate).
+        sync_files: fsync every file before the checkpoint is published.
+    """
+
+    thread_count: int = 8
+    sync_files: bool = True
+
+    def __post_init__(self) -> None:
+        if self.thread_count < 1:
+            raise ValueError(f"SaveOptions.thread_count must be >= 1, got {self.thread_count}")
+
+    def writer(self, path: Path, step: int) -> StorageWriter:
+        """The package's own writer for the checkpoint of ``step`` in ``path`` (a ``writer_factory``)."""
+        return FileSystemWriter(
+            str(path), single_file_per_rank=True, sync_files=self.sync_files, thread_count=self.thread_count
+        )
+
+
+DEFAULT_SAVE_OPTIONS = SaveOptions()
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What one save did, on this rank: where, how much and how long.
+
+    ``blocking_s``: time the caller's thread was held by the save (for a background save: starting it);
+    ``staging_s``: the copy of the state to host memory; ``write_s``: writing the staged state (for a background
+    save: in the background); ``bytes``: this rank's state.
+    """
+
+    path: Path
+    step: int
+    bytes: int
+    blocking_s: float
+    staging_s: float
+    write_s: float
+
+    @property
+    def gb_per_s(self) -> float:
+        """This rank's write rate (10^9 bytes per second)."""
+        return self.bytes / 1e9 / self.write_s if self.write_s > 0 else float("nan")
 
 
 def checkpoint_name(step: int) -> str:
@@ -85,11 +135,11 @@ def validate_checkpoint(path: Path) -> None:
 
     ``COMPLETE`` is readable and every file it records is there with the recorded size (checkpoints written
     before that record have none); ``.metadata`` is readable and every shard file it names is there and long
-    enough for the ranges it reads; ``extra.pt`` is there.
+    enough for the ranges it reads; ``extra.json`` (or an older checkpoint's ``extra.pt``) is there.
 
     Raises:
         ValueError: one line, ``checkpoint <path> is damaged: <file> ...``, naming the first damaged file (or
-            that the folder is not a complete moeshard-train checkpoint).
+            that the folder is not a complete checkpoint of this package).
     """
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -124,10 +174,37 @@ def validate_checkpoint(path: Path) -> None:
             raise damaged(f"{name} is missing (.metadata names it)")
         if f.stat().st_size < end:
             raise damaged(f"{name} has {f.stat().st_size} bytes, .metadata reads up to byte {end}")
-    if not (path / "extra.pt").is_file():
-        raise ValueError(
-            f"{path} has no extra.pt: it is not a moeshard-train checkpoint; point checkpoint.resume elsewhere"
-        )
+    extra_file(path)  # raises: not one of ours
+
+
+def extra_file(path: Path) -> Path:
+    """The checkpoint's shared small file: ``extra.json``, or ``extra.pt`` in older checkpoints.
+
+    Raises:
+        ValueError: neither is there (not a checkpoint of this package).
+    """
+    for name in (EXTRA_JSON, EXTRA_LEGACY):
+        if (path / name).is_file():
+            return path / name
+    raise ValueError(
+        f"{path} has no {EXTRA_JSON}: it is not a moeshard-train checkpoint; point checkpoint.resume elsewhere"
+    )
+
+
+def read_extra(path: Path) -> dict[str, Any]:
+    """The small state rank 0 saved with the checkpoint (``extra`` of :func:`save_checkpoint`): JSON, or an older
+    checkpoint's ``extra.pt`` loaded with ``weights_only=True`` (never an arbitrary pickle).
+
+    Raises:
+        ValueError: no such file, or it is unreadable (naming it).
+    """
+    f = extra_file(path)
+    try:
+        if f.name == EXTRA_JSON:
+            return json.loads(f.read_text())
+        return torch.load(f, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a damaged file raises anything
+        raise ValueError(f"checkpoint {path} is damaged: {f.name} is unreadable ({describe_failure(e)})") from None
 
 
 def find_resume(resume: str, ckpt_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -193,33 +270,56 @@ def save_checkpoint(
     step: int,
     app_state: dict[str, Any],
     extra: dict[str, Any],
-    rank_state: dict[str, Any],
+    rank_state: dict[str, torch.Tensor],
     *,
     keep_last: int,
-) -> Path:
-    """Save atomically on every rank; returns the final folder.
+    stager: Stager | None = None,
+    options: SaveOptions = DEFAULT_SAVE_OPTIONS,
+    writer_factory: WriterFactory | None = None,
+) -> Saved:
+    """Save atomically on every rank (every rank calls it); returns what this rank's save did.
 
     Args:
-        app_state: DCP-ready state (``{"model": ..., "optim": ...}`` with DTensors), saved layout-independently.
-        extra: small picklable state shared by all ranks (scheduler, step, config), written by rank 0.
-        rank_state: per-rank picklable state (RNG), one file per rank.
+        app_state: DCP-ready state (``{"model": ..., "optimizer": ...}`` with DTensors, e.g. :func:`model_state`),
+            saved layout-independently.
+        extra: small JSON-able state shared by all ranks (scheduler, step, config), written by rank 0 as
+            ``extra.json``.
+        rank_state: this rank's tensors (RNG states), ``rank_<r>.pt``, read back with ``weights_only=True``.
         keep_last: complete checkpoints to keep after this one is written.
+        stager: on CUDA, the job's :class:`Stager` (buffers reused across saves): the state is copied to pinned
+            host memory first and written from there. Without one (or on the CPU) DCP writes the live tensors.
+        options: writer threads and fsync (:class:`SaveOptions`); ignored with ``writer_factory``.
+        writer_factory: ``(temporary folder, step) -> StorageWriter``; None: the package's own
+            (``options.writer``).
+
+    Raises:
+        CheckpointSaveError: on every rank alike: too little free space (before any write), or a write failed on
+            some rank (nothing published; the previous checkpoint is intact).
     """
+    t0 = time.perf_counter()
+    check_room_for_save(ckpt_dir, step, app_state)
     tmp = _begin(ckpt_dir, step)
-    error = None
+    error, staging_s, t1 = None, 0.0, time.perf_counter()
     try:
-        dcp.save(app_state, storage_writer=faults.storage_writer(tmp, step))
         _write_small(tmp, extra, rank_state)
+        state = app_state
+        if stager is not None and stager.cuda:
+            staged = stager.stage(app_state)
+            state = staged.result()
+            staging_s, t1 = time.perf_counter() - t1, time.perf_counter()
+        dcp.save(state, storage_writer=(writer_factory or options.writer)(tmp, step))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn of any rank's failure
         error = e
+    write_s = time.perf_counter() - t1
     _raise_if_any_failed(ckpt_dir, tmp, step, error)
     if dist.get_rank() == 0:
         _publish(ckpt_dir, tmp, step, keep_last)
     dist.barrier()
-    return ckpt_dir / checkpoint_name(step)
+    path = ckpt_dir / checkpoint_name(step)
+    return Saved(path, step, state_bytes(app_state), time.perf_counter() - t0, staging_s, write_s)
 
 
-def _begin(ckpt_dir: Path, step: int) -> Path:
+def _begin(ckpt_dir: Path, step: int, group: dist.ProcessGroup | None = None) -> Path:
     """The temporary folder of a save, made empty by rank 0 before any rank writes into it."""
     tmp = ckpt_dir / f".tmp-{checkpoint_name(step)}"
     if dist.get_rank() == 0:
@@ -227,15 +327,23 @@ def _begin(ckpt_dir: Path, step: int) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp)  # a stale attempt of ours at this step
         tmp.mkdir()
-    dist.barrier()
+    dist.barrier(group=group)
     return tmp
 
 
-def _write_small(tmp: Path, extra: dict[str, Any], rank_state: dict[str, Any]) -> None:
+def _write_small(tmp: Path, extra: dict[str, Any], rank_state: dict[str, torch.Tensor]) -> None:
+    """``rank_<r>.pt`` (tensors only) on every rank, ``extra.json`` on rank 0."""
     rank = dist.get_rank()
+    bad = [k for k, v in rank_state.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise ValueError(f"rank_state holds tensors only (loaded with weights_only=True); {bad[0]!r} is not one")
     torch.save(rank_state, tmp / f"rank_{rank:05d}.pt")
     if rank == 0:
-        torch.save(extra, tmp / "extra.pt")
+        try:
+            text = json.dumps(extra)
+        except TypeError as e:
+            raise ValueError(f"extra must be JSON-serialisable (it is saved as {EXTRA_JSON}): {e}") from None
+        (tmp / EXTRA_JSON).write_text(text)
 
 
 def _raise_if_any_failed(ckpt_dir: Path, tmp: Path, step: int, error: BaseException | None, how: str = "") -> None:
@@ -248,12 +356,14 @@ def _raise_if_any_failed(ckpt_dir: Path, tmp: Path, step: int, error: BaseExcept
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    previous = newest_checkpoint(ckpt_dir)
+    # The checkpoint before this step (a folder may also hold newer ones, of an earlier run that went further).
+    older = [p for p in complete_checkpoints(ckpt_dir) if int(_NAME.match(p.name).group(1)) < step]
+    previous = older[-1] if older else None
     raise CheckpointSaveError(
         f"saving the checkpoint of step {step}{how} failed"
         + (f" ({describe_failure(error)})" if error is not None else f" on {int(failed.item())} other rank(s)")
         + f"; nothing was published, the previous checkpoint {previous or '(none)'} is intact. "
-        "Free disk space or point checkpoint.dir elsewhere, then resume"
+        "Free disk space or save elsewhere, then resume"
     ) from error
 
 
@@ -312,206 +422,30 @@ def prune(ckpt_dir: Path, keep_last: int) -> list[Path]:
     return removed
 
 
-def load_checkpoint(path: Path, app_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Load DCP state in place (any layout); returns ``(extra, this rank's rank_state or None)``."""
+def load_checkpoint(path: Path, app_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+    """Load DCP state in place (any layout; every rank calls it); returns ``(extra, this rank's rank_state, or
+    None when the checkpoint was written by another world size or has no file for this rank)``.
+
+    Raises:
+        CheckpointError: DCP could not load it (every rank alike), or a small file is unreadable (``extra`` on
+            every rank alike; this rank's own file: ``every_rank=False``).
+    """
     marker = read_marker(path)
-    if not (path / "extra.pt").is_file():
-        raise ValueError(
-            f"{path} has no extra.pt: it is not a moeshard-train checkpoint; point checkpoint.resume elsewhere"
-        )
+    extra_file(path)  # raises: not one of ours
     advice = "its files may be damaged: resume an older checkpoint with checkpoint.resume=<folder>"
     try:
         dcp.load(app_state, checkpoint_id=str(path))
     except CheckpointException as e:  # a BaseException; DCP raises it on every rank with every rank's failure
-        raise JobError(f"checkpoint {path} could not be loaded ({describe_failure(e)}); {advice}") from e
+        raise CheckpointError(f"checkpoint {path} could not be loaded ({describe_failure(e)}); {advice}") from e
     try:
-        extra = torch.load(path / "extra.pt", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - a damaged pickle raises anything
-        raise JobError(f"checkpoint {path}: extra.pt is unreadable ({describe_failure(e)}); {advice}") from e
+        extra = read_extra(path)
+    except ValueError as e:
+        raise CheckpointError(f"{e}; {advice}") from e
     rank_file = path / f"rank_{dist.get_rank():05d}.pt"
     same_world = marker.get("world_size") == dist.get_world_size()  # else the per-rank files do not map
     try:
-        rank_state = torch.load(rank_file, weights_only=False) if same_world and rank_file.is_file() else None
+        rank_state = torch.load(rank_file, weights_only=True) if same_world and rank_file.is_file() else None
     except Exception as e:  # noqa: BLE001 - this rank's file only: the other ranks may not fail
         msg = f"checkpoint {path}: {rank_file.name} is unreadable ({describe_failure(e)}); {advice}"
-        raise JobError(msg, every_rank=False) from e
+        raise CheckpointError(msg, every_rank=False) from e
     return extra, rank_state
-
-
-# ---- a training job in a checkpoint ------------------------------------------------------------------------------
-
-
-def app_state(job: Job) -> dict[str, Any]:
-    """Model and optimizer state for DCP (layout independent, see ``moeshard.fsdp_moe.get_state_dict``)."""
-    from moeshard.fsdp_moe import get_state_dict
-
-    return get_state_dict(job.model, job.optimizer)
-
-
-def job_state(job: Job, step: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """What a checkpoint after ``step`` steps holds: ``(DCP state, extra, this rank's state)`` (model, optimizer;
-    scheduler, step, config, data position; RNG)."""
-    config = job.cfg.to_dict()
-    if config["data"].get("tokenizer"):  # absolute, as in run.json: an export from another folder still finds it
-        config["data"]["tokenizer"] = os.path.abspath(os.path.expanduser(config["data"]["tokenizer"]))
-    extra = {
-        "step": step,
-        "scheduler": job.scheduler.state_dict(),
-        "world_size": dist.get_world_size(),
-        "config": config,
-        "model_config": job.model_config.to_dict(),
-        # The data order is a pure function of the step (moeshard.data.StepBatches), so the step is the position.
-        "data": {"step": step, "samples_seen": step * job.cfg.train.global_batch_size},
-    }
-    rank_state = {"cpu_rng": torch.get_rng_state()}
-    if job.device.type == "cuda":
-        rank_state["cuda_rng"] = torch.cuda.get_rng_state(job.device)
-    return app_state(job), extra, rank_state
-
-
-def save_job(job: Job, ckpt_dir: Path, step: int) -> Path:
-    """Save an atomic, layout-independent checkpoint after ``step`` steps (model, optimizer, scheduler, data
-    position, RNG); returns its folder."""
-    return save_checkpoint(ckpt_dir, step, *job_state(job, step), keep_last=job.cfg.checkpoint.keep_last)
-
-
-def write_hub_folder(checkpoint: Path, hf_dir: Path, dtype: str) -> Path:
-    """``checkpoint.save_hf``: the Hub folder ``hf_dir/<checkpoint's name>`` written from a complete checkpoint by
-    :func:`moeshard.train.export.export_hf` (streaming: host memory bounded by a shard), atomically (a temporary
-    folder renamed; an earlier folder of the same step is replaced). Returns the folder."""
-    from moeshard.train.export import export_hf
-
-    final, tmp = hf_dir / checkpoint.name, hf_dir / f".tmp-{checkpoint.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    export_hf(checkpoint, tmp, dtype=dtype)
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    return final
-
-
-def resume_job(job: Job, path: Path) -> int:
-    """Load a checkpoint of any layout into the job; returns the step it was taken after."""
-    from moeshard.fsdp_moe import set_state_dict
-
-    state = app_state(job)
-    extra, rank_state = load_checkpoint(path, state)
-    set_state_dict(job.model, state, job.optimizer)
-    step = int(extra["step"])
-    # The schedule is a function of the step (the saved scheduler state has one entry per parameter group, and the
-    # groups depend on the layout: experts outside FSDP have an optimizer of their own). train.steps may have
-    # changed: the schedule of this run decides.
-    job.scheduler.last_epoch = step
-    lr = lr_at(step, job.cfg)
-    for group in job.optimizer.param_groups:
-        group["lr"] = lr
-    if rank_state is not None:  # same world size: each rank continues its own random stream
-        torch.set_rng_state(rank_state["cpu_rng"])
-        if "cuda_rng" in rank_state and job.device.type == "cuda":
-            torch.cuda.set_rng_state(rank_state["cuda_rng"], job.device)
-    return step
-
-
-class Checkpointer(Callback):
-    """Saves the job after every ``checkpoint.every_steps`` steps, after the last one (``save_final``, or
-    ``save_hf`` other than ``none``) and after a step the ranks agreed to stop at (``StepStats.stop_agreed``: a
-    preemption).
-
-    ``checkpoint.async``: every save but the run's last runs in the background (``checkpoint_async``). The loop
-    goes on at once (on CUDA the copy to pinned host memory overlaps the next step's forward and backward; its
-    optimizer step waits for the copy); rank 0 publishes the checkpoint (``COMPLETE``, rename) at the first step
-    end after the write ended on every rank; the next save and the end of the run wait for it, and a failed write
-    stops the job there (:class:`CheckpointSaveError`), never published. ``checkpoint.save_hf``: rank 0 writes the
-    Hub folder ``<output_dir>/hf/step_XXXXXXXX`` (:func:`write_hub_folder`) from every published checkpoint
-    (``every``) or from the last step's (``final``); the other ranks wait for it at their next collective.
-
-    Args:
-        console: where rank 0's lines go (the progress bar's ``write``); ``print`` by default.
-    """
-
-    def __init__(self, job: Job, ckpt_dir: Path, console: Callable[[str], None] | None = None) -> None:
-        self.job, self.ckpt_dir = job, ckpt_dir
-        self.console = console or functools.partial(print, flush=True)
-        self.last_saved = newest_checkpoint(ckpt_dir)
-        self.pending = None  # a moeshard.train.checkpoint_async.PendingSave
-        self._started: dict[int, tuple[float, bool]] = {}  # step -> (save began, in the background)
-        self._group = None
-        if job.cfg.checkpoint.async_:
-            # A background save's collectives run on a gloo group of their own (made by every rank, here): on the
-            # training's group they would interleave with the steps'.
-            self._group = dist.new_group(backend="gloo")
-
-    def due(self, step: int) -> bool:
-        """Whether the loop saves after ``step``."""
-        c = self.job.cfg.checkpoint
-        last = step == self.job.cfg.train.steps and (c.save_final or c.save_hf != "none")
-        return bool(c.every_steps and step % c.every_steps == 0) or last
-
-    def before_update(self, step: int, stats: StepStats) -> None:
-        if self.pending is not None:
-            self.pending.wait_staged()  # the optimizer step is about to change the state being copied
-
-    def on_step_end(self, step: int, stats: StepStats) -> None:
-        save = self.due(step) or stats.stop_agreed  # the ranks stop after this step (preemption): save it
-        last = step == self.job.cfg.train.steps or stats.stop_agreed
-        if self.pending is not None and (save or last):  # every rank, at the same step
-            pending, self.pending = self.pending, None
-            announced = pending.published is not None  # rank 0 published it at an earlier step end
-            path = pending.wait()
-            if not announced:
-                self._published(path, pending.step)
-        elif self.pending is not None and dist.get_rank() == 0 and self.pending.published is None:
-            if self.pending.publish_if_done() is not None:
-                self._published(self.pending.published, self.pending.step)
-        if not save:
-            return
-        self._started[step] = (time.perf_counter(), self._group is not None and not last)
-        if self._group is not None and not last:
-            from moeshard.train.checkpoint_async import make_stager, start_async_save
-
-            keep = self.job.cfg.checkpoint.keep_last
-            # A stager per save: torch 2.11's async_save closes the stager it was given once the save ends (seen on
-            # an H200: the next save with the same stager failed in its staging), so none is reused.
-            stager = make_stager(self.job.device)
-            self.pending = start_async_save(
-                self.ckpt_dir, step, *job_state(self.job, step), keep_last=keep, group=self._group, stager=stager
-            )
-        else:
-            self._published(save_job(self.job, self.ckpt_dir, step), step)
-
-    def _published(self, path: Path, step: int) -> None:
-        self.last_saved = path
-        c = self.job.cfg.checkpoint
-        started, background = self._started.pop(step, (None, False))
-        if dist.get_rank() == 0 and started is not None:  # one line per saved checkpoint: step, size, seconds
-            size = sum(read_marker(path).get("files", {}).values())
-            seconds = f"{time.perf_counter() - started:.1f} s{' in the background' if background else ''}"
-            size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
-            self.console(f"checkpoint of step {step}: {path} ({size_text}, {seconds})")
-        if dist.get_rank() == 0 and (
-            c.save_hf == "every" or (c.save_hf == "final" and step == self.job.cfg.train.steps)
-        ):
-            try:
-                hub = write_hub_folder(path, Path(self.job.cfg.logging.output_dir) / "hf", c.hf_dtype)
-            except (OSError, ValueError) as e:  # e.g. a full disk; rank 0 only: the others stop on losing it
-                raise JobError(
-                    f"writing the Hub folder of step {step} failed ({describe_failure(e)}); the checkpoint {path} is "
-                    "complete: resume from it, or export it later with moeshard-train export-hf",
-                    every_rank=False,
-                ) from e
-            self.console(f"Hub folder {hub} written from checkpoint {path.name} ({c.hf_dtype})")
-
-    def on_run_end(self) -> None:
-        """After an error in the loop (a run that ends well waited at its last step): a background save still
-        ends (each rank waits for its own write, no collective), rank 0 publishes it if it succeeded."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            try:
-                pending.upload.result()
-                if dist.get_rank() == 0:
-                    pending.publish_if_done()
-            except BaseException:  # noqa: BLE001 - the loop's own error is the one reported
-                if dist.get_rank() == 0:
-                    shutil.rmtree(pending.tmp, ignore_errors=True)
-            finally:
-                pending.close_stager()

@@ -9,6 +9,7 @@ A held lock refuses a second job with one line naming the holder. A lock whose h
 one line: on the same host, its pid is gone (or names another process now: its start time differs), or it was
 left by an earlier attempt of this very job (the same torchrun run id, ``--rdzv-id``: a restart, a requeued SLURM
 job). A holder on another host that is not this job is never presumed dead: the refusal names the file to delete.
+The refusals speak of ``logging.output_dir``, the key that names the folder in moeshard-train's config.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moeshard.train.errors import JobError
+from moeshard.checkpoint._errors import CheckpointError
 
 LOCK_FILE = "job.lock"
 
@@ -155,7 +156,7 @@ class OutputLock:
     """One job per output directory, for every rank of a job (a context manager; needs the process group).
 
     Raises:
-        JobError: on every rank alike when another job holds the lock (rank 0 prints the holder).
+        CheckpointError: on every rank alike when another job holds the lock (rank 0 prints the holder).
     """
 
     def __init__(self, output_dir: Path, device: torch.device) -> None:
@@ -180,7 +181,7 @@ class OutputLock:
         refused = torch.tensor([0 if refusal is None else 1], device=self.device)
         dist.all_reduce(refused)  # once per run: the other ranks follow rank 0's verdict
         if refused.item():
-            raise JobError(refusal or "logging.output_dir is in use by another job (rank 0 names it)")
+            raise CheckpointError(refusal or "logging.output_dir is in use by another job (rank 0 names it)")
         self.held = True
         return self
 

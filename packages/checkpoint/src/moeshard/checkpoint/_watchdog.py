@@ -1,0 +1,142 @@
+"""Hangs fail fast: a job whose steps stop ending ends itself within a timeout, naming the rank that is behind.
+
+Every rank records the last step it finished in the job's store (``torch.distributed``'s TCPStore: under torchrun
+the agent hosts it, so a stopped worker does not take it down) at each :meth:`HangWatchdog.beat`. A thread on each
+rank watches the time since its own last beat; past the timeout (``init_timeout_s`` until the first beat: start-up,
+compilation) one rank, the first to claim the report in the store, prints one line: the ranks that did not arrive
+(their last finished step is behind the others') and every rank's last finished step. Then every rank that still
+runs exits at once (``os._exit``: its main thread may be blocked inside a collective that never returns). Nothing
+that was being saved is published: publication needs every rank's agreement, which never comes; ``resume: auto``
+continues from the newest complete checkpoint. A stopped worker that cannot exit by itself is ended by its
+launcher: torchrun's agent sends SIGTERM to its other workers once one failed, SIGKILL 30 s later, and with
+``--max-restarts`` starts them all again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+_PREFIX = "moeshard/last_step"
+_REPORTED = "moeshard/hang_reported"
+
+
+class HangWatchdog:
+    """Ends the job when no step ends on this rank for ``timeout_s`` (a context manager; every rank makes one).
+
+    Args:
+        timeout_s: seconds without a :meth:`beat` after the first one; must exceed a step plus what runs after it
+            (a synchronous save, an evaluation). 0 disables the watchdog.
+        init_timeout_s: the allowance before the first beat (the first step: start-up, compilation).
+        store: where the ranks' last steps meet (the job's ``torch.distributed`` store); None: no names in the
+            report, this rank's own step only.
+        key: how the timeout is named in the report (the config key that sets it).
+        console: where the report goes (one line).
+        exit_code: the status every rank exits with when the watchdog fires.
+        on_fire: called instead of exiting (tests); receives the report line.
+    """
+
+    def __init__(
+        self,
+        timeout_s: float,
+        *,
+        init_timeout_s: float = 300.0,
+        store: dist.Store | None = None,
+        key: str = "timeout_s",
+        console: Callable[[str], None] | None = None,
+        exit_code: int = 1,
+        on_fire: Callable[[str], None] | None = None,
+    ) -> None:
+        if timeout_s < 0 or init_timeout_s < 0:
+            raise ValueError(f"{key} must be >= 0 (0: off), got {timeout_s}")
+        self.timeout_s, self.init_timeout_s, self.store, self.key = timeout_s, init_timeout_s, store, key
+        self.console = console or (lambda line: print(line, flush=True))
+        self.exit_code, self.on_fire = exit_code, on_fire
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.last_step: int | None = None
+        self._last_time = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> HangWatchdog:
+        if self.timeout_s > 0:
+            self._last_time = time.monotonic()
+            self._thread = threading.Thread(target=self._watch, name="moeshard-hang-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._thread = None
+
+    def beat(self, step: int) -> None:
+        """This rank finished ``step`` (counted from 1)."""
+        self.last_step, self._last_time = step, time.monotonic()
+        if self.store is not None and self.timeout_s > 0:
+            try:
+                self.store.set(f"{_PREFIX}/{self.rank}", str(step))
+            except Exception:  # noqa: BLE001 - the store's host may be gone: the watchdog still fires
+                pass
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout_s / 20)):
+            limit = self.timeout_s if self.last_step is not None else max(self.timeout_s, self.init_timeout_s)
+            idle = time.monotonic() - self._last_time
+            if idle > limit:
+                self._fire(idle)
+                return
+
+    def _fire(self, idle: float) -> None:
+        line: list[str] = []
+        reporter = threading.Thread(target=lambda: line.append(self.report(idle)), daemon=True)
+        reporter.start()
+        reporter.join(timeout=10)  # a store whose host is stopped never answers: report this rank alone
+        text = line[0] if line else self._alone(idle)
+        if text:
+            self.console(text)
+        if self.on_fire is not None:
+            self.on_fire(text)
+            return
+        os._exit(self.exit_code)
+
+    def _alone(self, idle: float) -> str:
+        mine = self.last_step if self.last_step is not None else "none"
+        return (
+            f"no step ended on rank {self.rank} for {idle:.0f} s ({self.key} {self.timeout_s:g}); its last finished "
+            f"step: {mine} (the other ranks' are unknown: the job's store does not answer); stopping the job: "
+            "nothing partial is published, resume: auto continues from the newest complete checkpoint"
+        )
+
+    def report(self, idle: float) -> str:
+        """The one line (empty on the ranks that leave the report to another): who did not arrive, every rank's
+        last finished step."""
+        if self.store is None:
+            return self._alone(idle)
+        if int(self.store.add(_REPORTED, 1)) != 1:
+            return ""  # another rank reports
+        steps: dict[int, int | None] = {}
+        for r in range(self.world):
+            k = f"{_PREFIX}/{r}"
+            steps[r] = int(self.store.get(k)) if self.store.check([k]) else None
+        if self.last_step is not None:
+            steps[self.rank] = self.last_step
+        done = [s for s in steps.values() if s is not None]
+        front = max(done) if done else None
+        behind = [r for r, s in steps.items() if s is None or (front is not None and s < front)]
+        if behind:
+            head = ", ".join(f"rank {r}" for r in behind) + " did not arrive"
+        else:
+            head = f"every rank finished step {front} and none the next"
+        listing = ", ".join(f"{r}: {s if s is not None else 'none'}" for r, s in steps.items())
+        return (
+            f"{head}: no step ended for {idle:.0f} s ({self.key} {self.timeout_s:g}); last finished step per rank "
+            f"{{{listing}}}; stopping the job: nothing partial is published, resume: auto continues from the newest "
+            "complete checkpoint"
+        )
