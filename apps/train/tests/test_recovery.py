@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from moeshard.train.__main__ import main
 
@@ -114,12 +113,14 @@ def test_without_torchrun_the_ep_error_says_how_to_launch(capsys, tmp_path):
 
 
 def test_signal_saves_the_step_and_the_resume_is_exact(capsys, tmp_path, monkeypatch, quiet_signals):
-    import moeshard.train.checkpoint as ckpt
+    import torch.distributed.checkpoint as dcp
+
+    from moeshard import checkpoint as ckpt
 
     out, ref = tmp_path / "run", tmp_path / "ref"
     base = [*ONE, "--checkpoint.every_steps=2", "--checkpoint.keep_last=10"]
     sent, fired = threading.Event(), []
-    real_save = ckpt.dcp.save
+    real_save = dcp.save
 
     def save_under_fire(*args, **kwargs):  # a second signal in the middle of the save of the stop
         if sent.is_set():
@@ -136,7 +137,7 @@ def test_signal_saves_the_step_and_the_resume_is_exact(capsys, tmp_path, monkeyp
                 return
             time.sleep(0.002)
 
-    monkeypatch.setattr(ckpt.dcp, "save", save_under_fire)
+    monkeypatch.setattr(dcp, "save", save_under_fire)
     threading.Thread(target=signal_after_step_3, daemon=True).start()
     assert main([*base, "--train.steps=40", f"--logging.output_dir={out}"]) == 75
     captured = capsys.readouterr()
@@ -156,7 +157,7 @@ def test_signal_saves_the_step_and_the_resume_is_exact(capsys, tmp_path, monkeyp
         ckpt.validate_checkpoint(path)
     assert not (out / "job.lock").exists()
 
-    monkeypatch.setattr(ckpt.dcp, "save", real_save)
+    monkeypatch.setattr(dcp, "save", real_save)
     assert main([*base, f"--train.steps={s + 2}", f"--logging.output_dir={out}"]) == 0
     assert f"resumed from {out}/checkpoints/step_{s:08d} at step {s}" in capsys.readouterr().out
     assert _steps(out) == list(range(1, s + 3)) and not (out / "preempted.json").exists()
@@ -165,56 +166,6 @@ def test_signal_saves_the_step_and_the_resume_is_exact(capsys, tmp_path, monkeyp
 
 
 # ---- damaged checkpoints -----------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-@pytest.mark.parametrize(
-    ("damage", "needle"),
-    [
-        ("truncate_shard", "__0_0.distcp has {n} bytes, COMPLETE recorded {size}"),
-        ("delete_shard", "__0_0.distcp is missing (COMPLETE records it)"),
-        ("delete_metadata", ".metadata is missing (COMPLETE records it)"),
-        ("garbage_metadata", ".metadata has 7 bytes, COMPLETE recorded"),
-        ("old_marker_truncated_shard", "__0_0.distcp has {n} bytes, .metadata reads up to byte"),
-        ("old_marker_garbage_metadata", ".metadata is unreadable (UnpicklingError"),
-        ("truncated_marker", "COMPLETE is unreadable (JSONDecodeError"),
-    ],
-)
-def test_validation_names_the_damaged_file(world_of_one, tmp_path, damage, needle):
-    from moeshard.train import checkpoint as ckpt
-
-    state = {"model": {"w": torch.arange(64.0)}}
-    path = ckpt.save_checkpoint(tmp_path, 2, state, {"step": 2}, {"rng": 0}, keep_last=2)
-    ckpt.validate_checkpoint(path)
-    shard, marker = path / "__0_0.distcp", path / "COMPLETE"
-    size = shard.stat().st_size
-    if damage.startswith("old_marker"):  # checkpoints written before COMPLETE recorded the files
-        record = json.loads(marker.read_text())
-        del record["files"]
-        marker.write_text(json.dumps(record))
-    if damage.endswith("truncate_shard") or damage.endswith("truncated_shard"):
-        shard.write_bytes(shard.read_bytes()[: size // 2])
-    elif damage == "delete_shard":
-        shard.unlink()
-    elif damage == "delete_metadata":
-        (path / ".metadata").unlink()
-    elif damage.endswith("garbage_metadata"):
-        (path / ".metadata").write_bytes(b"garbage")
-    elif damage == "truncated_marker":
-        marker.write_text(marker.read_text()[:20])
-    with pytest.raises(ValueError) as e:
-        ckpt.validate_checkpoint(path)
-    assert str(e.value).startswith(f"checkpoint {path} is damaged: ")
-    assert needle.format(n=size // 2, size=size) in str(e.value), str(e.value)
-    assert "\n" not in str(e.value)
 
 
 def test_damaged_checkpoints_fall_back_and_are_kept(capsys, tmp_path, trained):

@@ -18,7 +18,9 @@ from moeshard.checkpoint import CheckpointSaveError
 
 def _save(d: Path, step: int, keep_last: int = 2, **kw) -> Path:
     state = {"model": {"w": torch.full((4,), float(step))}}
-    return ckpt.save_checkpoint(d, step, state, {"step": step}, {"rng": torch.tensor(step)}, keep_last=keep_last, **kw).path
+    return ckpt.save_checkpoint(
+        d, step, state, {"step": step}, {"rng": torch.tensor(step)}, keep_last=keep_last, **kw
+    ).path
 
 
 def _full_disk(path: Path, step: int) -> FileSystemWriter:

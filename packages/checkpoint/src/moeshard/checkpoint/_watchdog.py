@@ -109,7 +109,7 @@ class HangWatchdog:
     def _alone(self, idle: float) -> str:
         mine = self.last_step if self.last_step is not None else "none"
         return (
-            f"no step ended on rank {self.rank} for {idle:.0f} s ({self.key} {self.timeout_s:g}); its last finished "
+            f"no step ended on rank {self.rank} for {idle:.1f} s ({self.key} {self.timeout_s:g}); its last finished "
             f"step: {mine} (the other ranks' are unknown: the job's store does not answer); stopping the job: "
             "nothing partial is published, resume: auto continues from the newest complete checkpoint"
         )
@@ -136,7 +136,7 @@ class HangWatchdog:
             head = f"every rank finished step {front} and none the next"
         listing = ", ".join(f"{r}: {s if s is not None else 'none'}" for r, s in steps.items())
         return (
-            f"{head}: no step ended for {idle:.0f} s ({self.key} {self.timeout_s:g}); last finished step per rank "
+            f"{head}: no step ended for {idle:.1f} s ({self.key} {self.timeout_s:g}); last finished step per rank "
             f"{{{listing}}}; stopping the job: nothing partial is published, resume: auto continues from the newest "
             "complete checkpoint"
         )

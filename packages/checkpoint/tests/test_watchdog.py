@@ -1,0 +1,49 @@
+"""The hang watchdog: past its timeout one rank reports, in one line, the ranks that did not arrive and every rank's
+last finished step (the real end-to-end case, a stopped worker of a torchrun job, is in the app's recovery tests)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from moeshard.checkpoint import HangWatchdog
+
+
+def test_the_report_names_the_rank_behind_and_every_rank_s_last_step(world_of_one):
+    store = dist.HashStore()
+    fired, lines = threading.Event(), []
+    dog = HangWatchdog(0.4, init_timeout_s=30, store=store, key="train.timeout_s", console=lines.append)
+    dog.on_fire = lambda line: fired.set()
+    dog.world = 3  # two peers, seen through the store: rank 1 finished step 6, rank 2 never finished a step
+    store.set("moeshard/last_step/1", "6")
+    with dog:
+        for step in range(1, 8):
+            dog.beat(step)
+            time.sleep(0.02)
+        assert fired.wait(10)
+    assert len(lines) == 1 and re.fullmatch(
+        r"rank 1, rank 2 did not arrive: no step ended for 0\.\d s \(train\.timeout_s 0\.4\); last finished step per "
+        r"rank \{0: 7, 1: 6, 2: none\}; stopping the job: nothing partial is published, resume: auto continues from "
+        r"the newest complete checkpoint",
+        lines[0],
+    ), lines
+    # Another rank of the same job fires later: it leaves the report to the first one.
+    late = HangWatchdog(0.4, store=store, console=lines.append)
+    assert late.report(1.0) == ""
+
+
+def test_steps_that_keep_ending_never_fire_and_zero_is_off(world_of_one):
+    fired = []
+    with HangWatchdog(0.3, init_timeout_s=30, on_fire=fired.append, console=fired.append) as dog:
+        for step in range(1, 15):
+            dog.beat(step)
+            time.sleep(0.05)
+    assert fired == []
+    with HangWatchdog(0, on_fire=fired.append) as off:
+        assert off._thread is None
+    with pytest.raises(ValueError, match="must be >= 0"):
+        HangWatchdog(-1)
