@@ -316,6 +316,63 @@ def test_sigterm_to_torchrun_second_job_resume_and_a_rank_local_error(tmp_path):
     assert res.returncode == 1
     assert _errors(res.stdout) == [
         f"moeshard-train: error (rank 1): checkpoint {out}/checkpoints/step_{s + 2:08d}: rank_00001.pt is unreadable "
-        "(UnpicklingError: invalid load key, 'x'.); its files may be damaged: resume an older checkpoint with "
+        "(UnpicklingError: weights_only refused it: Unsupported operand 120); its files may be damaged: resume an older checkpoint with "
         "checkpoint.resume=<folder>"
     ], res.stdout[-4000:]
+
+
+def _worker_pid(launcher: int, rank: int) -> int | None:
+    """The pid of torchrun's worker of ``rank`` (a child of the launcher with RANK=rank), Linux ``/proc``."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != launcher:
+                continue
+            env = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if f"RANK={rank}".encode() in env:
+            return int(stat.parent.name)
+    return None
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_ends_the_job_within_its_timeout_and_the_resume_is_intact(tmp_path):
+    # SIGSTOP one worker: its peer blocks in a collective; within train.timeout_s the job ends with one line naming
+    # the stopped rank and each rank's last step, nothing partial published; the same command resumes from the
+    # newest complete checkpoint (as a torchrun --max-restarts restart does).
+    out = tmp_path / "run"
+    job = [*TINY, "--checkpoint.every_steps=2", "--checkpoint.keep_last=100", "--train.timeout_s=20"]
+    log = tmp_path / "a.log"
+    with log.open("w") as f:
+        a = _torchrun([*job, "--train.steps=400", f"--logging.output_dir={out}"], stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not ((out / "metrics.jsonl").is_file() and len(_steps(out)) >= 3) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stopped = _worker_pid(a.pid, rank=1)
+        assert stopped is not None, log.read_text()[-3000:]
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while "did not arrive" not in log.read_text() and time.monotonic() < t0 + 90:
+            time.sleep(0.2)
+        elapsed = time.monotonic() - t0
+        os.kill(stopped, signal.SIGKILL)  # what the agent does 30 s after its SIGTERM to a worker that does not end
+        a.wait(timeout=60)
+    finally:
+        if a.poll() is None:
+            a.kill()
+    text = log.read_text()
+    lines = [ln for ln in text.splitlines() if "did not arrive" in ln]
+    assert len(lines) == 1 and 20 <= elapsed < 40 and a.returncode != 0, (elapsed, text[-4000:])
+    m = re.search(r"last finished step per rank \{0: (\d+), 1: (\d+)\}", lines[0])
+    assert lines[0].startswith("rank 1 did not arrive (its process stopped running") and m, lines[0]
+    assert "(train.timeout_s 20)" in lines[0]
+    last = int(m.group(1))
+    ckpts = out / "checkpoints"
+    published = sorted(int(p.name[5:]) for p in ckpts.glob("step_????????"))
+    assert published and all((ckpts / f"step_{s:08d}/COMPLETE").is_file() for s in published)  # nothing partial
+    assert max(published) <= last
+
+    res = _run([*job, f"--train.steps={last + 1}", f"--logging.output_dir={out}"])
+    resumed = f"resumed from {ckpts}/step_{max(published):08d} at step {max(published)}"
+    assert res.returncode == 0 and resumed in res.stdout, res.stdout[-3000:]

@@ -13,22 +13,32 @@ import torch.distributed as dist
 from moeshard.checkpoint import HangWatchdog
 
 
-def test_the_report_names_the_rank_behind_and_every_rank_s_last_step(world_of_one):
+def test_the_report_names_the_ranks_that_did_not_arrive_and_every_rank_s_last_step(world_of_one):
     store = dist.HashStore()
-    fired, lines = threading.Event(), []
+    fired, lines, done = threading.Event(), [], threading.Event()
     dog = HangWatchdog(0.4, init_timeout_s=30, store=store, key="train.timeout_s", console=lines.append)
-    dog.on_fire = lambda line: fired.set()
-    dog.world = 3  # two peers, seen through the store: rank 1 finished step 6, rank 2 never finished a step
+    dog.on_fire, dog.settle_s = (lambda line: fired.set()), 0.5
+    # Two peers seen through the store: rank 1 runs (its watchdog counts) but finished only step 6; rank 2's
+    # process stopped (its counter stands still) before it finished a step.
+    dog.world = 3
     store.set("moeshard/last_step/1", "6")
+
+    def rank_1_alive():
+        while not done.wait(0.1):
+            store.add("moeshard/alive/1", 1)
+
+    threading.Thread(target=rank_1_alive, daemon=True).start()
     with dog:
         for step in range(1, 8):
             dog.beat(step)
             time.sleep(0.02)
         assert fired.wait(10)
+    done.set()
     assert len(lines) == 1 and re.fullmatch(
-        r"rank 1, rank 2 did not arrive: no step ended for 0\.\d s \(train\.timeout_s 0\.4\); last finished step per "
-        r"rank \{0: 7, 1: 6, 2: none\}; stopping the job: nothing partial is published, resume: auto continues from "
-        r"the newest complete checkpoint",
+        r"rank 2 did not arrive \(its process stopped running: stopped, frozen or its host gone\); rank 1 did not "
+        r"arrive \(behind the others' steps\); no step ended for 0\.\d s \(train\.timeout_s 0\.4\); last finished "
+        r"step per rank \{0: 7, 1: 6, 2: none\}; stopping the job: nothing partial is published, resume: auto "
+        r"continues from the newest complete checkpoint",
         lines[0],
     ), lines
     # Another rank of the same job fires later: it leaves the report to the first one.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -202,9 +203,21 @@ def read_extra(path: Path) -> dict[str, Any]:
     try:
         if f.name == EXTRA_JSON:
             return json.loads(f.read_text())
-        return torch.load(f, weights_only=True)
+        return load_tensors(f)
     except Exception as e:  # noqa: BLE001 - a damaged file raises anything
         raise ValueError(f"checkpoint {path} is damaged: {f.name} is unreadable ({describe_failure(e)})") from None
+
+
+def load_tensors(f: Path) -> Any:
+    """``torch.load(f, weights_only=True)`` (tensors and plain values only: nothing in the file can run code); a
+    refusal is one ``UnpicklingError`` line naming what it met, without torch's advice to retry unsafely."""
+    try:
+        return torch.load(f, weights_only=True)
+    except pickle.UnpicklingError as e:
+        text = str(e)
+        if "WeightsUnpickler error:" in text:
+            text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation", 1)[0]
+        raise pickle.UnpicklingError("weights_only refused it: " + " ".join(text.split())) from None
 
 
 def find_resume(resume: str, ckpt_dir: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -444,7 +457,7 @@ def load_checkpoint(path: Path, app_state: dict[str, Any]) -> tuple[dict[str, An
     rank_file = path / f"rank_{dist.get_rank():05d}.pt"
     same_world = marker.get("world_size") == dist.get_world_size()  # else the per-rank files do not map
     try:
-        rank_state = torch.load(rank_file, weights_only=True) if same_world and rank_file.is_file() else None
+        rank_state = load_tensors(rank_file) if same_world and rank_file.is_file() else None
     except Exception as e:  # noqa: BLE001 - this rank's file only: the other ranks may not fail
         msg = f"checkpoint {path}: {rank_file.name} is unreadable ({describe_failure(e)}); {advice}"
         raise CheckpointError(msg, every_rank=False) from e

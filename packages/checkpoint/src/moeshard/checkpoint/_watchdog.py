@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 _PREFIX = "moeshard/last_step"
+_ALIVE = "moeshard/alive"
 _REPORTED = "moeshard/hang_reported"
 
 
@@ -59,6 +60,7 @@ class HangWatchdog:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.last_step: int | None = None
+        self.settle_s = 3.0  # how long a liveness counter must stand still to call its rank stopped
         self._last_time = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -85,8 +87,17 @@ class HangWatchdog:
             except Exception:  # noqa: BLE001 - the store's host may be gone: the watchdog still fires
                 pass
 
+    def _alive(self, rank: int, tick: int = 0) -> int:
+        """Rank ``rank``'s liveness counter (its watchdog thread adds 1 about every second; ``tick`` 0 reads)."""
+        return int(self.store.add(f"{_ALIVE}/{rank}", tick))
+
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.timeout_s / 20)):
+            if self.store is not None:
+                try:  # this process still runs (a stopped or frozen one stops counting)
+                    self._alive(self.rank, 1)
+                except Exception:  # noqa: BLE001 - the store's host may be gone
+                    pass
             limit = self.timeout_s if self.last_step is not None else max(self.timeout_s, self.init_timeout_s)
             idle = time.monotonic() - self._last_time
             if idle > limit:
@@ -115,12 +126,18 @@ class HangWatchdog:
         )
 
     def report(self, idle: float) -> str:
-        """The one line (empty on the ranks that leave the report to another): who did not arrive, every rank's
-        last finished step."""
+        """The one line (empty on the ranks that leave the report to another): the ranks that did not arrive, every
+        rank's last finished step.
+
+        A rank did not arrive when its process stopped running (its liveness counter did not move for
+        ``settle_s``, 3 s: stopped, frozen, its host gone) or when its last finished step is behind the others'."""
         if self.store is None:
             return self._alone(idle)
         if int(self.store.add(_REPORTED, 1)) != 1:
             return ""  # another rank reports
+        before = {r: self._alive(r) for r in range(self.world)}
+        time.sleep(self.settle_s)
+        frozen = [r for r in range(self.world) if r != self.rank and self._alive(r) == before[r]]
         steps: dict[int, int | None] = {}
         for r in range(self.world):
             k = f"{_PREFIX}/{r}"
@@ -129,14 +146,20 @@ class HangWatchdog:
             steps[self.rank] = self.last_step
         done = [s for s in steps.values() if s is not None]
         front = max(done) if done else None
-        behind = [r for r, s in steps.items() if s is None or (front is not None and s < front)]
+        behind = [r for r, s in steps.items() if r not in frozen and (s is None or (front is not None and s < front))]
+        parts = []
+        if frozen:
+            who = ", ".join(f"rank {r}" for r in frozen)
+            parts.append(f"{who} did not arrive (its process stopped running: stopped, frozen or its host gone)")
         if behind:
-            head = ", ".join(f"rank {r}" for r in behind) + " did not arrive"
+            parts.append(", ".join(f"rank {r}" for r in behind) + " did not arrive (behind the others' steps)")
+        if parts:
+            head = "; ".join(parts)
         else:
-            head = f"every rank finished step {front} and none the next"
+            head = f"no rank is behind: every rank finished step {front} and runs, none finished the next"
         listing = ", ".join(f"{r}: {s if s is not None else 'none'}" for r, s in steps.items())
         return (
-            f"{head}: no step ended for {idle:.1f} s ({self.key} {self.timeout_s:g}); last finished step per rank "
+            f"{head}; no step ended for {idle:.1f} s ({self.key} {self.timeout_s:g}); last finished step per rank "
             f"{{{listing}}}; stopping the job: nothing partial is published, resume: auto continues from the newest "
             "complete checkpoint"
         )
