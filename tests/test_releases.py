@@ -197,6 +197,7 @@ SMOKE = {
     "moeshard-ep": "from moeshard.ep import ParallelPlan, fqn_matches; assert fqn_matches('a.*.b', 'a.3.b')",
     "moeshard-fsdp-moe": "from moeshard.fsdp_moe import num_items_for_global_mean as n; assert float(n(3)) == 3.0",
     "moeshard-prefetch": "from moeshard.prefetch import build_schedule; assert callable(build_schedule)",
+    "moeshard-checkpoint": "from moeshard.checkpoint import SaveOptions; assert SaveOptions().thread_count >= 1",
     "moeshard-data": "from moeshard.data import DataConfig; assert DataConfig(synthetic=True).seq_len > 0",
     "moeshard-qwen3moe": textwrap.dedent(
         """
@@ -217,7 +218,7 @@ SMOKE = {
 # Chains of wheel sets (a name, or a name with an extra), one fresh environment each: every step's environment is
 # exactly its closure (the extras of a package's `test` extra are never installed).
 CHAINS = [
-    ["moeshard-meshes", "moeshard-ep", "moeshard-fsdp-moe"],
+    ["moeshard-meshes", "moeshard-ep", "moeshard-fsdp-moe", "moeshard-checkpoint"],
     ["moeshard-prefetch"],
     ["moeshard-data"],
     ["moeshard-qwen3moe", "moeshard-qwen3moe[parallel]", "moeshard-train"],

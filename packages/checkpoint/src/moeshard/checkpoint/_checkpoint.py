@@ -46,6 +46,7 @@ from moeshard.checkpoint._stage import Stager, state_bytes
 WriterFactory = Callable[[Path, int], StorageWriter]
 
 COMPLETE = "COMPLETE"
+"""The marker file rank 0 writes last: a checkpoint folder with it is complete (it records every file's size)."""
 _NAME = re.compile(r"^step_(\d{8})$")
 _TMP = re.compile(r"^\.tmp-step_(\d{8})$")
 _OLD = re.compile(r"^\.old-step_(\d{8})$")
