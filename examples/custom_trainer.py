@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moeshard.checkpoint import model_state, save_checkpoint
 from moeshard.data import DataConfig, EvalBatches, PrefetchLoader, StepBatches, open_dataset
 from moeshard.ep import EPOptions
-from moeshard.fsdp_moe import build_optimizer, num_items_for_global_mean, save_checkpoint
+from moeshard.fsdp_moe import build_optimizer, num_items_for_global_mean
 from moeshard.meshes import build_meshes
 from moeshard.models.qwen3moe import (
     GlobalExpertCounts,
@@ -70,7 +71,7 @@ def main() -> None:
     p.add_argument("--router-bias", type=float, default=0.0, help="aux-loss-free balancing: bias update rate")
     p.add_argument("--eval-data", default=None, help="held-out data (as --data): its loss after the last step")
     p.add_argument("--losses", type=Path, default=None, help="write the per-step losses here (JSON)")
-    p.add_argument("--checkpoint", type=Path, default=None, help="DCP checkpoint folder written at the end")
+    p.add_argument("--checkpoint", type=Path, default=None, help="checkpoint folder: step_N/ written at the end")
     args = p.parse_args()
 
     # 1. Process group and meshes: EP groups inside a node, expert FSDP across nodes.
@@ -172,9 +173,12 @@ def main() -> None:
         val_loss = evaluate(model, batches.rank_batches(rank), device=device).loss
         print0(f"eval: loss {val_loss:.6f}")
 
-    # 6. A DCP checkpoint with experts in their global shape: it loads into any EP size / world size.
+    # 6. A checkpoint with experts in their global shape (it loads into any EP size / world size), published
+    # atomically as <checkpoint>/step_N once every rank wrote its part (moeshard.checkpoint.find_resume finds it).
     if args.checkpoint is not None:
-        save_checkpoint(args.checkpoint, model, optimizer)
+        state = model_state(model, optimizer)
+        saved = save_checkpoint(args.checkpoint, args.steps, state, {"step": args.steps}, {}, keep_last=1)
+        print0(f"checkpoint {saved.path}: {saved.write_s:.2f} s, {saved.gb_per_s:.2f} GB/s per rank")
     if rank == 0 and args.losses is not None:
         record = {"loss": losses, "grad_norm": grad_norms, "expert_load_max_over_mean": imbalance, "val_loss": val_loss}
         args.losses.write_text(json.dumps(record))

@@ -109,6 +109,8 @@ class Stager(AsyncStager):
             if copy_into:
                 src = obj._local_tensor if isinstance(obj, DTensor) else obj
                 dst = buf._local_tensor if isinstance(buf, DTensor) else buf
+                if self.cuda and src.is_cuda:
+                    src.record_stream(self._stream)  # not reused by the allocator while the copy is pending
                 dst.copy_(src.detach(), non_blocking=self.cuda)
             return buf
         if isinstance(obj, dict):
