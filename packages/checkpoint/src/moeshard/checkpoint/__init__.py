@@ -26,18 +26,14 @@ from moeshard.checkpoint._checkpoint import (
     checkpoint_name,
     complete_checkpoints,
     describe_failure,
-    find_resume,
-    load_checkpoint,
     newest_checkpoint,
     prune,
-    read_extra,
     read_marker,
     save_checkpoint,
-    set_aside,
-    validate_checkpoint,
 )
 from moeshard.checkpoint._errors import CheckpointError, CheckpointSaveError
 from moeshard.checkpoint._lock import OutputLock
+from moeshard.checkpoint._resume import find_resume, load_checkpoint, read_extra, set_aside, validate_checkpoint
 from moeshard.checkpoint._space import check_room_for_run, check_room_for_save
 from moeshard.checkpoint._stage import Stager, state_bytes
 from moeshard.checkpoint._state import load_model_state, model_state

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from moeshard.checkpoint._checkpoint import load_checkpoint
+from moeshard.checkpoint._resume import load_checkpoint
 
 
 def model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
