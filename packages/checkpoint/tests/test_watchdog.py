@@ -11,6 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from moeshard.checkpoint import HangWatchdog
+from moeshard.checkpoint._watchdog import describe_hang, main_thread_location
 
 
 def test_the_report_names_the_ranks_that_did_not_arrive_and_every_rank_s_last_step(world_of_one):
@@ -57,3 +58,22 @@ def test_steps_that_keep_ending_never_fire_and_zero_is_off(world_of_one):
         assert off._thread is None
     with pytest.raises(ValueError, match="must be >= 0"):
         HangWatchdog(-1)
+
+
+def test_a_rank_stuck_before_a_collective_is_named_with_where_it_is():
+    where = {
+        0: "in a collective at distributed/distributed_c10d.py:2950 in all_reduce",
+        1: "at train/train.py:310 in train_step",
+        2: "in a collective at _fully_shard/_fsdp_collectives.py:290 in wait_for_unshard",
+    }
+    line = describe_hang({0: 7, 1: 7, 2: 7}, [], where, idle=20.3, key="train.timeout_s", timeout_s=20)
+    assert line.startswith(
+        "rank 1 (at train/train.py:310 in train_step) did not arrive (the others wait in a collective); no step "
+        "ended for 20.3 s (train.timeout_s 20); last finished step per rank {0: 7, 1: 7, 2: 7}; stopping the job"
+    )
+    # every rank in a collective, none behind: said as such
+    same = {r: where[0] for r in range(3)}
+    assert describe_hang({0: 7, 1: 7, 2: 7}, [], same, idle=20, key="k", timeout_s=20).startswith(
+        "no rank is behind: every rank finished step 7 and runs, none finished the next"
+    )
+    assert main_thread_location().startswith("at ")  # this thread is the main thread, in this test's code

@@ -3,8 +3,11 @@
 Every rank records the last step it finished in the job's store (``torch.distributed``'s TCPStore: under torchrun
 the agent hosts it, so a stopped worker does not take it down) at each :meth:`HangWatchdog.beat`. A thread on each
 rank watches the time since its own last beat; past the timeout (``init_timeout_s`` until the first beat: start-up,
-compilation) one rank, the first to claim the report in the store, prints one line: the ranks that did not arrive
-(their last finished step is behind the others') and every rank's last finished step. Then every rank that still
+compilation) every rank says in the store where its main thread is (inside a ``torch.distributed`` call or not)
+and one rank, the first to claim the report, prints one line: the ranks that did not arrive and every rank's last
+finished step. A rank did not arrive when its process stopped running (the liveness counter its watchdog thread
+adds to every second stood still: stopped, frozen, its host gone), when the others wait in a collective and it
+does not (stuck before one), or when its last finished step is behind the others'. Then every rank that still
 runs exits at once (``os._exit``: its main thread may be blocked inside a collective that never returns). Nothing
 that was being saved is published: publication needs every rank's agreement, which never comes; ``resume: auto``
 continues from the newest complete checkpoint. A stopped worker that cannot exit by itself is ended by its
@@ -15,15 +18,19 @@ launcher: torchrun's agent sends SIGTERM to its other workers once one failed, S
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch.distributed as dist
 
 _PREFIX = "moeshard/last_step"
 _ALIVE = "moeshard/alive"
+_WHERE = "moeshard/where"
 _REPORTED = "moeshard/hang_reported"
+_REPORT_DONE = "moeshard/hang_report_done"
 
 
 class HangWatchdog:
@@ -105,10 +112,15 @@ class HangWatchdog:
                 return
 
     def _fire(self, idle: float) -> None:
+        if self.store is not None:
+            try:  # where this rank's main thread is: in a collective (waiting for a peer) or not
+                self.store.set(f"{_WHERE}/{self.rank}", main_thread_location())
+            except Exception:  # noqa: BLE001 - the store's host may be gone
+                pass
         line: list[str] = []
         reporter = threading.Thread(target=lambda: line.append(self.report(idle)), daemon=True)
         reporter.start()
-        reporter.join(timeout=10)  # a store whose host is stopped never answers: report this rank alone
+        reporter.join(timeout=self.settle_s + 10)  # a store whose host is stopped never answers: this rank alone
         text = line[0] if line else self._alone(idle)
         if text:
             self.console(text)
@@ -125,41 +137,79 @@ class HangWatchdog:
             "nothing partial is published, resume: auto continues from the newest complete checkpoint"
         )
 
-    def report(self, idle: float) -> str:
-        """The one line (empty on the ranks that leave the report to another): the ranks that did not arrive, every
-        rank's last finished step.
+    def _read(self, prefix: str, rank: int) -> str | None:
+        k = f"{prefix}/{rank}"
+        return self.store.get(k).decode() if self.store.check([k]) else None
 
-        A rank did not arrive when its process stopped running (its liveness counter did not move for
-        ``settle_s``, 3 s: stopped, frozen, its host gone) or when its last finished step is behind the others'."""
+    def report(self, idle: float) -> str:
+        """The one line (empty on the ranks that leave the report to another, which keep counting until it is
+        written): the ranks that did not arrive, every rank's last finished step (see :func:`describe_hang`)."""
         if self.store is None:
             return self._alone(idle)
         if int(self.store.add(_REPORTED, 1)) != 1:
-            return ""  # another rank reports
+            deadline = time.monotonic() + self.settle_s + 10
+            while not self.store.check([_REPORT_DONE]) and time.monotonic() < deadline:
+                self._alive(self.rank, 1)  # still running: not to be taken for a stopped rank
+                time.sleep(0.2)
+            return ""
         before = {r: self._alive(r) for r in range(self.world)}
-        time.sleep(self.settle_s)
+        time.sleep(self.settle_s)  # the other ranks fire meanwhile and say where they are
         frozen = [r for r in range(self.world) if r != self.rank and self._alive(r) == before[r]]
-        steps: dict[int, int | None] = {}
-        for r in range(self.world):
-            k = f"{_PREFIX}/{r}"
-            steps[r] = int(self.store.get(k)) if self.store.check([k]) else None
+        steps = {r: (int(v) if (v := self._read(_PREFIX, r)) is not None else None) for r in range(self.world)}
         if self.last_step is not None:
             steps[self.rank] = self.last_step
-        done = [s for s in steps.values() if s is not None]
-        front = max(done) if done else None
-        behind = [r for r, s in steps.items() if r not in frozen and (s is None or (front is not None and s < front))]
-        parts = []
-        if frozen:
-            who = ", ".join(f"rank {r}" for r in frozen)
-            parts.append(f"{who} did not arrive (its process stopped running: stopped, frozen or its host gone)")
-        if behind:
-            parts.append(", ".join(f"rank {r}" for r in behind) + " did not arrive (behind the others' steps)")
-        if parts:
-            head = "; ".join(parts)
-        else:
-            head = f"no rank is behind: every rank finished step {front} and runs, none finished the next"
-        listing = ", ".join(f"{r}: {s if s is not None else 'none'}" for r, s in steps.items())
-        return (
-            f"{head}; no step ended for {idle:.1f} s ({self.key} {self.timeout_s:g}); last finished step per rank "
-            f"{{{listing}}}; stopping the job: nothing partial is published, resume: auto continues from the newest "
-            "complete checkpoint"
-        )
+        where = {r: self._read(_WHERE, r) for r in range(self.world)}
+        line = describe_hang(steps, frozen, where, idle=idle, key=self.key, timeout_s=self.timeout_s)
+        self.store.set(_REPORT_DONE, "1")
+        return line
+
+
+def main_thread_location() -> str:
+    """Where the main thread is, read from another thread: ``in a collective at dir/file.py:line in function`` when
+    its innermost Python frame is inside ``torch.distributed`` (waiting for a peer), else ``at ...``."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "at ?"
+    code = frame.f_code
+    path = Path(code.co_filename)
+    short = f"{path.parent.name}/{path.name}:{frame.f_lineno} in {code.co_name}"
+    inside = "torch/distributed/" in path.as_posix()
+    return f"in a collective at {short}" if inside else f"at {short}"
+
+
+def _in_collective(location: str | None) -> bool:
+    return location is not None and location.startswith("in a collective")
+
+
+def describe_hang(
+    steps: dict[int, int | None],
+    frozen: list[int],
+    where: dict[int, str | None],
+    *,
+    idle: float,
+    key: str,
+    timeout_s: float,
+) -> str:
+    """The watchdog's line. A rank did not arrive when its process stopped running (``frozen``: its liveness
+    counter stood still), when the others wait inside a ``torch.distributed`` call and it does not (``where``: its
+    main thread's innermost frame), or when its last finished step is behind the others'."""
+    done = [s for s in steps.values() if s is not None]
+    front = max(done) if done else None
+    waiting = [r for r in steps if r not in frozen and _in_collective(where.get(r))]
+    elsewhere = [r for r in steps if r not in frozen and where.get(r) is not None and r not in waiting]
+    behind = [r for r, s in steps.items() if r not in frozen and (s is None or (front is not None and s < front))]
+    parts = []
+    if frozen:
+        who = ", ".join(f"rank {r}" for r in frozen)
+        parts.append(f"{who} did not arrive (its process stopped running: stopped, frozen or its host gone)")
+    if waiting and elsewhere:
+        at = ", ".join(f"rank {r} ({where[r]})" for r in elsewhere)
+        parts.append(f"{at} did not arrive (the others wait in a collective)")
+    elif behind:
+        parts.append(", ".join(f"rank {r}" for r in behind) + " did not arrive (behind the others' steps)")
+    head = "; ".join(parts) or f"no rank is behind: every rank finished step {front} and runs, none finished the next"
+    listing = ", ".join(f"{r}: {s if s is not None else 'none'}" for r, s in steps.items())
+    return (
+        f"{head}; no step ended for {idle:.1f} s ({key} {timeout_s:g}); last finished step per rank {{{listing}}}; "
+        "stopping the job: nothing partial is published, resume: auto continues from the newest complete checkpoint"
+    )
