@@ -343,7 +343,7 @@ def _mark() -> torch.cuda.Event:
 
 class _Saves:
     """``--checkpoint-every``: the job's checkpoint after every N-th step, as the training job saves it
-    (``moeshard.checkpoint``, the job's staging buffers allocated once before the timed steps), synchronously or in
+    (``moeshard.checkpoint``, the job's staging buffers allocated once after the first, warm-up step), synchronously or in
     the background (``--async-checkpoint``). Each save's figures: the time it blocked the loop, the wait for the
     earlier save's write, its staging and write times and this rank's write rate."""
 
@@ -356,9 +356,7 @@ class _Saves:
         self.pending = None
         self.group = dist.new_group(backend="gloo") if args.async_checkpoint else None
         self.stager = Stager(job.device)
-        t0 = time.perf_counter()
-        self.buffer_bytes = self.stager.allocate(checkpointer.app_state(job)) if job.device.type == "cuda" else 0
-        self.allocate_s = time.perf_counter() - t0
+        self.buffer_bytes, self.allocate_s = 0, 0.0
         self.records: list[dict] = []
 
     def before_update(self, stats: StepStats) -> None:
@@ -393,6 +391,10 @@ class _Saves:
 
     def after_step(self, step: int) -> None:
         """``step`` counts from 1."""
+        if step == 1 and self.job.device.type == "cuda":  # a warm-up step; the optimizer's state exists from here
+            t0 = time.perf_counter()
+            self.buffer_bytes = self.stager.allocate(self.checkpointer.app_state(self.job))
+            self.allocate_s = time.perf_counter() - t0
         if self.pending is not None and dist.get_rank() == 0:
             self.pending.publish_if_done()
         if step % self.every:

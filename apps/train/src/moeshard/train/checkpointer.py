@@ -110,8 +110,8 @@ class Checkpointer(Callback):
     ``save_hf`` other than ``none``) and after a step the ranks agreed to stop at (``StepStats.stop_agreed``: a
     preemption).
 
-    At its start the free space is checked for ``keep_last`` + 1 checkpoints (one line, before any write, when
-    short) and, on CUDA, the staging buffers are allocated (pinned host memory, reused by every save).
+    After the run's first step the free space is checked for ``keep_last`` + 1 checkpoints (one line, before any
+    write, when short) and, on CUDA, the staging buffers are allocated (pinned host memory, reused by every save).
     ``checkpoint.async``: every save but the run's last runs in the background (``moeshard.checkpoint``'s
     ``start_async_save``). The loop goes on at once (on CUDA the copy to pinned host memory runs on a side stream
     during the next step's forward and backward; its optimizer step waits for the copy on the device, the host
@@ -134,11 +134,7 @@ class Checkpointer(Callback):
         self._background: dict[int, bool] = {}  # step -> saved in the background
         c = job.cfg.checkpoint
         self.stager = Stager(job.device)
-        if c.every_steps or c.save_final or c.save_hf != "none":
-            state = app_state(job)
-            check_room_for_run(ckpt_dir, state, c.keep_last)  # one line now rather than at a save hours later
-            if job.device.type == "cuda":
-                self.stager.allocate(state)
+        self._prepared = not (c.every_steps or c.save_final or c.save_hf != "none")
         if c.async_:
             # A background save's collectives run on a gloo group of their own (made by every rank, here): on the
             # training's group they would interleave with the steps'.
@@ -154,7 +150,20 @@ class Checkpointer(Callback):
         if self.pending is not None:
             self.pending.wait_staged()  # the optimizer step is about to change the state being copied
 
+    def _prepare(self) -> None:
+        """After the run's first step (every rank): room for ``keep_last`` + 1 checkpoints, one line now rather
+        than at a save hours later; on CUDA the staging buffers. Not earlier: the optimizer's state exists only
+        after its first step (torch's ``get_optimizer_state_dict`` would make it by a step of its own, and the
+        steps after it would differ)."""
+        state = app_state(self.job)
+        check_room_for_run(self.ckpt_dir, state, self.job.cfg.checkpoint.keep_last)
+        if self.job.device.type == "cuda":
+            self.stager.allocate(state)
+        self._prepared = True
+
     def on_step_end(self, step: int, stats: StepStats) -> None:
+        if not self._prepared:
+            self._prepare()
         save = self.due(step) or stats.stop_agreed  # the ranks stop after this step (preemption): save it
         last = step == self.job.cfg.train.steps or stats.stop_agreed
         if self.pending is not None and (save or last):  # every rank, at the same step

@@ -62,7 +62,7 @@ def check_room_for_save(folder: Path, step: int, state: dict[str, Any], group: d
 def check_room_for_run(
     folder: Path, state: dict[str, Any], keep_last: int, group: dist.ProcessGroup | None = None
 ) -> tuple[int, int]:
-    """At the start of a run: room for ``keep_last`` checkpoints plus the one being written, counting what the
+    """At the start of a run (after the optimizer's first step, see ``model_state``): room for ``keep_last`` checkpoints plus the one being written, counting what the
     complete checkpoints already in ``folder`` hold (pruning frees them as newer ones arrive).
 
     Returns:

@@ -1,7 +1,7 @@
 """Host copies of a job's state for checkpoint writes: buffers allocated once and reused, filled on a side stream.
 
 :class:`Stager` is a ``torch.distributed.checkpoint`` ``AsyncStager``. Its first :meth:`~Stager.stage` (or
-:meth:`~Stager.allocate`, before the training loop) allocates one host tensor per state tensor, of exactly its
+:meth:`~Stager.allocate`, after the first training step) allocates one host tensor per state tensor, of exactly its
 size (on CUDA page-locked in place with ``cudaHostRegister``: no rounding up, as torch's pinned cache does); every
 later save copies into the same buffers. On CUDA the device→host copies run on a side stream, ordered after the
 work that produced the state (the side stream waits for the compute stream) and overlapping the next steps'
@@ -67,8 +67,9 @@ class Stager(AsyncStager):
     # ---- buffers --------------------------------------------------------------------------------------------------
 
     def allocate(self, state: dict[str, Any]) -> int:
-        """Allocate (or check) the buffers for ``state`` now, e.g. before the training loop: the first save then
-        copies only. Returns the bytes of host memory the buffers hold."""
+        """Allocate (or check) the buffers for ``state`` now, e.g. after the first training step (before it the
+        optimizer has no state to stage): the first save then copies only. Returns the bytes of host memory the
+        buffers hold."""
         self._walk(state, (), copy_into=False)
         return self.allocated_bytes
 

@@ -17,7 +17,8 @@ def model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     loads under any other. The tensors alias the live ones (nothing is copied).
 
     ``optimizer``: a torch optimizer, a ``LocalExpertAdamW`` or an ``OptimizersContainer`` (see
-    ``moeshard.fsdp_moe.get_state_dict``).
+    ``moeshard.fsdp_moe.get_state_dict``). Call it once the optimizer has stepped (or loaded a state): before that,
+    torch's ``get_optimizer_state_dict`` makes the state by a step of its own (lr 0, but the step count moves).
     """
     from moeshard.fsdp_moe import get_state_dict
 
