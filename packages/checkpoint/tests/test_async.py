@@ -123,3 +123,42 @@ def test_cuda_staging_blocks_the_host_for_milliseconds_and_the_step_waits_on_the
     assert staged["model"]["w0"].is_pinned()
     assert issued < 0.2 and waited < 0.2, (issued, waited)
     stager.release()
+
+
+@pytest.fixture
+def cuda_world_of_one():
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=dev)
+    yield dev
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_background_save_of_dtensors_keeps_the_values_of_its_start(cuda_world_of_one, tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dev = cuda_world_of_one
+    mesh = init_device_mesh("cuda", (1,))
+    w = distribute_tensor(torch.randn(1024, 1024, device=dev), mesh, [Shard(0)])
+    b = torch.randn(4096, device=dev)
+    state = {"model": {"w": w, "b": b}, "optimizer": {"state": {"w": {"step": torch.tensor(3.0)}}}}
+    expected = {"w": w.to_local().cpu(), "b": b.cpu()}
+    stager = Stager(dev)
+    stager.allocate(state)
+    group = dist.new_group(backend="gloo")
+    for step in (1, 2):  # the second save reuses the first one's buffers (torch 2.11 closes the stager after each)
+        pending = ckpt.start_async_save(
+            tmp_path, step, state, {"step": step}, {}, keep_last=2, group=group, stager=stager
+        )
+        pending.wait_staged()
+        w.to_local().add_(1.0)  # the optimizer step, after the copies on the device
+        b.add_(1.0)
+        saved = pending.wait()
+        back = {"model": {"w": torch.zeros(1024, 1024), "b": torch.zeros(4096)}}
+        ckpt.load_checkpoint(saved.path, {"model": back["model"]})
+        assert torch.equal(back["model"]["w"], expected["w"]) and torch.equal(back["model"]["b"], expected["b"])
+        expected = {"w": w.to_local().cpu(), "b": b.cpu()}
+        assert saved.blocking_s < 1.0 and saved.write_s > 0
+    stager.release()
