@@ -353,6 +353,9 @@ class _Saves:
 
         self.checkpointer, self.job, self.every = checkpointer, job, args.checkpoint_every
         self.dir = Path(args.checkpoint_dir)
+        if dist.get_rank() == 0:  # bench's own folder (removed at the end): a crashed run's saves are no baseline
+            shutil.rmtree(self.dir, ignore_errors=True)
+        dist.barrier()
         self.pending = None
         self.group = dist.new_group(backend="gloo") if args.async_checkpoint else None
         self.stager = Stager(job.device)
