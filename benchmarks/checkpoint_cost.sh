@@ -4,6 +4,7 @@
 # state per rank) saving after steps 10 and 20, synchronously and in the background. Per save bench prints the
 # time it blocked the loop, the wait for the earlier write, staging, write time and GB/s per rank.
 #   bash benchmarks/checkpoint_cost.sh                 (logs and JSON land in $OUT; saves go to $DIR)
+#   ASYNC=--checkpoint.async=true bash benchmarks/checkpoint_cost.sh   (where bench takes config keys for it)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 DIR=${DIR:-$PWD/bench_checkpoints}; mkdir -p "$DIR"
@@ -32,4 +33,4 @@ bench() {  # bench NAME ARGS...
   grep -E "^layers|^checkpoint every|^  save after" "$OUT/$name.log" || tail -n 30 "$OUT/$name.log"
 }
 bench sync
-bench async --async-checkpoint
+bench async ${ASYNC:---async-checkpoint}

@@ -394,6 +394,8 @@ class _Saves:
 
     def after_step(self, step: int) -> None:
         """``step`` counts from 1."""
+        from moeshard.train import faults
+
         if step == 1 and self.job.device.type == "cuda":  # a warm-up step; the optimizer's state exists from here
             t0 = time.perf_counter()
             self.buffer_bytes = self.stager.allocate(self.checkpointer.app_state(self.job))
@@ -404,10 +406,9 @@ class _Saves:
             return
         wait_s = self._finish_pending()
         if self.group is None:
-            saved = self.checkpointer.save_job(self.job, self.dir, step, self.stager)
+            saved = self.checkpointer.save_job(self.job, self.dir, step, faults.storage_writer, self.stager)
         else:
             from moeshard.checkpoint import start_async_save
-            from moeshard.train import faults
 
             state = self.checkpointer.job_state(self.job, step)
             keep = self.job.cfg.checkpoint.keep_last

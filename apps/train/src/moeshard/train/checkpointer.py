@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import StorageWriter
 
 from moeshard.checkpoint import (
     PendingSave,
@@ -31,7 +32,6 @@ from moeshard.checkpoint import (
     save_checkpoint,
     start_async_save,
 )
-from moeshard.train import faults
 from moeshard.train.errors import JobError
 from moeshard.train.train import Callback, Job, StepStats, lr_at
 
@@ -62,13 +62,19 @@ def job_state(job: Job, step: int) -> tuple[dict[str, Any], dict[str, Any], dict
     return app_state(job), extra, rank_state
 
 
-def save_job(job: Job, ckpt_dir: Path, step: int, stager: Stager | None = None) -> Saved:
+def save_job(
+    job: Job,
+    ckpt_dir: Path,
+    step: int,
+    writer_factory: Callable[[Path, int], StorageWriter] | None = None,
+    stager: Stager | None = None,
+) -> Saved:
     """Save an atomic, layout-independent checkpoint after ``step`` steps (model, optimizer, scheduler, data
-    position, RNG); returns what the save did (``.path``: its folder). ``stager``: the job's (CUDA: pinned buffers
-    reused across saves)."""
+    position, RNG); returns what the save did (``.path``: its folder). ``writer_factory``: the DCP storage writers
+    (fault injection; None: the package's); ``stager``: the job's (CUDA: pinned buffers reused across saves)."""
     keep = job.cfg.checkpoint.keep_last
     return save_checkpoint(
-        ckpt_dir, step, *job_state(job, step), keep_last=keep, stager=stager, writer_factory=faults.storage_writer
+        ckpt_dir, step, *job_state(job, step), keep_last=keep, stager=stager, writer_factory=writer_factory
     )
 
 
@@ -123,10 +129,17 @@ class Checkpointer(Callback):
 
     Args:
         console: where rank 0's lines go (the progress bar's ``write``); ``print`` by default.
+        writer_factory: the saves' DCP storage writers (``faults.storage_writer``); None: the package's.
     """
 
-    def __init__(self, job: Job, ckpt_dir: Path, console: Callable[[str], None] | None = None) -> None:
-        self.job, self.ckpt_dir = job, ckpt_dir
+    def __init__(
+        self,
+        job: Job,
+        ckpt_dir: Path,
+        console: Callable[[str], None] | None = None,
+        writer_factory: Callable[[Path, int], StorageWriter] | None = None,
+    ) -> None:
+        self.job, self.ckpt_dir, self.writer_factory = job, ckpt_dir, writer_factory
         self.console = console or functools.partial(print, flush=True)
         self.last_saved = newest_checkpoint(ckpt_dir)
         self.pending: PendingSave | None = None
@@ -183,10 +196,10 @@ class Checkpointer(Callback):
             self._background[step] = True
             self.pending = start_async_save(
                 self.ckpt_dir, step, *state, keep_last=keep, group=self._group, stager=self.stager,
-                writer_factory=faults.storage_writer,
+                writer_factory=self.writer_factory,
             )  # fmt: skip
         else:
-            self._published(save_job(self.job, self.ckpt_dir, step, self.stager))
+            self._published(save_job(self.job, self.ckpt_dir, step, self.writer_factory, self.stager))
 
     def _published(self, saved: Saved) -> None:
         path, step = saved.path, saved.step

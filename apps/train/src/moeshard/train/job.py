@@ -127,7 +127,7 @@ def _run(cfg: JobConfig, prep: Prepared, device: torch.device, stop: StopOnSigna
     # The bar only on a terminal: in a log file its redraws would break up the per-step lines.
     bar = ProgressBar(cfg.train.steps, start_step) if rank == 0 and cfg.logging.progress_bar and _tty() else None
     console = (bar.write if bar else print0) if rank == 0 else None
-    checkpointer = Checkpointer(job, prep.ckpt_dir, console=console)
+    checkpointer = Checkpointer(job, prep.ckpt_dir, console=console, writer_factory=faults.storage_writer)
     sinks = _open_trackers(cfg, prep.output_dir) if rank == 0 else ()
     metrics = MetricsLogger(
         job, prep.output_dir, enabled=rank == 0, start_step=start_step, console=bar and bar.write, sinks=sinks
