@@ -16,7 +16,7 @@ def _experts(model):
 
 def test_experts_route_through_a_local_dispatch_until_apply_ep():
     config = get_preset_config("tiny", num_hidden_layers=2)
-    experts = Experts(config)
+    experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
     assert type(experts.dispatch) is LocalDispatch and experts.dispatch.num_experts == config.num_experts
     g = torch.Generator().manual_seed(0)
     E, D, F = config.num_experts, config.hidden_size, config.moe_intermediate_size

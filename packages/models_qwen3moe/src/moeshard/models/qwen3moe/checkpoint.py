@@ -20,6 +20,7 @@ import json
 import logging
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,17 +28,26 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from transformers import Qwen3MoeConfig
+from transformers import PretrainedConfig, Qwen3MoeConfig
 
 from moeshard.ep import get_ep_info
 from moeshard.models.qwen3moe.presets import MODEL_TYPE, check_config, head_dim
 from moeshard.models.qwen3moe.safetensors_dir import CheckpointError, SafetensorsDir
 
-__all__ = ["CheckpointError", "LoadReport", "load_hf_config", "load_hf_weights", "local_region"]
+__all__ = [
+    "QWEN3_FORMAT",
+    "CheckpointError",
+    "HFFormat",
+    "LoadReport",
+    "load_hf_config",
+    "load_hf_weights",
+    "local_region",
+]
 
 logger = logging.getLogger(__name__)
 
 _EXPERT_SUFFIXES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+_SCALE_SUFFIX = "_scale_inv"  # FP8 Hub weights: ``X.weight`` (float8) + ``X.weight_scale_inv`` (float32 per block)
 # Segments that wrappers (activation checkpointing, torch.compile, FSDP1) insert into FQNs.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 STRUCTURAL_CONFIG_KEYS = (
@@ -58,41 +68,99 @@ to give a clearer error than a shape mismatch when loading or resuming)."""
 
 
 @dataclass(frozen=True)
+class HFFormat:
+    """What one model family's HF checkpoints look like: the loader and writer read it from the model class
+    (``type(model).hf_format``) or are given it.
+
+    Attributes:
+        model_type: the ``model_type`` of its ``config.json``.
+        architecture: written to ``config.json``'s ``architectures``.
+        config_class: the transformers config class.
+        check_config: raises ``ValueError`` for a config the model does not implement.
+        structural_keys: config fields that decide parameter shapes (a checkpoint that differs is refused by name).
+        num_experts: routed experts per MoE layer of a config.
+        buffers: name suffixes of persistent buffers the format stores (loaded and saved like parameters).
+        skipped_layers: layer indices a checkpoint may carry that the model does not build (their keys
+            ``model.layers.{i}.*`` are skipped with one logged line), from the config.
+        field: a structural field of a config in comparable form (default ``getattr``).
+    """
+
+    model_type: str
+    architecture: str
+    config_class: type[PretrainedConfig]
+    check_config: Callable[[PretrainedConfig], None]
+    structural_keys: tuple[str, ...]
+    num_experts: Callable[[PretrainedConfig], int]
+    buffers: tuple[str, ...] = ()
+    skipped_layers: Callable[[PretrainedConfig], range] = lambda config: range(0)
+    field: Callable[[PretrainedConfig, str], object] = lambda config, name: getattr(config, name, None)
+
+
+def _qwen3_field(config: Qwen3MoeConfig, name: str) -> object:
+    if name == "head_dim":
+        return head_dim(config)
+    if name == "mlp_only_layers":
+        return sorted(config.mlp_only_layers or [])
+    return getattr(config, name, None)
+
+
+QWEN3_FORMAT = HFFormat(
+    model_type=MODEL_TYPE,
+    architecture="Qwen3MoeForCausalLM",
+    config_class=Qwen3MoeConfig,
+    check_config=check_config,
+    structural_keys=STRUCTURAL_CONFIG_KEYS,
+    num_experts=lambda config: config.num_experts,
+    field=_qwen3_field,
+)
+"""Qwen3-MoE's checkpoints."""
+
+
+def model_format(model: nn.Module | type[nn.Module]) -> HFFormat:
+    """The :class:`HFFormat` of a model (or model class): its class's ``hf_format`` (Qwen3-MoE's if it names none)."""
+    return getattr(model if isinstance(model, type) else type(model), "hf_format", QWEN3_FORMAT)
+
+
+@dataclass(frozen=True)
 class LoadReport:
     """What :func:`load_hf_weights` did.
 
     Attributes:
         keys_read: checkpoint keys of which at least one element was read.
         bytes_read: bytes read from the files (in the stored dtype).
-        casts: ``"bfloat16->float32"``-style dtype conversions → number of checkpoint tensors cast.
+        casts: ``"bfloat16->float32"``-style dtype conversions → number of checkpoint tensors cast
+            (``"float8_e4m3fn->bfloat16"`` for FP8 weights dequantised with their block scales).
+        skipped: checkpoint keys left out on purpose (layers the model does not build, e.g. multi-token
+            prediction).
     """
 
     keys_read: frozenset[str]
     bytes_read: int
     casts: dict[str, int]
+    skipped: frozenset[str] = frozenset()
 
 
-def _read_config_json(path: Path) -> dict:
+def _read_config_json(path: Path, fmt: HFFormat = QWEN3_FORMAT) -> dict:
     file = path / "config.json"
     try:
         raw = json.loads(file.read_text())
     except ValueError as err:
         raise CheckpointError(f"{file} is not valid JSON ({err}); restore the checkpoint's config.json") from None
     model_type = raw.get("model_type")
-    if model_type != MODEL_TYPE:
+    if model_type != fmt.model_type:
         raise CheckpointError(
-            f"{file} has model_type {model_type!r}, this model is {MODEL_TYPE!r}: point to a Qwen3-MoE "
-            "checkpoint (e.g. Qwen/Qwen3-30B-A3B), or use a loader for that architecture"
+            f"{file} has model_type {model_type!r}, this model is {fmt.model_type!r}: point to a "
+            f"{fmt.architecture} checkpoint, or use the model family of that architecture"
         )
     return raw
 
 
-def load_hf_config(path: str | os.PathLike) -> Qwen3MoeConfig:
-    """Read and check ``config.json`` of a local HF Qwen3-MoE checkpoint directory.
+def load_hf_config(path: str | os.PathLike, fmt: HFFormat = QWEN3_FORMAT) -> PretrainedConfig:
+    """Read and check ``config.json`` of a local HF checkpoint directory of the family ``fmt`` (Qwen3-MoE).
 
     Raises:
         FileNotFoundError: no such directory, or no config.json in it.
-        CheckpointError: invalid JSON or ``model_type`` other than ``qwen3_moe``.
+        CheckpointError: invalid JSON or another ``model_type``.
         ValueError: a config feature this model does not implement (see ``check_config``).
     """
     path = Path(path)
@@ -103,8 +171,8 @@ def load_hf_config(path: str | os.PathLike) -> Qwen3MoeConfig:
         )
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json; copy the checkpoint's config.json next to its weights")
-    config = Qwen3MoeConfig.from_dict(_read_config_json(path))
-    check_config(config)
+    config = fmt.config_class.from_dict(_read_config_json(path, fmt))
+    fmt.check_config(config)
     return config
 
 
@@ -175,27 +243,31 @@ def _per_expert_keys(fqn: str, global_shape: tuple[int, ...]) -> dict[str, tuple
     return {f"{prefix}.{i}.{p}.weight": (rows // 2, cols) for i in range(e) for p in ("gate_proj", "up_proj")}
 
 
-def _field(config: Qwen3MoeConfig, name: str) -> object:
-    if name == "head_dim":
-        return head_dim(config)
-    if name == "mlp_only_layers":
-        return sorted(config.mlp_only_layers or [])
-    return getattr(config, name, None)
-
-
-def _check_structure(model: nn.Module, path: Path) -> None:
+def _check_structure(model: nn.Module, path: Path, fmt: HFFormat) -> None:
     config = getattr(model, "config", None)
     if config is None or not (path / "config.json").is_file():
         return
-    raw = _read_config_json(path)
-    ckpt_config = Qwen3MoeConfig.from_dict(raw)
-    for name in STRUCTURAL_CONFIG_KEYS:
-        ours, theirs = _field(config, name), _field(ckpt_config, name)
+    ckpt_config = fmt.config_class.from_dict(_read_config_json(path, fmt))
+    for name in fmt.structural_keys:
+        ours, theirs = fmt.field(config, name), fmt.field(ckpt_config, name)
         if ours != theirs:
             raise CheckpointError(
                 f"{path / 'config.json'} has {name}={theirs!r}, the model was built with {name}={ours!r}: build the "
                 "model from this checkpoint's config (load_hf_config) or load a matching checkpoint"
             )
+
+
+def _tensors(model: nn.Module, fmt: HFFormat):
+    """``(fqn, tensor)`` of every parameter and of the persistent buffers the format stores."""
+    yield from model.named_parameters()
+    for fqn, buf in model.named_buffers():
+        if fqn.endswith(fmt.buffers):
+            yield fqn, buf
+
+
+def _skipped_keys(found: set[str], layers: range) -> set[str]:
+    prefixes = tuple(f"model.layers.{i}." for i in layers)
+    return {k for k in found if k.startswith(prefixes)} if prefixes else set()
 
 
 def load_hf_weights(
@@ -210,7 +282,11 @@ def load_hf_weights(
     Works on plain models, after ``moeshard.ep.apply_ep`` (each expert parameter's global expert range comes
     from ``get_ep_info(model)``) and after FSDP2 (DTensor parameters: only the local shard is read). Both expert
     layouts load (fused or per-expert keys, per layer). Float checkpoint tensors of another float dtype are cast to
-    the parameter's dtype (reported in ``LoadReport.casts`` and logged); other dtype differences are errors.
+    the parameter's dtype (reported in ``LoadReport.casts`` and logged); other dtype differences are errors. FP8
+    weights with their block scales (``X.weight_scale_inv``, DeepSeek's Hub format) are dequantised to the
+    parameter's dtype; an FP8 weight without scales is refused. The persistent buffers the model's format names
+    (``HFFormat.buffers``) load like parameters; layers the format says the model does not build
+    (``HFFormat.skipped_layers``) are skipped with one logged line. The format is the model class's ``hf_format``.
 
     Args:
         model: a materialised model (no ``meta`` parameters) with our FQNs (wrappers' segments are ignored).
@@ -228,15 +304,17 @@ def load_hf_weights(
             mismatch, truncated or corrupt files; nothing is written to the model in these cases.
     """
     path = Path(path)
+    fmt = model_format(model)
     ckpt = SafetensorsDir(path)
-    _check_structure(model, path)
+    _check_structure(model, path, fmt)
     ep_info = get_ep_info(model)
-    num_experts = getattr(getattr(model, "config", None), "num_experts", None)
+    config = getattr(model, "config", None)
+    num_experts = fmt.num_experts(config) if config is not None else None
 
     expected: set[str] = set()
     requests: list[_Request] = []
     wanted_shape: dict[str, tuple[int, ...]] = {}
-    for raw_fqn, param in model.named_parameters():
+    for raw_fqn, param in _tensors(model, fmt):
         fqn = _clean_fqn(raw_fqn)
         if param.device.type == "meta":
             raise ValueError(f"parameter {fqn} is on the meta device: materialise the model (to_empty) before loading")
@@ -269,7 +347,19 @@ def load_hf_weights(
         if local.numel():
             requests.extend(_expert_requests(fqn, global_shape, offset, local))
 
-    _check_keys(path, expected, ckpt.keys())
+    found = ckpt.keys()
+    skipped = _skipped_keys(found, fmt.skipped_layers(config)) if config is not None else set()
+    if skipped:
+        layers = sorted({int(k.split(".")[2]) for k in skipped})
+        logger.warning(
+            "load_hf_weights(%s): skipping %d tensors of model.layers.%s (multi-token prediction), which this model "
+            "does not build",
+            path,
+            len(skipped),
+            layers[0] if len(layers) == 1 else layers,
+        )
+    scales = {k for k in found if k.endswith(_SCALE_SUFFIX) and k.removesuffix(_SCALE_SUFFIX) in expected}
+    _check_keys(path, expected, found - skipped - scales)
     for key in expected:
         info = ckpt.info(key)
         if info.shape != wanted_shape[key]:
@@ -278,10 +368,24 @@ def load_hf_weights(
                 "the checkpoint and the model's config disagree (build the model from this checkpoint's config)"
             )
     cast_of: dict[str, str] = {}
+    block = _fp8_block(config)
+    fp8 = {r.key for r in requests if ckpt.info(r.key).dtype in _FP8}
+    for key in sorted(fp8):
+        if key + _SCALE_SUFFIX not in found:
+            raise CheckpointError(
+                f"{key} is stored as {ckpt.info(key).dtype} without {key + _SCALE_SUFFIX}: FP8 weights load only with "
+                "their block scales (DeepSeek's weight_scale_inv); use the checkpoint's bf16 release or restore the "
+                "scale tensors"
+            )
+        _check_scale_shape(ckpt, key, block)
     for req in requests:
         src = ckpt.info(req.key).dtype
         dst = req.dst.dtype
-        if src != dst:
+        if req.key in fp8:
+            if not dst.is_floating_point or dst in _FP8:
+                raise CheckpointError(f"{req.key} is FP8: it dequantises into a float parameter, not {dst}")
+            cast_of[req.key] = f"{_name(src)}->{_name(dst)}"
+        elif src != dst:
             if not (allow_dtype_cast and src.is_floating_point and dst.is_floating_point):
                 raise CheckpointError(
                     f"{req.key} is stored as {src}, the parameter is {dst}: "
@@ -294,13 +398,65 @@ def load_hf_weights(
         logger.info("load_hf_weights(%s): cast checkpoint tensors to the parameters' dtypes: %s", path, casts)
 
     bytes_read = 0
+    scale_of = _read_scales(ckpt, sorted(fp8))
     with torch.no_grad():
         for i, _key, tensor in ckpt.read((r.key, r.slices) for r in requests):
             req = requests[i]
             assert tuple(tensor.shape) == tuple(req.dst.shape), (req.key, tensor.shape, req.dst.shape)
-            req.dst.copy_(tensor)
             bytes_read += tensor.numel() * tensor.element_size()
-    return LoadReport(keys_read=frozenset(r.key for r in requests), bytes_read=bytes_read, casts=casts)
+            if req.key in fp8:
+                tensor = _dequantize(tensor, scale_of[req.key], req.slices, block, req.dst.dtype)
+            req.dst.copy_(tensor)
+    return LoadReport(
+        keys_read=frozenset(r.key for r in requests),
+        bytes_read=bytes_read,
+        casts=casts,
+        skipped=frozenset(skipped),
+    )
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _fp8_block(config: PretrainedConfig | None) -> tuple[int, int]:
+    """The ``[rows, cols]`` of one scale block (``quantization_config.weight_block_size``, default 128 x 128)."""
+    quant = getattr(config, "quantization_config", None) or {}
+    if not isinstance(quant, dict):
+        quant = quant.to_dict()
+    rows, cols = quant.get("weight_block_size", (128, 128))
+    return int(rows), int(cols)
+
+
+def _check_scale_shape(ckpt: SafetensorsDir, key: str, block: tuple[int, int]) -> None:
+    shape = ckpt.info(key).shape
+    want = tuple(-(-n // b) for n, b in zip(shape, block))
+    got = ckpt.info(key + _SCALE_SUFFIX).shape
+    if len(shape) != 2 or got != want:
+        raise CheckpointError(
+            f"{key + _SCALE_SUFFIX} has shape {list(got)}, a {list(shape)} weight in {block[0]}x{block[1]} blocks "
+            f"needs {list(want)}: the config's quantization_config.weight_block_size and the checkpoint disagree"
+        )
+
+
+def _read_scales(ckpt: SafetensorsDir, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Whole scale tensors of ``keys``' FP8 weights (a weight's scales are ~1/16384 of its elements)."""
+    reqs = [(k + _SCALE_SUFFIX, tuple(slice(None) for _ in ckpt.info(k + _SCALE_SUFFIX).shape)) for k in keys]
+    return {keys[i]: t.float() for i, _, t in ckpt.read(reqs)}
+
+
+def _dequantize(
+    tensor: torch.Tensor,
+    scale: torch.Tensor,
+    slices: tuple[slice, ...],
+    block: tuple[int, int],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``fp8 * scale`` of the slice ``slices`` of a block-scaled weight, in float32, then ``dtype``."""
+    (r, c), (br, bc) = (s.start or 0 for s in slices), block
+    rows, cols = tensor.shape
+    s = scale[r // br : -(-(r + rows) // br), c // bc : -(-(c + cols) // bc)]
+    s = s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[r % br : r % br + rows, c % bc : c % bc + cols]
+    return (tensor.float() * s).to(dtype)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -25,10 +25,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers import Qwen3MoeConfig
+from transformers import PretrainedConfig, Qwen3MoeConfig
 
 from moeshard.ep import get_ep_info
-from moeshard.models.qwen3moe.checkpoint import _clean_fqn
+from moeshard.models.qwen3moe.checkpoint import QWEN3_FORMAT, HFFormat, _clean_fqn, _tensors, model_format
 from moeshard.models.qwen3moe.safetensors_dir import INDEX_NAME
 
 __all__ = ["EXPERT_LAYOUTS", "parse_size", "save_hf_checkpoint", "save_hf_weights", "stream_hf_weights"]
@@ -87,6 +87,7 @@ def save_hf_weights(
     max_shard_size: int | str = "5GB",
     expert_layout: str = "per_expert",
     dtype: torch.dtype | None = None,
+    fmt: HFFormat = QWEN3_FORMAT,
 ) -> list[Path]:
     """Write full tensors (our FQNs, fused experts ``[E, ...]``) and ``config`` as a HF checkpoint directory.
 
@@ -97,6 +98,7 @@ def save_hf_weights(
         max_shard_size: bytes per shard (int or ``"5GB"``); a larger single tensor gets a shard of its own.
         expert_layout: ``"per_expert"`` (the Hub's keys, default) or ``"fused"``.
         dtype: cast floating-point tensors to this dtype (default: keep each tensor's).
+        fmt: the model family's format (its ``architectures`` name in ``config.json``; default Qwen3-MoE).
 
     Returns:
         The weight files written, in order.
@@ -113,6 +115,7 @@ def save_hf_weights(
         max_shard_size=max_shard_size,
         expert_layout=expert_layout,
         dtype=dtype,
+        fmt=fmt,
     )
 
 
@@ -139,6 +142,7 @@ def stream_hf_weights(
     max_shard_size: int | str = "5GB",
     expert_layout: str = "per_expert",
     dtype: torch.dtype | None = None,
+    fmt: HFFormat = QWEN3_FORMAT,
 ) -> list[Path]:
     """:func:`save_hf_weights` from tensors read a shard at a time: host memory is bounded by one output shard
     plus the source tensors it is cut from (a fused expert tensor spanning two shards is read once and kept until
@@ -199,7 +203,7 @@ def stream_hf_weights(
             }
             (stage / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         out_dtypes = [_out_dtype(d, dtype) for _, d in specs.values()]
-        _write_config(config, out_dtypes, stage / "config.json")
+        _write_config(config, fmt, out_dtypes, stage / "config.json")
         if path.exists():
             for item in path.iterdir():
                 if not _is_ours(item.name):
@@ -232,9 +236,11 @@ def _link_or_copy(src: str | Path, dst: str | Path) -> None:
         shutil.copy2(src, dst)
 
 
-def _write_config(config: Qwen3MoeConfig, tensor_dtypes: list[torch.dtype], file: Path) -> None:
+def _write_config(config: PretrainedConfig, fmt: HFFormat, tensor_dtypes: list[torch.dtype], file: Path) -> None:
     config = copy.deepcopy(config)
-    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.architectures = [fmt.architecture]
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config  # the weights are written dequantised (FP8 checkpoints load that way)
     dtypes = [d for d in tensor_dtypes if d.is_floating_point]
     if dtypes:
         config.dtype = max(set(dtypes), key=dtypes.count)
@@ -256,14 +262,14 @@ def save_hf_checkpoint(
             tensors first (e.g. ``moeshard.fsdp_moe.get_state_dict`` + ``full_tensor()``), then call
             ``save_hf_weights``.
     """
-    config = model.config
+    config, fmt = model.config, model_format(model)
     ep_info = get_ep_info(model)
     state = {}
-    for raw_fqn, param in model.named_parameters():
+    for raw_fqn, param in _tensors(model, fmt):
         fqn = _clean_fqn(raw_fqn)
         sliced = ep_info is not None and fqn in ep_info.params and ep_info.params[fqn].ep_size > 1
         partial_experts = fqn.endswith(("experts.gate_up_proj", "experts.down_proj")) and (
-            param.shape[0] != config.num_experts
+            param.shape[0] != fmt.num_experts(config)
         )
         if isinstance(param, DTensor) or sliced or partial_experts:
             raise ValueError(
@@ -272,4 +278,4 @@ def save_hf_checkpoint(
                 "one rank and call save_hf_weights(state, config, path)"
             )
         state[fqn] = param.detach()
-    return save_hf_weights(state, config, path, max_shard_size=max_shard_size, expert_layout=expert_layout)
+    return save_hf_weights(state, config, path, max_shard_size=max_shard_size, expert_layout=expert_layout, fmt=fmt)

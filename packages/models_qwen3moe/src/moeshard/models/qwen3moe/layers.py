@@ -212,11 +212,11 @@ class Attention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU MLP of the layers without experts (``mlp_only_layers`` / ``decoder_sparse_step``)."""
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))``: the layers without experts, and shared experts."""
 
-    def __init__(self, config: Qwen3MoeConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        d, i = config.hidden_size, config.intermediate_size
+        d, i = hidden_size, intermediate_size
         self.gate_proj = nn.Linear(d, i, bias=False)
         self.up_proj = nn.Linear(d, i, bias=False)
         self.down_proj = nn.Linear(i, d, bias=False)

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3MoeConfig
 
 from moeshard.ep import ParallelPlan, recompute_contexts
+from moeshard.models.qwen3moe.checkpoint import QWEN3_FORMAT
 from moeshard.models.qwen3moe.fused_loss import ce_chunk, linear_cross_entropy
 from moeshard.models.qwen3moe.layers import (
     Attention,
@@ -67,17 +68,19 @@ class CausalLMOutput:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; mlp is MoE or dense by layer index."""
+    """Pre-norm block: ``x + self_attn(norm(x))`` then ``x + mlp(norm(x))``.
 
-    def __init__(self, config: Qwen3MoeConfig, layer_idx: int) -> None:
+    ``self_attn(x_BSD, cos, sin, mask) -> y_BSD``; ``mlp(h_BSD)`` returns ``y_BSD`` (dense) or
+    ``(y_BSD, router_logits_TE)`` (MoE). Every family builds its layers from its own attention and MLP modules.
+    """
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.self_attn = Attention(config)
-        self.mlp: SparseMoeBlock | DenseMLP = (
-            SparseMoeBlock(config) if is_moe_layer(config, layer_idx) else DenseMLP(config)
-        )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
     def attention_half(
         self,
@@ -104,10 +107,11 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(x_BSD, router_logits_TE or None for a dense layer)``."""
         x_BSD, h_BSD = self.attention_half(x_BSD, cos_BSDh, sin_BSDh, mask_B1SS)
-        if isinstance(self.mlp, SparseMoeBlock):
-            y_BSD, logits_TE = self.mlp(h_BSD)
+        out = self.mlp(h_BSD)
+        if isinstance(out, tuple):  # an MoE block: (y, router logits)
+            y_BSD, logits_TE = out
             return x_BSD + y_BSD, logits_TE
-        return x_BSD + self.mlp(h_BSD), None
+        return x_BSD + out, None
 
 
 class Qwen3MoeModel(nn.Module):
@@ -121,11 +125,26 @@ class Qwen3MoeModel(nn.Module):
     def __init__(self, config: Qwen3MoeConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.build_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config)
+        self.rotary_emb = self.build_rotary(config)
         self.activation_checkpointing = False
         self.document_attention = "auto"
+
+    @staticmethod
+    def build_layer(config: Qwen3MoeConfig, layer_idx: int) -> DecoderLayer:
+        """Decoder layer ``layer_idx``: GQA attention, then the MoE block or a dense MLP (``is_moe_layer``)."""
+        mlp = (
+            SparseMoeBlock(config)
+            if is_moe_layer(config, layer_idx)
+            else DenseMLP(config.hidden_size, config.intermediate_size)
+        )
+        return DecoderLayer(Attention(config), mlp, config.hidden_size, config.rms_norm_eps, layer_idx)
+
+    @staticmethod
+    def build_rotary(config: Qwen3MoeConfig) -> nn.Module:
+        """``rotary(position_ids_BS, dtype) -> (cos, sin)`` shared by every layer."""
+        return RotaryEmbedding(config)
 
     def forward(
         self,
@@ -191,12 +210,29 @@ class Qwen3MoeForCausalLM(nn.Module):
         config: a ``transformers.Qwen3MoeConfig`` (see ``get_preset_config``); checked by ``check_config``.
     """
 
+    base_model_class: type[nn.Module] = Qwen3MoeModel
+    """The decoder stack (``model.*``); a family subclass names its own."""
+    hf_format = QWEN3_FORMAT
+    """Its HF checkpoints (read by ``load_hf_weights`` and ``save_hf_checkpoint``)."""
+
     def __init__(self, config: Qwen3MoeConfig) -> None:
         super().__init__()
-        check_config(config)
+        self.check_config(config)
         self.config = config
-        self.model = Qwen3MoeModel(config)
+        self.model = self.base_model_class(config)
         self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+
+    check_config = staticmethod(check_config)
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (global)."""
+        return self.config.num_experts
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """What ``forward`` multiplies the load-balancing loss by before adding it to the LM loss."""
+        return self.config.router_aux_loss_coef
 
     # ---- forward -------------------------------------------------------------------------------------------
     def forward(
@@ -242,12 +278,12 @@ class Qwen3MoeForCausalLM(nn.Module):
         if output_router_logits:
             if router_logits:
                 aux_loss = load_balancing_loss(
-                    router_logits, self.config.num_experts, self.config.num_experts_per_tok, attention_mask
+                    router_logits, self.num_experts, self.config.num_experts_per_tok, attention_mask
                 )
             else:  # no MoE layer at all
                 aux_loss = torch.zeros((), device=hidden_BSD.device)
             if loss is not None:
-                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+                loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
         return CausalLMOutput(
             loss=loss,
             aux_loss=aux_loss,
@@ -278,11 +314,8 @@ class Qwen3MoeForCausalLM(nn.Module):
                     _zero_row(module.weight, module.padding_idx)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
-            elif isinstance(module, TopKRouter):
-                nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
-            elif isinstance(module, Experts):
-                nn.init.normal_(module.gate_up_proj, mean=0.0, std=std, generator=generator)
-                nn.init.normal_(module.down_proj, mean=0.0, std=std, generator=generator)
+            elif hasattr(module, "init_weights_"):  # routers, experts: their own rule
+                module.init_weights_(std, generator)
 
     def enable_router_bias(self) -> None:
         """Give every router a selection bias (zeros) for aux-loss-free balancing (see ``update_router_bias``).
@@ -332,9 +365,9 @@ class Qwen3MoeForCausalLM(nn.Module):
         Raises:
             FileNotFoundError / ValueError: see :func:`load_hf_weights`.
         """
-        from moeshard.models.qwen3moe.checkpoint import load_hf_config, load_hf_weights
+        from moeshard.models.qwen3moe.checkpoint import load_hf_config, load_hf_weights, model_format
 
-        config = load_hf_config(path)
+        config = load_hf_config(path, model_format(cls))
         with torch.device("meta"):
             model = cls(config)
         if expert_range is not None:
@@ -364,9 +397,9 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     def _slice_experts(self, expert_range: tuple[int, int]) -> None:
         start, end = expert_range
-        if not 0 <= start < end <= self.config.num_experts:
+        if not 0 <= start < end <= self.num_experts:
             raise ValueError(
-                f"expert_range={expert_range} must satisfy 0 <= start < end <= num_experts={self.config.num_experts}"
+                f"expert_range={expert_range} must satisfy 0 <= start < end <= num_experts={self.num_experts}"
             )
         for module in self.modules():
             if isinstance(module, Experts):

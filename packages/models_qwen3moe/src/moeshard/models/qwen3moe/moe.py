@@ -48,6 +48,10 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
         self.bias: torch.Tensor | None = None
 
+    def init_weights_(self, std: float, generator: torch.Generator | None = None) -> None:
+        """normal(0, std), as transformers initialises routers (the selection bias, if any, is left as it is)."""
+        nn.init.normal_(self.weight, mean=0.0, std=std, generator=generator)
+
     def enable_bias(self) -> None:
         """Register ``bias`` (zeros, float32, on the router's device) if it is not there yet."""
         if self.bias is None:
@@ -81,13 +85,18 @@ class Experts(nn.Module):
     dispatcher refuses weights that hold fewer than ``num_experts`` experts).
     """
 
-    def __init__(self, config: Qwen3MoeConfig) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, width: int) -> None:
         super().__init__()
-        self.num_experts = config.num_experts
-        e, f, d = config.num_experts, config.moe_intermediate_size, config.hidden_size
+        self.num_experts = num_experts
+        e, f, d = num_experts, width, hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, f))
-        self.dispatch = LocalDispatch(config.num_experts)
+        self.dispatch = LocalDispatch(num_experts)
+
+    def init_weights_(self, std: float, generator: torch.Generator | None = None) -> None:
+        """normal(0, std) for both fused tensors, as transformers initialises experts."""
+        nn.init.normal_(self.gate_up_proj, mean=0.0, std=std, generator=generator)
+        nn.init.normal_(self.down_proj, mean=0.0, std=std, generator=generator)
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
         """``y_TD``: each token's routed experts' outputs, weighted by ``topk_weights_TK`` (in float32)."""
@@ -103,7 +112,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: Qwen3MoeConfig) -> None:
         super().__init__()
         # Same registration order as transformers (experts, then gate), so state_dict orders match.
-        self.experts = Experts(config)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.gate = TopKRouter(config)
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
