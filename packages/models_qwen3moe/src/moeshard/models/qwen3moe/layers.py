@@ -23,6 +23,7 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "apply_rotary",
+    "attend",
     "build_attention_mask",
     "document_block_mask",
     "document_causal_mask",
@@ -186,29 +187,50 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x_BSD).view(b, s, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x_BSD).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos_BSDh, sin_BSDh), apply_rotary(k, cos_BSDh, sin_BSDh)
-        if isinstance(mask_B1SS, BlockMask):
-            if self.training and self.dropout > 0:
-                raise ValueError(
-                    f"attention_dropout={self.dropout} is not supported with document masking (flex_attention); "
-                    "set attention_dropout to 0"
-                )
-            # Compiled on CUDA (the fused kernel); eager elsewhere (a dense reference, for CPU tests of this path).
-            flex = _compiled_flex_attention() if q.is_cuda else flex_attention
-            out_BHSDh = flex(
-                q, k, v, block_mask=mask_B1SS, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads
-            )
-            return self.o_proj(out_BHSDh.transpose(1, 2).reshape(b, s, -1))
-        out_BHSDh = F.scaled_dot_product_attention(
+        out_BHSDh = attend(
             q,
             k,
             v,
-            attn_mask=mask_B1SS,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=mask_B1SS is None,
+            mask_B1SS,
             scale=self.head_dim**-0.5,
+            dropout=self.dropout if self.training else 0.0,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return self.o_proj(out_BHSDh.transpose(1, 2).reshape(b, s, -1))
+
+
+def attend(
+    q_BHSDq: torch.Tensor,
+    k_BGSDq: torch.Tensor,
+    v_BGSDv: torch.Tensor,
+    mask_B1SS: torch.Tensor | BlockMask | None,
+    *,
+    scale: float,
+    dropout: float = 0.0,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``softmax(q·kᵀ·scale + mask) v`` ``[B, H, S, Dv]`` under one of the model's masks: None (plain causal,
+    SDPA), a boolean mask from :func:`build_attention_mask` / :func:`document_causal_mask` (SDPA), or a
+    ``BlockMask`` from :func:`document_block_mask` (flex_attention: compiled on CUDA, eager elsewhere as a dense
+    reference for CPU tests). ``dropout``: the attention dropout (0 in eval); refused with a ``BlockMask``."""
+    if isinstance(mask_B1SS, BlockMask):
+        if dropout > 0:
+            raise ValueError(
+                f"attention_dropout={dropout} is not supported with document masking (flex_attention); "
+                "set attention_dropout to 0"
+            )
+        flex = _compiled_flex_attention() if q_BHSDq.is_cuda else flex_attention
+        return flex(q_BHSDq, k_BGSDq, v_BGSDv, block_mask=mask_B1SS, scale=scale, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(
+        q_BHSDq,
+        k_BGSDq,
+        v_BGSDv,
+        attn_mask=mask_B1SS,
+        dropout_p=dropout,
+        is_causal=mask_B1SS is None,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
 
 
 class DenseMLP(nn.Module):
