@@ -6,19 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moeshard.models.common.testing import max_rel_grad_error
 from moeshard.models.deepseekv3 import DeepseekV3ForCausalLM, GroupLimitedRouter
-
-
-def _max_rel_grad_error(ref, ours) -> tuple[float, str]:
-    ref_params = dict(ref.named_parameters())
-    worst, where = 0.0, ""
-    for name, p in ours.named_parameters():
-        g_ref = ref_params[name].grad
-        assert p.grad is not None and g_ref is not None, name
-        err = ((p.grad - g_ref).abs().max() / g_ref.abs().max().clamp_min(1e-12)).item()
-        if err > worst:
-            worst, where = err, name
-    return worst, where
 
 
 def _check(ref, ours, ids, labels, attention_mask):
@@ -30,7 +19,7 @@ def _check(ref, ours, ids, labels, attention_mask):
     torch.testing.assert_close(out.loss, out_ref.loss, rtol=0, atol=1e-5)
     out_ref.loss.backward()
     out.loss.backward()
-    worst, where = _max_rel_grad_error(ref, ours)
+    worst, where = max_rel_grad_error(ref, ours)
     assert worst < 1e-4, f"gradient of {where} differs by {worst:.2e} (relative)"
 
 

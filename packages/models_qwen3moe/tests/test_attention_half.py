@@ -4,8 +4,8 @@ compiles (a layer's ``attention_half``, the head's ``chunk_loss``) are instance 
 import pytest
 import torch
 
+from moeshard.models.common import ce_chunk
 from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, get_preset_config
-from moeshard.models.qwen3moe.fused_loss import ce_chunk
 from moeshard.models.qwen3moe.moe import SparseMoeBlock
 
 

@@ -17,6 +17,7 @@ import moeshard.fsdp_moe
 from moeshard.ep import EPOptions
 from moeshard.meshes import build_meshes, fake_process_group
 from moeshard.meshes.testing import run_distributed
+from moeshard.models.common import ce_chunk
 from moeshard.models.qwen3moe import (
     Parallelized,
     ParallelOptions,
@@ -25,7 +26,6 @@ from moeshard.models.qwen3moe import (
     load_hf_weights,
     parallelize,
 )
-from moeshard.models.qwen3moe.fused_loss import ce_chunk
 
 # ---- options ------------------------------------------------------------------------------------------------
 

@@ -14,15 +14,15 @@ skipped), and the model's parallel plan for the shared ``parallelize``.
     model.save_pretrained("/ckpt/finetuned")                         # transformers loads it too
 """
 
-from moeshard.models.deepseekv3.layers import MLAttention, RotaryEmbedding, softmax_scale
-from moeshard.models.deepseekv3.model import (
+from moeshard.models.deepseekv3._layers import MLAttention, RotaryEmbedding, softmax_scale
+from moeshard.models.deepseekv3._model import (
     DEEPSEEK_V3_FORMAT,
     STRUCTURAL_CONFIG_KEYS,
     DeepseekV3ForCausalLM,
     DeepseekV3Model,
 )
-from moeshard.models.deepseekv3.moe import DeepseekV3MoE, GroupLimitedRouter
-from moeshard.models.deepseekv3.presets import (
+from moeshard.models.deepseekv3._moe import DeepseekV3MoE, GroupLimitedRouter
+from moeshard.models.deepseekv3._presets import (
     MODEL_TYPE,
     PRESETS,
     check_config,

@@ -12,6 +12,7 @@ prefetch; needs the ``parallel`` extra).
     model.save_pretrained("/ckpt/finetuned")                         # transformers loads it too
 """
 
+from moeshard.models.common import CheckpointError, SafetensorsDir
 from moeshard.models.qwen3moe._evaluation import EvalResult, evaluate
 from moeshard.models.qwen3moe._parallelize import Parallelized, ParallelOptions, parallelize
 from moeshard.models.qwen3moe.checkpoint import (
@@ -50,7 +51,6 @@ from moeshard.models.qwen3moe.presets import (
     get_preset_config,
     is_moe_layer,
 )
-from moeshard.models.qwen3moe.safetensors_dir import CheckpointError, SafetensorsDir
 
 __all__ = [
     "IGNORE_INDEX",

@@ -29,8 +29,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3MoeConfig
 
 from moeshard.ep import ParallelPlan, recompute_contexts
+from moeshard.models.common import IGNORE_INDEX, ce_chunk, linear_cross_entropy
 from moeshard.models.qwen3moe.checkpoint import QWEN3_FORMAT
-from moeshard.models.qwen3moe.fused_loss import ce_chunk, linear_cross_entropy
 from moeshard.models.qwen3moe.layers import (
     Attention,
     DenseMLP,
@@ -44,9 +44,6 @@ from moeshard.models.qwen3moe.moe import Experts, SparseMoeBlock, TopKRouter, lo
 from moeshard.models.qwen3moe.presets import check_config, is_moe_layer
 
 __all__ = ["IGNORE_INDEX", "CausalLMOutput", "DecoderLayer", "Qwen3MoeForCausalLM", "Qwen3MoeModel", "causal_lm_loss"]
-
-IGNORE_INDEX = -100
-"""Label value that the loss ignores (padding, prompts), as in transformers and ``torch.nn.CrossEntropyLoss``."""
 
 
 @dataclass
@@ -365,9 +362,9 @@ class Qwen3MoeForCausalLM(nn.Module):
         Raises:
             FileNotFoundError / ValueError: see :func:`load_hf_weights`.
         """
-        from moeshard.models.qwen3moe.checkpoint import load_hf_config, load_hf_weights, model_format
+        from moeshard.models.common import load_hf_config, load_hf_weights
 
-        config = load_hf_config(path, model_format(cls))
+        config = load_hf_config(path, cls.hf_format)
         with torch.device("meta"):
             model = cls(config)
         if expert_range is not None:
@@ -391,7 +388,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         ``gate_up_proj``/``down_proj`` as they are. The directory is replaced atomically (see
         :func:`save_hf_checkpoint`). Needs plain, complete parameters: gather a sharded model first.
         """
-        from moeshard.models.qwen3moe.checkpoint_save import save_hf_checkpoint
+        from moeshard.models.common import save_hf_checkpoint
 
         save_hf_checkpoint(self, path, max_shard_size=max_shard_size, expert_layout=expert_layout)
 
@@ -410,10 +407,10 @@ class Qwen3MoeForCausalLM(nn.Module):
 
 class LMHead(nn.Linear):
     """The output projection; given next-token targets it returns the loss instead of logits (chunked, see
-    :func:`moeshard.models.qwen3moe.fused_loss.linear_cross_entropy`). A module of its own so that FSDP's hooks
+    :func:`moeshard.models.common.linear_cross_entropy`). A module of its own so that FSDP's hooks
     gather its weight in both cases; its parameter name stays ``lm_head.weight``.
 
-    ``chunk_loss`` is the function of one chunk's loss and logit gradient (``fused_loss.ce_chunk``); setting it on
+    ``chunk_loss`` is the function of one chunk's loss and logit gradient (``moeshard.models.common.ce_chunk``); setting it on
     an instance (``parallelize`` sets a compiled version) changes that head only.
     """
 
@@ -462,7 +459,7 @@ def _zero_row(weight: torch.Tensor, row: int) -> None:
     from torch.distributed.tensor import DTensor
 
     if isinstance(weight, DTensor):
-        from moeshard.models.qwen3moe.checkpoint import local_region
+        from moeshard.models.common import local_region
 
         offset, local = local_region(weight)
         if offset[0] <= row < offset[0] + local.shape[0]:

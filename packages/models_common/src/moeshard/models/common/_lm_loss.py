@@ -10,7 +10,7 @@ scaled by the incoming gradient in backward, so no logits are recomputed: the sa
 path, numerically the same function (fp32 log-softmax of the logits in the compute dtype).
 
 The per-chunk loss and logit gradient is :func:`ce_chunk`, passed in as ``chunk_loss`` so that a compiled version
-can replace it (``moeshard.models.qwen3moe.parallelize`` does that on the model's head) without a global switch.
+can replace it (``parallelize`` does that on the model's head) without a global switch.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 IGNORE_INDEX = -100
+"""Label value that the loss ignores (padding, prompts), as in transformers and ``torch.nn.CrossEntropyLoss``."""
 
 
 def ce_chunk(logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

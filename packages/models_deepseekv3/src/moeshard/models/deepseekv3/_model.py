@@ -19,10 +19,10 @@ from __future__ import annotations
 from torch import nn
 from transformers import DeepseekV3Config
 
-from moeshard.models.deepseekv3.layers import MLAttention, RotaryEmbedding
-from moeshard.models.deepseekv3.moe import DeepseekV3MoE
-from moeshard.models.deepseekv3.presets import MODEL_TYPE, check_config, is_moe_layer
-from moeshard.models.qwen3moe.checkpoint import HFFormat
+from moeshard.models.common import HFFormat
+from moeshard.models.deepseekv3._layers import MLAttention, RotaryEmbedding
+from moeshard.models.deepseekv3._moe import DeepseekV3MoE
+from moeshard.models.deepseekv3._presets import MODEL_TYPE, check_config, is_moe_layer
 from moeshard.models.qwen3moe.layers import DenseMLP
 from moeshard.models.qwen3moe.model import DecoderLayer, Qwen3MoeForCausalLM, Qwen3MoeModel
 

@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 __all__ = ["INDEX_NAME", "CheckpointError", "SafetensorsDir", "TensorInfo", "torch_dtype"]
 
 INDEX_NAME = "model.safetensors.index.json"
+"""The index of a sharded checkpoint (key -> shard file)."""
 
 _DTYPES = {
     "F64": torch.float64,

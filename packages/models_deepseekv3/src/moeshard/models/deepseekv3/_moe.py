@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DeepseekV3Config
 
-from moeshard.models.deepseekv3.presets import scoring_func
+from moeshard.models.deepseekv3._presets import scoring_func
 from moeshard.models.qwen3moe.layers import DenseMLP
 from moeshard.models.qwen3moe.moe import Experts
 
