@@ -14,6 +14,7 @@ skipped), and the model's parallel plan for the shared ``parallelize``.
     model.save_pretrained("/ckpt/finetuned")                         # transformers loads it too
 """
 
+from moeshard.models.common import ModelFamily as _ModelFamily
 from moeshard.models.deepseekv3._layers import MLAttention, RotaryEmbedding, softmax_scale
 from moeshard.models.deepseekv3._model import (
     DEEPSEEK_V3_FORMAT,
@@ -27,13 +28,26 @@ from moeshard.models.deepseekv3._presets import (
     PRESETS,
     check_config,
     count_parameters,
+    flops_per_token,
     get_preset_config,
     is_moe_layer,
     scoring_func,
 )
 
+FAMILY = _ModelFamily(
+    name=MODEL_TYPE,
+    model_class=DeepseekV3ForCausalLM,
+    presets=PRESETS,
+    preset_config=get_preset_config,
+    count_parameters=count_parameters,
+    flops_per_token=flops_per_token,
+    structural_keys=STRUCTURAL_CONFIG_KEYS,
+)
+"""DeepSeek-V3 as a :class:`moeshard.models.common.ModelFamily` (what a trainer needs, by family name)."""
+
 __all__ = [
     "DEEPSEEK_V3_FORMAT",
+    "FAMILY",
     "MODEL_TYPE",
     "PRESETS",
     "STRUCTURAL_CONFIG_KEYS",
@@ -45,6 +59,7 @@ __all__ = [
     "RotaryEmbedding",
     "check_config",
     "count_parameters",
+    "flops_per_token",
     "get_preset_config",
     "is_moe_layer",
     "scoring_func",

@@ -16,6 +16,8 @@ from typing import Any
 
 from transformers import DeepseekV3Config
 
+from moeshard.models.common import config_keys, preset_config
+
 __all__ = [
     "MODEL_TYPE",
     "PRESETS",
@@ -23,6 +25,7 @@ __all__ = [
     "SCORING_FUNCS",
     "check_config",
     "count_parameters",
+    "flops_per_token",
     "get_preset_config",
     "is_moe_layer",
     "scoring_func",
@@ -125,12 +128,7 @@ _TINY: dict[str, Any] = dict(
 PRESETS: dict[str, dict[str, Any]] = {"deepseek-v3-671b": _V3_671B, "deepseek-v3-16b": _V3_16B, "tiny": _TINY}
 """Preset name -> ``DeepseekV3Config`` fields (read through :func:`get_preset_config`)."""
 
-_CONFIG_KEYS = frozenset(f.name for f in dataclasses.fields(DeepseekV3Config)) | {
-    "scoring_func",
-    "rope_theta",
-    "num_local_experts",
-    "router_aux_loss_coef",
-}
+_CONFIG_KEYS = config_keys(DeepseekV3Config, "scoring_func", "rope_theta", "num_local_experts", "router_aux_loss_coef")
 
 
 def get_preset_config(name: str, **overrides: Any) -> DeepseekV3Config:
@@ -139,21 +137,7 @@ def get_preset_config(name: str, **overrides: Any) -> DeepseekV3Config:
     Raises:
         ValueError: unknown preset name or unknown override key.
     """
-    if name not in PRESETS:
-        raise ValueError(f"unknown DeepSeek-V3 preset {name!r}; choose one of {sorted(PRESETS)}")
-    unknown = sorted(set(overrides) - _CONFIG_KEYS)
-    if unknown:
-        raise ValueError(
-            f"unknown DeepseekV3Config field(s) {unknown} in the overrides of preset {name!r}; "
-            f"valid fields: {sorted(_CONFIG_KEYS)}"
-        )
-    values = dict(PRESETS[name])
-    if "rope_theta" in overrides:
-        values["rope_parameters"] = {**values["rope_parameters"], "rope_theta": float(overrides.pop("rope_theta"))}
-    values.update(overrides)
-    config = DeepseekV3Config(**values)
-    check_config(config)
-    return config
+    return preset_config("DeepSeek-V3", PRESETS, DeepseekV3Config, check_config, _CONFIG_KEYS, name, overrides)
 
 
 def scoring_func(config: DeepseekV3Config) -> str:
@@ -246,3 +230,29 @@ def count_parameters(config: DeepseekV3Config) -> tuple[int, int]:
             total += 3 * config.intermediate_size * d
             active += 3 * config.intermediate_size * d
     return total, active
+
+
+def flops_per_token(config: DeepseekV3Config, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) at ``seq_len`` with causal attention, MLA counted from its real
+    projections: ``6 · (matmul parameters a token passes through) + 6 · L · (S/2) · H · ((Dn + Dr) + Dv)``.
+
+    Matmul parameters per token: MLA's ``q_proj`` (or ``q_a_proj`` + ``q_b_proj``), ``kv_a_proj_with_mqa``,
+    ``kv_b_proj`` (keys and values expanded per token, as the training path computes them) and ``o_proj``; the
+    router, ``num_experts_per_tok`` routed experts and the shared experts of an MoE layer, or the dense MLP; the LM
+    head. Scores ``q·k`` use the query/key width ``Dn + Dr``, the value product the value width ``Dv``.
+    """
+    d, h = config.hidden_size, config.num_attention_heads
+    qk, dv = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    q = d * h * qk if not config.q_lora_rank else d * config.q_lora_rank + config.q_lora_rank * h * qk
+    kv = d * (config.kv_lora_rank + config.qk_rope_head_dim) + config.kv_lora_rank * h * (config.qk_nope_head_dim + dv)
+    attn = q + kv + h * dv * d
+    expert = 3 * d * config.moe_intermediate_size
+    matmul = d * config.vocab_size
+    for layer in range(config.num_hidden_layers):
+        if is_moe_layer(config, layer):
+            mlp = (config.num_experts_per_tok + config.n_shared_experts) * expert + d * config.n_routed_experts
+        else:
+            mlp = 3 * d * config.intermediate_size
+        matmul += attn + mlp
+    scores = config.num_hidden_layers * (seq_len / 2) * h * (qk + dv)
+    return 6 * matmul + 6 * scores

@@ -13,6 +13,7 @@ prefetch; needs the ``parallel`` extra).
 """
 
 from moeshard.models.common import CheckpointError, SafetensorsDir
+from moeshard.models.common import ModelFamily as _ModelFamily
 from moeshard.models.qwen3moe._evaluation import EvalResult, evaluate
 from moeshard.models.qwen3moe._parallelize import Parallelized, ParallelOptions, parallelize
 from moeshard.models.qwen3moe.checkpoint import (
@@ -48,11 +49,24 @@ from moeshard.models.qwen3moe.presets import (
     PRESETS,
     check_config,
     count_parameters,
+    flops_per_token,
     get_preset_config,
     is_moe_layer,
 )
 
+FAMILY = _ModelFamily(
+    name=MODEL_TYPE,
+    model_class=Qwen3MoeForCausalLM,
+    presets=PRESETS,
+    preset_config=get_preset_config,
+    count_parameters=count_parameters,
+    flops_per_token=flops_per_token,
+    structural_keys=STRUCTURAL_CONFIG_KEYS,
+)
+"""Qwen3-MoE as a :class:`moeshard.models.common.ModelFamily` (what a trainer needs, by family name)."""
+
 __all__ = [
+    "FAMILY",
     "IGNORE_INDEX",
     "MODEL_TYPE",
     "PRESETS",
@@ -76,6 +90,7 @@ __all__ = [
     "count_parameters",
     "evaluate",
     "expert_counts",
+    "flops_per_token",
     "get_preset_config",
     "global_balancing_loss",
     "is_moe_layer",

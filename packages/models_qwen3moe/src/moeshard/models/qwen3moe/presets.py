@@ -9,12 +9,21 @@ Configs are transformers' ``Qwen3MoeConfig``, so a ``config.json`` from the Hub 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from transformers import Qwen3MoeConfig
 
-__all__ = ["MODEL_TYPE", "PRESETS", "check_config", "count_parameters", "get_preset_config", "is_moe_layer"]
+from moeshard.models.common import config_keys, preset_config
+
+__all__ = [
+    "MODEL_TYPE",
+    "PRESETS",
+    "check_config",
+    "count_parameters",
+    "flops_per_token",
+    "get_preset_config",
+    "is_moe_layer",
+]
 
 MODEL_TYPE = "qwen3_moe"
 """The ``model_type`` of the configs and checkpoints this package accepts."""
@@ -71,12 +80,7 @@ PRESETS: dict[str, dict[str, Any]] = {"qwen3-30b-a3b": _QWEN3_30B_A3B, "tiny": _
 """Preset name -> ``Qwen3MoeConfig`` fields (read through :func:`get_preset_config`)."""
 
 # Keys a Qwen3MoeConfig understands: its dataclass fields plus the ones it reads through kwargs.
-_CONFIG_KEYS = frozenset(f.name for f in dataclasses.fields(Qwen3MoeConfig)) | {
-    "head_dim",
-    "rope_theta",
-    "num_local_experts",
-    "max_window_layers",
-}
+_CONFIG_KEYS = config_keys(Qwen3MoeConfig, "head_dim", "rope_theta", "num_local_experts", "max_window_layers")
 
 
 def get_preset_config(name: str, **overrides: Any) -> Qwen3MoeConfig:
@@ -85,21 +89,7 @@ def get_preset_config(name: str, **overrides: Any) -> Qwen3MoeConfig:
     Raises:
         ValueError: unknown preset name or unknown override key.
     """
-    if name not in PRESETS:
-        raise ValueError(f"unknown Qwen3-MoE preset {name!r}; choose one of {sorted(PRESETS)}")
-    unknown = sorted(set(overrides) - _CONFIG_KEYS)
-    if unknown:
-        raise ValueError(
-            f"unknown Qwen3MoeConfig field(s) {unknown} in the overrides of preset {name!r}; "
-            f"valid fields: {sorted(_CONFIG_KEYS)}"
-        )
-    values = dict(PRESETS[name])
-    if "rope_theta" in overrides:
-        values["rope_parameters"] = {"rope_type": "default", "rope_theta": float(overrides.pop("rope_theta"))}
-    values.update(overrides)
-    config = Qwen3MoeConfig(**values)
-    check_config(config)
-    return config
+    return preset_config("Qwen3-MoE", PRESETS, Qwen3MoeConfig, check_config, _CONFIG_KEYS, name, overrides)
 
 
 def head_dim(config: Qwen3MoeConfig) -> int:
@@ -176,3 +166,20 @@ def count_parameters(config: Qwen3MoeConfig) -> tuple[int, int]:
             total += 3 * config.intermediate_size * d
             active += 3 * config.intermediate_size * d
     return total, active
+
+
+def flops_per_token(config: Qwen3MoeConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) at ``seq_len`` with causal attention:
+    ``6 · (matmul parameters a token passes through: q/k/v/o, routers, top-k experts or the dense MLP, the head)
+    + 6 · L · (S/2) · H · (Dh + Dh)`` (scores and values, half the keys on average)."""
+    d, hd = config.hidden_size, head_dim(config)
+    attn = d * config.num_attention_heads * hd * 2 + d * config.num_key_value_heads * hd * 2
+    matmul = d * config.vocab_size
+    for layer in range(config.num_hidden_layers):
+        if is_moe_layer(config, layer):
+            mlp = config.num_experts_per_tok * 3 * d * config.moe_intermediate_size + d * config.num_experts
+        else:
+            mlp = 3 * d * config.intermediate_size
+        matmul += attn + mlp
+    scores = config.num_hidden_layers * (seq_len / 2) * config.num_attention_heads * 2 * hd
+    return 6 * matmul + 6 * scores
