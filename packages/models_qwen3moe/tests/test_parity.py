@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
+from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, apply_activation_checkpointing
 
 
 def _max_rel_grad_error(ref, ours) -> tuple[float, str]:
@@ -67,7 +67,7 @@ def test_logits_without_labels(hf_dir, batch):
 def test_activation_checkpointing_same_loss_and_grads(hf_dir, batch):
     ids, mask, labels = batch
     plain, ac = Qwen3MoeForCausalLM.from_pretrained(hf_dir), Qwen3MoeForCausalLM.from_pretrained(hf_dir)
-    ac.enable_activation_checkpointing()
+    apply_activation_checkpointing(ac)  # from outside the model, as parallelize does
     names = [n for n, _ in ac.named_parameters()]
     assert names == [n for n, _ in plain.named_parameters()]  # FQNs unchanged (FSDP / the plan rely on them)
     loss_plain = plain(ids, labels=labels, attention_mask=mask).loss

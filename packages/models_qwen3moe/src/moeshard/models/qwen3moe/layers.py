@@ -7,8 +7,6 @@ Dh head_dim, D hidden.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -147,13 +145,6 @@ def document_block_mask(document_ids_BS: torch.Tensor) -> BlockMask:
     return create_block_mask(same_document_causal, b, None, s, s, device=doc.device)
 
 
-@functools.cache
-def _compiled_flex_attention():
-    # flex_attention runs its fused kernel only when compiled (eagerly it is a dense reference); compiled once per
-    # process, reused by every layer (inside an already compiled attention_half dynamo inlines it).
-    return torch.compile(flex_attention, dynamic=False)
-
-
 class Attention(nn.Module):
     """Grouped-query self-attention with per-head RMSNorm on q and k before RoPE, through SDPA (causal)."""
 
@@ -180,7 +171,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attention output ``[B, S, D]``. ``mask_B1SS``: None (plain causal, SDPA), a boolean mask from
         :func:`build_attention_mask` / :func:`document_causal_mask` (SDPA), or a ``BlockMask`` from
-        :func:`document_block_mask` (compiled flex_attention)."""
+        :func:`document_block_mask` (flex_attention)."""
         b, s, _ = x_BSD.shape
         q = self.q_norm(self.q_proj(x_BSD).view(b, s, -1, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x_BSD).view(b, s, -1, self.head_dim)).transpose(1, 2)
@@ -192,9 +183,9 @@ class Attention(nn.Module):
                     f"attention_dropout={self.dropout} is not supported with document masking (flex_attention); "
                     "set attention_dropout to 0"
                 )
-            # Compiled on CUDA (the fused kernel); eager elsewhere (a dense reference, for CPU tests of this path).
-            flex = _compiled_flex_attention() if q.is_cuda else flex_attention
-            out_BHSDh = flex(
+            # The fused kernel where this runs compiled (parallelize(compile=True) compiles attention_half, which
+            # holds this call); eagerly a dense reference (CPU tests of this path). Never compiled here.
+            out_BHSDh = flex_attention(
                 q, k, v, block_mask=mask_B1SS, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads
             )
             return self.o_proj(out_BHSDh.transpose(1, 2).reshape(b, s, -1))
