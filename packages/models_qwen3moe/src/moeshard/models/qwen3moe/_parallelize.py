@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -46,6 +46,9 @@ REDUCE_DTYPES = ("float32", "bfloat16")
 @dataclass(frozen=True)
 class ParallelOptions:
     """How :func:`parallelize` parallelises the model; each field is validated on construction (``ValueError``).
+
+    The fields are the vocabulary of every front end (the training job's ``parallel:`` section is generated from
+    them: names, defaults, the ``Literal`` choices and the meanings below), so each is described here once.
 
     Attributes:
         ep: the expert-parallel options (dispatch strategy, kernel tier, expert GEMM, SM carve-out) given to
@@ -82,11 +85,11 @@ class ParallelOptions:
 
     ep: EPOptions = field(default_factory=EPOptions)
     compile: bool = False
-    activation_checkpointing: str = "none"
-    selective_recompute: str = "mlp"
-    param_dtype: str = "auto"
+    activation_checkpointing: Literal[CHECKPOINTING] | bool = "none"
+    selective_recompute: Literal[SELECTIVE] = "mlp"
+    param_dtype: Literal[PARAM_DTYPES] = "auto"
     reshard_after_forward: bool = True
-    expert_reduce_dtype: str = "float32"
+    expert_reduce_dtype: Literal[REDUCE_DTYPES] = "float32"
     expert_reshard_after_forward: bool | None = None
     prefetch_depth: int = 1
     prefetch_at_host_sync: bool = True
