@@ -51,7 +51,7 @@ def _parallel_step(path, ids_RBS):
         model = DeepseekV3ForCausalLM(load_hf_config(path, DEEPSEEK_V3_FORMAT))
     par = parallelize(model, meshes, ParallelOptions(activation_checkpointing="full"))
     model.to_empty(device="cpu")
-    load_hf_weights(model, path)
+    load_hf_weights(model, path, ep_info=par.ep_info)
     n_global = ids_RBS.shape[0] * ids_RBS.shape[1] * (ids_RBS.shape[2] - 1)
     ids = ids_RBS[rank]
     loss = model(ids, labels=ids, num_items_in_batch=n_global / world, output_router_logits=False).loss

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import moeshard.ep
 import moeshard.fsdp_moe
+import moeshard.prefetch
 from moeshard.ep import EPOptions
 from moeshard.meshes import build_meshes, fake_process_group
 from moeshard.meshes.testing import run_distributed
@@ -139,7 +140,7 @@ def test_plan_at_world_16(tiny_hf_config, monkeypatch, ep, which):
     options = _OPTIONS[which]
     config = tiny_hf_config()  # 3 layers, layer 1 dense; 8 experts, D 64, F 32
     host_sync_hooks, shard_calls = [], []
-    _spy(monkeypatch, moeshard.ep, "add_host_sync_hook", host_sync_hooks)
+    _spy(monkeypatch, moeshard.prefetch, "prefetch_forward_at_host_sync", host_sync_hooks)
     _spy(monkeypatch, moeshard.fsdp_moe, "shard_model", shard_calls)
     with fake_process_group(16, rank=13):
         meshes = build_meshes(ep_size=ep, ranks_per_node=8, device_type="cpu")  # 2 nodes x 8
@@ -175,6 +176,8 @@ def test_plan_at_world_16(tiny_hf_config, monkeypatch, ep, which):
         dtype = {"auto": None, "bfloat16": torch.bfloat16}[options.param_dtype]
         expected_mp = MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(dtype, torch.float32)
         assert shard_kwargs == {
+            "ep_info": par.ep_info,  # what apply_ep returned, handed on: shard_model never applies EP itself
+            "compile": options.compile,
             "mp_policy": expected_mp,
             "reshard_after_forward": options.reshard_after_forward,
             "expert_reduce_dtype": getattr(torch, options.expert_reduce_dtype),
@@ -186,9 +189,11 @@ def test_plan_at_world_16(tiny_hf_config, monkeypatch, ep, which):
         else:
             assert par.schedule is None
         at_sync = ep > 1 and options.prefetch_depth > 0 and options.prefetch_at_host_sync
-        assert [args[0] for args, _ in host_sync_hooks] == ([model] if at_sync else [])
+        expected_hooks = [(par.schedule, par.ep_info.add_host_sync_hook)] if at_sync else []
+        assert [args for args, _ in host_sync_hooks] == expected_hooks  # the hooks of the EPInfo, as an argument
 
-        assert model.model.activation_checkpointing == (options.activation_checkpointing == "full")
+        full = options.activation_checkpointing == "full"
+        assert all(("forward" in vars(layer)) == full for layer in model.model.layers)  # applied from outside
         experts = [m for m in model.modules() if hasattr(m, "dispatch")]
         assert experts and all(m.dispatch.options == options.ep_options() for m in experts)
         for layer in model.model.layers:
@@ -224,7 +229,7 @@ def _parallel_step(path, ids_RBS, options):
         model = Qwen3MoeForCausalLM(load_hf_config(path))
     par = parallelize(model, meshes, options)
     model.to_empty(device="cpu")
-    load_hf_weights(model, path)
+    load_hf_weights(model, path, ep_info=par.ep_info)
     # This rank's share of the global mean (FSDP averages over ranks): its summed loss / (N_global / world).
     n_global = ids_RBS.shape[0] * ids_RBS.shape[1] * (ids_RBS.shape[2] - 1)
     ids = ids_RBS[rank]
@@ -280,9 +285,9 @@ def _compiled_and_eager(path, ids_RSBS):
     ):
         with torch.device("meta"):
             model = Qwen3MoeForCausalLM(load_hf_config(path))
-        parallelize(model, meshes, options)
+        par = parallelize(model, meshes, options)
         model.to_empty(device="cpu")
-        load_hf_weights(model, path)
+        load_hf_weights(model, path, ep_info=par.ep_info)
         losses, graphs = [], []
         for ids in ids_RSBS[rank]:
             model.zero_grad()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moeshard.models.common.testing import max_rel_grad_error
-from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
+from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, apply_activation_checkpointing
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "left-padding"])
@@ -56,7 +56,7 @@ def test_logits_without_labels(hf_dir, batch):
 def test_activation_checkpointing_same_loss_and_grads(hf_dir, batch):
     ids, mask, labels = batch
     plain, ac = Qwen3MoeForCausalLM.from_pretrained(hf_dir), Qwen3MoeForCausalLM.from_pretrained(hf_dir)
-    ac.enable_activation_checkpointing()
+    apply_activation_checkpointing(ac)  # from outside the model, as parallelize does
     names = [n for n, _ in ac.named_parameters()]
     assert names == [n for n, _ in plain.named_parameters()]  # FQNs unchanged (FSDP / the plan rely on them)
     loss_plain = plain(ids, labels=labels, attention_mask=mask).loss

@@ -130,6 +130,20 @@ def aux_loss_coef(cfg: JobConfig, model_config: Any) -> float:
     return float(getattr(model_config, "router_aux_loss_coef", 0.0) if coef is None else coef)
 
 
+def balancing_options(cfg: JobConfig, model_config: Any):
+    """The ``moeshard.models.qwen3moe.BalancingOptions`` of ``train.aux_loss``, ``train.z_loss_coef`` and
+    ``train.router_bias``."""
+    from moeshard.models.qwen3moe import BalancingOptions
+
+    t = cfg.train
+    return BalancingOptions(
+        aux_loss_coef=aux_loss_coef(cfg, model_config),
+        scope=t.aux_loss.scope,
+        z_loss_coef=t.z_loss_coef,
+        router_bias_rate=None if t.router_bias is None else t.router_bias.update_rate,
+    )
+
+
 def check_model_fits(cfg: JobConfig, model_config: Any) -> None:
     """Raises ValueError (naming the key to change) when the data or the layout do not fit the model."""
     if cfg.data.seq_len > model_config.max_position_embeddings:
@@ -159,7 +173,7 @@ class Job:
     parallel: Any  # moeshard.models.qwen3moe.Parallelized: FSDP units, prefetch schedule, EP info, options
     optimizer: Any  # moeshard.fsdp_moe.OptimizersContainer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    routers: list[Any] = field(default_factory=list)  # the MoE layers' TopKRouters, in router_logits order
+    balancing: Any  # moeshard.models.qwen3moe.Balancing: aux loss, z-loss, router-bias updates
 
 
 def build(cfg: JobConfig, device: torch.device) -> Job:
@@ -170,7 +184,7 @@ def build(cfg: JobConfig, device: torch.device) -> Job:
     """
     from moeshard.fsdp_moe import build_optimizer
     from moeshard.meshes import build_meshes
-    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, load_hf_weights, parallelize, routers
+    from moeshard.models.qwen3moe import Balancing, Qwen3MoeForCausalLM, load_hf_weights, parallelize
 
     p, t = cfg.parallel, cfg.train
     meshes = build_meshes(p.ep_size, device_type=device.type, allow_cross_node_ep=p.allow_cross_node_ep)
@@ -181,7 +195,7 @@ def build(cfg: JobConfig, device: torch.device) -> Job:
     parallel = parallelize(model, meshes, parallel_options(cfg))
     model.to_empty(device=device)
     if cfg.model.path is not None:
-        load_hf_weights(model, cfg.model.path)  # each rank reads only the slices it holds
+        load_hf_weights(model, cfg.model.path, ep_info=parallel.ep_info)  # each rank reads only its slices
     else:
         torch.manual_seed(cfg.model.init_seed)
         model.init_weights()
@@ -191,7 +205,8 @@ def build(cfg: JobConfig, device: torch.device) -> Job:
         model, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, fuse_local_experts=t.fused_expert_update
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / t.lr)
-    return Job(cfg, device, meshes, model, model_config, parallel, optimizer, scheduler, routers(model))
+    balancing = Balancing(model, balancing_options(cfg, model_config), device=device)
+    return Job(cfg, device, meshes, model, model_config, parallel, optimizer, scheduler, balancing)
 
 
 # ---- one step ----------------------------------------------------------------------------------------------------
@@ -285,14 +300,9 @@ def train_step(
 ) -> StepStats:
     """One optimizer step over this rank's micro-batches (gradient accumulation); no host sync of its own.
 
-    Expert balancing (``train.aux_loss``, ``train.z_loss_coef``, ``train.router_bias``): each micro-batch's expert
-    counts (``moeshard.models.qwen3moe.expert_counts``, the routers' own selection) go into a
-    ``GlobalExpertCounts``. With ``aux_loss.scope: micro_batch`` the balancing loss is transformers' (per rank and
-    micro-batch) and the counts are all-reduced once, after the last micro-batch; with ``global_batch`` each
-    micro-batch's counts are all-reduced at once and micro-batch ``m`` uses the counts of micro-batches ``1..m``
-    of the step over all ranks (``global_balancing_loss``). Either way the step's counts over all ranks are
-    ``StepStats.expert_load``, and with ``train.router_bias`` they move the routers' selection biases
-    after the optimizer step (identical on every rank).
+    Zero the gradients, then each micro-batch's forward and backward (its LM loss plus the balancing term of
+    ``job.balancing``, ``moeshard.models.qwen3moe.Balancing``: aux loss per micro-batch or global batch, z-loss),
+    clip, the optimizer step, the schedule, and the balancing's after-step hook (router-bias update).
 
     Gradient reduction (``train.gradient_sync``): FSDP reduce-scatters each micro-batch's gradients in its backward
     (``every_micro_batch``), or only the sum of all of them, in the last micro-batch's backward
@@ -305,33 +315,18 @@ def train_step(
         stop_requested: this rank's vote to stop after this step, counted in ``StepStats.stop_votes``.
     """
     from moeshard.fsdp_moe import num_items_for_global_mean
-    from moeshard.models.qwen3moe import (
-        GlobalExpertCounts,
-        expert_counts,
-        global_balancing_loss,
-        router_z_loss,
-        update_router_bias,
-    )
 
-    model, device, world, t = job.model, job.device, dist.get_world_size(), job.cfg.train
-    model_coef = float(getattr(job.model_config, "router_aux_loss_coef", 0.0))  # what the model adds to its loss
-    aux_coef, z_coef = aux_loss_coef(job.cfg, job.model_config), t.z_loss_coef
-    global_scope = t.aux_loss.scope == "global_batch"
-    top_k, biases = job.model_config.num_experts_per_tok, [r.bias for r in job.routers]
-    counts = GlobalExpertCounts()
+    model, world, balancing = job.model, dist.get_world_size(), job.balancing
     lr = job.optimizer.param_groups[0]["lr"]
     job.optimizer.zero_grad(set_to_none=True)
     local_tokens = sum(b.num_targets for b in micro_batches)  # CPU tensors: no sync
     # N_global / W on the device (no host sync): each rank's loss is W * sum_r / N_global, FSDP averages over W.
     num_items = num_items_for_global_mean(local_tokens).clamp_min(1.0 / world)
-    lm_sum = torch.zeros((), device=device, dtype=torch.float32)
-    aux_sum = torch.zeros((), device=device, dtype=torch.float32)
-    z_sum = torch.zeros((), device=device, dtype=torch.float32)
-    zero = torch.zeros((), device=device)
-    last = len(micro_batches) - 1
-    defer_sync = t.gradient_sync == "last_micro_batch"
+    lm_sum = torch.zeros((), device=job.device, dtype=torch.float32)
+    balancing.start_step(len(micro_batches))
+    last, defer_sync = len(micro_batches) - 1, job.cfg.train.gradient_sync == "last_micro_batch"
     for m, b in enumerate(micro_batches):
-        b = b.to(device, non_blocking=True)  # pinned by the loader on CUDA: an asynchronous copy
+        b = b.to(job.device, non_blocking=True)  # pinned by the loader on CUDA: an asynchronous copy
         out = model(
             b.input_ids,
             labels=b.labels,
@@ -343,53 +338,44 @@ def train_step(
             output_router_logits=True,
             return_logits=False,  # the loss goes through the head in chunks, never holding [tokens, vocab] logits
         )
-        aux = out.aux_loss if out.aux_loss is not None else zero
-        lm = out.loss - model_coef * aux  # our model's loss includes its coef * aux, as transformers'
-        z = zero
-        if out.router_logits:
-            mask = b.attention_mask  # None unless padded: padding routes nowhere in the counts and losses
-            running = counts.add(expert_counts(out.router_logits, top_k, biases, mask), all_reduce=global_scope)
-            if global_scope:  # the expert frequencies of micro-batches 1..m of this step, all ranks
-                aux = global_balancing_loss(out.router_logits, running, top_k, mask)
-            if z_coef:
-                z = router_z_loss(out.router_logits, mask)
         if defer_sync and m in (0, last):
-            # Off from the first backward, on for the last (every FSDP unit, expert units included): the earlier
-            # backwards add into FSDP's unsharded gradients, the last one reduce-scatters their sum once. Experts
-            # kept out of FSDP (ep_fsdp of one rank) reduce nothing and accumulate in param.grad either way.
+            # Off from the first backward, on for the last: the earlier backwards add into FSDP's unsharded
+            # gradients, the last one reduce-scatters their sum once (experts kept out of FSDP reduce nothing).
             model.set_requires_gradient_sync(m == last)
-        # The balancing losses are per-micro-batch means: averaged over the accumulation steps.
-        (lm + (aux_coef * aux + z_coef * z) / len(micro_batches)).backward()
-        lm_sum += lm.detach().float()
-        aux_sum += aux.detach().float() / len(micro_batches)
-        z_sum += z.detach().float() / len(micro_batches)
+        (out.lm_loss + balancing.micro_batch_loss(out, b.attention_mask)).backward()
+        lm_sum += out.lm_loss.detach().float()
     # One norm over both meshes; the container may apply the clip coefficient inside its step (no extra pass).
-    grad_norm = job.optimizer.clip_grad_norm_(t.max_grad_norm)
-    load = counts.total()  # [L, E] over the step and all ranks (one all-reduce unless global_scope did it)
-    # The stop vote rides in the loss all-reduce: every rank learns of any rank's vote at the same step, without a
-    # collective or a host sync of its own (torch.full is a fill kernel, not a host-to-device copy).
-    votes, targets = (
+    grad_norm = job.optimizer.clip_grad_norm_(job.cfg.train.max_grad_norm)
+    step = balancing.end_step()  # the expert load over the step and all ranks
+    stats = _step_stats(job, lm_sum, step, grad_norm, lr, local_tokens, stop_requested)
+    if before_update is not None:
+        before_update(stats)
+    job.optimizer.step()
+    job.scheduler.step()
+    balancing.after_optimizer_step()  # the same counts on every rank: the same router biases
+    return stats
+
+
+def _step_stats(job: Job, lm_sum, step, grad_norm, lr: float, local_tokens, stop_requested: bool) -> StepStats:
+    """The step's figures summed over the ranks in one all-reduce (the stop vote rides in it: every rank learns of
+    any rank's vote at the same step, without a collective or a host sync of its own)."""
+    world, device = dist.get_world_size(), job.device
+    votes, targets = (  # torch.full is a fill kernel, not a host-to-device copy
         torch.full((), float(x), device=device, dtype=torch.float64) for x in (stop_requested, local_tokens)
     )
-    summed = torch.stack([lm_sum.double(), aux_sum.double(), z_sum.double(), targets, votes])  # counts exact > 2**24
+    z = step.z_loss if step.z_loss is not None else torch.zeros((), device=device)
+    summed = torch.stack([lm_sum.double(), step.aux_loss.double(), z.double(), targets, votes])  # exact > 2**24
     dist.all_reduce(summed)
-    stats = StepStats(
+    return StepStats(
         summed[0] / world,
         summed[1] / world,
         grad_norm,
         lr,
         stop_votes=summed[4],
-        z_loss=summed[2] / world if z_coef else None,
+        z_loss=summed[2] / world if step.z_loss is not None else None,
         targets=summed[3],
-        expert_load=load,
+        expert_load=step.expert_load,
     )
-    if before_update is not None:
-        before_update(stats)
-    job.optimizer.step()
-    job.scheduler.step()
-    if t.router_bias is not None and load is not None:
-        update_router_bias(model, load, t.router_bias.update_rate)  # the same counts on every rank: same biases
-    return stats
 
 
 # ---- the loop ----------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ The family's :class:`HFFormat` (the model class's ``hf_format``) says what its c
 layout: its ``model_type``, the config fields that decide shapes, stored buffers, layers to skip.
 
 A parameter may be a plain tensor, an EP-sliced expert tensor (``moeshard.ep.apply_ep``: its experts are
-``[expert_start, expert_end)`` of the global ones, from ``get_ep_info(model)``), or a DTensor from FSDP2 (its
+``[expert_start, expert_end)`` of the global ones, from the ``EPInfo`` that ``apply_ep`` returned), or a DTensor from FSDP2 (its
 local shard is a box of the DTensor's global shape, from ``compute_local_shape_and_global_offset``). For an
 expert parameter after EP + FSDP, the DTensor's global shape is the EP-local one, so the box is shifted by
 ``expert_start`` on dim 0. Each rank reads exactly its box, from either expert layout:
@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import PretrainedConfig
 
-from moeshard.ep import get_ep_info
+from moeshard.ep import EPInfo
 from moeshard.models.common._safetensors import CheckpointError, SafetensorsDir
 
 __all__ = [
@@ -258,13 +258,14 @@ def load_hf_weights(
     model: nn.Module,
     path: str | os.PathLike,
     *,
+    ep_info: EPInfo | None = None,
     expert_range: tuple[int, int] | None = None,
     allow_dtype_cast: bool = True,
 ) -> LoadReport:
     """Fill every parameter of ``model`` in place from a local HF checkpoint, reading only this rank's slices.
 
     Works on plain models, after ``moeshard.ep.apply_ep`` (each expert parameter's global expert range comes
-    from ``get_ep_info(model)``) and after FSDP2 (DTensor parameters: only the local shard is read). Both expert
+    from ``ep_info``, what ``apply_ep`` or ``parallelize`` returned) and after FSDP2 (DTensor parameters: only the local shard is read). Both expert
     layouts load (fused or per-expert keys, per layer). Float checkpoint tensors of another float dtype are cast to
     the parameter's dtype (reported in ``LoadReport.casts`` and logged); other dtype differences are errors. FP8
     weights with their block scales (``X.weight_scale_inv``, DeepSeek's Hub format) are dequantised to the
@@ -275,6 +276,8 @@ def load_hf_weights(
     Args:
         model: a materialised model (no ``meta`` parameters) with our FQNs (wrappers' segments are ignored).
         path: the checkpoint directory.
+        ep_info: the model's EP metadata (``apply_ep``'s result, ``Parallelized.ep_info``); needed when EP sliced
+            the experts (EP size > 1), optional otherwise. An EP-sliced model without it is an error.
         expert_range: ``(start, end)`` when the model's expert parameters hold global experts ``[start, end)``
             without EP metadata (``from_pretrained(expert_range=...)``); ignored for parameters EP recorded.
         allow_dtype_cast: False makes a float dtype difference an error too.
@@ -291,7 +294,6 @@ def load_hf_weights(
     fmt = model_format(model)
     ckpt = SafetensorsDir(path)
     _check_structure(model, path, fmt)
-    ep_info = get_ep_info(model)
     config = getattr(model, "config", None)
     num_experts = fmt.num_experts(config) if config is not None else None
 
@@ -317,6 +319,11 @@ def load_hf_weights(
                 )
             global_shape = (num_experts, *global_shape[1:])
             offset = (offset[0] + start, *offset[1:])
+        elif is_expert and num_experts is not None and global_shape[0] != num_experts:
+            raise ValueError(
+                f"{fqn} holds {global_shape[0]} of the model's {num_experts} experts (EP applied) but no ep_info was "
+                "given: pass load_hf_weights(..., ep_info=...) with what apply_ep / parallelize returned"
+            )
 
         if not is_expert or fqn in ckpt:
             expected.add(fqn)

@@ -27,7 +27,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
-from moeshard.ep import get_ep_info
 from moeshard.models.common._hf_load import HFFormat, _clean_fqn, _tensors, model_format
 from moeshard.models.common._safetensors import INDEX_NAME
 
@@ -264,15 +263,14 @@ def save_hf_checkpoint(
             ``save_hf_weights``.
     """
     config, fmt = model.config, model_format(model)
-    ep_info = get_ep_info(model)
     state = {}
     for raw_fqn, param in _tensors(model, fmt):
         fqn = _clean_fqn(raw_fqn)
-        sliced = ep_info is not None and fqn in ep_info.params and ep_info.params[fqn].ep_size > 1
+        # An EP slice holds fewer than the config's experts, as a range-loaded model does.
         partial_experts = fqn.endswith(("experts.gate_up_proj", "experts.down_proj")) and (
             param.shape[0] != fmt.num_experts(config)
         )
-        if isinstance(param, DTensor) or sliced or partial_experts:
+        if isinstance(param, DTensor) or partial_experts:
             raise ValueError(
                 f"{fqn} is sharded (DTensor, EP slice or expert range): save_pretrained needs the whole model in "
                 "one process; gather full tensors (e.g. moeshard.fsdp_moe.get_state_dict and full_tensor()) on "

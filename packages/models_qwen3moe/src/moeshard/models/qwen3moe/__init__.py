@@ -15,7 +15,23 @@ prefetch; needs the ``parallel`` extra).
 from moeshard.models.common import CheckpointError, SafetensorsDir
 from moeshard.models.common import ModelFamily as _ModelFamily
 from moeshard.models.qwen3moe._evaluation import EvalResult, evaluate
-from moeshard.models.qwen3moe._parallelize import Parallelized, ParallelOptions, parallelize
+from moeshard.models.qwen3moe._parallelize import (
+    Parallelized,
+    ParallelOptions,
+    apply_activation_checkpointing,
+    parallelize,
+)
+from moeshard.models.qwen3moe.balancing import (
+    Balancing,
+    BalancingOptions,
+    GlobalExpertCounts,
+    StepBalance,
+    expert_counts,
+    global_balancing_loss,
+    load_balancing_loss,
+    router_z_loss,
+    update_router_bias,
+)
 from moeshard.models.qwen3moe.checkpoint import (
     STRUCTURAL_CONFIG_KEYS,
     LoadReport,
@@ -32,18 +48,7 @@ from moeshard.models.qwen3moe.model import (
     Qwen3MoeModel,
     causal_lm_loss,
 )
-from moeshard.models.qwen3moe.moe import (
-    Experts,
-    GlobalExpertCounts,
-    SparseMoeBlock,
-    TopKRouter,
-    expert_counts,
-    global_balancing_loss,
-    load_balancing_loss,
-    router_z_loss,
-    routers,
-    update_router_bias,
-)
+from moeshard.models.qwen3moe.moe import Experts, SparseMoeBlock, TopKRouter, routers
 from moeshard.models.qwen3moe.presets import (
     MODEL_TYPE,
     PRESETS,
@@ -71,6 +76,8 @@ __all__ = [
     "MODEL_TYPE",
     "PRESETS",
     "STRUCTURAL_CONFIG_KEYS",
+    "Balancing",
+    "BalancingOptions",
     "CausalLMOutput",
     "CheckpointError",
     "DecoderLayer",
@@ -84,7 +91,9 @@ __all__ = [
     "Qwen3MoeModel",
     "SafetensorsDir",
     "SparseMoeBlock",
+    "StepBalance",
     "TopKRouter",
+    "apply_activation_checkpointing",
     "causal_lm_loss",
     "check_config",
     "count_parameters",

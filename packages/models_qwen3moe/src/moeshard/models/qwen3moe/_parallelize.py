@@ -5,7 +5,7 @@
         model = Qwen3MoeForCausalLM(get_preset_config("qwen3-30b-a3b"))
     par = parallelize(model, meshes, ParallelOptions(compile=True, ep=EPOptions(kernels="triton")))
     model.to_empty(device="cuda")
-    load_hf_weights(model, "/ckpt/Qwen3-30B-A3B")          # or torch.manual_seed(s); model.init_weights()
+    load_hf_weights(model, "/ckpt/Qwen3-30B-A3B", ep_info=par.ep_info)  # or torch.manual_seed(s); model.init_weights()
 
 Needs the ``parallel`` extra (moeshard-meshes, moeshard-fsdp-moe, moeshard-prefetch), imported only when
 :func:`parallelize` runs: the model itself needs none of them.
@@ -16,11 +16,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from moeshard.ep import EPInfo, EPOptions
+from moeshard.ep import EPInfo, EPOptions, ExpertDispatch, recompute_contexts
 from moeshard.models.qwen3moe.model import Qwen3MoeForCausalLM
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from moeshard.meshes import ParallelMeshes
     from moeshard.prefetch import PrefetchSchedule
 
-__all__ = ["ParallelOptions", "Parallelized", "parallelize"]
+__all__ = ["ParallelOptions", "Parallelized", "apply_activation_checkpointing", "parallelize"]
 
 PARAM_DTYPES = ("auto", "float32", "bfloat16")
 """Values of :attr:`ParallelOptions.param_dtype`: ``auto`` is bfloat16 on CUDA, float32 elsewhere."""
@@ -46,13 +47,19 @@ REDUCE_DTYPES = ("float32", "bfloat16")
 class ParallelOptions:
     """How :func:`parallelize` parallelises the model; each field is validated on construction (``ValueError``).
 
+    The fields are the vocabulary of every front end (the training job's ``parallel:`` section is generated from
+    them: names, defaults, the ``Literal`` choices and the meanings below), so each is described here once.
+
     Attributes:
         ep: the expert-parallel options (dispatch strategy, kernel tier, expert GEMM, SM carve-out) given to
             ``moeshard.ep.apply_ep``.
         compile: ``torch.compile`` each decoder layer's ``attention_half`` (norms, projections, RoPE, attention,
-            residual: one graph, shared by all layers) and the LM head's loss chunk (rows dynamic).
+            residual: one graph, shared by all layers; flex_attention for packed rows on CUDA runs inside it), the
+            LM head's loss chunk (rows dynamic) and the cast-and-scale of the gradients of experts kept out of FSDP.
+            False compiles nothing (packed rows then use the dense document mask). Every compile in the packages
+            is decided here; a compile that fails raises.
         activation_checkpointing: what backward recomputes instead of keeping from forward: ``"none"``;
-            ``"full"`` (each decoder layer's call is checkpointed and recomputed whole, FQNs unchanged; the
+            ``"full"`` (each decoder layer's forward is checkpointed and recomputed whole, FQNs unchanged; the
             EP exchanges run again, their sizes replayed: no extra host sync); ``"selective"`` (inside the routed
             experts only, as ``selective_recompute`` says: no exchange runs again, results bit-identical).
             ``True`` / ``False`` are read as ``"full"`` / ``"none"``.
@@ -78,11 +85,11 @@ class ParallelOptions:
 
     ep: EPOptions = field(default_factory=EPOptions)
     compile: bool = False
-    activation_checkpointing: str = "none"
-    selective_recompute: str = "mlp"
-    param_dtype: str = "auto"
+    activation_checkpointing: Literal[CHECKPOINTING] | bool = "none"
+    selective_recompute: Literal[SELECTIVE] = "mlp"
+    param_dtype: Literal[PARAM_DTYPES] = "auto"
     reshard_after_forward: bool = True
-    expert_reduce_dtype: str = "float32"
+    expert_reduce_dtype: Literal[REDUCE_DTYPES] = "float32"
     expert_reshard_after_forward: bool | None = None
     prefetch_depth: int = 1
     prefetch_at_host_sync: bool = True
@@ -191,8 +198,9 @@ def parallelize(
     1. **EP** (``moeshard.ep.apply_ep``) first: it slices the expert tensors to this rank's experts and installs
        each MoE layer's dispatcher, and it must see the model's own FQNs and plain (not yet DTensor) parameters.
        Everything after works on the EP-local experts (FSDP shards those again, on dim 1).
-    2. **Activation checkpointing**: ``"full"`` checkpoints each decoder layer call (the model's flag: no wrapper
-       module, FQNs kept); ``"selective"`` is an EP option of step 1 (the experts' intermediates recomputed).
+    2. **Activation checkpointing**: ``"full"`` checkpoints each decoder layer's forward from outside
+       (:func:`apply_activation_checkpointing`: no wrapper module, FQNs kept); ``"selective"`` is an EP option of
+       step 1 (the experts' intermediates recomputed).
     3. **Compile**: ``layer.attention_half = torch.compile(layer.attention_half)`` on each decoder layer (an
        instance attribute: FQNs and the state dict unchanged) and ``moeshard.ep.compile_rows_dynamic`` on the
        head's loss chunk. Nothing compiles until the first forward. The compiled region lies inside the layer's
@@ -201,14 +209,15 @@ def parallelize(
        the host (split sizes), where a graph would break anyway.
     4. **FSDP2** (``moeshard.fsdp_moe.shard_model``), bottom-up: experts on ``meshes.ep_fsdp`` (dim 1), then
        each unit and the root on ``meshes.fsdp``, with the mixed-precision policy of ``options.param_dtype``
-       (the expert units' reduce-scatter in ``options.expert_reduce_dtype``). It needs the EP metadata of step 1.
+       (the expert units' reduce-scatter in ``options.expert_reduce_dtype``). It is given the EP metadata step 1
+       returned (``ep_info``: it never applies EP itself).
     5. **Prefetch** last, over the units of step 4 (``moeshard.prefetch.build_schedule`` / ``apply_schedule``;
        with EP > 1 and ``prefetch_at_host_sync`` the forward prefetches are issued at each MoE layer's host sync,
-       through ``moeshard.ep.add_host_sync_hook(model, ...)``).
+       through ``ep_info.add_host_sync_hook``, the hooks of the dispatchers step 1 installed).
 
-    It does not materialise or load weights: a model built on ``meta`` stays there (so ``plan`` can build any
-    world size with the fake backend). Then ``model.to_empty(device=...)`` and ``load_hf_weights(model, path)``,
-    or ``torch.manual_seed(s); model.init_weights()``.
+    It does not materialise or load weights: a model built on ``meta`` stays there (``plan`` builds any world size
+    with the fake backend). Then ``model.to_empty(device=...)`` and ``load_hf_weights(model, path,
+    ep_info=result.ep_info)``, or ``torch.manual_seed(s); model.init_weights()``.
 
     Args:
         model: a :class:`Qwen3MoeForCausalLM` without EP or FSDP applied, on ``meta`` or materialised.
@@ -223,7 +232,7 @@ def parallelize(
         ValueError: from ``apply_ep`` / ``shard_model`` (EP or FSDP already applied, an EP size that does not
             divide the experts, meshes of another world, ...).
     """
-    from moeshard.ep import add_host_sync_hook, apply_ep, compile_rows_dynamic
+    from moeshard.ep import apply_ep, compile_rows_dynamic
     from moeshard.fsdp_moe import shard_model
     from moeshard.prefetch import apply_schedule, build_schedule, prefetch_forward_at_host_sync
 
@@ -235,8 +244,9 @@ def parallelize(
     ep_mesh = meshes.ep if meshes.ep_size > 1 else None
     ep_info = apply_ep(model, model.get_parallel_plan(), ep_mesh, options.ep_options())
     if options.activation_checkpointing == "full":
-        model.enable_activation_checkpointing()
+        apply_activation_checkpointing(model)
     if options.compile:
+        model.model.compiled_attention = True  # packed rows: flex_attention's fused kernel, compiled inside
         for layer in model.model.layers:
             # At the call site, from outside (the bound method, compiled): every layer shares one graph.
             layer.attention_half = torch.compile(layer.attention_half)
@@ -245,6 +255,8 @@ def parallelize(
     units = shard_model(
         model,
         meshes,
+        ep_info=ep_info,
+        compile=options.compile,
         mp_policy=_mp_policy(options.param_dtype, meshes.device_type),
         reshard_after_forward=options.reshard_after_forward,
         expert_reduce_dtype=getattr(torch, options.expert_reduce_dtype),
@@ -255,8 +267,42 @@ def parallelize(
         schedule = build_schedule(units.stages, depth=options.prefetch_depth)
         apply_schedule(schedule)
         if options.prefetch_at_host_sync and meshes.ep_size > 1:
-            prefetch_forward_at_host_sync(schedule, functools.partial(add_host_sync_hook, model))
+            prefetch_forward_at_host_sync(schedule, ep_info.add_host_sync_hook)
     return Parallelized(units=units, schedule=schedule, ep_info=ep_info, options=options)
+
+
+def apply_activation_checkpointing(model: Qwen3MoeForCausalLM) -> None:
+    """Recompute each decoder layer in backward: its ``forward`` becomes (an instance attribute, so FQNs, the state
+    dict and FSDP's hooks are untouched) a non-reentrant ``torch.utils.checkpoint`` of itself.
+
+    Applied from outside the model (:func:`parallelize` calls it with ``activation_checkpointing="full"``, after EP
+    and before compile and FSDP): FSDP's hooks run outside the checkpointed region, as with torch's checkpoint
+    wrapper, and the recompute in backward replays the EP layers' exchange sizes recorded by the forward
+    (``moeshard.ep.recompute_contexts`` of the layer's dispatchers): no extra host sync. Without grad (eval) the
+    forward runs plainly.
+
+    Raises:
+        ValueError: already applied.
+    """
+    for layer in model.model.layers:
+        if "forward" in layer.__dict__:
+            raise ValueError("activation checkpointing is already applied to this model; apply it once")
+        layer.forward = _checkpointed(layer.forward, layer)
+
+
+def _checkpointed(forward, layer: torch.nn.Module):
+    def contexts():
+        # Looked up at each call: the dispatchers apply_ep installed, whenever it ran.
+        dispatchers = [m.dispatch for m in layer.modules() if isinstance(getattr(m, "dispatch", None), ExpertDispatch)]
+        return recompute_contexts(dispatchers)
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+    return run
 
 
 def _mp_policy(param_dtype: str, device_type: str) -> MixedPrecisionPolicy:

@@ -7,8 +7,6 @@ Dh head_dim, D hidden.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -148,13 +146,6 @@ def document_block_mask(document_ids_BS: torch.Tensor) -> BlockMask:
     return create_block_mask(same_document_causal, b, None, s, s, device=doc.device)
 
 
-@functools.cache
-def _compiled_flex_attention():
-    # flex_attention runs its fused kernel only when compiled (eagerly it is a dense reference); compiled once per
-    # process, reused by every layer (inside an already compiled attention_half dynamo inlines it).
-    return torch.compile(flex_attention, dynamic=False)
-
-
 class Attention(nn.Module):
     """Grouped-query self-attention with per-head RMSNorm on q and k before RoPE, through SDPA (causal)."""
 
@@ -181,7 +172,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attention output ``[B, S, D]``. ``mask_B1SS``: None (plain causal, SDPA), a boolean mask from
         :func:`build_attention_mask` / :func:`document_causal_mask` (SDPA), or a ``BlockMask`` from
-        :func:`document_block_mask` (compiled flex_attention)."""
+        :func:`document_block_mask` (flex_attention)."""
         b, s, _ = x_BSD.shape
         q = self.q_norm(self.q_proj(x_BSD).view(b, s, -1, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x_BSD).view(b, s, -1, self.head_dim)).transpose(1, 2)
@@ -211,16 +202,16 @@ def attend(
 ) -> torch.Tensor:
     """``softmax(q·kᵀ·scale + mask) v`` ``[B, H, S, Dv]`` under one of the model's masks: None (plain causal,
     SDPA), a boolean mask from :func:`build_attention_mask` / :func:`document_causal_mask` (SDPA), or a
-    ``BlockMask`` from :func:`document_block_mask` (flex_attention: compiled on CUDA, eager elsewhere as a dense
-    reference for CPU tests). ``dropout``: the attention dropout (0 in eval); refused with a ``BlockMask``."""
+    ``BlockMask`` from :func:`document_block_mask` (flex_attention: the fused kernel where the caller runs compiled,
+    ``parallelize(compile=True)`` compiles the attention half holding this call; eagerly a dense reference, for
+    CPU tests; never compiled here). ``dropout``: the attention dropout (0 in eval); refused with a ``BlockMask``."""
     if isinstance(mask_B1SS, BlockMask):
         if dropout > 0:
             raise ValueError(
                 f"attention_dropout={dropout} is not supported with document masking (flex_attention); "
                 "set attention_dropout to 0"
             )
-        flex = _compiled_flex_attention() if q_BHSDq.is_cuda else flex_attention
-        return flex(q_BHSDq, k_BGSDq, v_BGSDv, block_mask=mask_B1SS, scale=scale, enable_gqa=enable_gqa)
+        return flex_attention(q_BHSDq, k_BGSDq, v_BGSDv, block_mask=mask_B1SS, scale=scale, enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(
         q_BHSDq,
         k_BGSDq,

@@ -6,13 +6,13 @@ the token all-to-all; nothing here changes). ``get_parallel_plan`` is the only p
 parallelism.
 
     model = Qwen3MoeForCausalLM.from_pretrained("/ckpt/Qwen3-30B-A3B", dtype=torch.bfloat16)
-    out = model(input_ids, labels=input_ids)          # out.loss, out.aux_loss, out.logits
+    out = model(input_ids, labels=input_ids)          # out.loss, out.lm_loss, out.aux_loss, out.logits
 
     with torch.device("meta"):                        # sharded training: build, parallelise, then fill
         model = Qwen3MoeForCausalLM(get_preset_config("qwen3-30b-a3b"))
-    parallelize(model, meshes, ParallelOptions(compile=True))
+    par = parallelize(model, meshes, ParallelOptions(compile=True))
     model.to_empty(device="cuda")
-    load_hf_weights(model, "/ckpt/Qwen3-30B-A3B")     # or model.init_weights() to train from scratch
+    load_hf_weights(model, "/ckpt/Qwen3-30B-A3B", ep_info=par.ep_info)  # or model.init_weights()
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
 from torch.nn.attention.flex_attention import BlockMask
-from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3MoeConfig
 
-from moeshard.ep import ParallelPlan, recompute_contexts
+from moeshard.ep import ParallelPlan
 from moeshard.models.common import IGNORE_INDEX, ce_chunk, linear_cross_entropy
+from moeshard.models.qwen3moe.balancing import load_balancing_loss
 from moeshard.models.qwen3moe.checkpoint import QWEN3_FORMAT
 from moeshard.models.qwen3moe.layers import (
     Attention,
@@ -40,7 +40,7 @@ from moeshard.models.qwen3moe.layers import (
     document_block_mask,
     document_causal_mask,
 )
-from moeshard.models.qwen3moe.moe import Experts, SparseMoeBlock, TopKRouter, load_balancing_loss
+from moeshard.models.qwen3moe.moe import Experts, SparseMoeBlock, TopKRouter
 from moeshard.models.qwen3moe.presets import check_config, is_moe_layer
 
 __all__ = ["IGNORE_INDEX", "CausalLMOutput", "DecoderLayer", "Qwen3MoeForCausalLM", "Qwen3MoeModel", "causal_lm_loss"]
@@ -51,17 +51,20 @@ class CausalLMOutput:
     """What ``Qwen3MoeForCausalLM.forward`` returns.
 
     Attributes:
-        loss: LM loss (plus ``router_aux_loss_coef * aux_loss`` when router logits are output), or None
-            without labels.
+        loss: transformers' total: ``lm_loss`` plus ``router_aux_loss_coef * aux_loss`` when router logits are
+            output, or None without labels. Training loops use ``lm_loss`` and ``aux_loss`` (and their own
+            balancing coefficients, see :class:`moeshard.models.qwen3moe.Balancing`), never this sum.
         aux_loss: the load-balancing loss (unscaled), or None when router logits are not output.
         logits: ``[B, S, V]`` in the model's dtype.
         router_logits: one ``[B·S, E]`` tensor per MoE layer when output, else None.
+        lm_loss: the language-model loss alone, or None without labels.
     """
 
     loss: torch.Tensor | None
     aux_loss: torch.Tensor | None
     logits: torch.Tensor
     router_logits: tuple[torch.Tensor, ...] | None = None
+    lm_loss: torch.Tensor | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -117,6 +120,8 @@ class Qwen3MoeModel(nn.Module):
     ``document_attention`` says how packed rows (``document_ids``) are masked: ``"auto"`` (default) uses a
     flex_attention ``BlockMask`` on CUDA (masked blocks skipped) and a dense SDPA mask elsewhere; ``"flex"`` and
     ``"dense"`` force one (the dense mask is the reference; it costs ``B·S²`` booleans per forward).
+    flex_attention runs its fused kernel only compiled (eagerly it is a dense reference), so ``"auto"`` picks it
+    only where the attention is compiled (``compiled_attention``, which ``parallelize(compile=True)`` sets).
     """
 
     def __init__(self, config: Qwen3MoeConfig) -> None:
@@ -125,8 +130,8 @@ class Qwen3MoeModel(nn.Module):
         self.layers = nn.ModuleList(self.build_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = self.build_rotary(config)
-        self.activation_checkpointing = False
         self.document_attention = "auto"
+        self.compiled_attention = False
 
     @staticmethod
     def build_layer(config: Qwen3MoeConfig, layer_idx: int) -> DecoderLayer:
@@ -162,15 +167,7 @@ class Qwen3MoeModel(nn.Module):
         mask = self._attention_mask(attention_mask_BS, document_ids_BS, s)
         router_logits = []
         for layer in self.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                # Non-reentrant checkpoint of the call, not a wrapper module: FQNs stay ``model.layers.N.*``,
-                # and FSDP2 hooks on the layer run again (all-gather) during recomputation.
-                # The recompute replays the EP layers' exchange sizes recorded by the forward: no extra host sync.
-                x_BSD, logits_TE = checkpoint(
-                    layer, x_BSD, cos, sin, mask, use_reentrant=False, context_fn=recompute_contexts
-                )
-            else:
-                x_BSD, logits_TE = layer(x_BSD, cos, sin, mask)
+            x_BSD, logits_TE = layer(x_BSD, cos, sin, mask)
             if logits_TE is not None:
                 router_logits.append(logits_TE)
         return self.norm(x_BSD), tuple(router_logits)
@@ -192,7 +189,7 @@ class Qwen3MoeModel(nn.Module):
             raise ValueError(
                 "document_attention='flex' has no backward on CPU (flex_attention); use 'auto' or 'dense' there"
             )
-        if kind == "flex" or (kind == "auto" and document_ids_BS.is_cuda):
+        if kind == "flex" or (kind == "auto" and document_ids_BS.is_cuda and self.compiled_attention):
             if attention_mask_BS is not None:
                 # Padding is a document of its own in packed rows (the data gives it id -1): no second mask.
                 document_ids_BS = document_ids_BS.masked_fill(attention_mask_BS == 0, -1)
@@ -255,8 +252,8 @@ class Qwen3MoeForCausalLM(nn.Module):
                 document computes what it computes alone (``moeshard.data`` produces both).
             num_items_in_batch: when given, the LM loss is the sum over label tokens divided by it (for
                 gradient accumulation / data parallel), else the mean over this call's label tokens.
-            output_router_logits: compute ``aux_loss`` (and add ``router_aux_loss_coef * aux_loss`` to the loss);
-                default ``config.output_router_logits``.
+            output_router_logits: compute ``aux_loss`` (and add ``router_aux_loss_coef * aux_loss`` to ``loss``,
+                not to ``lm_loss``); default ``config.output_router_logits``.
             return_logits: with ``labels``, False computes the loss in chunks through the head without ever
                 holding the ``[B, S, V]`` logits (training); ``logits`` is then None.
         """
@@ -271,7 +268,7 @@ class Qwen3MoeForCausalLM(nn.Module):
             logits_BSV = self.lm_head(hidden_BSD)
             if labels is not None:
                 loss = causal_lm_loss(logits_BSV, labels, num_items_in_batch)
-        aux_loss = None
+        aux_loss, lm_loss = None, loss
         if output_router_logits:
             if router_logits:
                 aux_loss = load_balancing_loss(
@@ -286,6 +283,7 @@ class Qwen3MoeForCausalLM(nn.Module):
             aux_loss=aux_loss,
             logits=logits_BSV,
             router_logits=router_logits if output_router_logits else None,
+            lm_loss=lm_loss,
         )
 
     # ---- construction helpers --------------------------------------------------------------------------------
@@ -322,10 +320,6 @@ class Qwen3MoeForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, TopKRouter):
                 module.enable_bias()
-
-    def enable_activation_checkpointing(self, enabled: bool = True) -> None:
-        """Recompute each decoder layer in backward (non-reentrant ``torch.utils.checkpoint``); FQNs unchanged."""
-        self.model.activation_checkpointing = enabled
 
     @staticmethod
     def get_parallel_plan() -> ParallelPlan:
