@@ -37,7 +37,6 @@ APPLICATIONS = frozenset({"moeshard.train"})  # entry points, not libraries: the
 UNPREFIXED_INTERNAL_MODULES: dict[str, frozenset[str]] = {
     "moeshard.models.qwen3moe": frozenset(
         {
-            "balancing",  # the loop-facing balancing object, a file of its own by name (shared with other families)
             "checkpoint",
             "checkpoint_save",
             "layers",

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from moeshard.models.common import CheckpointError, load_hf_weights
 from moeshard.models.deepseekv3 import DeepseekV3ForCausalLM
-from moeshard.models.qwen3moe import CheckpointError, load_hf_weights
 
 EXPERTS1 = "model.layers.1.mlp.experts"
 BIAS1 = "model.layers.1.mlp.gate.e_score_correction_bias"

@@ -9,9 +9,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from moeshard.meshes import build_meshes, fake_process_group
 from moeshard.meshes.testing import run_distributed
-from moeshard.models.common import load_hf_config, load_hf_weights
+from moeshard.models.common import ParallelOptions, load_hf_config, load_hf_weights, parallelize
 from moeshard.models.deepseekv3 import DEEPSEEK_V3_FORMAT, DeepseekV3ForCausalLM, get_preset_config
-from moeshard.models.qwen3moe import ParallelOptions, parallelize
 
 
 @pytest.mark.filterwarnings("ignore:DTensor random operators")

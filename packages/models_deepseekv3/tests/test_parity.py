@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moeshard.models.common.testing import max_rel_grad_error
-from moeshard.models.deepseekv3 import DeepseekV3ForCausalLM, GroupLimitedRouter
+from moeshard.models.deepseekv3 import DeepseekV3ForCausalLM, DeepseekV3MoE, GroupLimitedRouter
 
 
 def _check(ref, ours, ids, labels, attention_mask):
@@ -66,7 +66,8 @@ def test_softmax_scoring_follows_its_formula(tiny_hf_config):
     """transformers' DeepSeek-V3 scores with a sigmoid only; softmax scoring (V2, TorchTitan's 16B) against the
     formula: softmax of the float32 logits, top-k without bias or groups here, unnormalised, scaled."""
     config = tiny_hf_config(scoring_func="softmax", n_group=1, topk_group=1, norm_topk_prob=False)
-    router = GroupLimitedRouter(config)
+    router = DeepseekV3MoE(config).gate
+    assert isinstance(router, GroupLimitedRouter) and router.scoring_func == "softmax"
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         router.weight.copy_(torch.randn(router.weight.shape, generator=g))

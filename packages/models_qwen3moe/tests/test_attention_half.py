@@ -17,7 +17,7 @@ def _model() -> Qwen3MoeForCausalLM:
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_attention_half_then_mlp_is_the_layer(padded):
-    from moeshard.models.qwen3moe.layers import build_attention_mask
+    from moeshard.models.common import build_attention_mask
 
     torch.manual_seed(0)
     model = _model()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moeshard.models.common import document_block_mask, document_causal_mask
 from moeshard.models.common.testing import check_packed_documents, pack_documents
 from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
-from moeshard.models.qwen3moe.layers import document_block_mask, document_causal_mask
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -14,15 +14,16 @@ skipped), and the model's parallel plan for the shared ``parallelize``.
     model.save_pretrained("/ckpt/finetuned")                         # transformers loads it too
 """
 
+from moeshard.models.common import GroupLimitedRouter
 from moeshard.models.common import ModelFamily as _ModelFamily
-from moeshard.models.deepseekv3._layers import MLAttention, RotaryEmbedding, softmax_scale
+from moeshard.models.deepseekv3._layers import MLAttention, softmax_scale
 from moeshard.models.deepseekv3._model import (
     DEEPSEEK_V3_FORMAT,
     STRUCTURAL_CONFIG_KEYS,
     DeepseekV3ForCausalLM,
     DeepseekV3Model,
 )
-from moeshard.models.deepseekv3._moe import DeepseekV3MoE, GroupLimitedRouter
+from moeshard.models.deepseekv3._moe import DeepseekV3MoE
 from moeshard.models.deepseekv3._presets import (
     MODEL_TYPE,
     PRESETS,
@@ -56,7 +57,6 @@ __all__ = [
     "DeepseekV3Model",
     "GroupLimitedRouter",
     "MLAttention",
-    "RotaryEmbedding",
     "check_config",
     "count_parameters",
     "flops_per_token",

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA) of DeepSeek-V2/V3 and its RoPE (scaled as the config names, YaRN included).
+"""Multi-head latent attention (MLA) of DeepSeek-V2/V3, with YaRN's attention temperature and interleaved RoPE.
 
 Each block computes what transformers' ``modeling_deepseek_v3`` computes (same dtype casts, same order), so a
 checkpoint gives the same numbers in both. Legend: B batch, S sequence, H heads, Dn the no-RoPE part of a query/key
@@ -19,11 +19,10 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 from transformers import DeepseekV3Config
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from moeshard.models.qwen3moe.layers import RMSNorm, apply_rotary, attend
+from moeshard.models.common import RMSNorm, apply_rotary, attend
 
-__all__ = ["MLAttention", "RotaryEmbedding", "apply_rotary_interleaved", "softmax_scale"]
+__all__ = ["MLAttention", "apply_rotary_interleaved", "softmax_scale"]
 
 
 def _yarn_mscale(scale: float, mscale: float) -> float:
@@ -39,42 +38,6 @@ def softmax_scale(config: DeepseekV3Config) -> float:
         m = _yarn_mscale(rope["factor"], rope["mscale_all_dim"])
         scale = scale * m * m
     return scale
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables of width ``qk_rope_head_dim`` for given positions, in the activations' dtype.
-
-    The inverse frequencies and the tables' scaling (YaRN's ``attention_factor``) come from transformers' RoPE
-    initialisers for the config's ``rope_type``, computed in float32 on the CPU and cached per device (not a buffer:
-    a model built on ``meta`` and materialised with ``to_empty`` needs no extra step).
-    """
-
-    def __init__(self, config: DeepseekV3Config) -> None:
-        super().__init__()
-        self.config = config
-        self.rope_type = (config.rope_parameters or {}).get("rope_type", "default")
-        self._cache: dict[torch.device, tuple[torch.Tensor, float]] = {}
-
-    def _tables(self, device: torch.device) -> tuple[torch.Tensor, float]:
-        if device not in self._cache:
-            if self.rope_type == "default":
-                dim, base = self.config.qk_rope_head_dim, float(self.config.rope_parameters["rope_theta"])
-                exponent = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-                inv_freq, scaling = 1.0 / (base**exponent), 1.0
-            else:
-                inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self.config, "cpu")
-            self._cache[device] = (inv_freq.float().to(device), float(scaling))
-        return self._cache[device]
-
-    def forward(self, position_ids_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos_BSDr, sin_BSDr)`` for integer positions ``[B, S]``."""
-        inv_freq, scaling = self._tables(position_ids_BS.device)
-        freqs = position_ids_BS[..., None].float() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
-
-    def extra_repr(self) -> str:
-        return f"rope_type={self.rope_type}, dim={self.config.qk_rope_head_dim}"
 
 
 def apply_rotary_interleaved(x_BHSDr: torch.Tensor, cos_BSDr: torch.Tensor, sin_BSDr: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """DeepSeek-V3 causal LM: MLA decoder layers, dense first layers, MoE layers with shared experts.
 
 The decoder stack, the LM head with its chunked loss, the losses, init, the parallel plan and the HF load/save
-face are the ones every family shares (``Qwen3MoeForCausalLM``'s); this file says only what DeepSeek-V3 builds in
+face are the ones every family shares (``moeshard.models.common.MoECausalLM``); this file says only what DeepSeek-V3 builds in
 each layer and how its checkpoints look. Parallelism is applied from outside, by the same ``parallelize``.
 
     model = DeepseekV3ForCausalLM.from_pretrained("/ckpt/Moonlight-16B-A3B", dtype=torch.bfloat16)
@@ -9,9 +9,9 @@ each layer and how its checkpoints look. Parallelism is applied from outside, by
 
     with torch.device("meta"):                        # sharded training: build, parallelise, then fill
         model = DeepseekV3ForCausalLM(get_preset_config("deepseek-v3-16b"))
-    parallelize(model, meshes, ParallelOptions(compile=True))
+    par = parallelize(model, meshes, ParallelOptions(compile=True))
     model.to_empty(device="cuda")
-    model.init_weights()                              # or load_hf_weights(model, "/ckpt/...")
+    model.init_weights()                              # or load_hf_weights(model, path, ep_info=par.ep_info)
 """
 
 from __future__ import annotations
@@ -19,12 +19,10 @@ from __future__ import annotations
 from torch import nn
 from transformers import DeepseekV3Config
 
-from moeshard.models.common import HFFormat
-from moeshard.models.deepseekv3._layers import MLAttention, RotaryEmbedding
+from moeshard.models.common import DecoderLayer, DecoderModel, DenseMLP, HFFormat, MoECausalLM
+from moeshard.models.deepseekv3._layers import MLAttention
 from moeshard.models.deepseekv3._moe import DeepseekV3MoE
 from moeshard.models.deepseekv3._presets import MODEL_TYPE, check_config, is_moe_layer
-from moeshard.models.qwen3moe.layers import DenseMLP
-from moeshard.models.qwen3moe.model import DecoderLayer, Qwen3MoeForCausalLM, Qwen3MoeModel
 
 __all__ = ["DEEPSEEK_V3_FORMAT", "STRUCTURAL_CONFIG_KEYS", "DeepseekV3ForCausalLM", "DeepseekV3Model"]
 
@@ -66,7 +64,7 @@ DEEPSEEK_V3_FORMAT = HFFormat(
 """DeepSeek-V3's Hub checkpoints: the router's correction bias is stored; MTP layers are skipped on load."""
 
 
-class DeepseekV3Model(Qwen3MoeModel):
+class DeepseekV3Model(DecoderModel):
     """Embeddings, decoder layers (dense up to ``first_k_dense_replace``, then MoE) and the final norm."""
 
     @staticmethod
@@ -79,13 +77,8 @@ class DeepseekV3Model(Qwen3MoeModel):
         )
         return DecoderLayer(MLAttention(config), mlp, config.hidden_size, config.rms_norm_eps, layer_idx)
 
-    @staticmethod
-    def build_rotary(config: DeepseekV3Config) -> nn.Module:
-        """RoPE of width ``qk_rope_head_dim`` with the config's scaling."""
-        return RotaryEmbedding(config)
 
-
-class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
+class DeepseekV3ForCausalLM(MoECausalLM):
     """DeepSeek-V3 causal LM with transformers' FQNs, numerics and ``from_pretrained``/``save_pretrained`` face.
 
     ``forward`` returns the LM loss and, with router logits, the load-balancing loss of the router logits
@@ -99,17 +92,3 @@ class DeepseekV3ForCausalLM(Qwen3MoeForCausalLM):
 
     base_model_class = DeepseekV3Model
     hf_format = DEEPSEEK_V3_FORMAT
-    check_config = staticmethod(check_config)
-
-    @property
-    def num_experts(self) -> int:
-        """Routed experts per MoE layer (global)."""
-        return self.config.n_routed_experts
-
-    @property
-    def router_aux_loss_coef(self) -> float:
-        """``config.router_aux_loss_coef`` when set, else 0."""
-        return float(getattr(self.config, "router_aux_loss_coef", 0.0) or 0.0)
-
-    def enable_router_bias(self) -> None:
-        """Nothing to do: every DeepSeek-V3 router has its ``e_score_correction_bias``."""

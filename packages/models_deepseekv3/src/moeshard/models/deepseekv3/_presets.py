@@ -16,13 +16,12 @@ from typing import Any
 
 from transformers import DeepseekV3Config
 
-from moeshard.models.common import config_keys, preset_config
+from moeshard.models.common import SCORING_FUNCS, config_keys, preset_config
 
 __all__ = [
     "MODEL_TYPE",
     "PRESETS",
     "ROPE_TYPES",
-    "SCORING_FUNCS",
     "check_config",
     "count_parameters",
     "flops_per_token",
@@ -33,8 +32,6 @@ __all__ = [
 
 MODEL_TYPE = "deepseek_v3"
 """The ``model_type`` of the configs and checkpoints this package accepts."""
-SCORING_FUNCS = ("sigmoid", "softmax")
-"""Values of the router's ``scoring_func``."""
 ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 """RoPE scalings the model implements (transformers' static ones: the tables do not change with the length)."""
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeshard.models.qwen3moe.model import IGNORE_INDEX
+from moeshard.models.common._lm_loss import IGNORE_INDEX
 
 __all__ = ["EvalResult", "evaluate"]
 
@@ -53,7 +53,7 @@ def evaluate(
     """The model's loss over ``micro_batches`` of every rank of ``group`` (in eval mode, restored afterwards).
 
     Args:
-        model: a ``Qwen3MoeForCausalLM`` (plain or parallelised); called with ``labels`` and
+        model: any family's causal LM (plain or parallelised); called with ``labels`` and
             ``num_items_in_batch=1`` (its loss is then the sum of token losses), the loss through the head in chunks.
         micro_batches: objects with ``input_ids``, ``labels``, ``position_ids``, ``document_ids``,
             ``attention_mask`` and ``to(device, non_blocking)`` (``moeshard.data.Batch``); the same number on every

@@ -1,7 +1,7 @@
 """Expert balancing for a training loop: one object with the hooks a loop calls, and the losses it is made of.
 
 What balances the experts is not the model's business (the model returns the LM loss and transformers' aux loss
-as separate values, :class:`~moeshard.models.qwen3moe.CausalLMOutput`); a loop builds a :class:`Balancing` from
+as separate values, :class:`CausalLMOutput`); a loop builds a :class:`Balancing` from
 :class:`BalancingOptions` and calls its hooks in this order, every step::
 
     balancing = Balancing(model, BalancingOptions(aux_loss_coef=1e-3, scope="global_batch"), device=device)
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeshard.models.qwen3moe.moe import routers
+from moeshard.models.common._moe import Router, routers
 
 __all__ = [
     "SCOPES",
@@ -119,7 +119,7 @@ class Balancing:
         self.model, self.options, self.device = model, options, torch.device(device)
         self.routers = routers(model)
         self.top_k = model.config.num_experts_per_tok
-        if options.router_bias_rate is not None and any(r.bias is None for r in self.routers):
+        if options.router_bias_rate is not None and any(r.selection_bias is None for r in self.routers):
             raise ValueError(
                 "BalancingOptions.router_bias_rate is set but the routers have no bias: call "
                 "model.enable_router_bias() before building the Balancing"
@@ -151,9 +151,10 @@ class Balancing:
         aux = out.aux_loss if out.aux_loss is not None else zero
         z = zero
         if out.router_logits:
-            biases = [r.bias for r in self.routers]
             global_scope = o.scope == "global_batch"
-            counts = expert_counts(out.router_logits, self.top_k, biases, attention_mask_BS)
+            counts = expert_counts(
+                out.router_logits, self.top_k, attention_mask_BS=attention_mask_BS, routers=self.routers
+            )
             running = self.counts.add(counts, all_reduce=global_scope)
             if global_scope:  # the expert frequencies of micro-batches 1..m of this step, all ranks
                 aux = global_balancing_loss(out.router_logits, running, self.top_k, attention_mask_BS)
@@ -219,16 +220,23 @@ def expert_counts(
     top_k: int,
     biases: list[torch.Tensor | None] | None = None,
     attention_mask_BS: torch.Tensor | None = None,
+    routers: list[Router] | None = None,
 ) -> torch.Tensor:
     """Tokens routed to each expert of each MoE layer: float32 ``[L, E]`` (each token counts once per selected
-    expert; padding left out when ``attention_mask_BS`` is given). The same selection as the routers' (``biases``:
-    each router's ``bias``, see :func:`routers`). No host sync: sum it over micro-batches and all-reduce it over
-    ranks for the global load of a step."""
+    expert; padding left out when ``attention_mask_BS`` is given). No host sync: sum it over micro-batches and
+    all-reduce it over ranks for the global load of a step.
+
+    The selection: with ``routers`` (one per layer, :func:`routers`), each router's own (``select_ids``: its scores,
+    selection bias and groups, e.g. DeepSeek-V3's); else the softmax top-k of the logits plus ``biases`` (each
+    layer's selection bias or None), Qwen3-MoE's."""
     rows = []
     for i, logits_TE in enumerate(router_logits):
-        probs_TE = torch.softmax(logits_TE.detach(), dim=-1, dtype=torch.float32)
-        bias = biases[i] if biases is not None else None
-        ids_TK = torch.topk(probs_TE if bias is None else probs_TE + bias, top_k, dim=-1).indices
+        if routers is not None:
+            ids_TK = routers[i].select_ids(logits_TE)
+        else:
+            probs_TE = torch.softmax(logits_TE.detach(), dim=-1, dtype=torch.float32)
+            bias = biases[i] if biases is not None else None
+            ids_TK = torch.topk(probs_TE if bias is None else probs_TE + bias, top_k, dim=-1).indices
         weight_TK = torch.ones_like(ids_TK, dtype=torch.float32)
         if attention_mask_BS is not None:
             weight_TK = weight_TK * attention_mask_BS.reshape(-1, 1).to(weight_TK)
@@ -286,17 +294,19 @@ def router_z_loss(
 
 @torch.no_grad()
 def update_router_bias(model: nn.Module, load_LE: torch.Tensor, update_rate: float) -> None:
-    """Aux-loss-free balancing (DeepSeek-V3): after an optimizer step, move each router's selection bias by
-    ``update_rate`` towards balance, ``bias_e += rate · sign(mean load - load_e)``: under-loaded experts up,
+    """Aux-loss-free balancing (DeepSeek-V3's rule, its paper's γ = ``update_rate``): after an optimizer step, move
+    each router's selection bias (``selection_bias``: Qwen3-MoE's ``bias``, DeepSeek-V3's ``e_score_correction_bias``)
+    by ``update_rate`` towards balance, ``bias_e += γ · sign(mean load - load_e)``: under-loaded experts up,
     over-loaded down. ``load_LE``: the step's global expert counts (identical on every rank, so are the biases)."""
     rs = routers(model)
     if len(rs) != load_LE.shape[0]:
         raise ValueError(f"load has {load_LE.shape[0]} layers but the model has {len(rs)} MoE layers")
     for router, load_E in zip(rs, load_LE):
-        if router.bias is None:
+        bias = router.selection_bias
+        if bias is None:
             raise ValueError("the routers have no bias: call model.enable_router_bias() before training")
-        load_E = load_E.to(router.bias.device, torch.float32)
-        router.bias.add_(update_rate * torch.sign(load_E.mean() - load_E))
+        load_E = load_E.to(bias.device, torch.float32)
+        bias.add_(update_rate * torch.sign(load_E.mean() - load_E))
 
 
 class GlobalExpertCounts:

@@ -1,11 +1,11 @@
-"""Parallelising Qwen3-MoE for training: one function, one fixed order, options passed in.
+"""Parallelising any family's model for training: one function, one fixed order, options passed in.
 
     meshes = build_meshes(ep_size=2)                       # under torchrun (or fake_process_group to plan)
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(get_preset_config("qwen3-30b-a3b"))
+        model = DeepseekV3ForCausalLM(get_preset_config("deepseek-v3-16b"))     # or MoECausalLM(...)
     par = parallelize(model, meshes, ParallelOptions(compile=True, ep=EPOptions(kernels="triton")))
     model.to_empty(device="cuda")
-    load_hf_weights(model, "/ckpt/Qwen3-30B-A3B", ep_info=par.ep_info)  # or torch.manual_seed(s); model.init_weights()
+    load_hf_weights(model, "/ckpt/Moonlight-16B-A3B", ep_info=par.ep_info)  # or torch.manual_seed(s); model.init_weights()
 
 Needs the ``parallel`` extra (moeshard-meshes, moeshard-fsdp-moe, moeshard-prefetch), imported only when
 :func:`parallelize` runs: the model itself needs none of them.
@@ -22,7 +22,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from moeshard.ep import EPInfo, EPOptions, ExpertDispatch, recompute_contexts
-from moeshard.models.qwen3moe.model import Qwen3MoeForCausalLM
+from moeshard.models.common._causal_lm import MoECausalLM
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -189,7 +189,7 @@ class Parallelized:
 
 
 def parallelize(
-    model: Qwen3MoeForCausalLM, meshes: ParallelMeshes, options: ParallelOptions = ParallelOptions()
+    model: MoECausalLM, meshes: ParallelMeshes, options: ParallelOptions = ParallelOptions()
 ) -> Parallelized:
     """Apply expert parallelism, activation checkpointing, compilation, FSDP2 and prefetching, in that order.
 
@@ -220,7 +220,7 @@ def parallelize(
     ep_info=result.ep_info)``, or ``torch.manual_seed(s); model.init_weights()``.
 
     Args:
-        model: a :class:`Qwen3MoeForCausalLM` without EP or FSDP applied, on ``meta`` or materialised.
+        model: a :class:`MoECausalLM` without EP or FSDP applied, on ``meta`` or materialised.
         meshes: ``moeshard.meshes.build_meshes(ep_size=...)`` of this job.
         options: see :class:`ParallelOptions`.
 
@@ -228,7 +228,7 @@ def parallelize(
         The FSDP units, the prefetch schedule, the EP metadata and the options (:class:`Parallelized`).
 
     Raises:
-        TypeError: ``model`` is not a :class:`Qwen3MoeForCausalLM` or ``options`` not a :class:`ParallelOptions`.
+        TypeError: ``model`` is not a :class:`MoECausalLM` or ``options`` not a :class:`ParallelOptions`.
         ValueError: from ``apply_ep`` / ``shard_model`` (EP or FSDP already applied, an EP size that does not
             divide the experts, meshes of another world, ...).
     """
@@ -236,8 +236,8 @@ def parallelize(
     from moeshard.fsdp_moe import shard_model
     from moeshard.prefetch import apply_schedule, build_schedule, prefetch_forward_at_host_sync
 
-    if not isinstance(model, Qwen3MoeForCausalLM):
-        raise TypeError(f"parallelize takes a Qwen3MoeForCausalLM, got {type(model).__name__}")
+    if not isinstance(model, MoECausalLM):
+        raise TypeError(f"parallelize takes a model family's causal LM (an MoECausalLM), got {type(model).__name__}")
     if not isinstance(options, ParallelOptions):
         raise TypeError(f"options must be a ParallelOptions, got {type(options).__name__}")
 
@@ -271,7 +271,7 @@ def parallelize(
     return Parallelized(units=units, schedule=schedule, ep_info=ep_info, options=options)
 
 
-def apply_activation_checkpointing(model: Qwen3MoeForCausalLM) -> None:
+def apply_activation_checkpointing(model: MoECausalLM) -> None:
     """Recompute each decoder layer in backward: its ``forward`` becomes (an instance attribute, so FQNs, the state
     dict and FSDP's hooks are untouched) a non-reentrant ``torch.utils.checkpoint`` of itself.
 
