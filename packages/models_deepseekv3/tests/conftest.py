@@ -7,6 +7,8 @@ import torch
 from transformers import DeepseekV3Config
 from transformers import DeepseekV3ForCausalLM as HFDeepseekV3ForCausalLM
 
+from moeshard.models.common.testing import padded_batch
+
 # 3 layers, the first dense; 8 routed experts in 4 groups (2 kept) top-2, one shared expert; query LoRA; YaRN RoPE
 # with mscale; sigmoid scores with a correction bias (set non-zero below) and routed_scaling_factor 2.5.
 TINY_HF = dict(
@@ -93,10 +95,4 @@ def hf_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def batch():
     """``(input_ids, attention_mask, labels)``: 2 sequences of 12, the second left-padded by 4."""
-    gen = torch.Generator().manual_seed(7)
-    ids = torch.randint(1, 512, (2, 12), generator=gen)
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, :4] = 0
-    ids[1, :4] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    return ids, mask, labels
+    return padded_batch()

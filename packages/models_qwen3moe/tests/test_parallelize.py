@@ -19,6 +19,7 @@ from moeshard.ep import EPOptions
 from moeshard.meshes import build_meshes, fake_process_group
 from moeshard.meshes.testing import run_distributed
 from moeshard.models.common import ce_chunk
+from moeshard.models.common.testing import check_two_nodes_of_two
 from moeshard.models.qwen3moe import (
     Parallelized,
     ParallelOptions,
@@ -219,27 +220,6 @@ def test_parallelize_refuses_what_it_cannot_parallelize(tiny_hf_config):
 # ---- numbers on gloo ------------------------------------------------------------------------------------------
 
 
-def _parallel_step(path, ids_RBS, options):
-    """One rank: parallelize the meta model, load the checkpoint, forward and backward this rank's sequences."""
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    meshes = build_meshes(ep_size=2, device_type="cpu")
-    with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(load_hf_config(path))
-    par = parallelize(model, meshes, options)
-    model.to_empty(device="cpu")
-    load_hf_weights(model, path, ep_info=par.ep_info)
-    # This rank's share of the global mean (FSDP averages over ranks): its summed loss / (N_global / world).
-    n_global = ids_RBS.shape[0] * ids_RBS.shape[1] * (ids_RBS.shape[2] - 1)
-    ids = ids_RBS[rank]
-    loss = model(ids, labels=ids, num_items_in_batch=n_global / world, output_router_logits=False).loss
-    loss.backward()
-    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-    experts = {fqn: (m.expert_start, m.expert_end) for fqn, m in par.ep_info.params.items()}
-    return loss.detach(), grads, experts
-
-
 @pytest.mark.parametrize(
     "options",
     [
@@ -251,22 +231,8 @@ def _parallel_step(path, ids_RBS, options):
     ids=["defaults", "checkpointing", "selective-experts-kept"],
 )
 def test_two_nodes_of_two_at_ep_2_equal_one_process(hf_dir, options):
-    ids_RBS = torch.randint(1, 512, (4, 2, 10), generator=torch.Generator().manual_seed(3))
-    ref = Qwen3MoeForCausalLM.from_pretrained(hf_dir)
-    all_ids = ids_RBS.reshape(-1, ids_RBS.shape[-1])
-    ref_loss = ref(all_ids, labels=all_ids, output_router_logits=False).loss
-    ref_loss.backward()
-    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
-    results = run_distributed(_parallel_step, 4, hf_dir, ids_RBS, options, ranks_per_node=2)
-    torch.testing.assert_close(sum(loss for loss, _, _ in results) / 4, ref_loss, rtol=0, atol=1e-5)
-    for _, grads, experts in results:
-        assert grads.keys() == ref_grads.keys()
-        for name, grad in grads.items():
-            expected = ref_grads[name]
-            if name in experts:
-                start, end = experts[name]
-                expected = expected[start:end]
-            torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    reference = Qwen3MoeForCausalLM.from_pretrained(hf_dir)
+    check_two_nodes_of_two(Qwen3MoeForCausalLM, hf_dir, reference, options, output_router_logits=False)
 
 
 def _compiled_and_eager(path, ids_RSBS):

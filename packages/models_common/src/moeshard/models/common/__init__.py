@@ -88,7 +88,7 @@ from moeshard.models.common._parallelize import (
     apply_activation_checkpointing,
     parallelize,
 )
-from moeshard.models.common._presets import config_keys, preset_config
+from moeshard.models.common._presets import check_common_config, config_keys, preset_config
 from moeshard.models.common._safetensors import INDEX_NAME, CheckpointError, SafetensorsDir, TensorInfo
 
 __all__ = [
@@ -129,6 +129,7 @@ __all__ = [
     "build_attention_mask",
     "causal_lm_loss",
     "ce_chunk",
+    "check_common_config",
     "config_keys",
     "document_block_mask",
     "document_causal_mask",

@@ -19,6 +19,7 @@ on one device with no process group. Parallelism and compilation are applied fro
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from moeshard.ep import ParallelPlan
 from moeshard.models.common._balancing import load_balancing_loss
 from moeshard.models.common._hf_load import HFFormat
 from moeshard.models.common._layers import (
+    DenseMLP,
     RMSNorm,
     RotaryEmbedding,
     build_attention_mask,
@@ -113,8 +115,9 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embeddings, decoder layers and the final norm (``model.*`` in checkpoints); a family says what its layers are
-    (:meth:`build_layer`).
+    """Embeddings, decoder layers and the final norm (``model.*`` in checkpoints); a family says what its layers are:
+    ``attention_class(config)``, then ``moe_block_class(config)`` where ``is_moe_layer(config, i)``, else a dense
+    SwiGLU MLP of ``intermediate_size`` (:meth:`build_layer`).
 
     ``document_attention`` says how packed rows (``document_ids``) are masked: ``"auto"`` (default) uses a
     flex_attention ``BlockMask`` on CUDA (masked blocks skipped) and a dense SDPA mask elsewhere; ``"flex"`` and
@@ -132,10 +135,22 @@ class DecoderModel(nn.Module):
         self.document_attention = "auto"
         self.compiled_attention = False
 
-    @staticmethod
-    def build_layer(config: PretrainedConfig, layer_idx: int) -> DecoderLayer:
-        """Decoder layer ``layer_idx`` of the family (its attention, then its MoE block or dense MLP)."""
-        raise NotImplementedError
+    attention_class: type[nn.Module]
+    """The family's attention, ``attention_class(config)``."""
+    moe_block_class: type[nn.Module]
+    """The family's MoE block, ``moe_block_class(config)``."""
+    is_moe_layer: Callable[[PretrainedConfig, int], bool]
+    """Whether layer ``i`` of a config has routed experts (a staticmethod of the family's subclass)."""
+
+    @classmethod
+    def build_layer(cls, config: PretrainedConfig, layer_idx: int) -> DecoderLayer:
+        """Decoder layer ``layer_idx``: the family's attention, then its MoE block or a dense MLP."""
+        mlp = (
+            cls.moe_block_class(config)
+            if cls.is_moe_layer(config, layer_idx)
+            else DenseMLP(config.hidden_size, config.intermediate_size)
+        )
+        return DecoderLayer(cls.attention_class(config), mlp, config.hidden_size, config.rms_norm_eps, layer_idx)
 
     def forward(
         self,

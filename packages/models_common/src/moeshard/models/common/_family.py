@@ -27,7 +27,6 @@ class ModelFamily:
     """One model family's entry points (each family package exports its ``FAMILY``).
 
     Attributes:
-        name: the family's name, its configs' ``model_type`` (``"qwen3_moe"``, ``"deepseek_v3"``).
         model_class: the causal LM class (``model_class(config)``; its ``hf_format`` describes its checkpoints).
         presets: preset name → config fields.
         preset_config: ``preset_config(name, **overrides) -> config`` (``ValueError`` for an unknown name or field).
@@ -35,16 +34,23 @@ class ModelFamily:
         flops_per_token: training FLOPs per token (forward and backward) of a config at a sequence length: 6 x the
             matmul parameters a token passes through plus causal attention's score and value products (see each
             family's ``flops_per_token``).
-        structural_keys: config fields that decide parameter shapes.
     """
 
-    name: str
     model_class: type[nn.Module]
     presets: Mapping[str, Mapping[str, Any]]
     preset_config: Callable[..., PretrainedConfig]
     count_parameters: Callable[[PretrainedConfig], tuple[int, int]]
     flops_per_token: Callable[[PretrainedConfig, int], float]
-    structural_keys: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        """The family's name, its configs' ``model_type`` (``"qwen3_moe"``, ``"deepseek_v3"``)."""
+        return self.hf_format.model_type
+
+    @property
+    def structural_keys(self) -> tuple[str, ...]:
+        """Config fields that decide parameter shapes."""
+        return self.hf_format.structural_keys
 
     @property
     def hf_format(self) -> HFFormat:

@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-__all__ = ["config_keys", "preset_config"]
+__all__ = ["check_common_config", "config_keys", "preset_config"]
 
 
 def config_keys(config_class: type[PretrainedConfig], *extra: str) -> frozenset[str]:
@@ -46,3 +46,20 @@ def preset_config(
     config = config_class(**values)
     check(config)
     return config
+
+
+def check_common_config(config: PretrainedConfig, model_type: str, family: str) -> None:
+    """The checks every family makes: its ``model_type``, SwiGLU (``silu``) MLPs, untied embeddings.
+
+    Raises:
+        ValueError: naming the field and the fix.
+    """
+    found = getattr(config, "model_type", None)
+    if found != model_type:
+        raise ValueError(
+            f"config has model_type {found!r}, this model is {model_type!r}; load a {family} checkpoint or config"
+        )
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act={config.hidden_act!r} is not supported: the experts are SwiGLU; use 'silu'")
+    if config.tie_word_embeddings:
+        raise ValueError(f"tie_word_embeddings=True is not supported ({family} is untied); set it to False")

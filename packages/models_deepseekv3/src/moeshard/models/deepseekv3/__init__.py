@@ -35,15 +35,7 @@ from moeshard.models.deepseekv3._presets import (
     scoring_func,
 )
 
-FAMILY = _ModelFamily(
-    name=MODEL_TYPE,
-    model_class=DeepseekV3ForCausalLM,
-    presets=PRESETS,
-    preset_config=get_preset_config,
-    count_parameters=count_parameters,
-    flops_per_token=flops_per_token,
-    structural_keys=STRUCTURAL_CONFIG_KEYS,
-)
+FAMILY = _ModelFamily(DeepseekV3ForCausalLM, PRESETS, get_preset_config, count_parameters, flops_per_token)
 """DeepSeek-V3 as a :class:`moeshard.models.common.ModelFamily` (what a trainer needs, by family name)."""
 
 __all__ = [

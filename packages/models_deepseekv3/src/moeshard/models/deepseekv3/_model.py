@@ -16,10 +16,9 @@ each layer and how its checkpoints look. Parallelism is applied from outside, by
 
 from __future__ import annotations
 
-from torch import nn
 from transformers import DeepseekV3Config
 
-from moeshard.models.common import DecoderLayer, DecoderModel, DenseMLP, HFFormat, MoECausalLM
+from moeshard.models.common import DecoderModel, HFFormat, MoECausalLM
 from moeshard.models.deepseekv3._layers import MLAttention
 from moeshard.models.deepseekv3._moe import DeepseekV3MoE
 from moeshard.models.deepseekv3._presets import MODEL_TYPE, check_config, is_moe_layer
@@ -65,17 +64,12 @@ DEEPSEEK_V3_FORMAT = HFFormat(
 
 
 class DeepseekV3Model(DecoderModel):
-    """Embeddings, decoder layers (dense up to ``first_k_dense_replace``, then MoE) and the final norm."""
+    """Embeddings, decoder layers (MLA, then dense MLPs up to ``first_k_dense_replace``, then the MoE block with its
+    shared experts) and the final norm."""
 
-    @staticmethod
-    def build_layer(config: DeepseekV3Config, layer_idx: int) -> DecoderLayer:
-        """Decoder layer ``layer_idx``: MLA, then the MoE block (routed + shared experts) or a dense MLP."""
-        mlp: nn.Module = (
-            DeepseekV3MoE(config)
-            if is_moe_layer(config, layer_idx)
-            else DenseMLP(config.hidden_size, config.intermediate_size)
-        )
-        return DecoderLayer(MLAttention(config), mlp, config.hidden_size, config.rms_norm_eps, layer_idx)
+    attention_class = MLAttention
+    moe_block_class = DeepseekV3MoE
+    is_moe_layer = staticmethod(is_moe_layer)
 
 
 class DeepseekV3ForCausalLM(MoECausalLM):

@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import DeepseekV3Config
 
-from moeshard.models.common import SCORING_FUNCS, config_keys, preset_config
+from moeshard.models.common import SCORING_FUNCS, check_common_config, config_keys, preset_config
 
 __all__ = [
     "MODEL_TYPE",
@@ -153,16 +153,7 @@ def check_config(config: DeepseekV3Config) -> None:
     Raises:
         ValueError: another architecture, or a feature we do not support.
     """
-    model_type = getattr(config, "model_type", None)
-    if model_type != MODEL_TYPE:
-        raise ValueError(
-            f"config has model_type {model_type!r}, this model is {MODEL_TYPE!r}; load a DeepSeek-V3 checkpoint or "
-            "config (transformers.DeepseekV3Config)"
-        )
-    if config.hidden_act != "silu":
-        raise ValueError(f"hidden_act={config.hidden_act!r} is not supported: the experts are SwiGLU; use 'silu'")
-    if config.tie_word_embeddings:
-        raise ValueError("tie_word_embeddings=True is not supported (DeepSeek-V3 is untied); set it to False")
+    check_common_config(config, MODEL_TYPE, "DeepSeek-V3")
     if scoring_func(config) not in SCORING_FUNCS:
         raise ValueError(f"scoring_func={scoring_func(config)!r} is not supported; choose one of {SCORING_FUNCS}")
     rope_type = (config.rope_parameters or {}).get("rope_type", "default")

@@ -58,15 +58,7 @@ from moeshard.models.qwen3moe.presets import (
     is_moe_layer,
 )
 
-FAMILY = _ModelFamily(
-    name=MODEL_TYPE,
-    model_class=Qwen3MoeForCausalLM,
-    presets=PRESETS,
-    preset_config=get_preset_config,
-    count_parameters=count_parameters,
-    flops_per_token=flops_per_token,
-    structural_keys=STRUCTURAL_CONFIG_KEYS,
-)
+FAMILY = _ModelFamily(Qwen3MoeForCausalLM, PRESETS, get_preset_config, count_parameters, flops_per_token)
 """Qwen3-MoE as a :class:`moeshard.models.common.ModelFamily` (what a trainer needs, by family name)."""
 
 __all__ = [

@@ -16,10 +16,7 @@ in each layer and how its checkpoints look.
 
 from __future__ import annotations
 
-from torch import nn
-from transformers import Qwen3MoeConfig
-
-from moeshard.models.common import DecoderLayer, DecoderModel, DenseMLP, MoECausalLM
+from moeshard.models.common import DecoderModel, MoECausalLM
 from moeshard.models.qwen3moe.checkpoint import QWEN3_FORMAT
 from moeshard.models.qwen3moe.layers import Attention
 from moeshard.models.qwen3moe.moe import SparseMoeBlock
@@ -29,17 +26,11 @@ __all__ = ["Qwen3MoeForCausalLM", "Qwen3MoeModel"]
 
 
 class Qwen3MoeModel(DecoderModel):
-    """Embeddings, decoder layers and the final norm (``model.*`` in checkpoints)."""
+    """Embeddings, decoder layers (GQA attention, then the MoE block or a dense MLP) and the final norm."""
 
-    @staticmethod
-    def build_layer(config: Qwen3MoeConfig, layer_idx: int) -> DecoderLayer:
-        """Decoder layer ``layer_idx``: GQA attention, then the MoE block or a dense MLP (``is_moe_layer``)."""
-        mlp: nn.Module = (
-            SparseMoeBlock(config)
-            if is_moe_layer(config, layer_idx)
-            else DenseMLP(config.hidden_size, config.intermediate_size)
-        )
-        return DecoderLayer(Attention(config), mlp, config.hidden_size, config.rms_norm_eps, layer_idx)
+    attention_class = Attention
+    moe_block_class = SparseMoeBlock
+    is_moe_layer = staticmethod(is_moe_layer)
 
 
 class Qwen3MoeForCausalLM(MoECausalLM):

@@ -13,7 +13,7 @@ from typing import Any
 
 from transformers import Qwen3MoeConfig
 
-from moeshard.models.common import config_keys, preset_config
+from moeshard.models.common import check_common_config, config_keys, preset_config
 
 __all__ = [
     "MODEL_TYPE",
@@ -110,16 +110,7 @@ def check_config(config: Qwen3MoeConfig) -> None:
         ValueError: another architecture, or a feature we do not support (sliding window, tied embeddings,
             activation other than SiLU, RoPE scaling, inconsistent head counts).
     """
-    model_type = getattr(config, "model_type", None)
-    if model_type != MODEL_TYPE:
-        raise ValueError(
-            f"config has model_type {model_type!r}, this model is {MODEL_TYPE!r}; load a Qwen3-MoE checkpoint or "
-            "config (transformers.Qwen3MoeConfig)"
-        )
-    if config.hidden_act != "silu":
-        raise ValueError(f"hidden_act={config.hidden_act!r} is not supported: the experts are SwiGLU; use 'silu'")
-    if config.tie_word_embeddings:
-        raise ValueError("tie_word_embeddings=True is not supported (Qwen3-MoE is untied); set it to False")
+    check_common_config(config, MODEL_TYPE, "Qwen3-MoE")
     if config.use_sliding_window:
         raise ValueError("use_sliding_window=True is not supported (Qwen3-MoE does not use it); set it to False")
     rope = config.rope_parameters or {}
