@@ -9,7 +9,12 @@ set -u
 OLD=${OLD:-.bench_old}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-S="--layers 8 --steps ${STEPS:-22} --warmup 6 --compile"
+# The same job in each tree's words: the job's keys (--section.key=value) since 0.4, bench's own flags before.
+S_NEW="--model.overrides.num_hidden_layers=8 --steps ${STEPS:-22} --warmup 6 --parallel.compile=true --parallel.ep.kernels=triton"
+S_OLD="--layers 8 --steps ${STEPS:-22} --warmup 6 --compile"
+flags_of() {  # flags_of TREE EP_SIZE
+  if grep -rqs "BENCH_JOB" "$1/apps/train/src"; then echo "$S_NEW --parallel.ep_size=$2"; else echo "$S_OLD --ep-size $2"; fi
+}
 path_of() {
   local root=$1
   echo "$root/packages/meshes/src:$root/packages/ep/src:$root/packages/fsdp_moe/src:$root/packages/prefetch/src:$root/packages/models_qwen3moe/src:$root/packages/data/src:$root/apps/train/src"
@@ -17,7 +22,7 @@ path_of() {
 bench() {  # bench NAME TREE EP_SIZE
   local name=$1 tree=$2 ep=$3
   PYTHONPATH="$(path_of "$tree")" timeout "${T:-240}" python3 -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-2}" \
-    -m moeshard.train bench $S --ep-size "$ep" --out "$OUT/$name.json" 2>&1 \
+    -m moeshard.train bench $(flags_of "$tree" "$ep") --out "$OUT/$name.json" 2>&1 \
     | grep -v "UserWarning\|warnings.warn\|_rng_tracker\|AVOID_RECORD\|_warn_once" > "$OUT/$name.log"
   tail -n 1 "$OUT/$name.log"
 }

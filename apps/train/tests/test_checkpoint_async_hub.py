@@ -43,10 +43,8 @@ ONE = [
 @pytest.fixture
 def world_of_one(tmp_path):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    faults.configure(tmp_path, 0)
     yield
     dist.destroy_process_group()
-    faults.configure(tmp_path, 0)
 
 
 def _steps(out: Path) -> list[int]:
@@ -95,12 +93,11 @@ def test_published_after_the_write_with_the_values_of_its_start(world_of_one, tm
 def test_a_failed_background_write_is_never_published(world_of_one, tmp_path, monkeypatch):
     d = tmp_path / "ckpts"
     ckpt.save_checkpoint(d, 2, {"model": {"w": torch.ones(4)}}, {"step": 2}, {"rng": 2}, keep_last=2)
-    monkeypatch.setenv(faults.ENV, "enospc:0:during_save:4")
-    faults.configure(tmp_path, 0)
+    plan = faults.Faults.from_env(tmp_path, 0, {faults.ENV: "enospc:0:during_save:4"})
     stager = checkpoint_async.make_stager(torch.device("cpu"))
     pending = checkpoint_async.start_async_save(
         d, 4, {"model": {"w": torch.zeros(4)}}, {"step": 4}, {"rng": 4}, keep_last=2,
-        group=dist.new_group(backend="gloo"), stager=stager,
+        group=dist.new_group(backend="gloo"), stager=stager, writer_factory=plan.storage_writer,
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while not pending.upload.done() and time.monotonic() < deadline:
@@ -139,7 +136,7 @@ def test_async_run_goes_on_while_saving_and_writes_hub_folders(clean_env, capsys
     elsewhere.mkdir()
     _tokenizer(run_dir / "tok")
     out = tmp_path / "out"
-    real_writer, overlapped = faults.storage_writer, []
+    real_writer, overlapped = faults.Faults.storage_writer, []
 
     class WaitsForStep3(FileSystemWriter):
         def write_data(self, plan, planner):
@@ -149,10 +146,10 @@ def test_async_run_goes_on_while_saving_and_writes_hub_folders(clean_env, capsys
             overlapped.append(3 in _steps(out))
             return super().write_data(plan, planner)
 
-    def writer(path, step):
-        return WaitsForStep3(str(path)) if step == 2 else real_writer(path, step)
+    def writer(self, path, step):
+        return WaitsForStep3(str(path)) if step == 2 else real_writer(self, path, step)
 
-    monkeypatch.setattr(faults, "storage_writer", writer)
+    monkeypatch.setattr(faults.Faults, "storage_writer", writer)
     monkeypatch.chdir(run_dir)  # data.tokenizer by a relative path
     hub = ["--checkpoint.save_hf=every", "--checkpoint.hf_dtype=float32", "--data.tokenizer=tok"]
     # 6 steps: two saves in the background (steps 2 and 4, each with a stager of its own), the last one in place
@@ -204,8 +201,9 @@ def test_a_failed_background_save_stops_the_run_in_one_line(clean_env, capsys, t
 
 def test_bench_reports_the_step_time_cost_of_a_save(clean_env, capsys, tmp_path):
     out, saves = tmp_path / "bench.json", tmp_path / "bench_checkpoints"
-    args = ["bench", "--preset", "tiny", "--layers", "2", "--seq-len", "32", "--batch-per-gpu", "2", "--steps", "6"]
-    args += ["--warmup", "1", "--checkpoint-every", "2", "--async-checkpoint", "--checkpoint-dir", str(saves)]
+    args = ["bench", "--model.preset=tiny", "--model.overrides.num_hidden_layers=2", "--data.seq_len=32"]
+    args += ["--batch-per-gpu", "2", "--steps", "6", "--warmup", "1", "--checkpoint-every", "2"]
+    args += ["--checkpoint.async=true", "--checkpoint-dir", str(saves)]
     assert main([*args, "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     # after steps 2, 4 and 6; the last one's next step is not run, so two costs

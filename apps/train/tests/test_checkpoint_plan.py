@@ -17,15 +17,15 @@ from moeshard.train.errors import CheckpointSaveError
 def world_of_one(tmp_path):
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    faults.configure(tmp_path, 0)
     yield
     dist.destroy_process_group()
-    faults.configure(tmp_path, 0)
 
 
-def _save(d: Path, step: int, keep_last: int = 2) -> Path:
+def _save(d: Path, step: int, keep_last: int = 2, writer_factory=None) -> Path:
     state = {"model": {"w": torch.full((4,), float(step))}}
-    return ckpt.save_checkpoint(d, step, state, {"step": step}, {"rng": step}, keep_last=keep_last)
+    return ckpt.save_checkpoint(
+        d, step, state, {"step": step}, {"rng": step}, keep_last=keep_last, writer_factory=writer_factory
+    )
 
 
 def test_atomic_publication_and_pruning(world_of_one, tmp_path):
@@ -56,13 +56,12 @@ def test_atomic_publication_and_pruning(world_of_one, tmp_path):
 def test_failed_save_keeps_the_previous_checkpoint(world_of_one, tmp_path, monkeypatch):
     d = tmp_path / "ckpts"
     _save(d, 2)
-    monkeypatch.setenv(faults.ENV, "enospc:0:during_save:4")
-    faults.configure(tmp_path, 0)
+    plan = faults.Faults.from_env(tmp_path, 0, {faults.ENV: "enospc:0:during_save:4"})
     with pytest.raises(CheckpointSaveError, match=r"step 4 failed \(rank 0: OSError: \[Errno 28\] No space left"):
-        _save(d, 4)
+        _save(d, 4, writer_factory=plan.storage_writer)
     assert sorted(p.name for p in d.iterdir()) == ["step_00000002"]
     assert (tmp_path / ".faults_fired/enospc:0:during_save:4").is_file()
-    _save(d, 4)  # fired once: the retry (e.g. after a restart) succeeds
+    _save(d, 4, writer_factory=plan.storage_writer)  # fired once: the retry (e.g. after a restart) succeeds
     assert ckpt.newest_checkpoint(d).name == "step_00000004"
 
 

@@ -193,7 +193,8 @@ def test_bench_reports_every_figure(tmp_path):
     out = tmp_path / "bench.json"
     res = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moeshard.train"]
-        + ["bench", "--preset", "tiny", "--layers", "2", "--seq-len", "32", "--ep-size", "2"]
+        + ["bench", "--model.preset=tiny", "--model.overrides.num_hidden_layers=2", "--data.seq_len=32"]
+        + ["--parallel.ep_size=2"]
         + ["--steps", "4", "--warmup", "1", "--out", str(out)],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,

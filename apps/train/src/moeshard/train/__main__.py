@@ -80,8 +80,16 @@ def _config(argv: list[str]) -> int:
     )
     parser.add_argument("--config", default=None, help="YAML file; omitted: the embedded default job")
     parser.add_argument("--show", action="store_true", help="every key with its value, default and meaning")
+    parser.add_argument(
+        "--markdown", action="store_true", help="every key's default and meaning as a Markdown table (the README's)"
+    )
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
+    if args.markdown:
+        from moeshard.train.config import config_table
+
+        print(config_table(cfg), end="")
+        return 0
     if not args.show:
         import yaml
 

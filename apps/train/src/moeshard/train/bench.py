@@ -1,14 +1,16 @@
 """``moeshard-train bench``: throughput of the full training step on the Qwen3-30B-A3B geometry with L layers.
 
-    torchrun --nproc-per-node 2 -m moeshard.train bench --layers 8 --ep-size 2 --out bench.json
-    torchrun --nproc-per-node 1 -m moeshard.train bench --layers 8 --ep-size 1
+    torchrun --nproc-per-node 2 -m moeshard.train bench --parallel.ep_size=2 --out bench.json
+    torchrun --nproc-per-node 1 -m moeshard.train bench --parallel.compile=true --parallel.ep.kernels=triton
+    torchrun --nproc-per-node 1 -m moeshard.train bench --config my_job.yaml --model.overrides.num_hidden_layers=4
 
-Synthetic tokens, seq 4096, 4 sequences per GPU per step by default, bf16 compute with fp32 master weights and
-fp32 gradient reduction (the experts': ``--expert-reduce-dtype``), AdamW, clipping. Prints and writes (JSON) tokens/s/GPU (median of the steps after
+The job is the training job's (``--config FILE --section.key=value``, as ``moeshard-train`` takes them) over the
+benchmark's own (``BENCH_JOB``: 8 layers of the 30B-A3B geometry, EP 1, synthetic tokens, seq 4096), 4 sequences
+per GPU per step by default, bf16 compute with fp32 master weights and fp32 gradient reduction, AdamW, clipping;
+only what is the benchmark's own is a flag of its own (steps, warm-up, batch per GPU, timing, synthetic
+documents, checkpoint cost, profile and trace). Prints and writes (JSON) tokens/s/GPU (median of the steps after
 warm-up), MFU, peak memory, device→host syncs per step (``torch.cuda.set_sync_debug_mode``), the layout and the
-options. It builds and steps through ``moeshard.train.train`` (``build``, ``train_step``) like the training job;
-``--dispatch``, ``--expert-kernels``, ``--sm-carveout``, ``--gradient-sync``, ``--expert-reduce-dtype``,
-``--[no-]expert-reshard-after-forward`` and ``--compile`` set the job's keys of the same names.
+options. It builds and steps through ``moeshard.train.train`` (``build``, ``train_step``) like the training job.
 FLOPs/token = 6·(matmul params active per token) + 6·L·2·(S/2)·(heads·head_dim); MFU over 989 TFLOP/s.
 
 Steps run back to back, as a training loop runs them (no synchronisation between steps; the losses are read
@@ -18,12 +20,12 @@ alone instead (synchronise and barrier before it, synchronise after it, host clo
 the host's start-up latency before its first kernel.
 
 ``--checkpoint-every N`` saves the job's checkpoint (model, optimizer: what training saves) after every N-th step
-into ``--checkpoint-dir`` (removed at the end), synchronously or with ``--async-checkpoint`` as
-``checkpoint.async: true`` does, and reports the step-time cost of one save: the time of the step before the save
+into ``--checkpoint-dir`` (removed at the end), synchronously or with ``--checkpoint.async=true`` as the job
+does, and reports the step-time cost of one save: the time of the step before the save
 and the next one (where a background save's copy and write overlap) minus twice the median step without a save.
 
-    torchrun --nproc-per-node 1 -m moeshard.train bench --layers 8 --steps 24 --checkpoint-every 6
-    torchrun --nproc-per-node 1 -m moeshard.train bench --layers 8 --steps 24 --checkpoint-every 6 --async-checkpoint
+    torchrun --nproc-per-node 1 -m moeshard.train bench --steps 24 --checkpoint-every 6
+    torchrun --nproc-per-node 1 -m moeshard.train bench --steps 24 --checkpoint-every 6 --checkpoint.async=true
 """
 
 from __future__ import annotations
@@ -43,21 +45,7 @@ import torch
 import torch.distributed as dist
 
 from moeshard.data import Batch
-from moeshard.train.config import (
-    CHECKPOINTING,
-    DISPATCH,
-    EXPERT_KERNELS,
-    GRADIENT_SYNC,
-    REDUCE_DTYPES,
-    SELECTIVE,
-    CheckpointConfig,
-    DataConfig,
-    JobConfig,
-    LoggingConfig,
-    ModelConfig,
-    ParallelConfig,
-    TrainConfig,
-)
+from moeshard.train.config import JobConfig, load_config
 from moeshard.train.metrics import flops_per_token, mfu
 
 if TYPE_CHECKING:
@@ -66,14 +54,17 @@ if TYPE_CHECKING:
 
 def main(argv: list[str]) -> int:
     """Run the benchmark under torchrun; rank 0 prints the table and writes ``--out``."""
-    args = _parse_args(argv)
+    args, overrides = _parse_args(argv)
 
     from moeshard.train.train import build, init_distributed
 
     device = init_distributed()
     world = dist.get_world_size()
-    mb = args.micro_batch or args.batch_per_gpu
-    cfg = _job_config(args, device, world, mb)
+    cfg = _job_config(args, overrides, world)
+    mb = cfg.train.micro_batch_size
+    # The job's figures the benchmark's helpers read.
+    args.seq_len, args.ep_size, args.data = cfg.data.seq_len, cfg.parallel.ep_size, cfg.data.path
+    args.async_checkpoint = cfg.checkpoint.async_
     torch.manual_seed(0)
     job = build(cfg, device)
     if dist.get_rank() == 0:
@@ -114,67 +105,57 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _parse_args(argv: list[str]) -> argparse.Namespace:
-    """The command line of ``moeshard-train bench``."""
-    p = argparse.ArgumentParser(prog="moeshard-train bench")
-    p.add_argument("--preset", default="qwen3-30b-a3b", help="model geometry (tiny: a CPU smoke test)")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--batch-per-gpu", type=int, default=4, help="sequences per GPU per optimizer step")
-    p.add_argument("--micro-batch", type=int, default=None, help="sequences per forward (default: batch-per-gpu)")
-    p.add_argument("--ep-size", type=int, default=1)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--prefetch-depth", type=int, default=1)
-    p.add_argument(
-        "--no-prefetch-at-host-sync",
-        action="store_true",
-        help="issue forward prefetches in the pre-forward hooks (FSDP2's place) instead of at the EP host sync",
+BENCH_JOB: dict[str, dict] = {
+    "model": {"preset": "qwen3-30b-a3b", "overrides": {"num_hidden_layers": 8}},
+    "parallel": {"ep_size": 1},
+    "data": {"seq_len": 4096},
+    "train": {"lr": 1e-4, "warmup_steps": 1, "min_lr": 1e-5},
+    "checkpoint": {"resume": "none"},
+    "logging": {"tensorboard": False, "progress_bar": False},
+}
+"""The benchmark's job under ``--config`` and the ``--section.key=value`` overrides: 8 layers of the 30B-A3B
+geometry, EP 1, seq 4096, synthetic rows (``--data.path=...`` for real ones), the compute dtype ``auto`` (bf16 on
+CUDA)."""
+
+# The flags of 0.3 that are the job's keys now: one line says what to write instead.
+RENAMED_FLAGS = {
+    "--preset": "--model.preset=NAME",
+    "--layers": "--model.overrides.num_hidden_layers=N",
+    "--seq-len": "--data.seq_len=N",
+    "--micro-batch": "--train.micro_batch_size=N",
+    "--ep-size": "--parallel.ep_size=N",
+    "--prefetch-depth": "--parallel.prefetch_depth=N",
+    "--no-prefetch-at-host-sync": "--parallel.prefetch_at_host_sync=false",
+    "--activation-checkpointing": "--parallel.activation_checkpointing=full|selective",
+    "--selective-recompute": "--parallel.selective_recompute=mlp|activation",
+    "--no-reshard-after-forward": "--parallel.reshard_after_forward=false",
+    "--expert-reshard-after-forward": "--parallel.expert_reshard_after_forward=true",
+    "--no-expert-reshard-after-forward": "--parallel.expert_reshard_after_forward=false",
+    "--expert-reduce-dtype": "--parallel.expert_reduce_dtype=bfloat16",
+    "--compile": "--parallel.compile=true --parallel.ep.kernels=triton",
+    "--no-fused-expert-update": "--train.fuse_local_experts=false",
+    "--gradient-sync": "--train.gradient_sync=last_micro_batch",
+    "--dispatch": "--parallel.ep.dispatch=overlapped|all_to_all",
+    "--expert-kernels": "--parallel.ep.kernels=eager|compiled|triton",
+    "--sm-carveout": "--parallel.ep.sm_carveout=N",
+    "--data": "--data.path=PATH",
+    "--async-checkpoint": "--checkpoint.async=true",
+}
+
+
+def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The command line of ``moeshard-train bench``: the job's ``--config FILE --section.key=value``, plus the
+    benchmark's own flags (steps, warm-up, batch per GPU, timing, synthetic documents, checkpoint cost, profile)."""
+    p = argparse.ArgumentParser(
+        prog="moeshard-train bench",
+        epilog="Any --section.key=value sets a key of the job (as moeshard-train does), over --config and over the "
+        "benchmark's job (8 layers of qwen3-30b-a3b, EP 1, seq 4096, synthetic rows).",
     )
+    p.add_argument("--config", default=None, help="a job's YAML file (its keys over the benchmark's job)")
+    p.add_argument("--steps", type=int, default=12, help="steps in all (train.steps), warm-up included")
+    p.add_argument("--warmup", type=int, default=4, help="steps left out of the timing")
     p.add_argument(
-        "--activation-checkpointing",
-        nargs="?",
-        const="full",
-        default="none",
-        choices=CHECKPOINTING,
-        help="train.activation_checkpointing (the flag alone: full)",
-    )
-    p.add_argument(
-        "--selective-recompute",
-        default="mlp",
-        choices=SELECTIVE,
-        help="train.selective_recompute",
-    )
-    p.add_argument("--no-reshard-after-forward", action="store_true")
-    p.add_argument(
-        "--expert-reshard-after-forward",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="parallel.expert_reshard_after_forward: the expert units' own (ep_fsdp > 1; default: as the others); "
-        "--no-expert-reshard-after-forward keeps them gathered from forward to backward",
-    )
-    p.add_argument(
-        "--expert-reduce-dtype",
-        choices=REDUCE_DTYPES,
-        default="float32",
-        help="parallel.expert_reduce_dtype: the expert units' gradient reduce-scatter (ep_fsdp > 1)",
-    )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="train.compile: torch.compile each layer's attention half and the loss chunk; expert kernels triton "
-        "(unless --expert-kernels says otherwise)",
-    )
-    p.add_argument(
-        "--no-fused-expert-update",
-        action="store_true",
-        help="update the experts outside FSDP with torch's AdamW like every other parameter (fp32 gradients)",
-    )
-    p.add_argument(
-        "--gradient-sync",
-        choices=GRADIENT_SYNC,
-        default="every_micro_batch",
-        help="train.gradient_sync: FSDP reduces gradients after every micro-batch or only after the last",
+        "--batch-per-gpu", type=int, default=4, help="sequences per GPU per step (train.global_batch_size / world)"
     )
     p.add_argument(
         "--isolated-steps",
@@ -190,21 +171,6 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         "updates only after finding them finite): one more device-to-host sync per step",
     )
     p.add_argument(
-        "--dispatch", choices=DISPATCH, default="overlapped", help="parallel.dispatch: the EP token exchange (EP > 1)"
-    )
-    p.add_argument(
-        "--expert-kernels",
-        choices=EXPERT_KERNELS,
-        default="auto",
-        help="parallel.expert_kernels: pointwise kernels around the expert GEMMs (auto: triton with --compile)",
-    )
-    p.add_argument(
-        "--sm-carveout",
-        type=int,
-        default=ParallelConfig.sm_carveout,
-        help="parallel.sm_carveout: SMs left to the exchange while an expert GEMM overlaps it (0: off)",
-    )
-    p.add_argument(
         "--documents",
         type=int,
         default=0,
@@ -213,23 +179,18 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         "tokens, document-masked attention and positions restarting per document (0: one causal sequence per row)",
     )
     p.add_argument(
-        "--data",
-        default=None,
-        help="train on this data.path (e.g. a prepared folder) through the job's loader instead of synthetic rows",
-    )
-    p.add_argument(
         "--preload",
         action="store_true",
-        help="with --data: read every step's rows before the timed loop (the loader's cost left out, for comparison)",
+        help="with --data.path: read every step's rows before the timed loop (the loader's cost left out)",
     )
     p.add_argument(
         "--checkpoint-every",
         type=int,
         default=0,
         metavar="N",
-        help="save the job's checkpoint after every N-th step and report the step-time cost of a save (0: none)",
+        help="save the job's checkpoint after every N-th step and report the step-time cost of a save (0: none); "
+        "--checkpoint.async=true saves in the background",
     )
-    p.add_argument("--async-checkpoint", action="store_true", help="with --checkpoint-every: checkpoint.async: true")
     p.add_argument(
         "--checkpoint-dir", default="bench_checkpoints", help="where --checkpoint-every saves (removed at the end)"
     )
@@ -242,45 +203,26 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         help="profile GPU activity only: no host-side op records, so the host runs at nearly its unprofiled speed "
         "and host-bound stretches show as they are",
     )
-    return p.parse_args(argv)
+    args, rest = p.parse_known_args(argv)
+    overrides = []
+    for item in rest:
+        flag = item.split("=", 1)[0]
+        if flag in RENAMED_FLAGS:
+            p.error(f"{flag} is a key of the job now: write {RENAMED_FLAGS[flag]}")
+        if not (item.startswith("--") and "." in flag and "=" in item):
+            p.error(f"unrecognized argument {item!r} (the job's keys are --section.key=value)")
+        overrides.append(item)
+    return args, overrides
 
 
-def _job_config(args: argparse.Namespace, device: torch.device, world: int, mb: int) -> JobConfig:
-    """The training job's config for the benchmark: synthetic data, no checkpoints, no logging."""
-    return JobConfig(
-        model=ModelConfig(
-            preset=args.preset,
-            overrides={"num_hidden_layers": args.layers},
-            dtype="bfloat16" if device.type == "cuda" else "float32",
-        ),
-        parallel=ParallelConfig(
-            ep_size=args.ep_size,
-            prefetch_depth=args.prefetch_depth,
-            prefetch_at_host_sync=not args.no_prefetch_at_host_sync,
-            reshard_after_forward=not args.no_reshard_after_forward,
-            expert_reshard_after_forward=args.expert_reshard_after_forward,
-            expert_reduce_dtype=args.expert_reduce_dtype,
-            dispatch=args.dispatch,
-            expert_kernels=args.expert_kernels,
-            sm_carveout=args.sm_carveout,
-        ),
-        data=DataConfig(seq_len=args.seq_len, synthetic=True),
-        train=TrainConfig(
-            steps=args.steps,
-            global_batch_size=args.batch_per_gpu * world,
-            micro_batch_size=mb,
-            lr=1e-4,
-            warmup_steps=1,
-            min_lr=1e-5,
-            activation_checkpointing=args.activation_checkpointing,
-            selective_recompute=args.selective_recompute,
-            compile=args.compile,
-            fused_expert_update=not args.no_fused_expert_update,
-            gradient_sync=args.gradient_sync,
-        ),
-        checkpoint=CheckpointConfig(resume="none", async_=args.async_checkpoint),
-        logging=LoggingConfig(tensorboard=False, progress_bar=False),
-    )
+def _job_config(args: argparse.Namespace, overrides: list[str], world: int) -> JobConfig:
+    """The training job's config for the benchmark: :data:`BENCH_JOB` under ``--config`` and the overrides, with
+    the benchmark's steps and batch (micro-batch: the batch per GPU unless ``train.micro_batch_size`` is given)."""
+    train = {"steps": args.steps, "global_batch_size": args.batch_per_gpu * world}
+    if not any(o.startswith("--train.micro_batch_size=") for o in overrides):
+        train["micro_batch_size"] = args.batch_per_gpu
+    base = {**BENCH_JOB, "train": {**BENCH_JOB["train"], **train}}
+    return load_config(args.config, overrides, base=base)
 
 
 def _synthetic_batches(
@@ -326,7 +268,7 @@ def _real_batches(args: argparse.Namespace, job: Job, world: int, mb: int):
     from moeshard.data import PrefetchLoader, StepBatches, open_dataset
 
     mc = job.model_config
-    data = open_dataset(Rows(path=args.data, seq_len=args.seq_len), vocab_size=mc.vocab_size)
+    data = open_dataset(Rows(path=job.cfg.data.path, seq_len=args.seq_len), vocab_size=mc.vocab_size)
     batches = StepBatches(data, global_batch=args.batch_per_gpu * world, world_size=world, micro_batch=mb)
     return PrefetchLoader(batches, rank=dist.get_rank(), start_step=0, stop_step=args.steps)
 
@@ -351,7 +293,7 @@ class _Saves:
         self.start_async_save, self.make_stager = checkpoint_async.start_async_save, checkpoint_async.make_stager
         self.dir = Path(args.checkpoint_dir)
         self.pending = None
-        self.group = dist.new_group(backend="gloo") if args.async_checkpoint else None
+        self.group = dist.new_group(backend="gloo") if job.cfg.checkpoint.async_ else None
 
     def before_update(self, stats: StepStats) -> None:
         if self.pending is not None:
@@ -510,27 +452,29 @@ def _result(
     step_s = statistics.median(times)
     tps = args.batch_per_gpu * args.seq_len / step_s
     fpt = flops_per_token(job.model_config, args.seq_len)
+    cfg, options = job.cfg, job.parallel.options
+    layers = job.model_config.num_hidden_layers
     return {
-        "layers": args.layers,
+        "layers": layers,
         "seq_len": args.seq_len,
         "world_size": world,
         "ep_size": args.ep_size,
         "ep_fsdp_size": world // args.ep_size,
         "batch_per_gpu": args.batch_per_gpu,
         "micro_batch": mb,
-        "activation_checkpointing": args.activation_checkpointing,
-        "selective_recompute": args.selective_recompute if args.activation_checkpointing == "selective" else None,
-        "prefetch_depth": args.prefetch_depth,
-        "prefetch_at_host_sync": not args.no_prefetch_at_host_sync,
-        "reshard_after_forward": not args.no_reshard_after_forward,
-        "expert_reshard_after_forward": args.expert_reshard_after_forward,
-        "expert_reduce_dtype": args.expert_reduce_dtype,
-        "compile": args.compile,
-        "fused_expert_update": not args.no_fused_expert_update,
-        "gradient_sync": args.gradient_sync,
-        "dispatch": args.dispatch,
-        "expert_kernels": job.parallel.options.ep.kernels,
-        "sm_carveout": args.sm_carveout,
+        "activation_checkpointing": options.activation_checkpointing,
+        "selective_recompute": options.selective_recompute if options.activation_checkpointing == "selective" else None,
+        "prefetch_depth": options.prefetch_depth,
+        "prefetch_at_host_sync": options.prefetch_at_host_sync,
+        "reshard_after_forward": options.reshard_after_forward,
+        "expert_reshard_after_forward": options.expert_reshard_after_forward,
+        "expert_reduce_dtype": options.expert_reduce_dtype,
+        "compile": options.compile,
+        "fused_expert_update": cfg.train.fuse_local_experts,
+        "gradient_sync": cfg.train.gradient_sync,
+        "dispatch": options.ep.dispatch,
+        "expert_kernels": options.ep.kernels,
+        "sm_carveout": options.ep.sm_carveout,
         "check_finite": args.check_finite,
         "documents_mean_len": args.documents or None,
         "data": args.data,
@@ -544,7 +488,7 @@ def _result(
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None,
         "syncs_per_step": statistics.median(syncs) if syncs else None,
-        "moe_layers": args.layers,
+        "moe_layers": layers,
         "losses": losses,
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

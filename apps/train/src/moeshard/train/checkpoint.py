@@ -38,9 +38,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import StorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from moeshard.train import faults
 from moeshard.train.errors import CheckpointSaveError, JobError
 from moeshard.train.train import Callback, Job, StepStats, lr_at
 
@@ -196,6 +196,7 @@ def save_checkpoint(
     rank_state: dict[str, Any],
     *,
     keep_last: int,
+    writer_factory: Callable[[Path, int], StorageWriter] | None = None,
 ) -> Path:
     """Save atomically on every rank; returns the final folder.
 
@@ -204,11 +205,14 @@ def save_checkpoint(
         extra: small picklable state shared by all ranks (scheduler, step, config), written by rank 0.
         rank_state: per-rank picklable state (RNG), one file per rank.
         keep_last: complete checkpoints to keep after this one is written.
+        writer_factory: ``(folder, step) -> StorageWriter`` for DCP (e.g. ``Faults.storage_writer``); None: a
+            plain ``FileSystemWriter``.
     """
     tmp = _begin(ckpt_dir, step)
     error = None
     try:
-        dcp.save(app_state, storage_writer=faults.storage_writer(tmp, step))
+        writer = (writer_factory or _file_system_writer)(tmp, step)
+        dcp.save(app_state, storage_writer=writer)
         _write_small(tmp, extra, rank_state)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn of any rank's failure
         error = e
@@ -217,6 +221,10 @@ def save_checkpoint(
         _publish(ckpt_dir, tmp, step, keep_last)
     dist.barrier()
     return ckpt_dir / checkpoint_name(step)
+
+
+def _file_system_writer(path: Path, step: int) -> StorageWriter:
+    return dcp.FileSystemWriter(str(path))
 
 
 def _begin(ckpt_dir: Path, step: int) -> Path:
@@ -369,10 +377,13 @@ def job_state(job: Job, step: int) -> tuple[dict[str, Any], dict[str, Any], dict
     return app_state(job), extra, rank_state
 
 
-def save_job(job: Job, ckpt_dir: Path, step: int) -> Path:
+def save_job(
+    job: Job, ckpt_dir: Path, step: int, writer_factory: Callable[[Path, int], StorageWriter] | None = None
+) -> Path:
     """Save an atomic, layout-independent checkpoint after ``step`` steps (model, optimizer, scheduler, data
     position, RNG); returns its folder."""
-    return save_checkpoint(ckpt_dir, step, *job_state(job, step), keep_last=job.cfg.checkpoint.keep_last)
+    keep = job.cfg.checkpoint.keep_last
+    return save_checkpoint(ckpt_dir, step, *job_state(job, step), keep_last=keep, writer_factory=writer_factory)
 
 
 def write_hub_folder(checkpoint: Path, hf_dir: Path, dtype: str) -> Path:
@@ -427,10 +438,17 @@ class Checkpointer(Callback):
 
     Args:
         console: where rank 0's lines go (the progress bar's ``write``); ``print`` by default.
+        writer_factory: the saves' DCP storage writers (``Faults.storage_writer``); None: plain ones.
     """
 
-    def __init__(self, job: Job, ckpt_dir: Path, console: Callable[[str], None] | None = None) -> None:
-        self.job, self.ckpt_dir = job, ckpt_dir
+    def __init__(
+        self,
+        job: Job,
+        ckpt_dir: Path,
+        console: Callable[[str], None] | None = None,
+        writer_factory: Callable[[Path, int], StorageWriter] | None = None,
+    ) -> None:
+        self.job, self.ckpt_dir, self.writer_factory = job, ckpt_dir, writer_factory
         self.console = console or functools.partial(print, flush=True)
         self.last_saved = newest_checkpoint(ckpt_dir)
         self.pending = None  # a moeshard.train.checkpoint_async.PendingSave
@@ -474,10 +492,16 @@ class Checkpointer(Callback):
             # an H200: the next save with the same stager failed in its staging), so none is reused.
             stager = make_stager(self.job.device)
             self.pending = start_async_save(
-                self.ckpt_dir, step, *job_state(self.job, step), keep_last=keep, group=self._group, stager=stager
+                self.ckpt_dir,
+                step,
+                *job_state(self.job, step),
+                keep_last=keep,
+                group=self._group,
+                stager=stager,
+                writer_factory=self.writer_factory,
             )
         else:
-            self._published(save_job(self.job, self.ckpt_dir, step), step)
+            self._published(save_job(self.job, self.ckpt_dir, step, self.writer_factory), step)
 
     def _published(self, path: Path, step: int) -> None:
         self.last_saved = path

@@ -9,15 +9,16 @@ every rank, and reports a failed one (:class:`~moeshard.train.errors.CheckpointS
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import StorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from moeshard.train import faults
 from moeshard.train.checkpoint import _begin, _publish, _raise_if_any_failed, _write_small, checkpoint_name
 
 
@@ -101,10 +102,12 @@ def start_async_save(
     keep_last: int,
     group: dist.ProcessGroup,
     stager: Any,
+    writer_factory: Callable[[Path, int], StorageWriter] | None = None,
 ) -> PendingSave:
     """Start :func:`save_checkpoint`'s save in the background: the small files are written and agreed on now, the
     state is staged to host memory (in the background on CUDA: :meth:`PendingSave.wait_staged`) and DCP writes
     it from a thread whose collectives run on ``group`` (a gloo group of its own, never the training's).
+    ``writer_factory``: ``(folder, step) -> StorageWriter`` (None: a plain ``FileSystemWriter``).
 
     Raises:
         CheckpointSaveError: the small files could not be written on some rank.
@@ -118,7 +121,6 @@ def start_async_save(
     _raise_if_any_failed(ckpt_dir, tmp, step, error)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the optimizer step that made this state may still run; staging reads it
-    response = dcp.async_save(
-        app_state, storage_writer=faults.storage_writer(tmp, step), process_group=group, async_stager=stager
-    )
+    writer = writer_factory(tmp, step) if writer_factory is not None else dcp.FileSystemWriter(str(tmp))
+    response = dcp.async_save(app_state, storage_writer=writer, process_group=group, async_stager=stager)
     return PendingSave(ckpt_dir, tmp, step, keep_last, response, stager)

@@ -44,6 +44,10 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
         raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
     if tp is Any:
         return value
+    if origin is typing.Literal:  # the packages' choices (ParallelOptions, EPOptions)
+        if value in args and type(value) in {type(a) for a in args}:
+            return value
+        raise ConfigError(f"{key} must be one of {', '.join(map(str, args))}, got {value!r}")
     if dataclasses.is_dataclass(tp):  # a group of keys inside a section (logging.wandb)
         if isinstance(value, tp):
             return value

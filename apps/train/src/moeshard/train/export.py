@@ -38,7 +38,7 @@ def _read_run(src: Path):
     if not (src / "extra.pt").is_file():
         raise ValueError(f"{src} has no extra.pt: it is not a moeshard-train checkpoint")
     extra = torch.load(src / "extra.pt", weights_only=False)
-    cfg = config_from_dict(extra["config"])
+    cfg = config_from_dict(extra["config"], warn=False)  # a config saved by 0.3 too: its old keys move silently
     # The model config saved with the checkpoint: the run's model.path may be gone by now.
     mcfg = Qwen3MoeConfig.from_dict(extra["model_config"]) if "model_config" in extra else resolve_model_config(cfg)
     return cfg, mcfg, dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata

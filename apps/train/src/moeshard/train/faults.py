@@ -9,7 +9,8 @@ Set ``MOESHARD_FAULT`` to one or more comma-separated faults; steps count from 1
 
 Each fault fires once per output directory (a marker under ``<output_dir>/.faults_fired/`` is written first), so a
 job restarted by ``torchrun --max-restarts`` with the same environment does not fail again. :class:`FaultInjection`
-is the training loop's callback for the faults in a step; :func:`storage_writer` serves those during a save.
+is the training loop's callback for the faults in a step; :meth:`Faults.storage_writer` serves those during a save
+(the checkpoint saves' ``writer_factory``). The job builds one :class:`Faults` and hands it to both.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import StorageWriter
 
 from moeshard.train.train import Callback, StepStats
 
@@ -60,88 +62,107 @@ def parse(spec: str) -> list[Fault]:
     return faults
 
 
-_state: dict[str, object] = {"faults": [], "marker_dir": None, "rank": 0}
+class Faults:
+    """This rank's injected faults (a testing aid): built by the job, handed to what it injects into.
 
+    The job builds it once (:meth:`from_env`, the debug variable ``MOESHARD_FAULT``, read where the job starts) and
+    hands it on: :meth:`storage_writer` is the checkpoint saves' ``writer_factory``, :class:`FaultInjection` the
+    loop's callback. Nothing is kept at module level.
 
-def configure(output_dir: Path, rank: int) -> None:
-    """Read ``MOESHARD_FAULT`` for this rank; markers go under ``output_dir`` (call once per run)."""
-    _state["faults"] = [f for f in parse(os.environ.get(ENV, "")) if f.rank == rank]
-    _state["marker_dir"] = Path(output_dir) / ".faults_fired"
-    _state["rank"] = rank
+    Args:
+        faults: this rank's faults.
+        marker_dir: where each fault's "fired" marker goes (``<output_dir>/.faults_fired``).
+        rank: this rank (for the message).
+    """
 
+    def __init__(self, faults: list[Fault], marker_dir: Path, rank: int) -> None:
+        self.faults, self.marker_dir, self.rank = list(faults), Path(marker_dir), rank
 
-def _take(kind: str, where: str, step: int) -> bool:
-    """True once for a matching fault of this rank; records that it fired before the caller acts."""
-    for f in _state["faults"]:  # type: ignore[union-attr]
-        if (f.kind, f.where, f.step) == (kind, where, step):
-            marker = _state["marker_dir"] / f.name  # type: ignore[operator]
-            if marker.exists():
-                return False
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            with open(marker, "w") as fh:
-                fh.write("fired\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-            return True
-    return False
+    @classmethod
+    def from_env(cls, output_dir: Path, rank: int, environ: dict[str, str] | None = None) -> Faults:
+        """This rank's faults of ``MOESHARD_FAULT`` (none when unset); markers under ``output_dir``.
 
+        Raises:
+            ValueError: a malformed spec (see :func:`parse`).
+        """
+        spec = (os.environ if environ is None else environ).get(ENV, "")
+        return cls([f for f in parse(spec) if f.rank == rank], Path(output_dir) / ".faults_fired", rank)
 
-def _kill() -> None:
-    print(f"{ENV}: killing rank {_state['rank']} (pid {os.getpid()}) with SIGKILL", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+    def __bool__(self) -> bool:
+        return bool(self.faults)
 
+    def take(self, kind: str, where: str, step: int) -> bool:
+        """True once for a matching fault of this rank; records that it fired before the caller acts."""
+        for f in self.faults:
+            if (f.kind, f.where, f.step) == (kind, where, step):
+                marker = self.marker_dir / f.name
+                if marker.exists():
+                    return False
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                with open(marker, "w") as fh:
+                    fh.write("fired\n")
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                return True
+        return False
 
-def at_step(step: int) -> None:
-    """Called by the training loop after the backward of step ``step``."""
-    if _state["faults"] and _take("kill_rank", "step", step):
-        _kill()
+    def kill(self) -> None:
+        """SIGKILL this process (the fault's message first)."""
+        print(f"{ENV}: killing rank {self.rank} (pid {os.getpid()}) with SIGKILL", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
+    def at_step(self, step: int) -> None:
+        """Called by the training loop after the backward of step ``step``."""
+        if self.faults and self.take("kill_rank", "step", step):
+            self.kill()
 
-def poison_loss(step: int) -> bool:
-    """Whether this rank's loss of step ``step`` must become NaN."""
-    return bool(_state["faults"]) and _take("nan_loss", "step", step)
+    def poison_loss(self, step: int) -> bool:
+        """Whether this rank's loss of step ``step`` must become NaN."""
+        return bool(self.faults) and self.take("nan_loss", "step", step)
 
+    def storage_writer(self, path: Path, step: int) -> StorageWriter:
+        """The DCP storage writer for a checkpoint of ``step`` (a save's ``writer_factory``): a plain
+        ``FileSystemWriter`` unless a fault is due during that save."""
+        from torch.distributed.checkpoint import FileSystemWriter
 
-def storage_writer(path: Path, step: int):
-    """The DCP storage writer for a checkpoint of ``step``: a plain ``FileSystemWriter`` unless a fault is due."""
-    from torch.distributed.checkpoint import FileSystemWriter
+        due = [f for f in self.faults if f.where == "during_save" and f.step == step]
+        if not due:
+            return FileSystemWriter(str(path))
+        faults = self
 
-    due = [f for f in _state["faults"] if f.where == "during_save" and f.step == step]  # type: ignore[union-attr]
-    if not due:
-        return FileSystemWriter(str(path))
+        class _FaultyWriter(FileSystemWriter):
+            def write_data(self, plan, planner):
+                if faults.take("enospc", "during_save", step):
+                    raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV})", str(path))
+                future = super().write_data(plan, planner)
+                future.wait()  # this rank's shard is on disk; the checkpoint is not published yet
+                if faults.take("kill_rank", "during_save", step):
+                    faults.kill()
+                return future
 
-    class _FaultyWriter(FileSystemWriter):
-        def write_data(self, plan, planner):
-            if _take("enospc", "during_save", step):
-                raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV})", str(path))
-            future = super().write_data(plan, planner)
-            future.wait()  # this rank's shard is on disk; the checkpoint is not published yet
-            if _take("kill_rank", "during_save", step):
-                _kill()
-            return future
-
-    return _FaultyWriter(str(path))
+        return _FaultyWriter(str(path))
 
 
 class FaultInjection(Callback):
     """The faults due in a step: ``nan_loss`` poisons this rank's loss in the step's forward, ``kill_rank`` kills
-    the rank after the step's backward, before its optimizer step (reads :func:`configure`'s faults)."""
+    the rank after the step's backward, before its optimizer step."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module, faults: Faults) -> None:
+        self.model, self.faults = model, faults
         self._poison = None
 
     def on_step_start(self, step: int) -> None:
-        if poison_loss(step):
+        if self.faults.poison_loss(step):
             self._poison = self.model.register_forward_hook(_nan_loss)
 
     def before_update(self, step: int, stats: StepStats) -> None:
         if self._poison is not None:
             self._poison.remove()
             self._poison = None
-        at_step(step)
+        self.faults.at_step(step)
 
 
 def _nan_loss(module: torch.nn.Module, args: object, output):
     output.loss = output.loss * float("nan")
+    output.lm_loss = output.lm_loss * float("nan")  # what the loop back-propagates
     return output

@@ -72,15 +72,17 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
     """
     prep = prepare(cfg)
     tracking.check_available(cfg)  # an enabled tracker's package is installed (every rank alike)
-    faults.configure(prep.output_dir, prep.rank)
+    fault_plan = faults.Faults.from_env(prep.output_dir, prep.rank)  # the debug variable, read here only
     # From here SIGTERM / SIGUSR1 stop the run after a step, with a checkpoint of it, instead of ending the process.
     with StopOnSignal() as stop:
         device = init_distributed()
         with OutputLock(prep.output_dir, device):  # one job per output directory: a second one stops here
-            return _run(cfg, prep, device, stop)
+            return _run(cfg, prep, device, stop, fault_plan)
 
 
-def _run(cfg: JobConfig, prep: Prepared, device: torch.device, stop: StopOnSignal) -> dict[str, Any]:
+def _run(
+    cfg: JobConfig, prep: Prepared, device: torch.device, stop: StopOnSignal, fault_plan: faults.Faults
+) -> dict[str, Any]:
     rank = dist.get_rank()
     if rank == 0:
         for path, why in prep.damaged:  # resume: auto skipped them for an older checkpoint that validates
@@ -110,7 +112,8 @@ def _run(cfg: JobConfig, prep: Prepared, device: torch.device, stop: StopOnSigna
     # The bar only on a terminal: in a log file its redraws would break up the per-step lines.
     bar = ProgressBar(cfg.train.steps, start_step) if rank == 0 and cfg.logging.progress_bar and _tty() else None
     console = (bar.write if bar else print0) if rank == 0 else None
-    checkpointer = ckpt.Checkpointer(job, prep.ckpt_dir, console=console)
+    # The saves' writer_factory: plain FileSystemWriters unless a fault is due in a save.
+    checkpointer = ckpt.Checkpointer(job, prep.ckpt_dir, console=console, writer_factory=fault_plan.storage_writer)
     sinks = _open_trackers(cfg, prep.output_dir) if rank == 0 else ()
     metrics = MetricsLogger(
         job, prep.output_dir, enabled=rank == 0, start_step=start_step, console=bar and bar.write, sinks=sinks
@@ -127,7 +130,7 @@ def _run(cfg: JobConfig, prep: Prepared, device: torch.device, stop: StopOnSigna
     # the checks before its update first, the measurements before the metrics that log them, the checkpoint last.
     callbacks: list[Callback] = [
         *([profiler] if profiler else []),
-        faults.FaultInjection(job.model),
+        *([faults.FaultInjection(job.model, fault_plan)] if fault_plan else []),
         StopOnNonFinite(prep.ckpt_dir),
         # The clock restarts after a save or an evaluation: neither is a step's time.
         StepTimer(restart_after=lambda s: checkpointer.due(s) or (evaluator is not None and evaluator.due(s))),

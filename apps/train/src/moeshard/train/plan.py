@@ -125,7 +125,7 @@ def plan_report(
     """Build the job on meta under the fake backend as ``rank`` (through ``parallelize`` with the job's options):
     meshes, options, parameter rows (``table=False``: left out, ``plan --summary``), memory and communication.
 
-    Compute precision: ``model.dtype`` float32 means fp32, anything else bf16 (the GPU default).
+    Compute precision: ``parallel.param_dtype`` float32 means fp32, anything else bf16 (the GPU default).
 
     Raises:
         ValueError: the layout does not fit the cluster (naming the config key to change).
@@ -140,7 +140,7 @@ def plan_report(
         par.reshard_after_forward if par.expert_reshard_after_forward is None else par.expert_reshard_after_forward
     )
     expert_reduce_bytes = _expert_grad_bytes(cfg)
-    gpu = cfg.model.dtype != "float32"
+    gpu = cfg.parallel.param_dtype != "float32"
     compute_bytes = 2 if gpu else 4
     lines: list[str] = []
     with fake_process_group(world, rank):
@@ -159,7 +159,7 @@ def plan_report(
         info, units = parallel.ep_info, parallel.units
         lines.append(meshes.describe())
         lines += ["options:", *(f"  {line}" for line in parallel.options.describe())]
-        lines.append(f"  optimizer: AdamW, fuse_local_experts={cfg.train.fused_expert_update}")
+        lines.append(f"  optimizer: AdamW, fuse_local_experts={cfg.train.fuse_local_experts}")
         lines.append("")
         header = f"{'parameter':62s} {'global shape':>22s} {'local shape':>22s}  placement"
         if table:
@@ -211,20 +211,22 @@ def plan_report(
         kept_numel = sum(_managed_numel(m, skip) for m in kept)
         # Experts outside FSDP updated by the fused pass keep their gradients in the compute dtype.
         fused_numel = sum(p.numel() for m in local_experts.values() for p in m.parameters())
-        fused_numel = fused_numel if cfg.train.fused_expert_update else 0
+        fused_numel = fused_numel if cfg.train.fuse_local_experts else 0
         # train.gradient_sync last_micro_batch: every FSDP unit holds its unsharded gradients until the step's last
         # backward reduces them, in the reduce dtype (FSDP2 accumulates in it).
         held_grads = sum(grad_bytes(m) for _, m in units)
     mb = micro_batch_size or cfg.train.micro_batch_size
     tokens = mb * cfg.data.seq_len
     depth = cfg.parallel.prefetch_depth
-    t = cfg.train
+    t, opts = cfg.train, parallel.options  # the options as ParallelOptions reads them (true: full)
     est = MemoryEstimate(
         params=4 * local_numel,
         grads=4 * (local_numel - fused_numel) + compute_bytes * fused_numel,
         optimizer=8 * local_numel,
         unsharded=compute_bytes * (largest_unit * (1 + depth) + kept_numel) + reduce_buffers,
-        activations=activation_bytes_per_token(mcfg, compute_bytes, t.activation_checkpointing, t.selective_recompute)
+        activations=activation_bytes_per_token(
+            mcfg, compute_bytes, opts.activation_checkpointing, opts.selective_recompute
+        )
         * tokens,
         micro_batches=max(1, t.global_batch_size // world // mb),
         held_grads=held_grads if t.gradient_sync == "last_micro_batch" else 0,
@@ -232,7 +234,8 @@ def plan_report(
     if table:
         lines.append("")
     lines.append(f"parameters: {total_numel / 1e9:.3f} B in total, {local_numel / 1e6:.2f} M on rank {rank}")
-    ac = {"none": "no", "full": "full", "selective": f"selective ({t.selective_recompute})"}[t.activation_checkpointing]
+    ac = {"none": "no", "full": "full", "selective": f"selective ({opts.selective_recompute})"}
+    ac = ac[opts.activation_checkpointing]
     lines.append(
         f"estimated memory per rank (micro batch {mb} x seq {cfg.data.seq_len} x {est.micro_batches} per step, "
         f"{ac} activation checkpointing, {'bf16' if compute_bytes == 2 else 'fp32'} compute, fp32 master weights, "
@@ -288,7 +291,7 @@ def comm_estimate(
         once_numel=once_numel,
         expert_reshard_after_forward=cfg.parallel.expert_reshard_after_forward,
         expert_reduce_bytes=_expert_grad_bytes(cfg),
-        activation_checkpointing=cfg.train.activation_checkpointing == "full",
+        activation_checkpointing=parallel_options(cfg).activation_checkpointing == "full",
         reduce_every_micro_batch=cfg.train.gradient_sync == "every_micro_batch",
         uniform_routing=uniform_routing,
     )

@@ -202,7 +202,7 @@ def build(cfg: JobConfig, device: torch.device) -> Job:
     if t.router_bias is not None:
         model.enable_router_bias()  # after the HF weights (no such tensor there), before a resume (DCP has it)
     optimizer = build_optimizer(
-        model, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, fuse_local_experts=t.fused_expert_update
+        model, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, fuse_local_experts=t.fuse_local_experts
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / t.lr)
     balancing = Balancing(model, balancing_options(cfg, model_config), device=device)
@@ -300,14 +300,11 @@ def train_step(
 ) -> StepStats:
     """One optimizer step over this rank's micro-batches (gradient accumulation); no host sync of its own.
 
-    Zero the gradients, then each micro-batch's forward and backward (its LM loss plus the balancing term of
-    ``job.balancing``, ``moeshard.models.qwen3moe.Balancing``: aux loss per micro-batch or global batch, z-loss),
-    clip, the optimizer step, the schedule, and the balancing's after-step hook (router-bias update).
-
-    Gradient reduction (``train.gradient_sync``): FSDP reduce-scatters each micro-batch's gradients in its backward
-    (``every_micro_batch``), or only the sum of all of them, in the last micro-batch's backward
-    (``last_micro_batch``: FSDP2's ``set_requires_gradient_sync``; every FSDP unit holds its unsharded float32
-    gradients from the first backward to the last). The same gradients either way, to float32 rounding.
+    zero_grad → per micro-batch: forward, backward of its LM loss plus ``job.balancing``'s term (aux loss of its
+    scope, z-loss) → clip → optimizer step → schedule → the balancing's after-step hook (router-bias update).
+    ``train.gradient_sync``: FSDP reduce-scatters each micro-batch's gradients (``every_micro_batch``) or their sum
+    once, in the last backward (``last_micro_batch``, FSDP2's ``set_requires_gradient_sync``: every unit holds its
+    unsharded float32 gradients meanwhile); the same gradients to float32 rounding.
 
     Args:
         before_update: called after backward and clipping, before the optimizer step (the loop's finiteness check
