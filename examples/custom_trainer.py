@@ -1,4 +1,5 @@
-"""Your own training loop on moeshard's pieces (no ``moeshard.train``): EP + expert FSDP2 for Qwen3-MoE.
+"""Your own training loop on moeshard's pieces (no ``moeshard.train``): EP + expert FSDP2 for any model family
+(Qwen3-MoE, the DeepSeek-V3 architecture): the checkpoint's ``model_type`` picks it.
 
     python examples/make_tiny_inputs.py /tmp/tiny
     torchrun --nproc-per-node 4 examples/custom_trainer.py --model /tmp/tiny/model --data /tmp/tiny/data.jsonl \
@@ -30,16 +31,17 @@ from moeshard.data import DataConfig, EvalBatches, PrefetchLoader, StepBatches, 
 from moeshard.ep import EPOptions
 from moeshard.fsdp_moe import build_optimizer, num_items_for_global_mean, save_checkpoint
 from moeshard.meshes import build_meshes
-from moeshard.models.qwen3moe import (
+from moeshard.models import deepseekv3, qwen3moe
+from moeshard.models.common import (
     Balancing,
     BalancingOptions,
     ParallelOptions,
-    Qwen3MoeForCausalLM,
     evaluate,
-    load_hf_config,
     load_hf_weights,
     parallelize,
 )
+
+FAMILIES = {family.name: family for family in (qwen3moe.FAMILY, deepseekv3.FAMILY)}  # model_type -> ModelFamily
 
 
 def print0(*args: object) -> None:
@@ -49,7 +51,7 @@ def print0(*args: object) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="A hand-written EP + expert-FSDP2 training loop for Qwen3-MoE.")
+    p = argparse.ArgumentParser(description="A hand-written EP + expert-FSDP2 training loop for any MoE family.")
     p.add_argument("--model", type=Path, required=True, help="local HF checkpoint (config.json + safetensors)")
     p.add_argument("--data", required=True, help="JSONL/Parquet file, folder, glob or prepared folder (moeshard.data)")
     p.add_argument("--seq-len", type=int, default=24)
@@ -85,9 +87,13 @@ def main() -> None:
 
     # 2. The model on meta (no memory), parallelised in one call: experts sliced on dim 0 to this EP rank's share
     # (EP), then FSDP2 (experts: dim 1 over ep_fsdp; the rest: dim 0 over all ranks), then the prefetch schedule.
-    config = load_hf_config(args.model)
+    model_type = json.loads((args.model / "config.json").read_text()).get("model_type")
+    if model_type not in FAMILIES:
+        raise SystemExit(f"{args.model}: model_type {model_type!r} is none of the families {sorted(FAMILIES)}")
+    family = FAMILIES[model_type]
+    config = family.load_config(args.model)
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(config)
+        model = family.model_class(config)
     options = ParallelOptions(ep=EPOptions(dispatch=args.dispatch), prefetch_depth=args.prefetch_depth)
     parallel = parallelize(model, meshes, options)
     print0("\n".join(options.describe()))
@@ -115,7 +121,7 @@ def main() -> None:
     step_batches = StepBatches(rows, global_batch=args.global_batch, world_size=world, micro_batch=args.micro_batch)
     # Expert balancing, one object with the hooks the loop calls: transformers' aux loss per micro-batch at the
     # model's coefficient and, with --router-bias, aux-loss-free selection biases moved after each step.
-    options = BalancingOptions(aux_loss_coef=config.router_aux_loss_coef, router_bias_rate=args.router_bias or None)
+    options = BalancingOptions(aux_loss_coef=model.router_aux_loss_coef, router_bias_rate=args.router_bias or None)
     balancing = Balancing(model, options, device=device)
     losses, grad_norms, imbalance = [], [], []
     # A background thread prepares the next steps' batches (in pinned memory on CUDA: the copies below are async).

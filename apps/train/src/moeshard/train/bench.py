@@ -11,7 +11,8 @@ only what is the benchmark's own is a flag of its own (steps, warm-up, batch per
 documents, checkpoint cost, profile and trace). Prints and writes (JSON) tokens/s/GPU (median of the steps after
 warm-up), MFU, peak memory, device→host syncs per step (``torch.cuda.set_sync_debug_mode``), the layout and the
 options. It builds and steps through ``moeshard.train.train`` (``build``, ``train_step``) like the training job.
-FLOPs/token = 6·(matmul params active per token) + 6·L·2·(S/2)·(heads·head_dim); MFU over 989 TFLOP/s.
+FLOPs/token: the model family's ``flops_per_token`` (6·matmul params active per token + causal attention; MLA counted from
+its projections); MFU over 989 TFLOP/s. ``--model.family=deepseek_v3 --model.preset=deepseek-v3-16b`` benchmarks DeepSeek-V3.
 
 Steps run back to back, as a training loop runs them (no synchronisation between steps; the losses are read
 after the last one) and each step's time is the device's, from CUDA events recorded at consecutive step starts:

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from moeshard.data import DataConfig, Dataset, EvalBatches, StepBatches, check_batch_sizes, open_dataset
-from moeshard.models.qwen3moe import STRUCTURAL_CONFIG_KEYS
 from moeshard.train import checkpoint as ckpt
 from moeshard.train.config import JobConfig, layout_error_for_config, resolve_model_config
 from moeshard.train.errors import JobError
+from moeshard.train.families import family_of
 from moeshard.train.train import SCHEDULE_KEYS, check_model_fits
 
 
@@ -247,7 +247,7 @@ def _check_tokenizer_folder(tokenizer: str | None) -> None:
 
 
 def _check_same_model(path: Path, mcfg: Any) -> None:
-    """Refuse a checkpoint of another model: every shape-deciding key (``STRUCTURAL_CONFIG_KEYS``: layers, widths,
+    """Refuse a checkpoint of another model: every shape-deciding key (the family's ``structural_keys``: layers, widths,
     heads, experts, vocabulary) is compared under either of its names (the saved config stores ``num_experts`` as
     ``num_local_experts``); keys the saved config lacks are not compared."""
     extra_file = path / "extra.pt"
@@ -262,7 +262,7 @@ def _check_same_model(path: Path, mcfg: Any) -> None:
     aliases = {v: k for k, v in getattr(type(mcfg), "attribute_map", {}).items()}  # stored name -> alias
     aliases.update(getattr(type(mcfg), "attribute_map", {}))  # alias -> stored name
     diff = []
-    for key in STRUCTURAL_CONFIG_KEYS:
+    for key in family_of(mcfg).structural_keys:
         name = key if key in saved else aliases.get(key)
         if name not in saved or saved[name] is None:
             continue

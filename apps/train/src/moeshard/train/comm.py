@@ -13,10 +13,10 @@ from typing import Any
 
 
 def moe_layer_count(config: Any) -> int:
-    """Number of decoder layers with routed experts."""
-    dense = set(config.mlp_only_layers or [])
-    step = config.decoder_sparse_step or 1
-    return sum(1 for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+    """Number of decoder layers with routed experts (the model family's rule)."""
+    from moeshard.train.families import moe_layers
+
+    return moe_layers(config)
 
 
 def a2a_rows_per_token(config: Any, ep_size: int, uniform: bool = True) -> float:
@@ -67,6 +67,8 @@ def estimate_comm_bytes(
     Reduce-scatter is float32, the experts' ``expert_reduce_bytes`` per element.
     """
     d = config.hidden_size
+    from moeshard.train.families import routed_experts
+
     moe_layers = moe_layer_count(config)
     ep_fsdp = world_size // ep_size
     nodes = world_size // ranks_per_node
@@ -85,12 +87,12 @@ def estimate_comm_bytes(
     passes = 6 if activation_checkpointing else 4  # hidden states out + partial outputs back, fwd (x2 with AC) + bwd
     per_row = passes * d * compute_bytes
     forwards = 2 if activation_checkpointing else 1
-    counts = (ep_size - 1) * (config.num_experts // ep_size) * 8  # per layer and forward: rows per expert (int64)
+    counts = (ep_size - 1) * (routed_experts(config) // ep_size) * 8  # per layer and forward: rows per expert (int64)
     a2a = moe_layers * (tokens_per_rank * rows * per_row + micro_batches * forwards * counts)
     ep_nodes = -(-ep_size // ranks_per_node) if ep_size > ranks_per_node else 1
     add("all_to_all", a2a, ep_size, ep_nodes)
 
-    expert_numel = moe_layers * config.num_experts * 3 * d * config.moe_intermediate_size
+    expert_numel = moe_layers * routed_experts(config) * 3 * d * config.moe_intermediate_size
     dense_numel = _total_numel(config) - expert_numel
     gathers = 2 if reshard_after_forward else 1
     expert_reshard = reshard_after_forward if expert_reshard_after_forward is None else expert_reshard_after_forward
@@ -107,6 +109,6 @@ def estimate_comm_bytes(
 
 
 def _total_numel(config: Any) -> int:
-    from moeshard.models.qwen3moe import count_parameters
+    from moeshard.train.families import family_of
 
-    return int(count_parameters(config)[0])
+    return int(family_of(config).count_parameters(config)[0])

@@ -40,9 +40,15 @@ def _key(
 class ModelConfig:
     """Which model: a named preset or a local HF directory (config + weights), plus field overrides."""
 
-    preset: str | None = _key("tiny", "a named model: tiny | qwen3-30b-a3b (null with model.path)")
+    family: str | None = _key(
+        None, "qwen3_moe | deepseek_v3; default: the model.path folder's model_type, else qwen3_moe"
+    )
+    preset: str | None = _key(
+        "tiny",
+        "a named model of the family: tiny | qwen3-30b-a3b | deepseek-v3-16b | deepseek-v3-671b (null with model.path)",
+    )
     path: str | None = _key(None, "a local HF folder (config.json + safetensors, either expert layout) to start from")
-    overrides: dict[str, Any] = _key(factory=dict, help="Qwen3MoeConfig fields to change, e.g. {num_hidden_layers: 8}")
+    overrides: dict[str, Any] = _key(factory=dict, help="config fields to change, e.g. {num_hidden_layers: 8}")
     init_seed: int = _key(0, "seed of the random initialisation (presets; not with model.path)")
 
 
@@ -486,18 +492,20 @@ def layout_error_for_config(error: ValueError) -> str:
 
 
 def resolve_model_config(cfg: JobConfig):
-    """The transformers config of the model to train (preset or local dir), with ``model.overrides`` applied.
+    """The transformers config of the model to train (preset or local dir of ``model.family``), with
+    ``model.overrides`` applied.
 
     Raises:
         ValueError: an override names a field the config does not have.
     """
-    from moeshard.models.qwen3moe import get_preset_config, load_hf_config
+    from moeshard.train.families import family_name, get_family
 
+    family = get_family(family_name(cfg.model.family, cfg.model.path))
     if cfg.model.path is not None:
-        config = load_hf_config(cfg.model.path)
+        config = family.load_config(cfg.model.path)
         for k, v in cfg.model.overrides.items():
             if not hasattr(config, k):
-                raise ValueError(f"model.overrides.{k}: Qwen3MoeConfig has no field {k!r}")
+                raise ValueError(f"model.overrides.{k}: {type(config).__name__} has no field {k!r}")
             setattr(config, k, v)
         return config
-    return get_preset_config(cfg.model.preset, **cfg.model.overrides)
+    return family.preset_config(cfg.model.preset, **cfg.model.overrides)

@@ -30,9 +30,8 @@ def _read_run(src: Path):
     Raises:
         ValueError: ``src`` is not one (no ``COMPLETE``, no ``extra.pt``).
     """
-    from transformers import Qwen3MoeConfig
-
     from moeshard.train.config import resolve_model_config
+    from moeshard.train.families import get_family
 
     ckpt.read_marker(src)
     if not (src / "extra.pt").is_file():
@@ -40,7 +39,11 @@ def _read_run(src: Path):
     extra = torch.load(src / "extra.pt", weights_only=False)
     cfg = config_from_dict(extra["config"], warn=False)  # a config saved by 0.3 too: its old keys move silently
     # The model config saved with the checkpoint: the run's model.path may be gone by now.
-    mcfg = Qwen3MoeConfig.from_dict(extra["model_config"]) if "model_config" in extra else resolve_model_config(cfg)
+    if "model_config" in extra:  # the family from the saved config's model_type (runs of 0.3 and earlier: Qwen3-MoE)
+        family = get_family(extra["model_config"].get("model_type", "qwen3_moe"))
+        mcfg = family.hf_format.config_class.from_dict(extra["model_config"])
+    else:
+        mcfg = resolve_model_config(cfg)
     return cfg, mcfg, dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
 
 
@@ -48,16 +51,16 @@ def load_full_model(checkpoint: str | Path):
     """A training checkpoint (any layout) as one full, unsharded model on the CPU, in one process.
 
     Returns:
-        ``(model, job_config)``: our ``Qwen3MoeForCausalLM`` in float32 and the run's configuration.
+        ``(model, job_config)``: the family's causal LM in float32 and the run's configuration.
 
     Raises:
         ValueError: ``checkpoint`` is not a complete moeshard-train checkpoint.
     """
-    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
+    from moeshard.train.families import family_of
 
     src = Path(checkpoint)
     cfg, mcfg, stored = _read_run(src)
-    model = Qwen3MoeForCausalLM(mcfg)
+    model = family_of(mcfg).model_class(mcfg)
     if any(k.startswith("model.") and k.endswith(".mlp.gate.bias") for k in stored):
         model.enable_router_bias()  # train.router_bias: the selection biases are part of the trained model
     state = {"model": model.state_dict()}
@@ -85,8 +88,8 @@ def export_hf(
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
-    from moeshard.models.qwen3moe.checkpoint_save import stream_hf_weights
+    from moeshard.models.common import stream_hf_weights
+    from moeshard.train.families import family_of
 
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "keep": None}
     if dtype not in dtypes:
@@ -96,8 +99,11 @@ def export_hf(
         raise ValueError(f"--out {dst} exists and is not empty; nothing was overwritten. Choose a new folder")
     src = Path(checkpoint)
     cfg, mcfg, stored = _read_run(src)
+    fmt = family_of(mcfg).hf_format
     with torch.device("meta"):
-        names = [n for n, _ in Qwen3MoeForCausalLM(mcfg).named_parameters()]  # the HF tensors, in model order
+        model = family_of(mcfg).model_class(mcfg)
+    # The HF tensors, in model order: parameters and the buffers the format stores (DeepSeek-V3's correction bias).
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers() if n.endswith(fmt.buffers)]
     specs = {}
     for name in names:
         md = stored.get(f"model.{name}")
@@ -107,7 +113,7 @@ def export_hf(
     if any(k.startswith("model.") and k.endswith(".mlp.gate.bias") for k in stored):
         warnings.warn(
             "the routers' selection bias (train.router_bias) is not exported: transformers' Qwen3-MoE has no such "
-            "tensor, so the exported model routes without it",
+            "tensor, so the exported model routes without it (DeepSeek-V3's e_score_correction_bias is exported)",
             stacklevel=2,
         )
 
@@ -118,7 +124,7 @@ def export_hf(
             dcp.load(state, checkpoint_id=str(src), no_dist=True)  # reads only these tensors' bytes
         return state["model"]
 
-    stream_hf_weights(specs, read, mcfg, dst, max_shard_size=max_shard_size, dtype=dtypes[dtype])
+    stream_hf_weights(specs, read, mcfg, dst, max_shard_size=max_shard_size, dtype=dtypes[dtype], fmt=fmt)
     tokenizer = cfg.data.tokenizer  # absolute since moeshard-train 0.3 (checkpoint.job_state)
     if tokenizer and not Path(tokenizer).is_dir():
         warnings.warn(

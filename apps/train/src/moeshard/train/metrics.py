@@ -4,7 +4,8 @@ Tokens are *predicted* tokens: labels other than -100 (padding, prompt tokens of
 each packed document piece predict nothing), summed over all ranks by the step's loss all-reduce.
 
 MFU convention (stated so figures can be compared):
-FLOPs/token = 6 · (matmul parameters active per token) + 6 · L · 2 · (S/2) · (heads · head_dim)   (causal attention)
+FLOPs/token = 6 · (matmul parameters active per token) + 6 · L · (S/2) · heads · (qk_head_dim + v_head_dim)   (causal
+attention; the family's ``flops_per_token``: Qwen3-MoE's head_dim twice, DeepSeek-V3's MLA from its projections)
 MFU = tokens/s/GPU · FLOPs/token / peak, the peak of the detected device (:data:`PEAK_BF16_FLOPS`: bf16 dense
 datasheet figures); left out on CPU and on devices the table does not know.
 """
@@ -44,27 +45,12 @@ def device_peak_flops(device: torch.device) -> float | None:
     return next((peak for part, peak in PEAK_BF16_FLOPS if part in name), None)
 
 
-def matmul_params_per_token(config: Any) -> int:
-    """Matmul parameters one token passes through (embedding lookup excluded, LM head included)."""
-    d, hd = config.hidden_size, config.head_dim
-    attn = d * config.num_attention_heads * hd * 2 + d * config.num_key_value_heads * hd * 2
-    sparse_step = getattr(config, "decoder_sparse_step", 1) or 1
-    dense_layers = set(getattr(config, "mlp_only_layers", None) or [])
-    total = 0
-    for layer in range(config.num_hidden_layers):
-        moe = layer not in dense_layers and config.num_experts > 0 and (layer + 1) % sparse_step == 0
-        if moe:
-            mlp = config.num_experts_per_tok * 3 * d * config.moe_intermediate_size + d * config.num_experts
-        else:
-            mlp = 3 * d * config.intermediate_size
-        total += attn + mlp
-    return total + d * config.vocab_size
-
-
 def flops_per_token(config: Any, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward) with causal attention, see the module docstring."""
-    attn = 6 * config.num_hidden_layers * 2 * (seq_len / 2) * config.num_attention_heads * config.head_dim
-    return 6 * matmul_params_per_token(config) + attn
+    """Training FLOPs per token (forward + backward) with causal attention, by the model family's formula (see the
+    module docstring; DeepSeek-V3 counts MLA from its real projections)."""
+    from moeshard.train.families import family_of
+
+    return family_of(config).flops_per_token(config, seq_len)
 
 
 def mfu(tokens_per_s_per_gpu: float, flops_token: float, peak: float = H200_BF16_PEAK_FLOPS) -> float:

@@ -75,10 +75,12 @@ def activation_bytes_per_token(
     (``mlp``: ``3F``). The loss head is chunked (the trainer never holds the ``[tokens, vocab]`` logits): it keeps
     the hidden states and their gradient.
     """
-    d, e, k, f = config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    attn = compute_bytes * (4 * d + 3 * q + 2 * kv) + 4 * config.num_attention_heads  # norms, qkv, sdpa out + lse
-    moe = compute_bytes * (2 * d + k * (2 * d + 4 * f)) + 4 * (2 * e + 3 * k)  # dispatch, gate_up, act, down, router
+    from moeshard.train.families import family_of, routed_experts
+
+    d, e, k, f = config.hidden_size, routed_experts(config), config.num_experts_per_tok, config.moe_intermediate_size
+    attn_elems, mlp_elems = family_of(config).activations_per_token(config)  # the family's attention, shared experts
+    attn = compute_bytes * (4 * d + attn_elems) + 4 * config.num_attention_heads  # norms, projections, sdpa out + lse
+    moe = compute_bytes * (2 * d + k * (2 * d + 4 * f) + mlp_elems) + 4 * (2 * e + 3 * k)  # dispatch ... router
     if activation_checkpointing == "selective":
         moe -= compute_bytes * k * (f if selective_recompute == "activation" else 3 * f)
     head = 2 * d * compute_bytes
@@ -131,7 +133,8 @@ def plan_report(
         ValueError: the layout does not fit the cluster (naming the config key to change).
     """
     from moeshard.meshes import build_meshes, fake_process_group
-    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, parallelize
+    from moeshard.models.common import parallelize
+    from moeshard.train.families import family_of
 
     world = nnodes * nproc_per_node
     mcfg = resolve_model_config(cfg)
@@ -154,7 +157,7 @@ def plan_report(
         except ValueError as e:  # the package speaks of its argument; the user sets a config key
             raise ValueError(f"parallel.ep_size: {layout_error_for_config(e)}") from None
         with torch.device("meta"):
-            model = Qwen3MoeForCausalLM(mcfg)
+            model = family_of(mcfg).model_class(mcfg)
         parallel = parallelize(model, meshes, parallel_options(cfg))
         info, units = parallel.ep_info, parallel.units
         lines.append(meshes.describe())

@@ -151,9 +151,11 @@ def check_model_fits(cfg: JobConfig, model_config: Any) -> None:
             f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings "
             f"{model_config.max_position_embeddings}; lower data.seq_len"
         )
-    if model_config.num_experts % cfg.parallel.ep_size:
+    from moeshard.train.families import routed_experts
+
+    if routed_experts(model_config) % cfg.parallel.ep_size:
         raise ValueError(
-            f"parallel.ep_size {cfg.parallel.ep_size} does not divide the model's {model_config.num_experts} "
+            f"parallel.ep_size {cfg.parallel.ep_size} does not divide the model's {routed_experts(model_config)} "
             "experts; choose an ep_size that divides the number of experts"
         )
 
@@ -169,7 +171,7 @@ class Job:
     device: torch.device
     meshes: Any  # moeshard.meshes.ParallelMeshes
     model: torch.nn.Module
-    model_config: Any  # transformers' Qwen3MoeConfig
+    model_config: Any  # the family's transformers config (Qwen3MoeConfig, DeepseekV3Config)
     parallel: Any  # moeshard.models.qwen3moe.Parallelized: FSDP units, prefetch schedule, EP info, options
     optimizer: Any  # moeshard.fsdp_moe.OptimizersContainer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -184,14 +186,15 @@ def build(cfg: JobConfig, device: torch.device) -> Job:
     """
     from moeshard.fsdp_moe import build_optimizer
     from moeshard.meshes import build_meshes
-    from moeshard.models.qwen3moe import Balancing, Qwen3MoeForCausalLM, load_hf_weights, parallelize
+    from moeshard.models.common import Balancing, load_hf_weights, parallelize
+    from moeshard.train.families import family_of
 
     p, t = cfg.parallel, cfg.train
     meshes = build_meshes(p.ep_size, device_type=device.type, allow_cross_node_ep=p.allow_cross_node_ep)
     model_config = resolve_model_config(cfg)
     check_model_fits(cfg, model_config)
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(model_config)
+        model = family_of(model_config).model_class(model_config)  # model.family's causal LM
     parallel = parallelize(model, meshes, parallel_options(cfg))
     model.to_empty(device=device)
     if cfg.model.path is not None:

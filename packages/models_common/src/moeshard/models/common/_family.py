@@ -34,6 +34,8 @@ class ModelFamily:
         flops_per_token: training FLOPs per token (forward and backward) of a config at a sequence length: 6 x the
             matmul parameters a token passes through plus causal attention's score and value products (see each
             family's ``flops_per_token``).
+        activations_per_token: ``(attention, other MLP)`` elements a layer saves per token beyond its norms and
+            routed copies (an estimate for planning memory; the other MLP: shared experts).
     """
 
     model_class: type[nn.Module]
@@ -41,6 +43,7 @@ class ModelFamily:
     preset_config: Callable[..., PretrainedConfig]
     count_parameters: Callable[[PretrainedConfig], tuple[int, int]]
     flops_per_token: Callable[[PretrainedConfig, int], float]
+    activations_per_token: Callable[[PretrainedConfig], tuple[int, int]]
 
     @property
     def name(self) -> str:

@@ -27,6 +27,7 @@ from moeshard.models.deepseekv3._moe import DeepseekV3MoE
 from moeshard.models.deepseekv3._presets import (
     MODEL_TYPE,
     PRESETS,
+    activations_per_token,
     check_config,
     count_parameters,
     flops_per_token,
@@ -35,7 +36,9 @@ from moeshard.models.deepseekv3._presets import (
     scoring_func,
 )
 
-FAMILY = _ModelFamily(DeepseekV3ForCausalLM, PRESETS, get_preset_config, count_parameters, flops_per_token)
+FAMILY = _ModelFamily(
+    DeepseekV3ForCausalLM, PRESETS, get_preset_config, count_parameters, flops_per_token, activations_per_token
+)
 """DeepSeek-V3 as a :class:`moeshard.models.common.ModelFamily` (what a trainer needs, by family name)."""
 
 __all__ = [
@@ -49,6 +52,7 @@ __all__ = [
     "DeepseekV3Model",
     "GroupLimitedRouter",
     "MLAttention",
+    "activations_per_token",
     "check_config",
     "count_parameters",
     "flops_per_token",

@@ -22,6 +22,7 @@ __all__ = [
     "MODEL_TYPE",
     "PRESETS",
     "ROPE_TYPES",
+    "activations_per_token",
     "check_config",
     "count_parameters",
     "flops_per_token",
@@ -244,3 +245,14 @@ def flops_per_token(config: DeepseekV3Config, seq_len: int) -> float:
         matmul += attn + mlp
     scores = config.num_hidden_layers * (seq_len / 2) * h * (qk + dv)
     return 6 * matmul + 6 * scores
+
+
+def activations_per_token(config: DeepseekV3Config) -> tuple[int, int]:
+    """Elements per token a layer saves for backward beyond its norms and routed copies (an estimate for ``plan``):
+    ``(MLA: the query LoRA's output and its norm, the key/value latent and its norm, the expanded keys and values,
+    the rotated queries and keys, the attention output; the shared experts' gate, up and activation)``."""
+    h = config.num_attention_heads
+    qk, dv = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    latents = 2 * (config.q_lora_rank or 0) + 2 * (config.kv_lora_rank + config.qk_rope_head_dim)
+    attention = latents + h * (config.qk_nope_head_dim + dv) + 2 * h * qk + h * qk + h * dv
+    return attention, 3 * config.n_shared_experts * config.moe_intermediate_size

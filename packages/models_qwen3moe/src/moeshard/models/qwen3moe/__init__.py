@@ -51,6 +51,7 @@ from moeshard.models.qwen3moe.moe import SparseMoeBlock
 from moeshard.models.qwen3moe.presets import (
     MODEL_TYPE,
     PRESETS,
+    activations_per_token,
     check_config,
     count_parameters,
     flops_per_token,
@@ -58,7 +59,9 @@ from moeshard.models.qwen3moe.presets import (
     is_moe_layer,
 )
 
-FAMILY = _ModelFamily(Qwen3MoeForCausalLM, PRESETS, get_preset_config, count_parameters, flops_per_token)
+FAMILY = _ModelFamily(
+    Qwen3MoeForCausalLM, PRESETS, get_preset_config, count_parameters, flops_per_token, activations_per_token
+)
 """Qwen3-MoE as a :class:`moeshard.models.common.ModelFamily` (what a trainer needs, by family name)."""
 
 __all__ = [
@@ -86,6 +89,7 @@ __all__ = [
     "TopKRouter",
     "apply_activation_checkpointing",
     "causal_lm_loss",
+    "activations_per_token",
     "check_config",
     "count_parameters",
     "evaluate",

@@ -19,6 +19,7 @@ __all__ = [
     "MODEL_TYPE",
     "PRESETS",
     "check_config",
+    "activations_per_token",
     "count_parameters",
     "flops_per_token",
     "get_preset_config",
@@ -174,3 +175,12 @@ def flops_per_token(config: Qwen3MoeConfig, seq_len: int) -> float:
         matmul += attn + mlp
     scores = config.num_hidden_layers * (seq_len / 2) * config.num_attention_heads * 2 * hd
     return 6 * matmul + 6 * scores
+
+
+def activations_per_token(config: Qwen3MoeConfig) -> tuple[int, int]:
+    """Elements per token a layer saves for backward beyond its norms and routed copies (an estimate for ``plan``):
+    ``(attention: q, k, v projections and rotations, the attention output, 3·q + 2·kv; the MoE layer's other MLPs:
+    none in Qwen3-MoE)``."""
+    hd = head_dim(config)
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    return 3 * q + 2 * kv, 0
