@@ -34,6 +34,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import PretrainedConfig
 
 from moeshard.ep import EPInfo
+from moeshard.models.common._fp8 import FP8, SCALE_SUFFIX, check_fp8, dequantize, fp8_block, read_scales
 from moeshard.models.common._safetensors import CheckpointError, SafetensorsDir
 
 __all__ = [
@@ -48,7 +49,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _EXPERT_SUFFIXES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
-_SCALE_SUFFIX = "_scale_inv"  # FP8 Hub weights: ``X.weight`` (float8) + ``X.weight_scale_inv`` (float32 per block)
 # Segments that wrappers (activation checkpointing, torch.compile, FSDP1) insert into FQNs.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -297,7 +297,62 @@ def load_hf_weights(
     config = getattr(model, "config", None)
     num_experts = fmt.num_experts(config) if config is not None else None
 
-    expected: set[str] = set()
+    requests, wanted_shape = _plan(model, ckpt, fmt, ep_info, expert_range, num_experts)
+    found = ckpt.keys()
+    skipped = _skipped_keys(found, fmt.skipped_layers(config)) if config is not None else set()
+    if skipped:
+        layers = sorted({int(k.split(".")[2]) for k in skipped})
+        logger.warning(
+            "load_hf_weights(%s): skipping %d tensors of model.layers.%s (multi-token prediction), which this model "
+            "does not build",
+            path,
+            len(skipped),
+            layers[0] if len(layers) == 1 else layers,
+        )
+    scales = {k for k in found if k.endswith(SCALE_SUFFIX) and k.removesuffix(SCALE_SUFFIX) in wanted_shape}
+    _check_keys(path, set(wanted_shape), found - skipped - scales)
+    for key, shape in wanted_shape.items():
+        info = ckpt.info(key)
+        if info.shape != shape:
+            raise CheckpointError(
+                f"{key} in {info.file.name} has shape {list(info.shape)}, the model needs {list(shape)}: "
+                "the checkpoint and the model's config disagree (build the model from this checkpoint's config)"
+            )
+    block = fp8_block(config)
+    fp8 = sorted({r.key for r in requests if ckpt.info(r.key).dtype in FP8})
+    check_fp8(ckpt, fp8, block)
+    casts = _check_dtypes(ckpt, requests, set(fp8), allow_dtype_cast)
+    if casts:
+        logger.info("load_hf_weights(%s): cast checkpoint tensors to the parameters' dtypes: %s", path, casts)
+
+    bytes_read = 0
+    scale_of = read_scales(ckpt, fp8)
+    with torch.no_grad():
+        for i, _key, tensor in ckpt.read((r.key, r.slices) for r in requests):
+            req = requests[i]
+            assert tuple(tensor.shape) == tuple(req.dst.shape), (req.key, tensor.shape, req.dst.shape)
+            bytes_read += tensor.numel() * tensor.element_size()
+            if req.key in scale_of:
+                tensor = dequantize(tensor, scale_of[req.key], req.slices, block, req.dst.dtype)
+            req.dst.copy_(tensor)
+    return LoadReport(
+        keys_read=frozenset(r.key for r in requests),
+        bytes_read=bytes_read,
+        casts=casts,
+        skipped=frozenset(skipped),
+    )
+
+
+def _plan(
+    model: nn.Module,
+    ckpt: SafetensorsDir,
+    fmt: HFFormat,
+    ep_info: EPInfo | None,
+    expert_range: tuple[int, int] | None,
+    num_experts: int | None,
+) -> tuple[list[_Request], dict[str, tuple[int, ...]]]:
+    """``(reads that fill this rank's boxes, every checkpoint key the model needs -> its stored shape)``; expert
+    tensors read from fused keys where the checkpoint has them, else from per-expert keys."""
     requests: list[_Request] = []
     wanted_shape: dict[str, tuple[int, ...]] = {}
     for raw_fqn, param in _tensors(model, fmt):
@@ -326,54 +381,28 @@ def load_hf_weights(
             )
 
         if not is_expert or fqn in ckpt:
-            expected.add(fqn)
             wanted_shape[fqn] = global_shape
             if fqn in ckpt and local.numel():
                 requests.append(_Request(fqn, tuple(slice(o, o + n) for o, n in zip(offset, local.shape)), local))
             continue
         # Per-expert layout: the fused tensor's shape fixes each expert tensor's shape.
         keys = _per_expert_keys(fqn, global_shape)
-        expected.update(keys)
         wanted_shape.update(keys)
         if local.numel():
             requests.extend(_expert_requests(fqn, global_shape, offset, local))
 
-    found = ckpt.keys()
-    skipped = _skipped_keys(found, fmt.skipped_layers(config)) if config is not None else set()
-    if skipped:
-        layers = sorted({int(k.split(".")[2]) for k in skipped})
-        logger.warning(
-            "load_hf_weights(%s): skipping %d tensors of model.layers.%s (multi-token prediction), which this model "
-            "does not build",
-            path,
-            len(skipped),
-            layers[0] if len(layers) == 1 else layers,
-        )
-    scales = {k for k in found if k.endswith(_SCALE_SUFFIX) and k.removesuffix(_SCALE_SUFFIX) in expected}
-    _check_keys(path, expected, found - skipped - scales)
-    for key in expected:
-        info = ckpt.info(key)
-        if info.shape != wanted_shape[key]:
-            raise CheckpointError(
-                f"{key} in {info.file.name} has shape {list(info.shape)}, the model needs {list(wanted_shape[key])}: "
-                "the checkpoint and the model's config disagree (build the model from this checkpoint's config)"
-            )
+    return requests, wanted_shape
+
+
+def _check_dtypes(
+    ckpt: SafetensorsDir, requests: list[_Request], fp8: set[str], allow_dtype_cast: bool
+) -> dict[str, int]:
+    """``"src->dst"`` → tensors cast (FP8 dequantisation counted as a cast); raises for a cast that is not done."""
     cast_of: dict[str, str] = {}
-    block = _fp8_block(config)
-    fp8 = {r.key for r in requests if ckpt.info(r.key).dtype in _FP8}
-    for key in sorted(fp8):
-        if key + _SCALE_SUFFIX not in found:
-            raise CheckpointError(
-                f"{key} is stored as {ckpt.info(key).dtype} without {key + _SCALE_SUFFIX}: FP8 weights load only with "
-                "their block scales (DeepSeek's weight_scale_inv); use the checkpoint's bf16 release or restore the "
-                "scale tensors"
-            )
-        _check_scale_shape(ckpt, key, block)
     for req in requests:
-        src = ckpt.info(req.key).dtype
-        dst = req.dst.dtype
+        src, dst = ckpt.info(req.key).dtype, req.dst.dtype
         if req.key in fp8:
-            if not dst.is_floating_point or dst in _FP8:
+            if not dst.is_floating_point or dst in FP8:
                 raise CheckpointError(f"{req.key} is FP8: it dequantises into a float parameter, not {dst}")
             cast_of[req.key] = f"{_name(src)}->{_name(dst)}"
         elif src != dst:
@@ -384,70 +413,7 @@ def load_hf_weights(
                     + " (only float-to-float casts are done; convert the checkpoint or the model's dtype)"
                 )
             cast_of[req.key] = f"{_name(src)}->{_name(dst)}"
-    casts = dict(Counter(cast_of.values()))
-    if casts:
-        logger.info("load_hf_weights(%s): cast checkpoint tensors to the parameters' dtypes: %s", path, casts)
-
-    bytes_read = 0
-    scale_of = _read_scales(ckpt, sorted(fp8))
-    with torch.no_grad():
-        for i, _key, tensor in ckpt.read((r.key, r.slices) for r in requests):
-            req = requests[i]
-            assert tuple(tensor.shape) == tuple(req.dst.shape), (req.key, tensor.shape, req.dst.shape)
-            bytes_read += tensor.numel() * tensor.element_size()
-            if req.key in fp8:
-                tensor = _dequantize(tensor, scale_of[req.key], req.slices, block, req.dst.dtype)
-            req.dst.copy_(tensor)
-    return LoadReport(
-        keys_read=frozenset(r.key for r in requests),
-        bytes_read=bytes_read,
-        casts=casts,
-        skipped=frozenset(skipped),
-    )
-
-
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def _fp8_block(config: PretrainedConfig | None) -> tuple[int, int]:
-    """The ``[rows, cols]`` of one scale block (``quantization_config.weight_block_size``, default 128 x 128)."""
-    quant = getattr(config, "quantization_config", None) or {}
-    if not isinstance(quant, dict):
-        quant = quant.to_dict()
-    rows, cols = quant.get("weight_block_size", (128, 128))
-    return int(rows), int(cols)
-
-
-def _check_scale_shape(ckpt: SafetensorsDir, key: str, block: tuple[int, int]) -> None:
-    shape = ckpt.info(key).shape
-    want = tuple(-(-n // b) for n, b in zip(shape, block))
-    got = ckpt.info(key + _SCALE_SUFFIX).shape
-    if len(shape) != 2 or got != want:
-        raise CheckpointError(
-            f"{key + _SCALE_SUFFIX} has shape {list(got)}, a {list(shape)} weight in {block[0]}x{block[1]} blocks "
-            f"needs {list(want)}: the config's quantization_config.weight_block_size and the checkpoint disagree"
-        )
-
-
-def _read_scales(ckpt: SafetensorsDir, keys: list[str]) -> dict[str, torch.Tensor]:
-    """Whole scale tensors of ``keys``' FP8 weights (a weight's scales are ~1/16384 of its elements)."""
-    reqs = [(k + _SCALE_SUFFIX, tuple(slice(None) for _ in ckpt.info(k + _SCALE_SUFFIX).shape)) for k in keys]
-    return {keys[i]: t.float() for i, _, t in ckpt.read(reqs)}
-
-
-def _dequantize(
-    tensor: torch.Tensor,
-    scale: torch.Tensor,
-    slices: tuple[slice, ...],
-    block: tuple[int, int],
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """``fp8 * scale`` of the slice ``slices`` of a block-scaled weight, in float32, then ``dtype``."""
-    (r, c), (br, bc) = (s.start or 0 for s in slices), block
-    rows, cols = tensor.shape
-    s = scale[r // br : -(-(r + rows) // br), c // bc : -(-(c + cols) // bc)]
-    s = s.repeat_interleave(br, 0).repeat_interleave(bc, 1)[r % br : r % br + rows, c % bc : c % bc + cols]
-    return (tensor.float() * s).to(dtype)
+    return dict(Counter(cast_of.values()))
 
 
 def _name(dtype: torch.dtype) -> str:
