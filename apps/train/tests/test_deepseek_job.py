@@ -1,5 +1,6 @@
 """The default CPU job's DeepSeek-V3 twin: ``--model.family=deepseek_v3`` on the tiny preset's geometry, 2 "nodes" x 2
-ranks (EP 2 x ep_fsdp 2, gloo), against single-process transformers training on the same global batches.
+ranks (EP 2 x ep_fsdp 2, gloo), against single-process transformers training on the same global batches, and its
+step-2 checkpoint resumed at EP 4 x ep_fsdp 1.
 
 The tiny preset's model (query LoRA, 4 expert groups of which 2 are kept, a shared expert, a dense first layer,
 YaRN RoPE, sigmoid scores with non-zero correction biases, routed_scaling_factor 2.5) is saved by transformers so that
@@ -37,7 +38,7 @@ def _cfg(paths: dict, out: str, *extra: str):
             "--train.lr=1e-3",
             "--train.warmup_steps=2",
             "--train.max_grad_norm=0.5",
-            "--checkpoint.every_steps=0",
+            "--checkpoint.every_steps=2",
             "--logging.tensorboard=false",
             "--logging.progress_bar=false",
             "--logging.expert_load_every=0",
@@ -48,10 +49,20 @@ def _cfg(paths: dict, out: str, *extra: str):
 
 
 def _four_ranks(paths: dict) -> dict:
+    import os
+
     from moeshard.train.job import run_job
 
     out = run_job(_cfg(paths, "a"))
-    return {"losses": out["losses"], "layout": out["job"].meshes.describe(), "family": type(out["job"].model).__name__}
+    step2 = f"{paths['root']}/a/checkpoints/step_00000002"
+    os.environ["LOCAL_WORLD_SIZE"] = "4"  # one node of 4: EP 4 x ep_fsdp 1
+    resumed = run_job(_cfg(paths, "c", "--parallel.ep_size=4", f"--checkpoint.resume={step2}"))
+    return {
+        "losses": out["losses"],
+        "layout": out["job"].meshes.describe(),
+        "family": type(out["job"].model).__name__,
+        "resumed": (resumed["start_step"], resumed["losses"], resumed["job"].meshes.describe()),
+    }
 
 
 def _reference(paths: dict) -> tuple[list[float], list[float]]:
@@ -121,3 +132,7 @@ def test_deepseek_v3_on_two_nodes_of_two_equals_transformers(paths):
     assert four["losses"] == pytest.approx(ref_losses, rel=1e-6)
     assert norms == pytest.approx(ref_norms, rel=1e-6)
     assert max(ref_norms) > 0.5  # clipping was active
+    # Resumed at another layout (EP 4 x ep_fsdp 1) from step 2: the same training as uninterrupted.
+    start, losses, layout = four["resumed"]
+    assert start == 2 and "ep 4 x ep_fsdp 1" in layout
+    assert losses == pytest.approx(four["losses"][2:], rel=1e-6)
