@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from moeshard.train import checkpoint as ckpt
-from moeshard.train import faults
 from moeshard.train.errors import CheckpointSaveError
+from moeshard.train.run import faults
 
 
 @pytest.fixture
@@ -98,8 +98,8 @@ def test_plan_30b_on_two_nodes_of_eight(capsys):
 
 
 def _memory(*overrides: str, nproc: int = 2):
+    from moeshard.train.commands.plan import plan_report
     from moeshard.train.config import load_config
-    from moeshard.train.plan import plan_report
 
     keys = ["model.preset=qwen3-30b-a3b", "model.overrides.num_hidden_layers=2", "model.dtype=bfloat16"]
     keys += ["data.seq_len=4096", "train.global_batch_size=8", "train.micro_batch_size=4", "parallel.ep_size=2"]
@@ -189,7 +189,7 @@ def test_comm_accounting_counts_per_group(tmp_path):
 
 
 def _comm_body():
-    from moeshard.train.comm_accounting import CommAccounting
+    from moeshard.train.observe.comm_accounting import CommAccounting
 
     rank = dist.get_rank()
     node_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]

@@ -105,8 +105,8 @@ def test_two_nodes_metrics_tensorboard(reference):
 
 
 def test_comm_accounting_stays_in_its_links_and_matches_plan(reference):
+    from moeshard.train.commands.plan import plan_report
     from moeshard.train.config import load_config
-    from moeshard.train.plan import plan_report
 
     comm = _records(reference)[-1]["comm"]
     per_kind: dict[tuple[str, str], float] = {}

@@ -25,7 +25,7 @@ def _train(fused: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
     from moeshard.data import DataConfig, StepBatches, open_dataset
     from moeshard.fsdp_moe import build_optimizer, get_state_dict
     from moeshard.train.config import load_config
-    from moeshard.train.train import build, init_distributed, lr_at, train_step
+    from moeshard.train.run import build, init_distributed, lr_at, train_step
 
     device = init_distributed()
     cfg = load_config(
