@@ -46,11 +46,23 @@ def _help() -> str:
     return USAGE.format(commands="\n".join(f"  {name:14s}{line}" for name, line in COMMANDS.items()))
 
 
+def _keys_help() -> str:
+    """Every config key with its default and meaning (the fields' own, as ``config --show`` prints them)."""
+    from moeshard.train.config import JobConfig, describe_keys
+
+    rows = [f"  --{key}={_show(default)}\n      {meaning}" for key, _, default, meaning in describe_keys(JobConfig())]
+    return (
+        "Overrides: --section.key=value, e.g. --train.lr=1e-4 (`config --show`: the same keys, resolved):\n"
+        + "\n".join(rows)
+    )
+
+
 def _train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="moeshard-train",
         description="Train (run under torchrun). `moeshard-train --help` lists the other commands.",
-        epilog="Overrides: --section.key=value, e.g. --train.lr=1e-4; `moeshard-train config --show` lists every key.",
+        epilog=_keys_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", default=None, help="YAML file; omitted: the embedded default job")
     args, overrides = parser.parse_known_args(argv)
