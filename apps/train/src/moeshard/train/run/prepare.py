@@ -21,6 +21,7 @@ from moeshard.data import Dataset, EvalBatches, StepBatches, check_batch_sizes
 from moeshard.models.qwen3moe import STRUCTURAL_CONFIG_KEYS
 from moeshard.train import checkpoint as ckpt
 from moeshard.train.config import JobConfig, layout_error_for_config, resolve_model_config
+from moeshard.train.config.parallel import migrate
 from moeshard.train.errors import JobError
 from moeshard.train.run.build import SCHEDULE_KEYS, check_model_fits
 from moeshard.train.run.data import build_data
@@ -102,14 +103,18 @@ def guard_output_dir(cfg: JobConfig, output_dir: Path, resuming: bool, identity:
             )
         return
     previous = json.loads(run_file.read_text())
+    # A run of 0.3 recorded keys that moved since (train.compile, model.dtype, ...): under their names now, and those
+    # that left the identity (the parallel options may change between a run and its resumption) out of it.
+    old = {s: dict(previous.get(s, {})) for s in ("model", "train")}
+    migrate(old, warn=False)
     defaults = JobConfig().to_dict()
     diff = [
         f"{s}.{k}"
         for s in ("model", "train")
-        for k in set(identity[s]) | set(previous.get(s, {}))
-        if identity[s].get(k) != previous.get(s, {}).get(k)
+        for k in set(identity[s]) | set(old[s])
+        if identity[s].get(k) != old[s].get(k)
         and not (s == "train" and k in SCHEDULE_KEYS)  # recorded by runs of earlier versions
-        and not (k not in previous.get(s, {}) and identity[s].get(k) == defaults[s].get(k))  # a key added since
+        and not (k not in old[s] and identity[s].get(k) == defaults[s].get(k))  # a key added since
     ]
     changed = data_changes(previous, identity)
     if diff or (changed and not resuming):
