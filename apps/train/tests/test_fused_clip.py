@@ -42,7 +42,7 @@ def _train(fused: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
         ],
     )
     if fused:  # the job's own container leaves the experts to torch's AdamW: it may be replaced
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fused_expert_update=False))
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fuse_local_experts=False))
     job = build(cfg, device)
     if fused:
         t = cfg.train
