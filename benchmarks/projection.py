@@ -13,9 +13,9 @@ from __future__ import annotations
 import functools
 import math
 
-from moeshard.train.comm import a2a_rows_per_token
+from moeshard.train.commands.plan import GiB, plan_report
 from moeshard.train.config import load_config, resolve_model_config
-from moeshard.train.plan import GiB, plan_report
+from moeshard.train.observe.comm import a2a_rows_per_token
 
 # ---- Measured inputs (tokens/s/GPU unless said) -----------------------------------------------------------------
 TOKENS = 4 * 4096  # tokens per GPU per step, every run below

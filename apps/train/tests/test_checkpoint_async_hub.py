@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 from moeshard.train import checkpoint as ckpt
-from moeshard.train import checkpoint_async, faults
+from moeshard.train import checkpoint_async
 from moeshard.train.__main__ import main
 from moeshard.train.errors import CheckpointSaveError
+from moeshard.train.run import faults
 
 ONE = [
     "--model.overrides.num_hidden_layers=2",
@@ -67,12 +68,11 @@ def test_published_after_the_write_with_the_values_of_its_start(world_of_one, tm
             assert release.wait(60)
             return super().write_data(plan, planner)
 
-    monkeypatch.setattr(faults, "storage_writer", lambda path, step: HeldWriter(str(path)))
     d, w = tmp_path / "ckpts", torch.arange(8.0)
     stager = checkpoint_async.make_stager(torch.device("cpu"))
     pending = checkpoint_async.start_async_save(
         d, 3, {"model": {"w": w}}, {"step": 3}, {"rng": 3}, keep_last=2, group=dist.new_group(backend="gloo"),
-        stager=stager,
+        stager=stager, writer_factory=lambda path, step: HeldWriter(str(path)),
     )  # fmt: skip
     pending.wait_staged()
     w.add_(100.0)  # the next optimizer step changes the live state while the write is pending
@@ -129,7 +129,7 @@ def test_async_run_goes_on_while_saving_and_writes_hub_folders(clean_env, capsys
     from torch.distributed.checkpoint import FileSystemWriter
     from transformers import AutoModelForCausalLM
 
-    from moeshard.train.export import load_full_model
+    from moeshard.train.commands.export import load_full_model
 
     run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     run_dir.mkdir()

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from moeshard.train import checkpoint as ckpt
-from moeshard.train import faults
 from moeshard.train.errors import CheckpointSaveError
+from moeshard.train.run import faults
 
 
 @pytest.fixture
@@ -83,7 +83,7 @@ def test_plan_30b_on_two_nodes_of_eight(capsys):
     out = capsys.readouterr().out
     assert "world 16 = 2 node(s) x 8 ranks; ep 8 x ep_fsdp 2" in out
     assert "ep_fsdp  (experts dim 1):          [0,8], [1,9]" in out
-    # The options the job builds with (train.compile: compiled attention, triton expert kernels).
+    # The options the job builds with (parallel.compile: compiled attention; parallel.ep.kernels: triton).
     assert "dispatch=overlapped kernels=triton gemm=auto sm_carveout=32" in out
     row = next(ln for ln in out.splitlines() if ln.startswith("model.layers.0.mlp.experts.down_proj "))
     assert row.split()[1:] == ["[128,", "2048,", "768]", "[16,", "1024,", "768]", "ep:Shard(0)x8", "ep_fsdp:S(1)x2"]
@@ -98,10 +98,10 @@ def test_plan_30b_on_two_nodes_of_eight(capsys):
 
 
 def _memory(*overrides: str, nproc: int = 2):
+    from moeshard.train.commands.plan import plan_report
     from moeshard.train.config import load_config
-    from moeshard.train.plan import plan_report
 
-    keys = ["model.preset=qwen3-30b-a3b", "model.overrides.num_hidden_layers=2", "model.dtype=bfloat16"]
+    keys = ["model.preset=qwen3-30b-a3b", "model.overrides.num_hidden_layers=2", "parallel.param_dtype=bfloat16"]
     keys += ["data.seq_len=4096", "train.global_batch_size=8", "train.micro_batch_size=4", "parallel.ep_size=2"]
     cfg = load_config(None, keys + list(overrides))
     report = plan_report(cfg, nnodes=1, nproc_per_node=nproc, table=False)
@@ -114,7 +114,7 @@ def test_plan_memory_follows_the_policies():
     per routed copy and layer and repeats no exchange, ``full`` keeps one hidden state per layer and does."""
     base, comm = _memory()
     experts = 2 * 128 // 2 * 3 * 2048 * 768  # 2 layers, 64 local experts: kept out of FSDP at EP 2 of 2 ranks
-    unfused, _ = _memory("train.fused_expert_update=false")
+    unfused, _ = _memory("train.fuse_local_experts=false")
     assert unfused.grads - base.grads == 2 * experts  # float32 against bfloat16
     assert base.micro_batches == 1 and base.total == base.params + base.optimizer + base.unsharded + max(
         base.activations, base.grads
@@ -132,11 +132,11 @@ def test_plan_memory_follows_the_policies():
     tokens, copies = 4 * 4096, 8  # per micro-batch; top-8
     for recompute, width in (("mlp", 3 * 768), ("activation", 768)):
         selective, selective_comm = _memory(
-            "train.activation_checkpointing=selective", f"train.selective_recompute={recompute}"
+            "parallel.activation_checkpointing=selective", f"parallel.selective_recompute={recompute}"
         )
         assert base.activations - selective.activations == tokens * 2 * 2 * copies * width  # 2 layers, bf16
         assert selective_comm == comm
-    full, full_comm = _memory("train.activation_checkpointing=full")
+    full, full_comm = _memory("parallel.activation_checkpointing=full")
     assert full.activations < selective.activations
     # the token rows travel 6 times instead of 4 (the per-expert counts twice instead of once: a few KiB)
     a2a = ("all_to_all", "intra-node")
@@ -189,7 +189,7 @@ def test_comm_accounting_counts_per_group(tmp_path):
 
 
 def _comm_body():
-    from moeshard.train.comm_accounting import CommAccounting
+    from moeshard.train.observe.comm_accounting import CommAccounting
 
     rank = dist.get_rank()
     node_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]

@@ -110,7 +110,7 @@ def test_balancing_and_eval_keys():
 
 
 def test_lr_schedule():
-    from moeshard.train.train import lr_at
+    from moeshard.train.run import lr_at
 
     cfg = load_config(None, ["--train.steps=10", "--train.warmup_steps=2", "--train.lr=1.0", "--train.min_lr=0.1"])
     lrs = [lr_at(s, cfg) for s in range(10)]
@@ -133,7 +133,7 @@ def test_lr_schedule():
 
 
 def test_a_resume_with_another_schedule_says_what_the_lr_does():
-    from moeshard.train.train import schedule_change
+    from moeshard.train.run import schedule_change
 
     before = load_config(None, ["--train.steps=100", "--train.lr=1.0", "--train.min_lr=0.0", "--train.warmup_steps=0"])
     saved = before.to_dict()["train"]
@@ -229,7 +229,7 @@ def test_run_identity_of_the_data(tmp_path, monkeypatch):
     import json
 
     from moeshard.data import open_dataset
-    from moeshard.train.checks import data_changes, run_identity
+    from moeshard.train.run.prepare import data_changes, run_identity
 
     monkeypatch.chdir(tmp_path)
     for name, docs in (("a", [[1, 2, 3]] * 8), ("b", [[4, 5]] * 8), ("c", [[5, 4]] * 8)):

@@ -51,7 +51,7 @@ def _cfg(paths: dict, out: str, *extra: str):
 def _four_ranks(paths: dict) -> dict:
     import os
 
-    from moeshard.train.job import run_job
+    from moeshard.train.run.job import run_job
 
     out = run_job(_cfg(paths, "a"))
     step2 = f"{paths['root']}/a/checkpoints/step_00000002"
@@ -71,7 +71,7 @@ def _reference(paths: dict) -> tuple[list[float], list[float]]:
     from transformers import DeepseekV3ForCausalLM
 
     from moeshard.data import StepBatches, open_dataset
-    from moeshard.train.train import lr_at
+    from moeshard.train.run import lr_at
 
     cfg = _cfg(paths, "unused")
     model = DeepseekV3ForCausalLM.from_pretrained(paths["hf"], dtype=torch.float32, attn_implementation="sdpa")

@@ -105,8 +105,8 @@ def test_two_nodes_metrics_tensorboard(reference):
 
 
 def test_comm_accounting_stays_in_its_links_and_matches_plan(reference):
+    from moeshard.train.commands.plan import plan_report
     from moeshard.train.config import load_config
-    from moeshard.train.plan import plan_report
 
     comm = _records(reference)[-1]["comm"]
     per_kind: dict[tuple[str, str], float] = {}
@@ -130,7 +130,7 @@ def test_comm_accounting_stays_in_its_links_and_matches_plan(reference):
     print("\n".join(lines))
     assert comm["all_gather/ep_fsdp"]["inter_node_bytes"] == comm["all_gather/ep_fsdp"]["bytes"] > 0
 
-    cfg = load_config(None, [*JOB, "--model.dtype=float32"])  # CPU computes in float32
+    cfg = load_config(None, [*JOB, "--parallel.param_dtype=float32"])  # CPU computes in float32
     report = plan_report(cfg, nnodes=2, nproc_per_node=2)
     for key in [k for k in report.comm if k[0] in ("all_gather", "reduce_scatter")]:
         assert per_kind[key] == pytest.approx(report.comm[key], rel=0.02), key

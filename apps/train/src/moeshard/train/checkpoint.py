@@ -42,7 +42,7 @@ from torch.distributed.checkpoint import StorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moeshard.train.errors import CheckpointSaveError, JobError
-from moeshard.train.train import Callback, Job, StepStats, lr_at
+from moeshard.train.run import Callback, Job, StepStats, lr_at
 
 COMPLETE = "COMPLETE"
 _NAME = re.compile(r"^step_(\d{8})$")
@@ -388,9 +388,9 @@ def save_job(
 
 def write_hub_folder(checkpoint: Path, hf_dir: Path, dtype: str) -> Path:
     """``checkpoint.save_hf``: the Hub folder ``hf_dir/<checkpoint's name>`` written from a complete checkpoint by
-    :func:`moeshard.train.export.export_hf` (streaming: host memory bounded by a shard), atomically (a temporary
+    :func:`moeshard.train.commands.export.export_hf` (streaming: host memory bounded by a shard), atomically (a temporary
     folder renamed; an earlier folder of the same step is replaced). Returns the folder."""
-    from moeshard.train.export import export_hf
+    from moeshard.train.commands.export import export_hf
 
     final, tmp = hf_dir / checkpoint.name, hf_dir / f".tmp-{checkpoint.name}"
     shutil.rmtree(tmp, ignore_errors=True)

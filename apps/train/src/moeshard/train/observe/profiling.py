@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from moeshard.train.config import ProfileConfig
-from moeshard.train.train import Callback, StepStats
+from moeshard.train.run import Callback, StepStats
 
 
 class Profiler(Callback):

@@ -25,7 +25,7 @@ from typing import Any
 
 from moeshard.ep import EPOptions
 from moeshard.models.qwen3moe import ParallelOptions
-from moeshard.train.config_parse import ConfigError
+from moeshard.train.config.parse import ConfigError
 
 __all__ = ["DEPRECATED", "EPConfig", "ParallelConfig", "attribute_docs", "migrate", "parallel_options"]
 

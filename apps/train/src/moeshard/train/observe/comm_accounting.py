@@ -1,14 +1,14 @@
 """Measured communication per step (``logging.comm_accounting: true``): bytes by collective kind and process group.
 
-While active, :class:`CommAccounting` wraps the collectives of ``torch.distributed`` (c10d: ``all_to_all_single``,
-``all_gather_single`` / ``all_gather_into_tensor``, ``reduce_scatter_single`` / ``reduce_scatter_tensor``,
-``all_reduce``, ``broadcast``, ...) and of the functional collectives DTensor uses, wherever a loaded ``torch`` or
-``moeshard`` module holds them. FSDP2 calls ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` (torch
-2.13; ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` before) through the ``torch.distributed`` module,
-moeshard.ep calls ``dist.all_to_all_single``, clipping reduces DTensor norms through ``funcol.all_reduce``: all are
-counted. A collective that calls another is counted once, as the outer one.
+While active, :class:`CommAccounting` is a ``TorchDispatchMode``: every collective reaches the dispatcher as a
+c10d op (``c10d.allreduce_``, ``c10d._allgather_base_``, ``c10d.alltoall_base_``, ``c10d.send``, ... for
+``torch.distributed``'s calls: FSDP2's all-gathers and reduce-scatters, moeshard.ep's exchanges) or a functional
+collective (``_c10d_functional.all_reduce``, ... for DTensor: the clipping's norms), and the mode counts it there
+from the op's own arguments. No function of any loaded module is replaced. Each collective is one op, so it is
+counted once. Every other op passes through the mode too (a Python call per op): with accounting on, the step is
+slower; count bytes with it, time steps without it.
 
-Convention (shared with the estimate of ``plan``, see :mod:`moeshard.train.comm`): the bytes a rank *sends to its
+Convention (shared with the estimate of ``plan``, see :mod:`moeshard.train.observe.comm`): the bytes a rank *sends to its
 peers*, per peer, so a peer on another node makes them inter-node bytes:
 
 - all-gather: its input to every peer, ``(n-1)·s``; reduce-scatter: each peer's chunk, ``(n-1)/n·S``;
@@ -23,59 +23,43 @@ puts the mean per rank into the step's stats (``extra["comm"]``) for the metrics
 from __future__ import annotations
 
 import contextlib
-import inspect
-import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from moeshard.train.train import Callback, StepStats
+from moeshard.train.run import Callback, StepStats
 
-# Function name -> kind, for torch.distributed (c10d) and the functional collectives (funcol).
-_C10D = {
-    "all_to_all_single": "all_to_all",
-    "all_to_all": "all_to_all",
-    "all_gather_single": "all_gather",
+# Op name (c10d and _c10d_functional) -> kind. Ops not listed (barrier, wait_tensor, ...) move no data to count.
+_OPS = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
     "all_gather_into_tensor": "all_gather",
-    "_all_gather_base": "all_gather",
-    "all_gather": "all_gather",
-    "all_gather_coalesced": "all_gather",
-    "reduce_scatter_single": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "_reduce_scatter_base": "reduce_scatter",
-    "reduce_scatter": "reduce_scatter",
-    "all_reduce": "all_reduce",
-    "all_reduce_coalesced": "all_reduce",
-    "broadcast": "broadcast",
-    "reduce": "reduce",
-    "gather": "gather",
-    "scatter": "scatter",
-    "send": "send",
-    "isend": "send",
-    "barrier": "barrier",
-}
-_FUNCOL = {
-    "all_reduce": "all_reduce",
-    "all_reduce_coalesced": "all_reduce",
-    "all_gather_single": "all_gather",
-    "all_gather_single_autograd": "all_gather",
-    "all_gather_tensor": "all_gather",
-    "all_gather_tensor_autograd": "all_gather",
-    "all_gather_single_coalesced": "all_gather",
+    "all_gather_into_tensor_out": "all_gather",
     "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_single": "reduce_scatter",
-    "reduce_scatter_single_autograd": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_autograd": "reduce_scatter",
-    "reduce_scatter_single_coalesced": "reduce_scatter",
     "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "alltoall_base_": "all_to_all",
+    "alltoall_": "all_to_all",
     "all_to_all_single": "all_to_all",
-    "all_to_all_single_autograd": "all_to_all",
+    "broadcast_": "broadcast",
     "broadcast": "broadcast",
+    "reduce_": "reduce",
+    "gather_": "gather",
+    "scatter_": "scatter",
+    "send": "send",
 }
 
 
@@ -112,8 +96,9 @@ class _Group:
     peers_node: list[int] = field(default_factory=list)  # node of each member
 
 
-class CommAccounting:
-    """Count collective traffic per ``kind/group`` while active (a context manager); one instance at a time.
+class CommAccounting(TorchDispatchMode):
+    """Count collective traffic per ``kind/group`` while active (a ``TorchDispatchMode``: ``with`` it, or enter it
+    and exit it on the same thread).
 
     Args:
         labels: process group -> name (e.g. ``{meshes.ep.get_group(): "ep", ...}``); others are named by ranks.
@@ -121,18 +106,13 @@ class CommAccounting:
     """
 
     def __init__(self, labels: dict[Any, str], ranks_per_node: int) -> None:
+        super().__init__()
         # Groups this rank is not part of (``new_group`` gives them as a sentinel) are left out.
-        self._labels = {self._key(g): name for g, name in labels.items() if hasattr(g, "group_name")}
+        self._labels = {str(g.group_name): name for g, name in labels.items() if hasattr(g, "group_name")}
         self._rpn = ranks_per_node
         self._groups: dict[str, _Group] = {}
         self._stats: dict[str, CommStat] = {}
-        self._local = threading.local()
-        self._patched: list[tuple[Any, str, Any]] = []
         self._paused = False
-
-    @staticmethod
-    def _key(group: Any) -> str:
-        return str(group.group_name)
 
     # ---- results -------------------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -153,70 +133,25 @@ class CommAccounting:
         finally:
             self._paused = before
 
-    # ---- patching ------------------------------------------------------------------------------------------
-    def __enter__(self) -> CommAccounting:
-        import torch.distributed._functional_collectives as funcol
-        import torch.distributed.distributed_c10d as c10d
-
-        replacements: dict[int, Any] = {}
-        for module, table, resolve in ((c10d, _C10D, self._c10d_group), (funcol, _FUNCOL, self._funcol_group)):
-            for name, kind in table.items():
-                original = getattr(module, name, None)
-                if original is None:
-                    continue  # not in this torch version
-                replacements[id(original)] = self._wrap(original, kind, resolve)
-        # Every loaded torch/moeshard module that holds one of the originals (``dist.x``, ``from ... import x``).
-        for mod_name, mod in list(sys.modules.items()):
-            if mod is None or not mod_name.startswith(("torch", "moeshard")):
-                continue
-            for attr, value in list(vars(mod).items()):
-                if callable(value) and id(value) in replacements:
-                    self._patched.append((mod, attr, value))
-                    setattr(mod, attr, replacements[id(value)])
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for mod, attr, original in reversed(self._patched):
-            setattr(mod, attr, original)
-        self._patched = []
-
-    def _wrap(self, fn: Callable[..., Any], kind: str, resolve: Callable[[Any], Any]) -> Callable[..., Any]:
-        signature = inspect.signature(fn)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            depth = getattr(self._local, "depth", 0)
-            if depth == 0 and not self._paused:
-                try:
-                    self._count(kind, signature.bind(*args, **kwargs).arguments, resolve)
-                except Exception:  # noqa: BLE001 - accounting must never break the collective itself
-                    pass
-            self._local.depth = depth + 1
+    # ---- the mode ------------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        kind = _OPS.get(func._opname) if func.namespace in ("c10d", "_c10d_functional") else None
+        if kind is not None and not self._paused:
+            named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
             try:
-                return fn(*args, **kwargs)
-            finally:
-                self._local.depth = depth
-
-        counted.__wrapped__ = fn  # type: ignore[attr-defined]
-        return counted
+                self._count(kind, named)
+            except Exception:  # noqa: BLE001 - accounting must never break the collective itself
+                pass
+        return func(*args, **kwargs)
 
     # ---- groups --------------------------------------------------------------------------------------------
-    @staticmethod
-    def _c10d_group(group: Any) -> Any:
-        if group is None:
-            return dist.distributed_c10d._get_default_group()
-        if isinstance(group, str):
-            return dist.distributed_c10d._resolve_process_group(group)
-        return group
-
-    @staticmethod
-    def _funcol_group(group: Any) -> Any:
-        import torch.distributed._functional_collectives as funcol
-
-        name = funcol._resolve_group_name(group)
-        return dist.distributed_c10d._resolve_process_group(name)
-
-    def _group(self, pg: Any) -> _Group:
-        key = self._key(pg)
+    def _group(self, a: dict[str, Any]) -> _Group:
+        if "process_group" in a:  # c10d ops: the ProcessGroup as a script object
+            pg = dist.ProcessGroup.unbox(a["process_group"])
+        else:  # functional collectives: the group's name
+            pg = dist.distributed_c10d._resolve_process_group(a["group_name"])
+        key = str(pg.group_name)
         if key not in self._groups:
             ranks = dist.get_process_group_ranks(pg)
             label = self._labels.get(key)
@@ -227,42 +162,36 @@ class CommAccounting:
         return self._groups[key]
 
     # ---- bytes ---------------------------------------------------------------------------------------------
-    def _count(self, kind: str, a: dict[str, Any], resolve: Callable[[Any], Any]) -> None:
-        g = self._group(resolve(a.get("group")))
+    def _count(self, kind: str, a: dict[str, Any]) -> None:
+        g = self._group(a)
         n, me = len(g.ranks), g.index
         per_peer = [0.0] * n  # bytes sent to each member of the group
-        tensor = a.get("input", a.get("input_tensor", a.get("self", a.get("tensor"))))
+        tensor = next((a[k] for k in ("input", "inputs", "input_tensor", "tensors", "input_tensors") if k in a), None)
         if kind == "all_to_all":
-            if "input_tensor_list" in a:
-                per_peer = [float(_nbytes(t)) for t in a["input_tensor_list"]]
+            if isinstance(tensor, (list, tuple)):  # alltoall_: one input tensor per peer
+                per_peer = [float(_nbytes(t)) for t in tensor]
             else:
                 splits = a.get("input_split_sizes")
                 rows = tensor.shape[0] if tensor.dim() else 1
                 row_bytes = _nbytes(tensor) / max(rows, 1)
                 per_peer = [row_bytes * s for s in splits] if splits else [_nbytes(tensor) / n] * n
         elif kind == "all_gather":
-            if "tensor_list" in a and "tensor" in a:  # all_gather(tensor_list, tensor)
-                tensor = a["tensor"]
             per_peer = [float(_nbytes(tensor))] * n
         elif kind == "reduce_scatter":
-            if "input_list" in a:
-                per_peer = [float(_nbytes(t)) for t in a["input_list"]]
+            if a.get("input_tensors") is not None and "output_tensors" in a and isinstance(tensor[0], list):
+                per_peer = [float(_nbytes(t)) for t in tensor[0]]  # reduce_scatter_: a list of per-peer inputs
             else:
                 per_peer = [_nbytes(tensor) / n] * n
         elif kind == "all_reduce":
-            tensors = a.get("tensors", tensor)
-            per_peer = [2.0 * _nbytes(tensors) / n] * n
-        elif kind == "broadcast" and a.get("src", 0) == dist.get_rank():
+            per_peer = [2.0 * _nbytes(tensor) / n] * n
+        elif kind == "broadcast" and (a["root_rank"] == me if "root_rank" in a else a.get("src") == g.ranks[me]):
             per_peer = [float(_nbytes(tensor))] * n
-        elif kind == "scatter" and a.get("src", 0) == dist.get_rank():
-            per_peer = [float(_nbytes(t)) for t in a.get("scatter_list") or [tensor] * n]
+        elif kind == "scatter" and a.get("root_rank", 0) == me:
+            per_peer = [float(_nbytes(t)) for t in (a.get("input_tensors") or [[]])[0]] or per_peer
         elif kind in ("reduce", "gather", "send"):
-            dst = a.get("dst")
-            if dst is None and a.get("group_dst") is not None:  # batch_isend_irecv passes the group rank
-                dst = g.ranks[a["group_dst"]]
-            dst = 0 if dst is None else dst
-            if dst in g.ranks and g.ranks.index(dst) != me:
-                per_peer[g.ranks.index(dst)] = float(_nbytes(tensor))
+            dst = a.get("dstRank", a.get("root_rank", 0))  # a rank of the group
+            if 0 <= dst < n and dst != me:
+                per_peer[dst] = float(_nbytes(tensor))
         per_peer[me] = 0.0  # what stays on this rank is not communication
         my_node = g.peers_node[me]
         total = sum(per_peer)

@@ -7,7 +7,7 @@ estimated memory per rank and the estimated communication per step by kind and b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -168,79 +168,44 @@ def plan_report(
         if table:
             lines.append(header)
             lines.append("-" * len(header))
-        local_numel = 0
-        total_numel = 0
-        for name, p in model.named_parameters():
-            meta = info.params.get(name) if info is not None else None
-            gshape = tuple(meta.global_shape) if meta is not None else tuple(p.shape)
-            lshape = tuple(_local(p))
-            local_numel += int(torch.Size(lshape).numel())
-            total_numel += int(torch.Size(gshape).numel())
-            if table:
-                lines.append(f"{name:62s} {str(list(gshape)):>22s} {str(list(lshape)):>22s}  {_placement(p, meta)}")
-        # Expert modules kept out of FSDP (ep_fsdp of one rank) belong to no unit's gathered parameters.
-        local_experts = dict(units.local_experts)
-        all_units = {id(m) for stage in units.stages for _, m in stage.modules} | {id(units.root)}
-        skip = all_units | {id(m) for m in local_experts.values()}
-
-        def stage_numel(stage: Any) -> int:
-            # A stage's local experts count as if gathered with it: their compute-dtype copies are made in its
-            # forward (the same figure as when they were FSDP units).
-            gathered = sum(_managed_numel(m, skip) for _, m in stage.modules)
-            return gathered + sum(_managed_numel(local_experts[e], skip) for e in stage.local_experts)
-
-        largest_unit = max(stage_numel(stage) for stage in units.stages)
-        # Bytes per element of the gradients FSDP reduces (and holds unsharded): float32, the expert units' in
-        # parallel.expert_reduce_dtype.
-        expert_units = {id(m) for _, m in units.experts}
-
-        def grad_bytes(unit: Any) -> int:
-            return _managed_numel(unit, skip) * (expert_reduce_bytes if id(unit) in expert_units else 4)
-
-        def stage_grad_bytes(stage: Any) -> int:
-            local = sum(_managed_numel(local_experts[e], skip) for e in stage.local_experts)
-            return sum(grad_bytes(m) for _, m in stage.modules) + 4 * local
-
-        reduce_buffers = max(stage_grad_bytes(stage) for stage in units.stages)  # the largest stage's, in backward
-        head = units.stages[-1].modules[0][1]
-        # Gathered once per micro-batch (never resharded after forward): the root and the head (see shard_model).
-        once_numel = _managed_numel(units.root, skip) + _managed_numel(head, skip)
-        # Unsharded from forward to backward: the head (see shard_model), and the experts when ep_fsdp has one
-        # rank (their compute-dtype copies, saved for backward) or they are not resharded after forward
-        # (parallel.expert_reshard_after_forward); these live through the whole step.
-        experts_kept = meshes.ep_fsdp_size == 1 or not expert_reshard
-        kept = [head] + ([m for _, m in units.experts] if experts_kept else [])
-        kept += list(local_experts.values())
-        kept_numel = sum(_managed_numel(m, skip) for m in kept)
-        # Experts outside FSDP updated by the fused pass keep their gradients in the compute dtype.
-        fused_numel = sum(p.numel() for m in local_experts.values() for p in m.parameters())
-        fused_numel = fused_numel if cfg.train.fuse_local_experts else 0
-        # train.gradient_sync last_micro_batch: every FSDP unit holds its unsharded gradients until the step's last
-        # backward reduces them, in the reduce dtype (FSDP2 accumulates in it).
-        held_grads = sum(grad_bytes(m) for _, m in units)
+        local_numel, total_numel = _parameter_rows(model, info, lines if table else None)
+        u = _unit_figures(units, meshes, cfg, expert_reshard, expert_reduce_bytes)
     mb = micro_batch_size or cfg.train.micro_batch_size
     tokens = mb * cfg.data.seq_len
     depth = cfg.parallel.prefetch_depth
     t, opts = cfg.train, parallel.options  # the options as ParallelOptions reads them (true: full)
     est = MemoryEstimate(
         params=4 * local_numel,
-        grads=4 * (local_numel - fused_numel) + compute_bytes * fused_numel,
+        grads=4 * (local_numel - u.fused_numel) + compute_bytes * u.fused_numel,
         optimizer=8 * local_numel,
-        unsharded=compute_bytes * (largest_unit * (1 + depth) + kept_numel) + reduce_buffers,
+        unsharded=compute_bytes * (u.largest_unit * (1 + depth) + u.kept_numel) + u.reduce_buffers,
         activations=activation_bytes_per_token(
             mcfg, compute_bytes, opts.activation_checkpointing, opts.selective_recompute
         )
         * tokens,
         micro_batches=max(1, t.global_batch_size // world // mb),
-        held_grads=held_grads if t.gradient_sync == "last_micro_batch" else 0,
+        held_grads=u.held_grads if t.gradient_sync == "last_micro_batch" else 0,
     )
     if table:
         lines.append("")
     lines.append(f"parameters: {total_numel / 1e9:.3f} B in total, {local_numel / 1e6:.2f} M on rank {rank}")
+    lines += _memory_lines(est, opts, mb, cfg.data.seq_len, compute_bytes, expert_reduce_bytes)
+    lines.append("")
+    comm = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, u.once_numel)
+    bound = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, u.once_numel, uniform_routing=False)
+    lines += comm_estimate_lines(comm, bound)
+    return PlanReport("\n".join(lines), est, comm, bound)
+
+
+def _memory_lines(
+    est: MemoryEstimate, opts: Any, mb: int, seq_len: int, compute_bytes: int, expert_reduce_bytes: int
+) -> list[str]:
+    """The memory estimate's lines of the report."""
+    lines: list[str] = []
     ac = {"none": "no", "full": "full", "selective": f"selective ({opts.selective_recompute})"}
     ac = ac[opts.activation_checkpointing]
     lines.append(
-        f"estimated memory per rank (micro batch {mb} x seq {cfg.data.seq_len} x {est.micro_batches} per step, "
+        f"estimated memory per rank (micro batch {mb} x seq {seq_len} x {est.micro_batches} per step, "
         f"{ac} activation checkpointing, {'bf16' if compute_bytes == 2 else 'fp32'} compute, fp32 master weights, "
         "AdamW):"
     )
@@ -253,11 +218,78 @@ def plan_report(
         )
     held = "alive together" if est.micro_batches > 1 else "not alive together"
     lines.append(f"  {'total':12s} {_size(est.total)}  (peak: activations and gradients are {held})")
-    lines.append("")
-    comm = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, once_numel)
-    bound = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, once_numel, uniform_routing=False)
-    lines += comm_estimate_lines(comm, bound)
-    return PlanReport("\n".join(lines), est, comm, bound)
+    return lines
+
+
+def _parameter_rows(model: torch.nn.Module, info: Any, lines: list[str] | None) -> tuple[int, int]:
+    """``(elements on this rank, elements in all)`` of the model's parameters; with ``lines``, one row each."""
+    local_numel = 0
+    total_numel = 0
+    for name, p in model.named_parameters():
+        meta = info.params.get(name) if info is not None else None
+        gshape = tuple(meta.global_shape) if meta is not None else tuple(p.shape)
+        lshape = tuple(_local(p))
+        local_numel += int(torch.Size(lshape).numel())
+        total_numel += int(torch.Size(gshape).numel())
+        if lines is not None:
+            lines.append(f"{name:62s} {str(list(gshape)):>22s} {str(list(lshape)):>22s}  {_placement(p, meta)}")
+    return local_numel, total_numel
+
+
+class _UnitFigures(NamedTuple):
+    largest_unit: int  # elements of the largest stage gathered at once
+    reduce_buffers: int  # bytes of the largest stage's gradient reduce buffers
+    once_numel: int  # gathered once per micro-batch (the root and the head)
+    kept_numel: int  # unsharded from forward to backward
+    fused_numel: int  # experts updated by the fused pass (compute-dtype gradients)
+    held_grads: int  # bytes of unsharded gradients held with gradient_sync last_micro_batch
+
+
+def _unit_figures(
+    units: Any, meshes: Any, cfg: JobConfig, expert_reshard: bool, expert_reduce_bytes: int
+) -> _UnitFigures:
+    """What the FSDP units gather, keep and reduce (for the memory and communication estimates)."""
+    # Expert modules kept out of FSDP (ep_fsdp of one rank) belong to no unit's gathered parameters.
+    local_experts = dict(units.local_experts)
+    all_units = {id(m) for stage in units.stages for _, m in stage.modules} | {id(units.root)}
+    skip = all_units | {id(m) for m in local_experts.values()}
+
+    def stage_numel(stage: Any) -> int:
+        # A stage's local experts count as if gathered with it: their compute-dtype copies are made in its
+        # forward (the same figure as when they were FSDP units).
+        gathered = sum(_managed_numel(m, skip) for _, m in stage.modules)
+        return gathered + sum(_managed_numel(local_experts[e], skip) for e in stage.local_experts)
+
+    largest_unit = max(stage_numel(stage) for stage in units.stages)
+    # Bytes per element of the gradients FSDP reduces (and holds unsharded): float32, the expert units' in
+    # parallel.expert_reduce_dtype.
+    expert_units = {id(m) for _, m in units.experts}
+
+    def grad_bytes(unit: Any) -> int:
+        return _managed_numel(unit, skip) * (expert_reduce_bytes if id(unit) in expert_units else 4)
+
+    def stage_grad_bytes(stage: Any) -> int:
+        local = sum(_managed_numel(local_experts[e], skip) for e in stage.local_experts)
+        return sum(grad_bytes(m) for _, m in stage.modules) + 4 * local
+
+    reduce_buffers = max(stage_grad_bytes(stage) for stage in units.stages)  # the largest stage's, in backward
+    head = units.stages[-1].modules[0][1]
+    # Gathered once per micro-batch (never resharded after forward): the root and the head (see shard_model).
+    once_numel = _managed_numel(units.root, skip) + _managed_numel(head, skip)
+    # Unsharded from forward to backward: the head (see shard_model), and the experts when ep_fsdp has one
+    # rank (their compute-dtype copies, saved for backward) or they are not resharded after forward
+    # (parallel.expert_reshard_after_forward); these live through the whole step.
+    experts_kept = meshes.ep_fsdp_size == 1 or not expert_reshard
+    kept = [head] + ([m for _, m in units.experts] if experts_kept else [])
+    kept += list(local_experts.values())
+    kept_numel = sum(_managed_numel(m, skip) for m in kept)
+    # Experts outside FSDP updated by the fused pass keep their gradients in the compute dtype.
+    fused_numel = sum(p.numel() for m in local_experts.values() for p in m.parameters())
+    fused_numel = fused_numel if cfg.train.fuse_local_experts else 0
+    # train.gradient_sync last_micro_batch: every FSDP unit holds its unsharded gradients until the step's last
+    # backward reduces them, in the reduce dtype (FSDP2 accumulates in it).
+    held_grads = sum(grad_bytes(m) for _, m in units)
+    return _UnitFigures(largest_unit, reduce_buffers, once_numel, kept_numel, fused_numel, held_grads)
 
 
 def _expert_grad_bytes(cfg: JobConfig) -> int:
@@ -279,8 +311,8 @@ def _managed_numel(unit: torch.nn.Module, skip: set[int]) -> int:
 def comm_estimate(
     cfg: JobConfig, mcfg: Any, world: int, per_node: int, elem: int, once_numel: int, *, uniform_routing: bool = True
 ) -> dict[tuple[str, str], float]:
-    """Bytes per optimizer step per rank by ``(kind, link)`` for this job (see :mod:`moeshard.train.comm`)."""
-    from moeshard.train.comm import estimate_comm_bytes
+    """Bytes per optimizer step per rank by ``(kind, link)`` for this job (see :mod:`moeshard.train.observe.comm`)."""
+    from moeshard.train.observe.comm import estimate_comm_bytes
 
     return estimate_comm_bytes(
         mcfg,

@@ -1,12 +1,12 @@
 """One training run: checks -> process group -> output-directory lock -> build -> resume -> the step loop with its
-callbacks -> summary. SIGTERM / SIGUSR1 end the loop after a saved step (``moeshard.train.preemption``).
+callbacks -> summary. SIGTERM / SIGUSR1 end the loop after a saved step (``moeshard.train.cluster.preemption``).
 
     torchrun --nproc-per-node 4 -m moeshard.train --config apps/train/configs/default.yaml
 
 A run resumes from the newest complete checkpoint with ``checkpoint.resume: auto`` (also after ``torchrun
 --max-restarts`` restarts it) and then computes the same losses as an uninterrupted run: the rows of a step are a
 pure function of the step (``moeshard.data.StepBatches``), whatever the layout. The loop itself is
-:func:`moeshard.train.train.run`, fed by a ``moeshard.data.PrefetchLoader`` (the next steps' batches are prepared
+:func:`moeshard.train.run.run`, fed by a ``moeshard.data.PrefetchLoader`` (the next steps' batches are prepared
 in a background thread, pinned on CUDA); this module chooses its callbacks.
 """
 
@@ -24,17 +24,18 @@ import torch.distributed as dist
 
 from moeshard.data import PrefetchLoader
 from moeshard.train import checkpoint as ckpt
-from moeshard.train import faults, preemption, tracking
-from moeshard.train.checks import Prepared, prepare, print0
-from moeshard.train.comm_accounting import CommPerStep
+from moeshard.train.cluster import preemption
+from moeshard.train.cluster.preemption import StopOnSignal
 from moeshard.train.config import JobConfig
 from moeshard.train.errors import JobError, TrainingDiverged
-from moeshard.train.evaluation import Evaluator
 from moeshard.train.lock import OutputLock
-from moeshard.train.metrics import MetricsLogger, ProgressBar, RunTotals, StepTimer, TokensPerSource
-from moeshard.train.preemption import StopOnSignal
-from moeshard.train.profiling import Profiler
-from moeshard.train.train import Callback, LossLog, StepStats, build, init_distributed, run, schedule_change
+from moeshard.train.observe import tracking
+from moeshard.train.observe.comm_accounting import CommPerStep
+from moeshard.train.observe.metrics import MetricsLogger, ProgressBar, RunTotals, StepTimer, TokensPerSource
+from moeshard.train.observe.profiling import Profiler
+from moeshard.train.run import Callback, Job, LossLog, StepStats, build, faults, init_distributed, run, schedule_change
+from moeshard.train.run.evaluation import Evaluator
+from moeshard.train.run.prepare import Prepared, prepare, print0
 
 
 class StopOnNonFinite(Callback):
@@ -80,15 +81,8 @@ def run_job(cfg: JobConfig) -> dict[str, Any]:
             return _run(cfg, prep, device, stop, fault_plan)
 
 
-def _run(
-    cfg: JobConfig, prep: Prepared, device: torch.device, stop: StopOnSignal, fault_plan: faults.Faults
-) -> dict[str, Any]:
-    rank = dist.get_rank()
-    if rank == 0:
-        for path, why in prep.damaged:  # resume: auto skipped them for an older checkpoint that validates
-            kept = ckpt.set_aside(path)
-            print0(f"{why}; kept as {kept.name}, resuming from the newest checkpoint that validates instead")
-        preemption.clear_marker(prep.output_dir)
+def _build_and_resume(cfg: JobConfig, prep: Prepared, device: torch.device) -> tuple[Job, int]:
+    """The built job and the steps it has taken (a resume loads its checkpoint)."""
     try:
         torch.manual_seed(cfg.train.seed)
         job = build(cfg, device)
@@ -104,6 +98,19 @@ def _run(
                 print0(line)
     except (ValueError, FileNotFoundError) as e:  # e.g. a weights file: each rank reads only its slices
         raise JobError(str(e), every_rank=False) from e  # printed once, by the first rank that reports it
+    return job, start_step
+
+
+def _run(
+    cfg: JobConfig, prep: Prepared, device: torch.device, stop: StopOnSignal, fault_plan: faults.Faults
+) -> dict[str, Any]:
+    rank = dist.get_rank()
+    if rank == 0:
+        for path, why in prep.damaged:  # resume: auto skipped them for an older checkpoint that validates
+            kept = ckpt.set_aside(path)
+            print0(f"{why}; kept as {kept.name}, resuming from the newest checkpoint that validates instead")
+        preemption.clear_marker(prep.output_dir)
+    job, start_step = _build_and_resume(cfg, prep, device)
     if rank == 0:
         prep.output_dir.mkdir(parents=True, exist_ok=True)
         (prep.output_dir / "run.json").write_text(json.dumps(prep.identity, indent=1))
@@ -198,7 +205,7 @@ def _tty() -> bool:
 
 
 def _open_trackers(cfg: JobConfig, output_dir: Path) -> tuple[Any, ...]:
-    """Rank 0's W&B / MLflow runs (``moeshard.train.tracking``); a tracker that fails to start is one line."""
+    """Rank 0's W&B / MLflow runs (``moeshard.train.observe.tracking``); a tracker that fails to start is one line."""
     try:
         return tuple(tracking.open_sinks(cfg, output_dir))
     except Exception as e:  # noqa: BLE001 - the trackers raise their own types (network, credentials, store)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from moeshard.data import EvalBatches
-from moeshard.train.train import Callback, Job, StepStats
+from moeshard.train.run import Callback, Job, StepStats
 
 
 class Evaluator(Callback):

@@ -17,12 +17,14 @@ from typing import Any
 
 import torch
 
-from moeshard.data import DataConfig, Dataset, EvalBatches, StepBatches, check_batch_sizes, open_dataset
+from moeshard.data import Dataset, EvalBatches, StepBatches, check_batch_sizes
 from moeshard.train import checkpoint as ckpt
 from moeshard.train.config import JobConfig, layout_error_for_config, resolve_model_config
+from moeshard.train.config.parallel import migrate
 from moeshard.train.errors import JobError
 from moeshard.train.families import family_of
-from moeshard.train.train import SCHEDULE_KEYS, check_model_fits
+from moeshard.train.run.build import SCHEDULE_KEYS, check_model_fits
+from moeshard.train.run.data import build_data
 
 
 def print0(*args: Any) -> None:
@@ -39,7 +41,7 @@ def _absolute(path: Any) -> Any:
 
 def run_identity(cfg: JobConfig, data: Dataset) -> dict[str, Any]:
     """What makes two runs "the same run": model, data and optimisation (steps and the rest of the learning-rate
-    schedule, ``moeshard.train.train.SCHEDULE_KEYS``, layout, evaluation, logging and checkpointing may change
+    schedule, ``moeshard.train.run.SCHEDULE_KEYS``, layout, evaluation, logging and checkpointing may change
     between a run and its resumption).
 
     The data are the ``data`` settings, with paths made absolute (for the record: what decides is the content), and
@@ -101,14 +103,18 @@ def guard_output_dir(cfg: JobConfig, output_dir: Path, resuming: bool, identity:
             )
         return
     previous = json.loads(run_file.read_text())
+    # A run of 0.3 recorded keys that moved since (train.compile, model.dtype, ...): under their names now, and those
+    # that left the identity (the parallel options may change between a run and its resumption) out of it.
+    old = {s: dict(previous.get(s, {})) for s in ("model", "train")}
+    migrate(old, warn=False)
     defaults = JobConfig().to_dict()
     diff = [
         f"{s}.{k}"
         for s in ("model", "train")
-        for k in set(identity[s]) | set(previous.get(s, {}))
-        if identity[s].get(k) != previous.get(s, {}).get(k)
+        for k in set(identity[s]) | set(old[s])
+        if identity[s].get(k) != old[s].get(k)
         and not (s == "train" and k in SCHEDULE_KEYS)  # recorded by runs of earlier versions
-        and not (k not in previous.get(s, {}) and identity[s].get(k) == defaults[s].get(k))  # a key added since
+        and not (k not in old[s] and identity[s].get(k) == defaults[s].get(k))  # a key added since
     ]
     changed = data_changes(previous, identity)
     if diff or (changed and not resuming):
@@ -201,21 +207,7 @@ def prepare(cfg: JobConfig) -> Prepared:
         if resume_path is not None:
             _check_same_model(resume_path, mcfg)
         _check_tokenizer_folder(cfg.data.tokenizer)
-        tokens = {"vocab_size": mcfg.vocab_size, "eos_id": _first(mcfg.eos_token_id)}
-        tokens["pad_id"] = getattr(mcfg, "pad_token_id", None)
-        data = open_dataset(cfg.data, **tokens)  # moeshard.data.DataError names the file/record/key and the fix
-        batches = StepBatches(
-            data, global_batch=cfg.train.global_batch_size, world_size=world, micro_batch=cfg.train.micro_batch_size
-        )
-        eval_batches = None
-        if cfg.eval.enabled:
-            eval_batches = EvalBatches(
-                open_dataset(eval_data_config(cfg), **tokens),
-                global_batch=cfg.train.global_batch_size,
-                world_size=world,
-                micro_batch=cfg.train.micro_batch_size,
-                max_batches=cfg.eval.max_batches,
-            )
+        data, batches, eval_batches = build_data(cfg, mcfg, world)  # opened here: the run's identity needs it
         identity = run_identity(cfg, data)
         guard_output_dir(cfg, output_dir, resuming=resume != "none", identity=identity)
     except (ValueError, FileNotFoundError) as e:
@@ -223,16 +215,6 @@ def prepare(cfg: JobConfig) -> Prepared:
     return Prepared(
         mcfg, data, batches, identity, output_dir, ckpt_dir, resume_path, rank, world, per_node, damaged, eval_batches
     )
-
-
-def eval_data_config(cfg: JobConfig) -> DataConfig:
-    """The held-out set's data config: ``eval.path`` (or generated rows with another seed than the training data's)
-    read with the training data's ``seq_len``, ``packing`` and ``tokenizer``, in order (no shuffle)."""
-    d = cfg.data
-    common = {"tokenizer": d.tokenizer, "seq_len": d.seq_len, "packing": d.packing, "shuffle": False}
-    if cfg.eval.path is not None:
-        return DataConfig(path=cfg.eval.path, **common)
-    return DataConfig(synthetic=True, seed=d.seed + 1, synthetic_samples=d.synthetic_samples, **common)
 
 
 def _check_tokenizer_folder(tokenizer: str | None) -> None:
@@ -274,7 +256,3 @@ def _check_same_model(path: Path, mcfg: Any) -> None:
             f"checkpoint {path} holds another model ({'; '.join(diff)}); resume it with its own model settings, or "
             "start this model in another logging.output_dir (or with checkpoint.resume=none)"
         )
-
-
-def _first(x: Any) -> Any:
-    return x[0] if isinstance(x, (list, tuple)) else x

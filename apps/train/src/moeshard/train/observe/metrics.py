@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from moeshard.train.train import Callback, Job, StepStats
+from moeshard.train.run import Callback, Job, StepStats
 
 H200_BF16_PEAK_FLOPS = 989e12
 
@@ -168,7 +168,9 @@ class MetricsLogger(Callback):
         sinks: tuple[Any, ...] = (),
     ) -> None:
         cfg = job.cfg
-        self.sinks = sinks  # moeshard.train.tracking's W&B / MLflow runs: every TensorBoard scalar, closed at the end
+        self.sinks = (
+            sinks  # moeshard.train.observe.tracking's W&B / MLflow runs: every TensorBoard scalar, closed at the end
+        )
         self.job, self.enabled, self.start_step = job, enabled, start_step
         self.console = console or functools.partial(print, flush=True)
         self.path = output_dir / "metrics.jsonl"

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import StorageWriter
 
-from moeshard.train.train import Callback, StepStats
+from moeshard.train.run import Callback, StepStats
 
 ENV = "MOESHARD_FAULT"
 _KINDS = {"kill_rank": ("step", "during_save"), "nan_loss": ("step",), "enospc": ("during_save",)}

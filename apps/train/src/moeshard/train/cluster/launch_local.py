@@ -11,7 +11,7 @@ reading the previous attempt's rendezvous keys (with gloo on torch 2.13 they oth
 
 SIGTERM or SIGUSR1 to this command goes to every agent, and each agent forwards it to its workers (they handle
 SIGUSR1 too: ``--signals-to-handle``), which stop after a step with a checkpoint of it
-(``moeshard.train.preemption``); the agents then exit with status 1 (torchrun's own status after a signal).
+(``moeshard.train.cluster.preemption``); the agents then exit with status 1 (torchrun's own status after a signal).
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ def _read_run(src: Path):
         ValueError: ``src`` is not one (no ``COMPLETE``, no ``extra.pt``).
     """
     from moeshard.train.config import resolve_model_config
-    from moeshard.train.families import get_family
 
     ckpt.read_marker(src)
     if not (src / "extra.pt").is_file():
@@ -40,6 +39,8 @@ def _read_run(src: Path):
     cfg = config_from_dict(extra["config"], warn=False)  # a config saved by 0.3 too: its old keys move silently
     # The model config saved with the checkpoint: the run's model.path may be gone by now.
     if "model_config" in extra:  # the family from the saved config's model_type (runs of 0.3 and earlier: Qwen3-MoE)
+        from moeshard.train.families import get_family
+
         family = get_family(extra["model_config"].get("model_type", "qwen3_moe"))
         mcfg = family.hf_format.config_class.from_dict(extra["model_config"])
     else:
