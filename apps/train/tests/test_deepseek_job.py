@@ -51,6 +51,7 @@ def _cfg(paths: dict, out: str, *extra: str):
 def _four_ranks(paths: dict) -> dict:
     import os
 
+    from moeshard.models.deepseekv3 import DeepseekV3ForCausalLM
     from moeshard.train.run.job import run_job
 
     out = run_job(_cfg(paths, "a"))
@@ -60,7 +61,7 @@ def _four_ranks(paths: dict) -> dict:
     return {
         "losses": out["losses"],
         "layout": out["job"].meshes.describe(),
-        "family": type(out["job"].model).__name__,
+        "family": isinstance(out["job"].model, DeepseekV3ForCausalLM),
         "resumed": (resumed["start_step"], resumed["losses"], resumed["job"].meshes.describe()),
     }
 
@@ -124,7 +125,7 @@ def paths(tmp_path_factory) -> dict:
 
 def test_deepseek_v3_on_two_nodes_of_two_equals_transformers(paths):
     four = run_distributed(_four_ranks, 4, paths, ranks_per_node=2, timeout=400)[0]
-    assert four["family"] == "DeepseekV3ForCausalLM" and "ep 2 x ep_fsdp 2" in four["layout"]
+    assert four["family"] and "ep 2 x ep_fsdp 2" in four["layout"]
     ref_losses, ref_norms = _reference(paths)
     norms = [
         json.loads(line)["grad_norm"] for line in (Path(paths["root"]) / "a/metrics.jsonl").read_text().splitlines()
