@@ -4,13 +4,12 @@
 # state per rank) saving after steps 10 and 20, synchronously and in the background. Per save bench prints the
 # time it blocked the loop, the wait for the earlier write, staging, write time and GB/s per rank.
 #   bash benchmarks/checkpoint_cost.sh                 (logs and JSON land in $OUT; saves go to $DIR)
-#   ASYNC=--checkpoint.async=true bash benchmarks/checkpoint_cost.sh   (where bench takes config keys for it)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 DIR=${DIR:-$PWD/bench_checkpoints}; mkdir -p "$DIR"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 R=$(cd "${TREE:-.}" && pwd)
-export PYTHONPATH="$R/packages/meshes/src:$R/packages/ep/src:$R/packages/fsdp_moe/src:$R/packages/prefetch/src:$R/packages/models_qwen3moe/src:$R/packages/data/src:$R/packages/checkpoint/src:$R/apps/train/src"
+export PYTHONPATH="$R/packages/meshes/src:$R/packages/ep/src:$R/packages/fsdp_moe/src:$R/packages/prefetch/src:$R/packages/models_common/src:$R/packages/models_qwen3moe/src:$R/packages/models_deepseekv3/src:$R/packages/data/src:$R/packages/checkpoint/src:$R/apps/train/src"
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
 df -h "$DIR" | tail -n 1
 free -g | head -n 2
@@ -28,9 +27,9 @@ python3 -m pytest -q -p no:cacheprovider "$R/packages/checkpoint/tests/test_asyn
 bench() {  # bench NAME ARGS...
   local name=$1; shift
   timeout "${T:-280}" python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m moeshard.train bench \
-    --layers 1 --steps 22 --checkpoint-every 10 --checkpoint-dir "$DIR/$name" "$@" --out "$OUT/$name.json" 2>&1 \
+    --model.overrides.num_hidden_layers=1 --steps 22 --checkpoint-every 10 --checkpoint-dir "$DIR/$name" "$@" --out "$OUT/$name.json" 2>&1 \
     | grep -v "UserWarning\|warnings.warn\|_rng_tracker\|AVOID_RECORD\|_warn_once" > "$OUT/$name.log"
   grep -E "^layers|^checkpoint every|^  save after" "$OUT/$name.log" || tail -n 30 "$OUT/$name.log"
 }
 bench sync
-bench async ${ASYNC:---async-checkpoint}
+bench async --checkpoint.async=true

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from moeshard import checkpoint as ckpt
-from moeshard.train import faults
 from moeshard.train.__main__ import main
+from moeshard.train.run import faults
 
 ONE = [
     "--model.overrides.num_hidden_layers=2",
@@ -57,14 +57,14 @@ def test_async_run_goes_on_while_saving_and_writes_hub_folders(clean_env, capsys
     from torch.distributed.checkpoint import FileSystemWriter
     from transformers import AutoModelForCausalLM
 
-    from moeshard.train.export import load_full_model
+    from moeshard.train.commands.export import load_full_model
 
     run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     run_dir.mkdir()
     elsewhere.mkdir()
     _tokenizer(run_dir / "tok")
     out = tmp_path / "out"
-    real_writer, overlapped = faults.storage_writer, []
+    real_writer, overlapped = faults.Faults.storage_writer, []
 
     class WaitsForStep3(FileSystemWriter):
         def write_data(self, plan, planner):
@@ -74,10 +74,10 @@ def test_async_run_goes_on_while_saving_and_writes_hub_folders(clean_env, capsys
             overlapped.append(3 in _steps(out))
             return super().write_data(plan, planner)
 
-    def writer(path, step):
-        return WaitsForStep3(str(path)) if step == 2 else real_writer(path, step)
+    def writer(self, path, step):
+        return WaitsForStep3(str(path)) if step == 2 else real_writer(self, path, step)
 
-    monkeypatch.setattr(faults, "storage_writer", writer)
+    monkeypatch.setattr(faults.Faults, "storage_writer", writer)
     monkeypatch.chdir(run_dir)  # data.tokenizer by a relative path
     hub = ["--checkpoint.save_hf=every", "--checkpoint.hf_dtype=float32", "--data.tokenizer=tok"]
     # 6 steps: two saves in the background (steps 2 and 4, each with a stager of its own), the last one in place
@@ -129,8 +129,9 @@ def test_a_failed_background_save_stops_the_run_in_one_line(clean_env, capsys, t
 
 def test_bench_reports_the_step_time_cost_of_a_save(clean_env, capsys, tmp_path):
     out, saves = tmp_path / "bench.json", tmp_path / "bench_checkpoints"
-    args = ["bench", "--preset", "tiny", "--layers", "2", "--seq-len", "32", "--batch-per-gpu", "2", "--steps", "6"]
-    args += ["--warmup", "1", "--checkpoint-every", "2", "--async-checkpoint", "--checkpoint-dir", str(saves)]
+    args = ["bench", "--model.preset=tiny", "--model.overrides.num_hidden_layers=2", "--data.seq_len=32"]
+    args += ["--batch-per-gpu", "2", "--steps", "6", "--warmup", "1", "--checkpoint-every", "2"]
+    args += ["--checkpoint.async=true", "--checkpoint-dir", str(saves)]
     assert main([*args, "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     # after steps 2, 4 and 6; the last one's next step is not run, so two costs

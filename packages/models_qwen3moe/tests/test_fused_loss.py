@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeshard.models.qwen3moe.fused_loss import linear_cross_entropy
+from moeshard.models.common import linear_cross_entropy
 
 
 @pytest.mark.parametrize("chunk", [3, 7, 64])

@@ -33,7 +33,7 @@ from moeshard.checkpoint import (
     start_async_save,
 )
 from moeshard.train.errors import JobError
-from moeshard.train.train import Callback, Job, StepStats, lr_at
+from moeshard.train.run import Callback, Job, StepStats, lr_at
 
 
 def app_state(job: Job) -> dict[str, Any]:
@@ -80,9 +80,9 @@ def save_job(
 
 def write_hub_folder(checkpoint: Path, hf_dir: Path, dtype: str) -> Path:
     """``checkpoint.save_hf``: the Hub folder ``hf_dir/<checkpoint's name>`` written from a complete checkpoint by
-    :func:`moeshard.train.export.export_hf` (streaming: host memory bounded by a shard), atomically (a temporary
-    folder renamed; an earlier folder of the same step is replaced). Returns the folder."""
-    from moeshard.train.export import export_hf
+    :func:`moeshard.train.commands.export.export_hf` (streaming: host memory bounded by a shard), atomically (a
+    temporary folder renamed; an earlier folder of the same step is replaced). Returns the folder."""
+    from moeshard.train.commands.export import export_hf
 
     final, tmp = hf_dir / checkpoint.name, hf_dir / f".tmp-{checkpoint.name}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -129,7 +129,7 @@ class Checkpointer(Callback):
 
     Args:
         console: where rank 0's lines go (the progress bar's ``write``); ``print`` by default.
-        writer_factory: the saves' DCP storage writers (``faults.storage_writer``); None: the package's.
+        writer_factory: the saves' DCP storage writers (``run.faults.Faults.storage_writer``); None: the package's.
     """
 
     def __init__(

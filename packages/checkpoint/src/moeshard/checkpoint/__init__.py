@@ -23,6 +23,7 @@ from moeshard.checkpoint._checkpoint import (
     COMPLETE,
     Saved,
     SaveOptions,
+    check_room_for_run,
     checkpoint_name,
     complete_checkpoints,
     describe_failure,
@@ -34,7 +35,7 @@ from moeshard.checkpoint._checkpoint import (
 from moeshard.checkpoint._errors import CheckpointError, CheckpointSaveError
 from moeshard.checkpoint._lock import OutputLock
 from moeshard.checkpoint._resume import find_resume, load_checkpoint, read_extra, set_aside, validate_checkpoint
-from moeshard.checkpoint._space import check_room_for_run, check_room_for_save
+from moeshard.checkpoint._space import check_room_for_save
 from moeshard.checkpoint._stage import Stager, state_bytes
 from moeshard.checkpoint._state import load_model_state, model_state
 from moeshard.checkpoint._watchdog import HangWatchdog

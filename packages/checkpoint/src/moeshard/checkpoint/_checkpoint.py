@@ -38,7 +38,7 @@ from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moeshard.checkpoint._errors import CheckpointSaveError
-from moeshard.checkpoint._space import check_room_for_save
+from moeshard.checkpoint._space import METADATA_ALLOWANCE, agree_sizes, check_room_for_save, human
 from moeshard.checkpoint._stage import Stager, state_bytes
 
 WriterFactory = Callable[[Path, int], StorageWriter]
@@ -128,6 +128,37 @@ def read_marker(path: Path) -> dict[str, Any]:
             "resume from an older one or use checkpoint.resume=auto"
         )
     return json.loads(marker.read_text())
+
+
+def check_room_for_run(
+    folder: Path, state: dict[str, Any], keep_last: int, group: dist.ProcessGroup | None = None
+) -> tuple[int, int]:
+    """At the start of a run (after the optimizer's first step, see ``model_state``): room for ``keep_last``
+    checkpoints plus the one being written, counting what the complete checkpoints already in ``folder`` hold
+    (pruning frees them as newer ones arrive; :mod:`moeshard.checkpoint._space` has the figures).
+
+    Returns:
+        ``(bytes of one checkpoint, bytes still needed)``.
+
+    Raises:
+        CheckpointSaveError: on every rank alike, one line naming both figures and the fix, before any write.
+    """
+    one, free = agree_sizes(folder, state, group)
+    held = 0
+    for path in complete_checkpoints(folder):
+        try:
+            held += sum(read_marker(path).get("files", {}).values())
+        except ValueError:
+            continue
+    steady = (max(1, keep_last) + 1) * (one + METADATA_ALLOWANCE)
+    needed = max(one + METADATA_ALLOWANCE, steady - held)
+    if needed > free:
+        raise CheckpointSaveError(
+            f"not enough disk space for this run's checkpoints in {folder}: keep_last {keep_last} + 1 being written "
+            f"need {human(steady)} ({human(one)} each; the folder's checkpoints hold {human(held)}), the disk has "
+            f"{human(free)} free; nothing was written. Free disk space, lower keep_last or save to a larger disk"
+        )
+    return one, needed
 
 
 def _fsync_dir(path: Path) -> None:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from moeshard.checkpoint._errors import CheckpointSaveError
 from moeshard.checkpoint._stage import state_bytes
 
-_METADATA_ALLOWANCE = 64 << 20  # .metadata, the small files, each file's headers
+METADATA_ALLOWANCE = 64 << 20  # .metadata, the small files, each file's headers
 
 
 def human(n: float) -> str:
@@ -51,41 +51,9 @@ def check_room_for_save(folder: Path, step: int, state: dict[str, Any], group: d
         CheckpointSaveError: on every rank alike, one line naming both figures and the fix.
     """
     need, free = agree_sizes(folder, state, group)
-    if need + _METADATA_ALLOWANCE > free:
+    if need + METADATA_ALLOWANCE > free:
         raise CheckpointSaveError(
             f"no room for the checkpoint of step {step} in {folder}: it needs {human(need)}, the disk has "
             f"{human(free)} free; nothing was written. Free disk space, lower keep_last or save to a larger disk"
         )
     return need
-
-
-def check_room_for_run(
-    folder: Path, state: dict[str, Any], keep_last: int, group: dist.ProcessGroup | None = None
-) -> tuple[int, int]:
-    """At the start of a run (after the optimizer's first step, see ``model_state``): room for ``keep_last`` checkpoints plus the one being written, counting what the
-    complete checkpoints already in ``folder`` hold (pruning frees them as newer ones arrive).
-
-    Returns:
-        ``(bytes of one checkpoint, bytes still needed)``.
-
-    Raises:
-        CheckpointSaveError: on every rank alike, one line naming both figures and the fix, before any write.
-    """
-    from moeshard.checkpoint._checkpoint import complete_checkpoints, read_marker
-
-    one, free = agree_sizes(folder, state, group)
-    held = 0
-    for path in complete_checkpoints(folder):
-        try:
-            held += sum(read_marker(path).get("files", {}).values())
-        except ValueError:
-            continue
-    steady = (max(1, keep_last) + 1) * (one + _METADATA_ALLOWANCE)
-    needed = max(one + _METADATA_ALLOWANCE, steady - held)
-    if needed > free:
-        raise CheckpointSaveError(
-            f"not enough disk space for this run's checkpoints in {folder}: keep_last {keep_last} + 1 being written "
-            f"need {human(steady)} ({human(one)} each; the folder's checkpoints hold {human(held)}), the disk has "
-            f"{human(free)} free; nothing was written. Free disk space, lower keep_last or save to a larger disk"
-        )
-    return one, needed
