@@ -88,7 +88,7 @@ from moeshard.models.common._parallelize import (
     apply_activation_checkpointing,
     parallelize,
 )
-from moeshard.models.common._presets import check_common_config, config_keys, preset_config
+from moeshard.models.common._presets import check_common_config, config_keys, preset_config, sum_over_layers
 from moeshard.models.common._safetensors import INDEX_NAME, CheckpointError, SafetensorsDir, TensorInfo
 
 __all__ = [
@@ -151,5 +151,6 @@ __all__ = [
     "save_hf_checkpoint",
     "save_hf_weights",
     "stream_hf_weights",
+    "sum_over_layers",
     "update_router_bias",
 ]

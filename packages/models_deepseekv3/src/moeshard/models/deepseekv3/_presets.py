@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import DeepseekV3Config
 
-from moeshard.models.common import SCORING_FUNCS, check_common_config, config_keys, preset_config
+from moeshard.models.common import SCORING_FUNCS, check_common_config, config_keys, preset_config, sum_over_layers
 
 __all__ = [
     "MODEL_TYPE",
@@ -206,19 +206,12 @@ def count_parameters(config: DeepseekV3Config) -> tuple[int, int]:
         attn += (config.q_lora_rank or 0) + config.kv_lora_rank + config.qk_rope_head_dim + d
     norms = 2 * d
     expert = 3 * config.moe_intermediate_size * d
-    total = active = 2 * config.vocab_size * d + d  # embeddings, lm_head, final norm
-    for layer in range(config.num_hidden_layers):
-        total += attn + norms
-        active += attn + norms
-        if is_moe_layer(config, layer):
-            router = config.n_routed_experts * (d + 1)  # weight and correction bias
-            shared = config.n_shared_experts * expert
-            total += router + shared + config.n_routed_experts * expert
-            active += router + shared + config.num_experts_per_tok * expert
-        else:
-            total += 3 * config.intermediate_size * d
-            active += 3 * config.intermediate_size * d
-    return total, active
+    base = 2 * config.vocab_size * d + d + config.num_hidden_layers * (attn + norms)  # embeddings, head, norms
+    router, shared = config.n_routed_experts * (d + 1), config.n_shared_experts * expert  # weight, correction bias
+    dense = 3 * config.intermediate_size * d
+    total = base + sum_over_layers(config, is_moe_layer, router + shared + config.n_routed_experts * expert, dense)
+    active = base + sum_over_layers(config, is_moe_layer, router + shared + config.num_experts_per_tok * expert, dense)
+    return int(total), int(active)
 
 
 def flops_per_token(config: DeepseekV3Config, seq_len: int) -> float:
@@ -236,13 +229,9 @@ def flops_per_token(config: DeepseekV3Config, seq_len: int) -> float:
     kv = d * (config.kv_lora_rank + config.qk_rope_head_dim) + config.kv_lora_rank * h * (config.qk_nope_head_dim + dv)
     attn = q + kv + h * dv * d
     expert = 3 * d * config.moe_intermediate_size
-    matmul = d * config.vocab_size
-    for layer in range(config.num_hidden_layers):
-        if is_moe_layer(config, layer):
-            mlp = (config.num_experts_per_tok + config.n_shared_experts) * expert + d * config.n_routed_experts
-        else:
-            mlp = 3 * d * config.intermediate_size
-        matmul += attn + mlp
+    moe = (config.num_experts_per_tok + config.n_shared_experts) * expert + d * config.n_routed_experts
+    mlps = sum_over_layers(config, is_moe_layer, moe, 3 * d * config.intermediate_size)
+    matmul = d * config.vocab_size + config.num_hidden_layers * attn + mlps
     scores = config.num_hidden_layers * (seq_len / 2) * h * (qk + dv)
     return 6 * matmul + 6 * scores
 

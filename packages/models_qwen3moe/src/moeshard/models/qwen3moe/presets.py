@@ -13,7 +13,7 @@ from typing import Any
 
 from transformers import Qwen3MoeConfig
 
-from moeshard.models.common import check_common_config, config_keys, preset_config
+from moeshard.models.common import check_common_config, config_keys, preset_config, sum_over_layers
 
 __all__ = [
     "MODEL_TYPE",
@@ -146,18 +146,11 @@ def count_parameters(config: Qwen3MoeConfig) -> tuple[int, int]:
         attn += q + 2 * kv + d
     norms = 2 * d
     expert = 3 * config.moe_intermediate_size * d
-    total = active = 2 * config.vocab_size * d + d  # embeddings, lm_head, final norm
-    for layer in range(config.num_hidden_layers):
-        total += attn + norms
-        active += attn + norms
-        if is_moe_layer(config, layer):
-            router = config.num_experts * d
-            total += router + config.num_experts * expert
-            active += router + config.num_experts_per_tok * expert
-        else:
-            total += 3 * config.intermediate_size * d
-            active += 3 * config.intermediate_size * d
-    return total, active
+    base = 2 * config.vocab_size * d + d + config.num_hidden_layers * (attn + norms)  # embeddings, head, norms
+    router, dense = config.num_experts * d, 3 * config.intermediate_size * d
+    total = base + sum_over_layers(config, is_moe_layer, router + config.num_experts * expert, dense)
+    active = base + sum_over_layers(config, is_moe_layer, router + config.num_experts_per_tok * expert, dense)
+    return int(total), int(active)
 
 
 def flops_per_token(config: Qwen3MoeConfig, seq_len: int) -> float:
@@ -166,13 +159,9 @@ def flops_per_token(config: Qwen3MoeConfig, seq_len: int) -> float:
     + 6 · L · (S/2) · H · (Dh + Dh)`` (scores and values, half the keys on average)."""
     d, hd = config.hidden_size, head_dim(config)
     attn = d * config.num_attention_heads * hd * 2 + d * config.num_key_value_heads * hd * 2
-    matmul = d * config.vocab_size
-    for layer in range(config.num_hidden_layers):
-        if is_moe_layer(config, layer):
-            mlp = config.num_experts_per_tok * 3 * d * config.moe_intermediate_size + d * config.num_experts
-        else:
-            mlp = 3 * d * config.intermediate_size
-        matmul += attn + mlp
+    moe = config.num_experts_per_tok * 3 * d * config.moe_intermediate_size + d * config.num_experts
+    mlps = sum_over_layers(config, is_moe_layer, moe, 3 * d * config.intermediate_size)
+    matmul = d * config.vocab_size + config.num_hidden_layers * attn + mlps
     scores = config.num_hidden_layers * (seq_len / 2) * config.num_attention_heads * 2 * hd
     return 6 * matmul + 6 * scores
 
