@@ -4,12 +4,22 @@
 #   mkdir -p .bench_old && git archive <commit> packages apps | tar -x -C .bench_old   (here; .bench_old is ignored)
 #   OLD=.bench_old bash benchmarks/compare.sh      (on a machine with 2 GPUs; logs and JSON land in $OUT)
 # Layouts: EP 2 x ep_fsdp 1 and EP 1 x ep_fsdp 2 (LAYOUTS="2 1"), 16 timed steps after 6, --compile; on one GPU:
-# NPROC=1 LAYOUTS=1. ROUNDS="a b" (the default) runs each pair twice.
+# NPROC=1 LAYOUTS=1. ROUNDS="a b" (the default) runs each pair twice; MB=1 for micro-batch 1 (OUT per MB).
 set -u
 OLD=${OLD:-.bench_old}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-S="--layers 8 --steps ${STEPS:-22} --warmup 6 --compile"
+# The same job in each tree's words: the job's keys (--section.key=value) since 0.4, bench's own flags before.
+S_NEW="--model.overrides.num_hidden_layers=8 --steps ${STEPS:-22} --warmup 6 --parallel.compile=true --parallel.ep.kernels=triton"
+S_OLD="--layers 8 --steps ${STEPS:-22} --warmup 6 --compile"
+# MB=1: micro-batch 1 (of the 4 sequences per GPU) in both trees' words.
+flags_of() {  # flags_of TREE EP_SIZE
+  if grep -rqs "BENCH_JOB" "$1/apps/train/src"; then
+    echo "$S_NEW --parallel.ep_size=$2${MB:+ --train.micro_batch_size=$MB}"
+  else
+    echo "$S_OLD --ep-size $2${MB:+ --micro-batch $MB}"
+  fi
+}
 path_of() {
   local root=$1
   echo "$root/packages/meshes/src:$root/packages/ep/src:$root/packages/fsdp_moe/src:$root/packages/prefetch/src:$root/packages/models_qwen3moe/src:$root/packages/data/src:$root/apps/train/src"
@@ -17,7 +27,7 @@ path_of() {
 bench() {  # bench NAME TREE EP_SIZE
   local name=$1 tree=$2 ep=$3
   PYTHONPATH="$(path_of "$tree")" timeout "${T:-240}" python3 -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-2}" \
-    -m moeshard.train bench $S --ep-size "$ep" --out "$OUT/$name.json" 2>&1 \
+    -m moeshard.train bench $(flags_of "$tree" "$ep") --out "$OUT/$name.json" 2>&1 \
     | grep -v "UserWarning\|warnings.warn\|_rng_tracker\|AVOID_RECORD\|_warn_once" > "$OUT/$name.log"
   tail -n 1 "$OUT/$name.log"
 }

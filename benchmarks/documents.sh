@@ -13,7 +13,7 @@ R=$PWD
 export PYTHONPATH="$R/packages/meshes/src:$R/packages/ep/src:$R/packages/fsdp_moe/src:$R/packages/prefetch/src:$R/packages/models_qwen3moe/src:$R/packages/data/src:$R/apps/train/src"
 CORPUS=${CORPUS:-/tmp/corpus_docs}
 python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); from data_scaling import write_corpus; write_corpus(Path('$CORPUS'), 20_000_000)"
-S="--layers ${LAYERS:-8} --steps ${STEPS:-22} --warmup 6 --compile --ep-size ${EP:-1}"
+S="--model.overrides.num_hidden_layers=${LAYERS:-8} --steps ${STEPS:-22} --warmup 6 --parallel.compile=true --parallel.ep.kernels=triton --parallel.ep_size=${EP:-1}"
 bench() {  # bench NAME ARGS...
   local name=$1; shift
   timeout "${T:-240}" python3 -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-1}" \
@@ -24,6 +24,6 @@ bench() {  # bench NAME ARGS...
 for round in ${ROUNDS:-a}; do
   bench "plain_$round"
   bench "documents_$round" --documents "${DOC_MEAN:-1024}"
-  bench "data_$round" --data "$CORPUS"
-  bench "preload_$round" --data "$CORPUS" --preload
+  bench "data_$round" --data.path="$CORPUS"
+  bench "preload_$round" --data.path="$CORPUS" --preload
 done

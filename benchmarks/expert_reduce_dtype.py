@@ -6,7 +6,7 @@
 The job: the embedded default (the tiny Qwen3-MoE: hidden 64, 8 experts top-2; AdamW at 3e-3, 16 rows per step)
 with 2 layers, seq 32 and one micro-batch per rank, on 4 gloo processes as 2 nodes x 2 (``moeshard-train
 launch-local``): EP 2 inside each node, the experts FSDP-sharded across the nodes (ep_fsdp 2), bfloat16 compute
-(``model.dtype=bfloat16``), the same seed and data; once with ``parallel.expert_reduce_dtype=float32`` (the
+(``parallel.param_dtype=bfloat16``), the same seed and data; once with ``parallel.expert_reduce_dtype=float32`` (the
 default), once with ``bfloat16``, and, for scale, once with float32 compute (what bf16 compute itself changes).
 
 Gloo sums bfloat16 in bfloat16, so the bf16 run rounds every expert gradient's sum over ep_fsdp (and its division
@@ -29,7 +29,7 @@ JOB = [
     "--model.overrides.num_hidden_layers=2",
     "--data.seq_len=32",
     "--train.micro_batch_size=4",
-    "--model.dtype=bfloat16",
+    "--parallel.param_dtype=bfloat16",
     "--parallel.ep_size=2",
     "--eval.synthetic=false",
     "--checkpoint.save_final=false",
@@ -43,7 +43,7 @@ JOB = [
 RUNS = {  # name -> the keys that differ
     "fp32 reduce": ["--parallel.expert_reduce_dtype=float32"],
     "bf16 reduce": ["--parallel.expert_reduce_dtype=bfloat16"],
-    "fp32 compute": ["--parallel.expert_reduce_dtype=float32", "--model.dtype=float32"],  # for scale
+    "fp32 compute": ["--parallel.expert_reduce_dtype=float32", "--parallel.param_dtype=float32"],  # for scale
 }
 
 

@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 R=$(cd "${TREE:-.}" && pwd)
 export PYTHONPATH="$R/packages/meshes/src:$R/packages/ep/src:$R/packages/fsdp_moe/src:$R/packages/prefetch/src:$R/packages/models_qwen3moe/src:$R/packages/data/src:$R/apps/train/src"
 L=${LAYERS:-8}; EP=${EP:-1}; N=${NPROC:-1}
-S="--layers $L --steps ${STEPS:-16} --warmup 5 --compile --ep-size $EP --batch-per-gpu 4"
+S="--model.overrides.num_hidden_layers=$L --steps ${STEPS:-16} --warmup 5 --parallel.compile=true --parallel.ep.kernels=triton --parallel.ep_size=$EP --batch-per-gpu 4"
 bench() {  # bench NAME ARGS...
   local name=$1; shift
   timeout "${T:-240}" python3 -m torch.distributed.run --standalone --nproc-per-node "$N" \
@@ -21,22 +21,22 @@ bench() {  # bench NAME ARGS...
 plan() {  # plan MICRO_BATCH [POLICY]
   python3 -m moeshard.train plan --nnodes 1 --nproc-per-node "$N" --micro-batch-size "$1" \
     --model.preset=qwen3-30b-a3b "--model.overrides={\"num_hidden_layers\": $L}" --data.seq_len=4096 \
-    --train.global_batch_size=$((4 * N)) --parallel.ep_size="$EP" --model.dtype=bfloat16 \
-    --train.activation_checkpointing="${2:-none}" 2>/dev/null \
+    --train.global_batch_size=$((4 * N)) --parallel.ep_size="$EP" --parallel.param_dtype=bfloat16 \
+    --parallel.activation_checkpointing="${2:-none}" 2>/dev/null \
     | grep -E "^  (activations|total)" | tr -s ' ' | tr '\n' ' '
 }
 for mb in 4 2 1; do
-  bench "mb$mb" --micro-batch "$mb"
+  bench "mb$mb" --train.micro_batch_size="$mb"
   echo "  plan mb$mb: $(plan $mb)"
 done
 for policy in full selective; do
   for mb in 4 1; do
-    bench "mb${mb}_$policy" --micro-batch "$mb" --activation-checkpointing "$policy"
+    bench "mb${mb}_$policy" --train.micro_batch_size="$mb" --parallel.activation_checkpointing="$policy"
     echo "  plan mb$mb $policy: $(plan "$mb" "$policy")"
   done
 done
 for mb in ${TRACE_MB:-1 4}; do
-  bench "trace_mb$mb" --micro-batch "$mb" --steps 8 --warmup 4 --trace "$OUT/trace_mb$mb.json.gz" --trace-gpu-only
+  bench "trace_mb$mb" --train.micro_batch_size="$mb" --steps 8 --warmup 4 --trace "$OUT/trace_mb$mb.json.gz" --trace-gpu-only
   python3 "$R/benchmarks/trace_summary.py" "$OUT/trace_mb$mb.json.gz" --top 25 > "$OUT/trace_mb$mb.txt" 2>&1
   rm -f "$OUT/trace_mb$mb.json.gz"
 done

@@ -13,9 +13,9 @@ from __future__ import annotations
 import functools
 import math
 
-from moeshard.train.comm import a2a_rows_per_token
+from moeshard.train.commands.plan import GiB, plan_report
 from moeshard.train.config import load_config, resolve_model_config
-from moeshard.train.plan import GiB, plan_report
+from moeshard.train.observe.comm import a2a_rows_per_token
 
 # ---- Measured inputs (tokens/s/GPU unless said) -----------------------------------------------------------------
 TOKENS = 4 * 4096  # tokens per GPU per step, every run below
@@ -76,13 +76,14 @@ def job(layers: int, ep: int, nodes: int, nproc: int, mb: int, ac: bool):
     keys = {
         "model.preset": "qwen3-30b-a3b",
         "model.overrides.num_hidden_layers": layers,
-        "model.dtype": "bfloat16",
+        "parallel.param_dtype": "bfloat16",
         "parallel.ep_size": ep,
         "data.seq_len": 4096,
         "train.global_batch_size": 4 * nodes * nproc,
         "train.micro_batch_size": mb,
-        "train.activation_checkpointing": "full" if ac else "none",
-        "train.compile": "true",
+        "parallel.activation_checkpointing": "full" if ac else "none",
+        "parallel.compile": "true",
+        "parallel.ep.kernels": "triton",
     }
     cfg = load_config(None, [f"{k}={v}" for k, v in keys.items()])
     return cfg, plan_report(cfg, nnodes=nodes, nproc_per_node=nproc, table=False)

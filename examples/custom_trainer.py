@@ -1,4 +1,5 @@
-"""Your own training loop on moeshard's pieces (no ``moeshard.train``): EP + expert FSDP2 for Qwen3-MoE.
+"""Your own training loop on moeshard's pieces (no ``moeshard.train``): EP + expert FSDP2 for any model family
+(Qwen3-MoE, the DeepSeek-V3 architecture): the checkpoint's ``model_type`` picks it.
 
     python examples/make_tiny_inputs.py /tmp/tiny
     torchrun --nproc-per-node 4 examples/custom_trainer.py --model /tmp/tiny/model --data /tmp/tiny/data.jsonl \
@@ -26,22 +27,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moeshard.checkpoint import model_state, save_checkpoint
 from moeshard.data import DataConfig, EvalBatches, PrefetchLoader, StepBatches, open_dataset
 from moeshard.ep import EPOptions
-from moeshard.fsdp_moe import build_optimizer, num_items_for_global_mean, save_checkpoint
+from moeshard.fsdp_moe import build_optimizer, num_items_for_global_mean
 from moeshard.meshes import build_meshes
-from moeshard.models.qwen3moe import (
-    GlobalExpertCounts,
+from moeshard.models import deepseekv3, qwen3moe
+from moeshard.models.common import (
+    Balancing,
+    BalancingOptions,
     ParallelOptions,
-    Qwen3MoeForCausalLM,
     evaluate,
-    expert_counts,
-    load_hf_config,
     load_hf_weights,
     parallelize,
-    routers,
-    update_router_bias,
 )
+
+FAMILIES = {family.name: family for family in (qwen3moe.FAMILY, deepseekv3.FAMILY)}  # model_type -> ModelFamily
 
 
 def print0(*args: object) -> None:
@@ -51,7 +52,7 @@ def print0(*args: object) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="A hand-written EP + expert-FSDP2 training loop for Qwen3-MoE.")
+    p = argparse.ArgumentParser(description="A hand-written EP + expert-FSDP2 training loop for any MoE family.")
     p.add_argument("--model", type=Path, required=True, help="local HF checkpoint (config.json + safetensors)")
     p.add_argument("--data", required=True, help="JSONL/Parquet file, folder, glob or prepared folder (moeshard.data)")
     p.add_argument("--seq-len", type=int, default=24)
@@ -70,7 +71,7 @@ def main() -> None:
     p.add_argument("--router-bias", type=float, default=0.0, help="aux-loss-free balancing: bias update rate")
     p.add_argument("--eval-data", default=None, help="held-out data (as --data): its loss after the last step")
     p.add_argument("--losses", type=Path, default=None, help="write the per-step losses here (JSON)")
-    p.add_argument("--checkpoint", type=Path, default=None, help="DCP checkpoint folder written at the end")
+    p.add_argument("--checkpoint", type=Path, default=None, help="checkpoint folder: step_N/ written at the end")
     args = p.parse_args()
 
     # 1. Process group and meshes: EP groups inside a node, expert FSDP across nodes.
@@ -87,16 +88,20 @@ def main() -> None:
 
     # 2. The model on meta (no memory), parallelised in one call: experts sliced on dim 0 to this EP rank's share
     # (EP), then FSDP2 (experts: dim 1 over ep_fsdp; the rest: dim 0 over all ranks), then the prefetch schedule.
-    config = load_hf_config(args.model)
+    model_type = json.loads((args.model / "config.json").read_text()).get("model_type")
+    if model_type not in FAMILIES:
+        raise SystemExit(f"{args.model}: model_type {model_type!r} is none of the families {sorted(FAMILIES)}")
+    family = FAMILIES[model_type]
+    config = family.load_config(args.model)
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(config)
+        model = family.model_class(config)
     options = ParallelOptions(ep=EPOptions(dispatch=args.dispatch), prefetch_depth=args.prefetch_depth)
-    parallelize(model, meshes, options)
+    parallel = parallelize(model, meshes, options)
     print0("\n".join(options.describe()))
 
     # 3. Memory, then weights: every rank reads only the slices it holds.
     model.to_empty(device=device)
-    load_hf_weights(model, args.model)
+    load_hf_weights(model, args.model, ep_info=parallel.ep_info)  # ep_info: the experts this EP rank holds
     if args.router_bias:
         model.enable_router_bias()  # after the HF weights (their format has no bias), before any DCP load or save
     # AdamW for every parameter (fused on GPU); experts kept out of FSDP (ep_fsdp of one rank) get one fused pass
@@ -115,9 +120,11 @@ def main() -> None:
 
     rows = rows_of(args.data)
     step_batches = StepBatches(rows, global_batch=args.global_batch, world_size=world, micro_batch=args.micro_batch)
-    coef = config.router_aux_loss_coef
+    # Expert balancing, one object with the hooks the loop calls: transformers' aux loss per micro-batch at the
+    # model's coefficient and, with --router-bias, aux-loss-free selection biases moved after each step.
+    options = BalancingOptions(aux_loss_coef=model.router_aux_loss_coef, router_bias_rate=args.router_bias or None)
+    balancing = Balancing(model, options, device=device)
     losses, grad_norms, imbalance = [], [], []
-    load = GlobalExpertCounts()  # the step's expert load over its micro-batches and all ranks, on the device
     # A background thread prepares the next steps' batches (in pinned memory on CUDA: the copies below are async).
     loader = PrefetchLoader(step_batches, rank, start_step=0, stop_step=args.steps, pin_memory=device.type == "cuda")
     with loader:
@@ -127,7 +134,7 @@ def main() -> None:
             # W ranks is the global-batch mean however unevenly label tokens fall on ranks.
             num_items = num_items_for_global_mean(sum(b.num_targets for b in micro_batches)).clamp_min(1.0 / world)
             lm_sum = torch.zeros((), device=device)
-            load.reset()
+            balancing.start_step(len(micro_batches))
             for b in micro_batches:
                 b = b.to(device, non_blocking=True)
                 # return_logits=False: the loss goes through the head in chunks, never holding the [B, S, V] logits.
@@ -141,18 +148,14 @@ def main() -> None:
                     output_router_logits=True,
                     return_logits=False,
                 )
-                lm = out.loss - coef * out.aux_loss  # the model's loss includes coef * aux, as in transformers
-                # The router's load-balancing loss is a per-micro-batch mean: average it over the accumulation steps.
-                (lm + coef * out.aux_loss / len(micro_batches)).backward()
-                lm_sum += lm.detach()
-                biases = [r.bias for r in routers(model)] if args.router_bias else None
-                load.add(expert_counts(out.router_logits, config.num_experts_per_tok, biases))
+                # The LM loss plus the balancing term (the aux loss, a per-micro-batch mean, averaged over the step).
+                (out.lm_loss + balancing.micro_batch_loss(out, b.attention_mask)).backward()
+                lm_sum += out.lm_loss.detach()
             # One norm over both meshes (a device tensor, no host sync); the step may apply the clip coefficient.
             grad_norm = optimizer.clip_grad_norm_(args.max_grad_norm)
+            load_LE = balancing.end_step().expert_load  # one all-reduce of [layers, experts]: the same on every rank
             optimizer.step()
-            load_LE = load.total()  # one all-reduce of [layers, experts]: the same on every rank
-            if args.router_bias:
-                update_router_bias(model, load_LE, args.router_bias)  # identical biases on every rank
+            balancing.after_optimizer_step()  # --router-bias: identical biases on every rank
             imbalance.append((load_LE.max(-1).values / load_LE.mean(-1)).max().item())
             dist.all_reduce(lm_sum)
             losses.append(lm_sum.item() / world)
@@ -172,9 +175,12 @@ def main() -> None:
         val_loss = evaluate(model, batches.rank_batches(rank), device=device).loss
         print0(f"eval: loss {val_loss:.6f}")
 
-    # 6. A DCP checkpoint with experts in their global shape: it loads into any EP size / world size.
+    # 6. A checkpoint with experts in their global shape (it loads into any EP size / world size), published
+    # atomically as <checkpoint>/step_N once every rank wrote its part (moeshard.checkpoint.find_resume finds it).
     if args.checkpoint is not None:
-        save_checkpoint(args.checkpoint, model, optimizer)
+        state = model_state(model, optimizer)
+        saved = save_checkpoint(args.checkpoint, args.steps, state, {"step": args.steps}, {}, keep_last=1)
+        print0(f"checkpoint {saved.path}: {saved.write_s:.2f} s, {saved.gb_per_s:.2f} GB/s per rank")
     if rank == 0 and args.losses is not None:
         record = {"loss": losses, "grad_norm": grad_norms, "expert_load_max_over_mean": imbalance, "val_loss": val_loss}
         args.losses.write_text(json.dumps(record))

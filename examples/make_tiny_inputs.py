@@ -1,6 +1,8 @@
-"""Write a tiny Qwen3-MoE checkpoint (HF layout, random weights) and a small JSONL data set for the examples.
+"""Write a tiny Qwen3-MoE (or DeepSeek-V3) checkpoint (HF layout, random weights) and a small JSONL data set for the
+examples.
 
-    python examples/make_tiny_inputs.py /tmp/tiny       # -> /tmp/tiny/model/, /tmp/tiny/data.jsonl
+    python examples/make_tiny_inputs.py /tmp/tiny                          # -> /tmp/tiny/model/, /tmp/tiny/data.jsonl
+    python examples/make_tiny_inputs.py /tmp/tiny_ds --family deepseek_v3  # the DeepSeek-V3 architecture
 
 The checkpoint is written by transformers' own ``Qwen3MoeForCausalLM.save_pretrained`` (the Hub's layout); the
 data are records ``{"input_ids": [...]}`` of varied lengths, so ranks see different numbers of label tokens.
@@ -13,7 +15,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 # Small enough for 4 CPU processes in seconds, with top-k > 1, GQA and every layer MoE.
 TINY = dict(
@@ -34,10 +36,40 @@ TINY = dict(
 )
 
 
-def write_model(path: Path, seed: int = 0) -> Path:
-    """A randomly initialised tiny Qwen3-MoE saved by transformers in ``path``."""
+# The same widths as DeepSeek-V3: MLA with a query LoRA, a dense first layer, 4 expert groups (2 kept), a shared
+# expert, sigmoid scores with the correction bias.
+TINY_DEEPSEEK_V3 = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    max_position_embeddings=64,
+    num_mtp_layers=0,
+    tie_word_embeddings=False,
+)
+
+
+def write_model(path: Path, seed: int = 0, family: str = "qwen3_moe") -> Path:
+    """A randomly initialised tiny model of ``family`` (``qwen3_moe`` or ``deepseek_v3``) saved by transformers."""
     torch.manual_seed(seed)
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY)).save_pretrained(path)
+    if family == "deepseek_v3":
+        DeepseekV3ForCausalLM(DeepseekV3Config(**TINY_DEEPSEEK_V3)).save_pretrained(path)
+    else:
+        Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY)).save_pretrained(path)
     return path
 
 
@@ -56,9 +88,10 @@ def write_data(path: Path, num_records: int = 64, seq_len: int = 24, seed: int =
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="folder for model/ and data.jsonl")
+    parser.add_argument("--family", choices=("qwen3_moe", "deepseek_v3"), default="qwen3_moe")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    print(write_model(args.out / "model"), write_data(args.out / "data.jsonl"))
+    print(write_model(args.out / "model", family=args.family), write_data(args.out / "data.jsonl"))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from moeshard.ep import LocalDispatch, ParallelPlan, apply_ep, get_ep_info
+from moeshard.ep import EPInfo, LocalDispatch, ParallelPlan, apply_ep
 from moeshard.fsdp_moe import clip_grad_norm_, num_items_for_global_mean, shard_model
 from moeshard.meshes import ParallelMeshes, build_meshes
 from moeshard.prefetch import apply_schedule, build_schedule
@@ -100,9 +100,8 @@ class ToyMoE(nn.Module):
         return F.cross_entropy(self.out(x_TD).float(), ids_BS[:, 1:].flatten(), reduction="sum") / num_items
 
 
-def full_grads(model: nn.Module, meshes: ParallelMeshes | None) -> dict[str, torch.Tensor]:
+def full_grads(model: nn.Module, meshes: ParallelMeshes | None, info: EPInfo | None) -> dict[str, torch.Tensor]:
     """Every gradient as a full tensor (for the comparison only: it gathers everything on every rank)."""
-    info = get_ep_info(model)
     grads = {}
     for fqn, param in model.named_parameters():
         g = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad.clone()
@@ -125,13 +124,13 @@ def main() -> None:
     torch.manual_seed(0)
     model = ToyMoE()  # materialised and identical on every rank (same seed); sharding slices it
     data_SBS = torch.randint(0, 64, (args.steps, 8, 12))  # per step: a global batch of 8 sequences of 12
-    meshes, rank, world = None, 0, 1
+    meshes, rank, world, info = None, 0, 1, None
     if "RANK" in os.environ:  # under torchrun: shard it
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
         meshes = build_meshes(args.ep_size, device_type="cpu", ranks_per_node=args.ranks_per_node)
-        apply_ep(model, model.get_parallel_plan(), meshes.ep)
-        units = shard_model(model, meshes)
+        info = apply_ep(model, model.get_parallel_plan(), meshes.ep)  # what EP did, handed to what needs it
+        units = shard_model(model, meshes, ep_info=info)
         apply_schedule(build_schedule(units.stages, depth=1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     losses, grads = [], {}
@@ -143,7 +142,7 @@ def main() -> None:
         loss = model(ids_BS, num_items)
         loss.backward()
         if step == 0:
-            grads = full_grads(model, meshes)
+            grads = full_grads(model, meshes, info)
         clip_grad_norm_(model, 0.5)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

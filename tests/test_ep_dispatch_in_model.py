@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from moeshard.ep import EPOptions, LocalDispatch, OverlappedDispatch, add_host_sync_hook, apply_ep
+from moeshard.ep import EPOptions, LocalDispatch, OverlappedDispatch, apply_ep
 from moeshard.ep.testing import reference_routed_experts
 from moeshard.meshes import build_meshes, fake_process_group
 from moeshard.models.qwen3moe import Experts, Qwen3MoeForCausalLM, get_preset_config
@@ -16,7 +16,7 @@ def _experts(model):
 
 def test_experts_route_through_a_local_dispatch_until_apply_ep():
     config = get_preset_config("tiny", num_hidden_layers=2)
-    experts = Experts(config)
+    experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
     assert type(experts.dispatch) is LocalDispatch and experts.dispatch.num_experts == config.num_experts
     g = torch.Generator().manual_seed(0)
     E, D, F = config.num_experts, config.hidden_size, config.moe_intermediate_size
@@ -51,4 +51,5 @@ def test_apply_ep_installs_the_dispatchers_of_its_options(ep_size):
             assert (d.num_experts, d.ep_size, d.options) == (config.num_experts, ep_size, options)
             assert experts.gate_up_proj.shape[0] == config.num_experts // ep_size
         assert layers[0].dispatch.host_sync_hooks is layers[1].dispatch.host_sync_hooks
-        add_host_sync_hook(model, lambda: None).remove()
+        assert info.host_sync_hooks is layers[0].dispatch.host_sync_hooks
+        info.add_host_sync_hook(lambda: None).remove()

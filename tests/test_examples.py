@@ -126,7 +126,10 @@ def test_custom_trainer_matches_the_app(tiny, tmp_path):
     assert max(example["grad_norm"]) > HYPER["max_grad_norm"], "pick a threshold that clipping acts on"
     assert [r["step"] for r in app_eval] == [HYPER["steps"]]
     assert example["val_loss"] == pytest.approx(app_eval[0]["val_loss"], rel=1e-5)
-    assert (ckpt / ".metadata").is_file()  # the DCP checkpoint of save_checkpoint
+    # the checkpoint of moeshard.checkpoint.save_checkpoint, published atomically
+    assert (ckpt / f"step_{HYPER['steps']:08d}/COMPLETE").is_file() and (
+        ckpt / f"step_{HYPER['steps']:08d}/.metadata"
+    ).is_file()
 
 
 @pytest.mark.slow

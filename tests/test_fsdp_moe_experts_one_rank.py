@@ -91,7 +91,12 @@ def _run(path, config, force, optim):
     from moeshard.fsdp_moe import build_optimizer, num_items_for_global_mean, shard_model
     from moeshard.fsdp_moe.testing import full_tensors
     from moeshard.meshes import build_meshes
-    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, load_hf_config, load_hf_weights
+    from moeshard.models.qwen3moe import (
+        Qwen3MoeForCausalLM,
+        apply_activation_checkpointing,
+        load_hf_config,
+        load_hf_weights,
+    )
     from moeshard.prefetch import apply_schedule, build_schedule
 
     dtype, ac, weights = CONFIGS[config]
@@ -99,16 +104,16 @@ def _run(path, config, force, optim):
     assert (meshes.ep_size, meshes.ep_fsdp_size) == (2, 1)
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(load_hf_config(path))
+    ep_info = apply_ep(model, model.get_parallel_plan(), meshes.ep)
     if ac:
-        model.enable_activation_checkpointing()
-    apply_ep(model, model.get_parallel_plan(), meshes.ep)
+        apply_activation_checkpointing(model)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    units = shard_model(model, meshes, mp_policy=mp, fsdp_experts_on_one_rank=force is True)
+    units = shard_model(model, meshes, ep_info=ep_info, mp_policy=mp, fsdp_experts_on_one_rank=force is True)
     schedule = build_schedule(units.stages, depth=1)
     apply_schedule(schedule)
     model.to_empty(device="cpu")
     if weights == "hf":
-        load_hf_weights(model, path)
+        load_hf_weights(model, path, ep_info=ep_info)
     else:
         # Seeded as the trainer does (DTensor's random ops draw from the default generator, synced from rank 0).
         torch.manual_seed(3)
@@ -329,8 +334,8 @@ def _toy(ep_size, seed, lr):
     meshes = build_meshes(ep_size=ep_size, device_type="cpu")
     torch.manual_seed(seed)
     model = ToyMoELM()
-    apply_ep(model, model.get_parallel_plan(), meshes.ep)
-    units = shard_model(model, meshes)
+    ep_info = apply_ep(model, model.get_parallel_plan(), meshes.ep)
+    units = shard_model(model, meshes, ep_info=ep_info)
     assert bool(units.local_experts) == (ep_size == 2) and bool(units.experts) == (ep_size == 1)
     return meshes, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
 

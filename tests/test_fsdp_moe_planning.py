@@ -18,8 +18,8 @@ def _plan(preset, world, rank, ep, **overrides):
         meshes = build_meshes(ep_size=ep, ranks_per_node=8, device_type="cpu")
         with torch.device("meta"):
             model = Qwen3MoeForCausalLM(get_preset_config(preset, **overrides))
-        apply_ep(model, model.get_parallel_plan(), meshes.ep)
-        units = shard_model(model, meshes)
+        ep_info = apply_ep(model, model.get_parallel_plan(), meshes.ep)
+        units = shard_model(model, meshes, ep_info=ep_info)
         params = {
             n: (tuple(p.to_local().shape), p.placements, p.device_mesh.mesh.tolist())
             for n, p in model.named_parameters()

@@ -86,10 +86,10 @@ def _build(path, ep_size, foreach=False, **build_kwargs):
     meshes = build_meshes(ep_size=ep_size, allow_cross_node_ep=True)  # EP 4 spans the two 2-rank nodes
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(load_hf_config(path))
-    apply_ep(model, model.get_parallel_plan(), meshes.ep)
-    units = shard_model(model, meshes)
+    ep_info = apply_ep(model, model.get_parallel_plan(), meshes.ep)
+    units = shard_model(model, meshes, ep_info=ep_info)
     model.to_empty(device="cpu")
-    load_hf_weights(model, path)
+    load_hf_weights(model, path, ep_info=ep_info)
     if foreach:
         opt = OptimizersContainer([torch.optim.AdamW(model.parameters(), **ADAM, foreach=True)])
     else:

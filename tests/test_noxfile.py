@@ -49,6 +49,7 @@ def test_a_session_installs_what_its_package_declares(noxfile):
     assert set(closure["qwen3moe"]) == {
         "packages/meshes",
         "packages/ep",
+        "packages/models_common",
         "packages/fsdp_moe",
         "packages/prefetch",
         "packages/models_qwen3moe",
@@ -56,8 +57,15 @@ def test_a_session_installs_what_its_package_declares(noxfile):
     assert noxfile._internal_closure("packages/models_qwen3moe", extras=()) == [
         "packages/meshes",
         "packages/ep",
+        "packages/models_common",
         "packages/models_qwen3moe",
     ]
+    assert noxfile._internal_closure("packages/models_common", extras=()) == [
+        "packages/meshes",
+        "packages/ep",
+        "packages/models_common",
+    ]
+    assert "packages/models_qwen3moe" not in closure["models_common"]  # the shared package is below the families
     for name, folders in closure.items():  # dependencies first, the package last
         assert folders[-1] == noxfile.PACKAGES[name]
         for i, folder in enumerate(folders):

@@ -5,14 +5,13 @@ Cross-package (moeshard.prefetch with moeshard.ep, moeshard.fsdp_moe and the mod
 same order are in packages/prefetch/tests/test_order_dist.py. One spawn per layout serves every test of it.
 """
 
-import functools
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from moeshard.ep import add_host_sync_hook, apply_ep
+from moeshard.ep import apply_ep
 from moeshard.fsdp_moe import shard_model
 from moeshard.meshes import build_meshes
 from moeshard.meshes.testing import run_distributed
@@ -30,13 +29,13 @@ def _qwen3_body(ep_size=EP):
     for depth in (0, 1, "sync"):
         model = Qwen3MoeForCausalLM(config)
         model.init_weights(torch.Generator().manual_seed(0))  # the same full model on every rank, before slicing
-        apply_ep(model, model.get_parallel_plan(), meshes.ep)
-        units = shard_model(model, meshes)
+        ep_info = apply_ep(model, model.get_parallel_plan(), meshes.ep)
+        units = shard_model(model, meshes, ep_info=ep_info)
         schedule = build_schedule(units.stages, depth=1 if depth == "sync" else depth)
         apply_schedule(schedule)
         hooks = None
         if depth == "sync":
-            hooks = prefetch_forward_at_host_sync(schedule, functools.partial(add_host_sync_hook, model))
+            hooks = prefetch_forward_at_host_sync(schedule, ep_info.add_host_sync_hook)
 
         def loss(step, model=model):
             gen = torch.Generator().manual_seed(dist.get_rank())  # the same batch each step: the loss must fall

@@ -197,6 +197,7 @@ SMOKE = {
     "moeshard-ep": "from moeshard.ep import ParallelPlan, fqn_matches; assert fqn_matches('a.*.b', 'a.3.b')",
     "moeshard-fsdp-moe": "from moeshard.fsdp_moe import num_items_for_global_mean as n; assert float(n(3)) == 3.0",
     "moeshard-prefetch": "from moeshard.prefetch import build_schedule; assert callable(build_schedule)",
+    "moeshard-checkpoint": "from moeshard.checkpoint import SaveOptions; assert SaveOptions().thread_count >= 1",
     "moeshard-data": "from moeshard.data import DataConfig; assert DataConfig(synthetic=True).seq_len > 0",
     "moeshard-qwen3moe": textwrap.dedent(
         """
@@ -212,14 +213,31 @@ SMOKE = {
         "import moeshard.fsdp_moe, moeshard.meshes, moeshard.prefetch; "
         "from moeshard.models.qwen3moe import ParallelOptions, parallelize; assert callable(parallelize)"
     ),
+    "moeshard-models-common": (
+        "import torch; from moeshard.models.common import linear_cross_entropy; "
+        "h, w = torch.randn(4, 8), torch.randn(16, 8); assert linear_cross_entropy(h, w, torch.arange(4)).isfinite()"
+    ),
+    "moeshard-deepseekv3": textwrap.dedent(
+        """
+        import torch
+        from moeshard.models.deepseekv3 import DeepseekV3ForCausalLM, get_preset_config
+        model = DeepseekV3ForCausalLM(get_preset_config("tiny", num_hidden_layers=2))
+        model.init_weights()
+        ids = torch.randint(0, 512, (1, 8))
+        assert model(ids, labels=ids).loss.isfinite()
+        """
+    ),
     "moeshard-train": "from moeshard.train import load_config; assert load_config().parallel.ep_size == 2",
 }
+# Distributions that bring transformers in (the model families and what they share; the app through them).
+TRANSFORMERS_USERS = {"moeshard-models-common", "moeshard-qwen3moe", "moeshard-deepseekv3", "moeshard-train"}
 # Chains of wheel sets (a name, or a name with an extra), one fresh environment each: every step's environment is
 # exactly its closure (the extras of a package's `test` extra are never installed).
 CHAINS = [
-    ["moeshard-meshes", "moeshard-ep", "moeshard-fsdp-moe"],
+    ["moeshard-meshes", "moeshard-ep", "moeshard-fsdp-moe", "moeshard-checkpoint"],
     ["moeshard-prefetch"],
     ["moeshard-data"],
+    ["moeshard-models-common", "moeshard-deepseekv3"],
     ["moeshard-qwen3moe", "moeshard-qwen3moe[parallel]", "moeshard-train"],
 ]
 
@@ -335,6 +353,6 @@ def test_each_wheel_set_installs_with_only_what_it_declares(built, tmp_path):
             )
             installed, has_transformers = json.loads(_run(py, "-c", probe))
             assert {canonicalize_name(n) for n in installed} == set(closure), spec
-            assert has_transformers == ("moeshard-qwen3moe" in closure), spec
+            assert has_transformers == bool(TRANSFORMERS_USERS & set(closure)), spec
             _run(py, "-c", SMOKE[spec], cwd=tmp_path)
     _run(_bin(tmp_path / "env-moeshard-qwen3moe", "moeshard-train"), "plan", "--nnodes", "2", "--nproc-per-node", "2")

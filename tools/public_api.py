@@ -39,12 +39,10 @@ UNPREFIXED_INTERNAL_MODULES: dict[str, frozenset[str]] = {
         {
             "checkpoint",
             "checkpoint_save",
-            "fused_loss",
             "layers",
             "model",
             "moe",
             "presets",
-            "safetensors_dir",
         }
     ),
 }

@@ -45,7 +45,7 @@ def test_each_method_lowers_the_expert_load_of_a_skewed_router(tmp_path):
 
 
 def test_load_imbalance_and_the_device_peak_table(monkeypatch):
-    from moeshard.train import metrics
+    from moeshard.train.observe import metrics
 
     counts = torch.tensor([[4.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
     assert metrics.load_imbalance(counts).tolist() == [4.0, 1.0]
@@ -73,7 +73,7 @@ def _one_step(scope: str) -> dict:
     from moeshard.data import DataConfig, StepBatches, open_dataset
     from moeshard.models.qwen3moe import expert_counts, global_balancing_loss, load_balancing_loss
     from moeshard.train.config import load_config
-    from moeshard.train.train import build, init_distributed, train_step
+    from moeshard.train.run import build, init_distributed, train_step
 
     device = init_distributed()
     args = ["--model.overrides.num_hidden_layers=2", "--parallel.ep_size=1", "--data.seq_len=16"]

@@ -1,8 +1,7 @@
 """Background checkpoints (``checkpoint.async``) and Hub folders written during training (``checkpoint.save_hf``).
 
-The first two tests drive ``checkpoint_async.start_async_save`` / ``PendingSave`` directly in a world of one: a checkpoint is
-published only after its write ended, holds the values of the moment it was started although the state changes
-meanwhile, and a failed write is never published. The last two run the real entry point in this process: the
+(``moeshard.checkpoint``'s own tests drive ``start_async_save`` / ``PendingSave`` directly.) These run the real
+entry point in this process: the
 step loop runs on while a save is still being written, each published checkpoint becomes a Hub folder that
 transformers loads with the training model's logits and the tokenizer (given by a relative path) along, and an
 injected write failure stops the job with one line and nothing published. ``bench --checkpoint-every`` reports the
@@ -12,18 +11,14 @@ step-time cost of a save.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 
-import pytest
 import torch
-import torch.distributed as dist
 
-from moeshard.train import checkpoint as ckpt
-from moeshard.train import checkpoint_async, faults
+from moeshard import checkpoint as ckpt
 from moeshard.train.__main__ import main
-from moeshard.train.errors import CheckpointSaveError
+from moeshard.train.run import faults
 
 ONE = [
     "--model.overrides.num_hidden_layers=2",
@@ -40,80 +35,10 @@ ONE = [
 ]
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    faults.configure(tmp_path, 0)
-    yield
-    dist.destroy_process_group()
-    faults.configure(tmp_path, 0)
-
-
 def _steps(out: Path) -> list[int]:
     path = out / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.is_file() else []
     return [r["step"] for r in map(json.loads, lines) if "loss" in r]
-
-
-# ---- PendingSave -------------------------------------------------------------------------------------------------
-
-
-def test_published_after_the_write_with_the_values_of_its_start(world_of_one, tmp_path, monkeypatch):
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    writing, release = threading.Event(), threading.Event()
-
-    class HeldWriter(FileSystemWriter):
-        def write_data(self, plan, planner):
-            writing.set()
-            assert release.wait(60)
-            return super().write_data(plan, planner)
-
-    monkeypatch.setattr(faults, "storage_writer", lambda path, step: HeldWriter(str(path)))
-    d, w = tmp_path / "ckpts", torch.arange(8.0)
-    stager = checkpoint_async.make_stager(torch.device("cpu"))
-    pending = checkpoint_async.start_async_save(
-        d, 3, {"model": {"w": w}}, {"step": 3}, {"rng": 3}, keep_last=2, group=dist.new_group(backend="gloo"),
-        stager=stager,
-    )  # fmt: skip
-    pending.wait_staged()
-    w.add_(100.0)  # the next optimizer step changes the live state while the write is pending
-    assert writing.wait(60)
-    assert pending.publish_if_done() is None  # still writing: not published
-    assert not (d / "step_00000003").exists() and (d / ".tmp-step_00000003/extra.pt").is_file()
-    release.set()
-    path = pending.wait()
-    assert path == d / "step_00000003" and sorted(p.name for p in d.iterdir()) == ["step_00000003"]
-    ckpt.validate_checkpoint(path)  # COMPLETE records every file, as a synchronous save's
-    state = {"model": {"w": torch.zeros(8)}}
-    extra, rank_state = ckpt.load_checkpoint(path, state)
-    assert state["model"]["w"].tolist() == [float(i) for i in range(8)]  # the values when the save began
-    assert extra == {"step": 3} and rank_state == {"rng": 3}
-    stager.close()
-
-
-def test_a_failed_background_write_is_never_published(world_of_one, tmp_path, monkeypatch):
-    d = tmp_path / "ckpts"
-    ckpt.save_checkpoint(d, 2, {"model": {"w": torch.ones(4)}}, {"step": 2}, {"rng": 2}, keep_last=2)
-    monkeypatch.setenv(faults.ENV, "enospc:0:during_save:4")
-    faults.configure(tmp_path, 0)
-    stager = checkpoint_async.make_stager(torch.device("cpu"))
-    pending = checkpoint_async.start_async_save(
-        d, 4, {"model": {"w": torch.zeros(4)}}, {"step": 4}, {"rng": 4}, keep_last=2,
-        group=dist.new_group(backend="gloo"), stager=stager,
-    )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while not pending.upload.done() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert pending.publish_if_done() is None  # rank 0 never publishes a failed write
-    with pytest.raises(CheckpointSaveError) as e:
-        pending.wait()
-    message = str(e.value)
-    assert "saving the checkpoint of step 4 (in the background) failed (rank 0: OSError" in message
-    assert "No space left on device" in message and f"the previous checkpoint {d}/step_00000002 is intact" in message
-    assert "\n" not in message
-    assert sorted(p.name for p in d.iterdir()) == ["step_00000002"]  # no step_4, no temporary folder
-    stager.close()
 
 
 # ---- in a training run -------------------------------------------------------------------------------------------
@@ -132,14 +57,14 @@ def test_async_run_goes_on_while_saving_and_writes_hub_folders(clean_env, capsys
     from torch.distributed.checkpoint import FileSystemWriter
     from transformers import AutoModelForCausalLM
 
-    from moeshard.train.export import load_full_model
+    from moeshard.train.commands.export import load_full_model
 
     run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     run_dir.mkdir()
     elsewhere.mkdir()
     _tokenizer(run_dir / "tok")
     out = tmp_path / "out"
-    real_writer, overlapped = faults.storage_writer, []
+    real_writer, overlapped = faults.Faults.storage_writer, []
 
     class WaitsForStep3(FileSystemWriter):
         def write_data(self, plan, planner):
@@ -149,10 +74,10 @@ def test_async_run_goes_on_while_saving_and_writes_hub_folders(clean_env, capsys
             overlapped.append(3 in _steps(out))
             return super().write_data(plan, planner)
 
-    def writer(path, step):
-        return WaitsForStep3(str(path)) if step == 2 else real_writer(path, step)
+    def writer(self, path, step):
+        return WaitsForStep3(str(path)) if step == 2 else real_writer(self, path, step)
 
-    monkeypatch.setattr(faults, "storage_writer", writer)
+    monkeypatch.setattr(faults.Faults, "storage_writer", writer)
     monkeypatch.chdir(run_dir)  # data.tokenizer by a relative path
     hub = ["--checkpoint.save_hf=every", "--checkpoint.hf_dtype=float32", "--data.tokenizer=tok"]
     # 6 steps: two saves in the background (steps 2 and 4, each with a stager of its own), the last one in place
@@ -204,12 +129,21 @@ def test_a_failed_background_save_stops_the_run_in_one_line(clean_env, capsys, t
 
 def test_bench_reports_the_step_time_cost_of_a_save(clean_env, capsys, tmp_path):
     out, saves = tmp_path / "bench.json", tmp_path / "bench_checkpoints"
-    args = ["bench", "--preset", "tiny", "--layers", "2", "--seq-len", "32", "--batch-per-gpu", "2", "--steps", "6"]
-    args += ["--warmup", "1", "--checkpoint-every", "2", "--async-checkpoint", "--checkpoint-dir", str(saves)]
+    args = ["bench", "--model.preset=tiny", "--model.overrides.num_hidden_layers=2", "--data.seq_len=32"]
+    args += ["--batch-per-gpu", "2", "--steps", "6", "--warmup", "1", "--checkpoint-every", "2"]
+    args += ["--checkpoint.async=true", "--checkpoint-dir", str(saves)]
     assert main([*args, "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     # after steps 2, 4 and 6; the last one's next step is not run, so two costs
     assert result["checkpoint_every"] == 2 and result["async_checkpoint"] and len(result["save_cost_s"]) == 2
     assert result["step_time_s_median_without_save"] > 0 and result["save_cost_s_median"] is not None
-    assert "checkpoint every 2 steps (async): step " in capsys.readouterr().out
+    # each save's own figures: its blocking apart from the wait for the earlier write, its write time and rate
+    assert [sv["step"] for sv in result["saves"]] == [2, 4, 6]
+    for sv in result["saves"]:
+        assert sv["blocking_s"] > 0 and sv["write_s"] > 0 and sv["write_gb_per_s_per_rank"] > 0
+        assert sv["bytes_per_rank"] > 0 and sv["wait_for_previous_write_s"] >= 0
+    assert result["saves"][0]["wait_for_previous_write_s"] == 0.0  # no earlier write
+    printed = capsys.readouterr().out
+    assert "checkpoint every 2 steps (async): step " in printed
+    assert "  save after step 4: blocked " in printed and " s for the earlier write, staging " in printed
     assert not saves.exists()  # removed at the end

@@ -189,7 +189,7 @@ def _fake_mlflow() -> tuple[types.ModuleType, types.ModuleType, dict]:
 
 
 def test_trackers_log_config_version_and_every_metric_profile_and_no_bar_in_a_file(capsys, tmp_path, monkeypatch):
-    from moeshard.train.tracking import code_version
+    from moeshard.train.observe.tracking import code_version
 
     fake_wandb = _FakeWandb()
     mlflow, entities, store = _fake_mlflow()
@@ -237,7 +237,7 @@ def test_trackers_log_config_version_and_every_metric_profile_and_no_bar_in_a_fi
 
 
 def test_code_version_names_the_git_commit_of_this_checkout():
-    from moeshard.train.tracking import code_version
+    from moeshard.train.observe.tracking import code_version
 
     here = Path(__file__).resolve().parent
     try:

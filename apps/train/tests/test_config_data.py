@@ -110,7 +110,7 @@ def test_balancing_and_eval_keys():
 
 
 def test_lr_schedule():
-    from moeshard.train.train import lr_at
+    from moeshard.train.run import lr_at
 
     cfg = load_config(None, ["--train.steps=10", "--train.warmup_steps=2", "--train.lr=1.0", "--train.min_lr=0.1"])
     lrs = [lr_at(s, cfg) for s in range(10)]
@@ -133,7 +133,7 @@ def test_lr_schedule():
 
 
 def test_a_resume_with_another_schedule_says_what_the_lr_does():
-    from moeshard.train.train import schedule_change
+    from moeshard.train.run import schedule_change
 
     before = load_config(None, ["--train.steps=100", "--train.lr=1.0", "--train.min_lr=0.0", "--train.warmup_steps=0"])
     saved = before.to_dict()["train"]
@@ -153,49 +153,70 @@ def test_a_path_on_the_command_line_replaces_the_files_preset():
         load_config(CONFIGS / "qwen3_30b_a3b_2x8.yaml", ["--model.path=/models/q", "--model.preset=tiny"])
 
 
-def test_parallel_options_map_the_config_keys():
+def test_parallel_options_map_the_config_keys(capsys):
     from moeshard.ep import EPOptions
     from moeshard.models.qwen3moe import ParallelOptions
     from moeshard.train.config import parallel_options
 
-    assert parallel_options(JobConfig()) == ParallelOptions()  # the defaults agree
+    assert parallel_options(JobConfig()) == ParallelOptions()  # the defaults are the package's
     gpu = load_config(CONFIGS / "qwen3_30b_a3b_2x8.yaml")  # compile and activation checkpointing on, bf16
     assert parallel_options(gpu) == ParallelOptions(
         ep=EPOptions(kernels="triton"), compile=True, activation_checkpointing=True, param_dtype="bfloat16"
     )
-    cfg = load_config(
-        None,
-        [
-            "--train.compile=true",
-            "--parallel.expert_kernels=compiled",
-            "--parallel.dispatch=all_to_all",
-            "--parallel.sm_carveout=0",
-            "--parallel.prefetch_depth=2",
-            "--parallel.prefetch_at_host_sync=false",
-            "--parallel.reshard_after_forward=false",
-            "--parallel.expert_reshard_after_forward=true",
-            "--parallel.expert_reduce_dtype=bfloat16",
-        ],
-    )
-    assert parallel_options(cfg) == ParallelOptions(
+    new = [
+        "--parallel.compile=true",
+        "--parallel.ep.kernels=compiled",
+        "--parallel.ep.dispatch=all_to_all",
+        "--parallel.ep.sm_carveout=0",
+        "--parallel.prefetch_depth=3",  # any int >= 0, as ParallelOptions takes it
+        "--parallel.prefetch_at_host_sync=false",
+        "--parallel.reshard_after_forward=false",
+        "--parallel.expert_reshard_after_forward=true",
+        "--parallel.expert_reduce_dtype=bfloat16",
+    ]
+    expected = ParallelOptions(
         ep=EPOptions(dispatch="all_to_all", kernels="compiled", sm_carveout=0),
         compile=True,
         reshard_after_forward=False,
         expert_reduce_dtype="bfloat16",
         expert_reshard_after_forward=True,
-        prefetch_depth=2,
+        prefetch_depth=3,
         prefetch_at_host_sync=False,
     )
+    assert parallel_options(load_config(None, new)) == expected
+    assert capsys.readouterr().err == ""
+    # The keys of 0.3 still load, one deprecation line each; auto kernels are triton with compile, as in 0.3.
+    old = [
+        "--train.compile=true",
+        "--parallel.dispatch=all_to_all",
+        "--parallel.sm_carveout=0",
+        "--model.dtype=float32",
+    ]
+    cfg = load_config(None, [*old, "--train.activation_checkpointing=selective", "--train.fused_expert_update=false"])
+    assert parallel_options(cfg) == ParallelOptions(
+        ep=EPOptions(dispatch="all_to_all", kernels="triton", sm_carveout=0),
+        compile=True,
+        activation_checkpointing="selective",
+        param_dtype="float32",
+    )
+    assert not cfg.train.fuse_local_experts
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 6 and "train.compile is deprecated, use parallel.compile" in lines[0], lines
+    with pytest.raises(ConfigError, match="train.compile and parallel.compile are both set"):
+        load_config(None, ["--train.compile=true", "--parallel.compile=true"])
 
 
 @pytest.mark.parametrize(
     ("override", "needle"),
     [
-        ("--parallel.dispatch=tokens", "parallel.dispatch must be one of overlapped, all_to_all, got 'tokens'"),
-        ("--parallel.expert_kernels=fast", "parallel.expert_kernels must be one of auto, eager, compiled, triton"),
-        ("--parallel.sm_carveout=-1", "parallel.sm_carveout must be >= 0"),
+        ("--parallel.ep.dispatch=tokens", "parallel.ep.dispatch must be one of overlapped, all_to_all, got 'tokens'"),
+        ("--parallel.dispatch=tokens", "parallel.ep.dispatch must be one of overlapped, all_to_all"),  # 0.3's key
+        ("--parallel.ep.kernels=fast", "parallel.ep.kernels must be one of eager, compiled, triton"),
+        ("--parallel.ep.sm_carveout=-1", r"parallel.ep.sm_carveout=-1 is not allowed: an int >= 0"),
+        ("--parallel.prefetch_depth=-1", r"parallel.prefetch_depth=-1 is not allowed: an int >= 0"),
         ("--parallel.expert_reduce_dtype=fp16", "parallel.expert_reduce_dtype must be one of float32, bfloat16, got"),
         ("--parallel.expert_reshard_after_forward=2", "parallel.expert_reshard_after_forward must be true or false"),
+        ("--parallel.activation_checkpointing=some", "parallel.activation_checkpointing must be one of none, full"),
     ],
 )
 def test_parallel_option_errors(override, needle):
@@ -208,7 +229,7 @@ def test_run_identity_of_the_data(tmp_path, monkeypatch):
     import json
 
     from moeshard.data import open_dataset
-    from moeshard.train.checks import data_changes, run_identity
+    from moeshard.train.run.prepare import data_changes, run_identity
 
     monkeypatch.chdir(tmp_path)
     for name, docs in (("a", [[1, 2, 3]] * 8), ("b", [[4, 5]] * 8), ("c", [[5, 4]] * 8)):
@@ -233,3 +254,13 @@ def test_run_identity_of_the_data(tmp_path, monkeypatch):
         "source 'b' is gone",
     ]
     assert data_changes(ident("--data.path=a.jsonl"), mix)[-1] == "source 'b' is new (8 documents, 16 tokens)"
+
+
+def test_readme_config_table_is_generated():
+    """The README's table of keys is `moeshard-train config --markdown`: it cannot drift from the fields."""
+    from moeshard.train.config import TABLE_BEGIN, TABLE_END, config_table
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    begin, end = readme.index(TABLE_BEGIN), readme.index(TABLE_END) + len(TABLE_END) + 1
+    assert readme[begin:end] == config_table(), "run: moeshard-train config --markdown, paste it into the README"
+    assert "`parallel.ep.kernels`" in readme[begin:end] and "`parallel.prefetch_depth`" in readme[begin:end]

@@ -105,8 +105,8 @@ def test_two_nodes_metrics_tensorboard(reference):
 
 
 def test_comm_accounting_stays_in_its_links_and_matches_plan(reference):
+    from moeshard.train.commands.plan import plan_report
     from moeshard.train.config import load_config
-    from moeshard.train.plan import plan_report
 
     comm = _records(reference)[-1]["comm"]
     per_kind: dict[tuple[str, str], float] = {}
@@ -130,7 +130,7 @@ def test_comm_accounting_stays_in_its_links_and_matches_plan(reference):
     print("\n".join(lines))
     assert comm["all_gather/ep_fsdp"]["inter_node_bytes"] == comm["all_gather/ep_fsdp"]["bytes"] > 0
 
-    cfg = load_config(None, [*JOB, "--model.dtype=float32"])  # CPU computes in float32
+    cfg = load_config(None, [*JOB, "--parallel.param_dtype=float32"])  # CPU computes in float32
     report = plan_report(cfg, nnodes=2, nproc_per_node=2)
     for key in [k for k in report.comm if k[0] in ("all_gather", "reduce_scatter")]:
         assert per_kind[key] == pytest.approx(report.comm[key], rel=0.02), key
@@ -193,7 +193,8 @@ def test_bench_reports_every_figure(tmp_path):
     out = tmp_path / "bench.json"
     res = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moeshard.train"]
-        + ["bench", "--preset", "tiny", "--layers", "2", "--seq-len", "32", "--ep-size", "2"]
+        + ["bench", "--model.preset=tiny", "--model.overrides.num_hidden_layers=2", "--data.seq_len=32"]
+        + ["--parallel.ep_size=2"]
         + ["--steps", "4", "--warmup", "1", "--out", str(out)],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,

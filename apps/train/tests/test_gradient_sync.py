@@ -4,7 +4,7 @@ Four gloo ranks as 2 nodes x 2, two layouts: EP 2 x ep_fsdp 2 (experts FSDP-shar
 (experts out of FSDP, updated by the fused ``LocalExpertAdamW``). In each, the same job from the same seed trains
 a few steps of two micro-batches per rank with either setting: the per-step losses and gradient norms and the final
 parameters agree to float32 rounding, and ``last_micro_batch`` issues half the reduce-scatters (counted by
-``moeshard.train.comm_accounting``). Every token goes to every expert (top-k = all 8): with a discrete top-k choice
+``moeshard.train.observe.comm_accounting``). Every token goes to every expert (top-k = all 8): with a discrete top-k choice
 a rounding difference may move a token to another expert and the runs part by more than rounding.
 """
 
@@ -29,9 +29,9 @@ def _train(layout: str, gradient_sync: str) -> dict:
 
     from moeshard.data import DataConfig, StepBatches, open_dataset
     from moeshard.fsdp_moe import get_state_dict
-    from moeshard.train.comm_accounting import CommAccounting
     from moeshard.train.config import load_config
-    from moeshard.train.train import build, init_distributed, train_step
+    from moeshard.train.observe.comm_accounting import CommAccounting
+    from moeshard.train.run import build, init_distributed, train_step
 
     device = init_distributed()
     cfg = load_config(

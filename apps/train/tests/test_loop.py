@@ -1,4 +1,4 @@
-"""The step loop (``moeshard.train.train.run``) and its callbacks, on two gloo ranks (EP 2, a tiny model).
+"""The step loop (``moeshard.train.run.run``) and its callbacks, on two gloo ranks (EP 2, a tiny model).
 
 The hooks run in list order at fixed points of each step; ``start_step`` skips the steps a resumed run has taken
 and the loop takes one ``(step, micro_batches)`` per step from its iterable (a ``moeshard.data.PrefetchLoader`` in
@@ -33,7 +33,7 @@ def _body() -> dict:
 
     from moeshard.data import DataConfig, StepBatches, open_dataset
     from moeshard.train.config import load_config
-    from moeshard.train.train import Callback, LossLog, build, init_distributed, run
+    from moeshard.train.run import Callback, LossLog, build, init_distributed, run
 
     device = init_distributed()
     job = build(load_config(None, JOB), device)

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from moeshard.train.__main__ import main
 
@@ -114,12 +113,14 @@ def test_without_torchrun_the_ep_error_says_how_to_launch(capsys, tmp_path):
 
 
 def test_signal_saves_the_step_and_the_resume_is_exact(capsys, tmp_path, monkeypatch, quiet_signals):
-    import moeshard.train.checkpoint as ckpt
+    import torch.distributed.checkpoint as dcp
+
+    from moeshard import checkpoint as ckpt
 
     out, ref = tmp_path / "run", tmp_path / "ref"
     base = [*ONE, "--checkpoint.every_steps=2", "--checkpoint.keep_last=10"]
     sent, fired = threading.Event(), []
-    real_save = ckpt.dcp.save
+    real_save = dcp.save
 
     def save_under_fire(*args, **kwargs):  # a second signal in the middle of the save of the stop
         if sent.is_set():
@@ -136,7 +137,7 @@ def test_signal_saves_the_step_and_the_resume_is_exact(capsys, tmp_path, monkeyp
                 return
             time.sleep(0.002)
 
-    monkeypatch.setattr(ckpt.dcp, "save", save_under_fire)
+    monkeypatch.setattr(dcp, "save", save_under_fire)
     threading.Thread(target=signal_after_step_3, daemon=True).start()
     assert main([*base, "--train.steps=40", f"--logging.output_dir={out}"]) == 75
     captured = capsys.readouterr()
@@ -156,7 +157,7 @@ def test_signal_saves_the_step_and_the_resume_is_exact(capsys, tmp_path, monkeyp
         ckpt.validate_checkpoint(path)
     assert not (out / "job.lock").exists()
 
-    monkeypatch.setattr(ckpt.dcp, "save", real_save)
+    monkeypatch.setattr(dcp, "save", real_save)
     assert main([*base, f"--train.steps={s + 2}", f"--logging.output_dir={out}"]) == 0
     assert f"resumed from {out}/checkpoints/step_{s:08d} at step {s}" in capsys.readouterr().out
     assert _steps(out) == list(range(1, s + 3)) and not (out / "preempted.json").exists()
@@ -165,56 +166,6 @@ def test_signal_saves_the_step_and_the_resume_is_exact(capsys, tmp_path, monkeyp
 
 
 # ---- damaged checkpoints -----------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-@pytest.mark.parametrize(
-    ("damage", "needle"),
-    [
-        ("truncate_shard", "__0_0.distcp has {n} bytes, COMPLETE recorded {size}"),
-        ("delete_shard", "__0_0.distcp is missing (COMPLETE records it)"),
-        ("delete_metadata", ".metadata is missing (COMPLETE records it)"),
-        ("garbage_metadata", ".metadata has 7 bytes, COMPLETE recorded"),
-        ("old_marker_truncated_shard", "__0_0.distcp has {n} bytes, .metadata reads up to byte"),
-        ("old_marker_garbage_metadata", ".metadata is unreadable (UnpicklingError"),
-        ("truncated_marker", "COMPLETE is unreadable (JSONDecodeError"),
-    ],
-)
-def test_validation_names_the_damaged_file(world_of_one, tmp_path, damage, needle):
-    from moeshard.train import checkpoint as ckpt
-
-    state = {"model": {"w": torch.arange(64.0)}}
-    path = ckpt.save_checkpoint(tmp_path, 2, state, {"step": 2}, {"rng": 0}, keep_last=2)
-    ckpt.validate_checkpoint(path)
-    shard, marker = path / "__0_0.distcp", path / "COMPLETE"
-    size = shard.stat().st_size
-    if damage.startswith("old_marker"):  # checkpoints written before COMPLETE recorded the files
-        record = json.loads(marker.read_text())
-        del record["files"]
-        marker.write_text(json.dumps(record))
-    if damage.endswith("truncate_shard") or damage.endswith("truncated_shard"):
-        shard.write_bytes(shard.read_bytes()[: size // 2])
-    elif damage == "delete_shard":
-        shard.unlink()
-    elif damage == "delete_metadata":
-        (path / ".metadata").unlink()
-    elif damage.endswith("garbage_metadata"):
-        (path / ".metadata").write_bytes(b"garbage")
-    elif damage == "truncated_marker":
-        marker.write_text(marker.read_text()[:20])
-    with pytest.raises(ValueError) as e:
-        ckpt.validate_checkpoint(path)
-    assert str(e.value).startswith(f"checkpoint {path} is damaged: ")
-    assert needle.format(n=size // 2, size=size) in str(e.value), str(e.value)
-    assert "\n" not in str(e.value)
 
 
 def test_damaged_checkpoints_fall_back_and_are_kept(capsys, tmp_path, trained):
@@ -365,6 +316,65 @@ def test_sigterm_to_torchrun_second_job_resume_and_a_rank_local_error(tmp_path):
     assert res.returncode == 1
     assert _errors(res.stdout) == [
         f"moeshard-train: error (rank 1): checkpoint {out}/checkpoints/step_{s + 2:08d}: rank_00001.pt is unreadable "
-        "(UnpicklingError: invalid load key, 'x'.); its files may be damaged: resume an older checkpoint with "
+        "(UnpicklingError: weights_only refused it: Unsupported operand 120); its files may be damaged: resume an older checkpoint with "
         "checkpoint.resume=<folder>"
     ], res.stdout[-4000:]
+
+
+def _worker_pid(launcher: int, rank: int) -> int | None:
+    """The pid of torchrun's worker of ``rank`` (a child of the launcher with RANK=rank), Linux ``/proc``."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != launcher:
+                continue
+            env = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if f"RANK={rank}".encode() in env:
+            return int(stat.parent.name)
+    return None
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_ends_the_job_within_its_timeout_and_the_resume_is_intact(capsys, tmp_path):
+    # SIGSTOP one worker: its peer blocks in a collective; within train.timeout_s the job ends with one line naming
+    # the stopped rank and each rank's last step, nothing partial published; a resume (here in this process, a world
+    # of one: checkpoints are layout independent) continues from the newest complete checkpoint, as the same
+    # command or a torchrun --max-restarts restart does.
+    out = tmp_path / "run"
+    job = [*TINY, "--checkpoint.every_steps=2", "--checkpoint.keep_last=100", "--train.timeout_s=20"]
+    log = tmp_path / "a.log"
+    with log.open("w") as f:
+        a = _torchrun([*job, "--train.steps=400", f"--logging.output_dir={out}"], stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while not ((out / "metrics.jsonl").is_file() and len(_steps(out)) >= 3) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stopped = _worker_pid(a.pid, rank=1)
+        assert stopped is not None, log.read_text()[-3000:]
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while "did not arrive" not in log.read_text() and time.monotonic() < t0 + 90:
+            time.sleep(0.2)
+        elapsed = time.monotonic() - t0
+        os.kill(stopped, signal.SIGKILL)  # what the agent does 30 s after its SIGTERM to a worker that does not end
+        a.wait(timeout=60)
+    finally:
+        if a.poll() is None:
+            a.kill()
+    text = log.read_text()
+    lines = [ln for ln in text.splitlines() if "did not arrive" in ln]
+    assert len(lines) == 1 and 20 <= elapsed < 40 and a.returncode != 0, (elapsed, text[-4000:])
+    m = re.search(r"last finished step per rank \{0: (\d+), 1: (\d+)\}", lines[0])
+    assert lines[0].startswith("rank 1 did not arrive (its process stopped running") and m, lines[0]
+    assert "(train.timeout_s 20)" in lines[0]
+    last = int(m.group(1))
+    ckpts = out / "checkpoints"
+    published = sorted(int(p.name[5:]) for p in ckpts.glob("step_????????"))
+    assert published and all((ckpts / f"step_{s:08d}/COMPLETE").is_file() for s in published)  # nothing partial
+    assert max(published) <= last
+
+    capsys.readouterr()
+    assert main([*job, "--parallel.ep_size=1", f"--train.steps={last + 1}", f"--logging.output_dir={out}"]) == 0
+    resumed = f"resumed from {ckpts}/step_{max(published):08d} at step {max(published)}"
+    assert resumed in capsys.readouterr().out

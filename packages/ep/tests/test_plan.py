@@ -12,12 +12,10 @@ from moeshard.ep import (
     LocalDispatch,
     OverlappedDispatch,
     ParallelPlan,
-    add_host_sync_hook,
     apply_ep,
     ep_group,
     find_expert_modules,
     fqn_matches,
-    get_ep_info,
     is_expert_module,
 )
 from moeshard.ep.testing import ToyMoE, toy_plan
@@ -64,7 +62,7 @@ def test_ep1_records_metadata_and_slices_nothing():
     meta = info.params["layers.1.mlp.experts.down_proj"]
     assert (meta.global_shape, meta.expert_start, meta.expert_end) == ((E, D, F), 0, E)
     assert model.layers[0].mlp.experts.gate_up_proj is before
-    assert get_ep_info(model) is info
+    assert info.module_names(model) == [(n, model.get_submodule(n)) for n in EXPERTS]
     assert ep_group(model.layers[0].mlp.experts) is None
     assert is_expert_module(model.layers[1].mlp.experts) and not is_expert_module(model.layers[1].mlp)
 
@@ -107,7 +105,9 @@ def test_errors_name_the_problem():
             match=r"layers\.0\.mlp\.experts\.gate_up_proj has dim 0 of size 6, not divisible by the EP size 4",
         ):
             apply_ep(model, toy_plan(), meshes.ep)
-        assert get_ep_info(model) is None and model.layers[0].mlp.experts.gate_up_proj.shape[0] == 6  # untouched
+        assert (
+            not any(map(is_expert_module, model.modules())) and model.layers[0].mlp.experts.gate_up_proj.shape[0] == 6
+        )  # untouched
         with pytest.raises(ValueError, match="1-D EP mesh, got a 2-D mesh"):
             apply_ep(model, toy_plan(), meshes.expert)
     apply_ep(model, toy_plan(), None)
@@ -161,11 +161,10 @@ def test_ep2_installs_the_strategy_of_the_options(strategy, cls):
 
 def test_options_and_hooks_errors():
     model = ToyMoE(num_experts=E, hidden=D, width=F)
-    with pytest.raises(ValueError, match="add_host_sync_hook: apply_ep was not applied to this ToyMoE"):
-        add_host_sync_hook(model, lambda: None)
     with pytest.raises(ValueError, match="options must be an EPOptions or None, got dict"):
         apply_ep(model, toy_plan(), None, {"dispatch": "overlapped"})
-    assert get_ep_info(model) is None and type(model.layers[0].mlp.experts.dispatch) is LocalDispatch
-    apply_ep(model, toy_plan(), None)
-    handle = add_host_sync_hook(model, lambda: None)
+    assert type(model.layers[0].mlp.experts.dispatch) is LocalDispatch  # a failed call changes nothing
+    info = apply_ep(model, toy_plan(), None)
+    assert model.layers[0].mlp.experts.dispatch.host_sync_hooks is info.host_sync_hooks
+    handle = info.add_host_sync_hook(lambda: None)
     handle.remove()

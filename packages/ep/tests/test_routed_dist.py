@@ -7,6 +7,7 @@ problem in one process (all experts) with LocalDispatch and with the plain refer
 input and routing-weight gradients and the local expert-weight gradients, in float32.
 """
 
+import functools
 import itertools
 
 import torch
@@ -17,10 +18,8 @@ from moeshard.ep import (
     EPOptions,
     LocalDispatch,
     OverlappedDispatch,
-    add_host_sync_hook,
     apply_ep,
     ep_group,
-    get_ep_info,
     recompute_contexts,
     routed_experts,
 )
@@ -135,7 +134,8 @@ def _same_under_activation_checkpointing(experts, world, rank):
                 if mode == "none":
                     y = layer(x)
                 else:
-                    context = {"context_fn": recompute_contexts} if mode == "checkpoint_replay" else {}
+                    replay = functools.partial(recompute_contexts, [experts.dispatch])
+                    context = {"context_fn": replay} if mode == "checkpoint_replay" else {}
                     y = checkpoint(layer, x, use_reentrant=False, **context)
                 y.square().sum().backward()
         finally:
@@ -171,14 +171,14 @@ def _same_with_recompute(meshes, strategy, world, rank):
 
 
 def _host_sync_hooks(meshes, strategy):
-    """add_host_sync_hook: once per EP layer per forward, none in backward, gone after remove(), per model."""
+    """EPInfo.add_host_sync_hook: once per EP layer per forward, none in backward, gone after remove(), per model."""
     world, rank = dist.get_world_size(), dist.get_rank()
     model, other = _model(num_layers=3), _model(num_layers=2)
-    apply_ep(model, toy_plan(), meshes.ep, EPOptions(dispatch=strategy))
+    info = apply_ep(model, toy_plan(), meshes.ep, EPOptions(dispatch=strategy))
     apply_ep(other, toy_plan(), meshes.ep, EPOptions(dispatch=strategy))
     calls = []
-    first = add_host_sync_hook(model, lambda: calls.append("first"))
-    add_host_sync_hook(model, lambda: calls.append("second"))
+    first = info.add_host_sync_hook(lambda: calls.append("first"))
+    info.add_host_sync_hook(lambda: calls.append("second"))
     x_TD = _problem(world, "random")[rank][0]
     counts = []
     y = model(x_TD)
@@ -199,12 +199,11 @@ def _metadata_survives_fully_shard():
 
     meshes = build_meshes(ep_size=2, device_type="cpu")
     model = _model()
-    apply_ep(model, toy_plan(), meshes.ep)
+    info = apply_ep(model, toy_plan(), meshes.ep)
     experts = model.layers[0].mlp.experts
     group = ep_group(experts)
     dispatch = experts.dispatch
     fully_shard(experts, mesh=meshes.ep_fsdp, shard_placement_fn=lambda p: Shard(1))
-    info = get_ep_info(model)
     p = experts.gate_up_proj
     return {
         "dtensor": isinstance(p, DTensor),

@@ -38,9 +38,9 @@ def _step(param_dtype, options):
     meshes = build_meshes(ep_size=2)
     torch.manual_seed(0)
     model = ToyMoELM()
-    apply_ep(model, model.get_parallel_plan(), meshes.ep)
+    ep_info = apply_ep(model, model.get_parallel_plan(), meshes.ep)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    units = shard_model(model, meshes, mp_policy=policy, **options)
+    units = shard_model(model, meshes, ep_info=ep_info, mp_policy=policy, **options)
     assert len(units.experts) == 2 and not units.local_experts  # expert units on ep_fsdp 2
 
     ep_fsdp = dist.get_process_group_ranks(meshes.ep_fsdp.get_group())

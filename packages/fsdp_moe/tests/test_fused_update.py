@@ -119,13 +119,15 @@ def _toy(seed, *, fuse=True, dtype=None, ac=False, ep_size=2, device_type="cpu",
     meshes = build_meshes(ep_size=ep_size, device_type=device_type)
     torch.manual_seed(seed)
     model = ToyMoELM()
-    apply_ep(model, model.get_parallel_plan(), meshes.ep)
+    ep_info = apply_ep(model, model.get_parallel_plan(), meshes.ep)
     if ac:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
         for i, layer in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(layer)
-    shard_model(model, meshes, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+    shard_model(
+        model, meshes, ep_info=ep_info, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    )
     opt = build_optimizer(model, **{"lr": 1e-2, "weight_decay": 0.1, "fuse_local_experts": fuse, **opt_kw})
     return meshes, model, opt
 
@@ -379,8 +381,8 @@ def _errors():
     with torch.device("meta"):  # not materialised: no float32 values to take as masters
         meta = ToyMoELM()
     meshes, *_ = _toy(0)
-    apply_ep(meta, meta.get_parallel_plan(), meshes.ep)
-    shard_model(meta, meshes)
+    ep_info = apply_ep(meta, meta.get_parallel_plan(), meshes.ep)
+    shard_model(meta, meshes, ep_info=ep_info)
     out["meta"] = catch(lambda: LocalExpertAdamW(meta))
     return out
 

@@ -30,13 +30,13 @@ def _build(ep_size, seed, lr, wrap=False, fuse=None):
     meshes = build_meshes(ep_size=ep_size, allow_cross_node_ep=True)  # EP 4 spans the two 2-rank nodes
     torch.manual_seed(seed)
     model = ToyMoELM()
-    apply_ep(model, model.get_parallel_plan(), meshes.ep)
+    ep_info = apply_ep(model, model.get_parallel_plan(), meshes.ep)
     if wrap:  # activation checkpointing after EP inserts a segment into every FQN below the layers
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
         for i, layer in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(layer)
-    shard_model(model, meshes)
+    shard_model(model, meshes, ep_info=ep_info)
     if fuse is None:
         return meshes, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     from moeshard.fsdp_moe import build_optimizer

@@ -22,8 +22,13 @@ def _refusals():
     ep2 = build_meshes(ep_size=2)  # EP 2 x ep_fsdp 1
     ep1 = build_meshes(ep_size=1)  # EP 1 x ep_fsdp 2
 
-    with pytest.raises(ValueError, match=r"no expert parallelism applied but meshes.ep_size is 2.*apply_ep"):
+    with pytest.raises(ValueError, match=r"shard_model: the plan's EP part was not applied: call ep_info = "):
         shard_model(ToyMoELM(), ep2)
+    with pytest.raises(ValueError, match=r"the plan's EP part was not applied"):  # EP size 1 too: never applied here
+        shard_model(ToyMoELM(), ep1)
+
+    def ep1_info(model):
+        return apply_ep(model, model.get_parallel_plan(), None)
 
     other_world = dataclasses.replace(ep1, layout=plan_layout(8, 8, 1))
     with pytest.raises(ValueError, match=r"world of 8.*rank \d of 2.*build_meshes"):
@@ -34,34 +39,41 @@ def _refusals():
         shard_model(ToyMoELM(), ep1, expert_reshard_after_forward=1)
 
     model = ToyMoELM()
-    apply_ep(model, model.get_parallel_plan(), ep2.ep)
+    info = apply_ep(model, model.get_parallel_plan(), ep2.ep)
     with pytest.raises(ValueError, match=r"EP was applied with EP size 2.*meshes have EP size 1"):
-        shard_model(model, ep1)
+        shard_model(model, ep1, ep_info=info)
+    with pytest.raises(ValueError, match=r"expert modules of this EPInfo are not in this ToyMoELM"):
+        shard_model(ToyMoELM(), ep2, ep_info=info)
 
     # down_proj [E, D=15, F]: dim 1 does not split over ep_fsdp 2 (FSDP2 shards a non-zero dim evenly only).
     with pytest.raises(
         ValueError, match=r"down_proj \(8, 15, 8\): dim 1 \(size 15\) is not divisible by the ep_fsdp size 2"
     ):
-        shard_model(ToyMoELM(hidden=15), ep1)
+        model = ToyMoELM(hidden=15)
+        shard_model(model, ep1, ep_info=ep1_info(model))
 
     model = ToyMoELM()
+    info = ep1_info(model)
     model.layers[0].experts.bias = nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match=r"layers.0.experts.bias, which the EP plan does not shard"):
-        shard_model(model, ep1)
+        shard_model(model, ep1, ep_info=info)
 
     bad_plan = dataclasses.replace(ToyMoELM().get_parallel_plan(), fsdp_units=("embed", "blocks.*"))
     with pytest.raises(ValueError, match=r"'blocks.\*' matches no module"):
-        shard_model(ToyMoELM(), ep1, plan=bad_plan)
+        model = ToyMoELM()
+        shard_model(model, ep1, ep_info=ep1_info(model), plan=bad_plan)
     expert_unit = ParallelPlan(ToyMoELM().get_parallel_plan().ep_plan, fsdp_units=("layers.*.experts",))
     with pytest.raises(ValueError, match=r"matches layers.0.experts, an expert module"):
-        shard_model(ToyMoELM(), ep1, plan=expert_unit)
+        model = ToyMoELM()
+        shard_model(model, ep1, ep_info=ep1_info(model), plan=expert_unit)
 
-    # EP size 1 needs no apply_ep: shard_model records the metadata; a second call is refused.
+    # EP size 1: apply_ep slices nothing, its EPInfo says where the experts are; a second call is refused.
     model = ToyMoELM()
-    units = shard_model(model, ep1)
+    info = ep1_info(model)
+    units = shard_model(model, ep1, ep_info=info)
     assert [s.name for s in units.stages] == ["embed", "layers.0", "layers.1", "head"]
     with pytest.raises(ValueError, match="already has FSDP applied"):
-        shard_model(model, ep1)
+        shard_model(model, ep1, ep_info=info)
 
     # A DTensor gradient on a sub-mesh other than ep_fsdp: the clipping cannot know what the other ranks hold.
     from torch.distributed.device_mesh import init_device_mesh

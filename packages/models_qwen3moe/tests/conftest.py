@@ -7,6 +7,8 @@ import torch
 from transformers import Qwen3MoeConfig
 from transformers import Qwen3MoeForCausalLM as HFQwen3MoeForCausalLM
 
+from moeshard.models.common.testing import padded_batch
+
 # 3 layers, the middle one dense (mlp_only_layers), 8 experts top-2, GQA 4/2, a padding token.
 TINY_HF = dict(
     vocab_size=512,
@@ -60,10 +62,4 @@ def hf_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def batch():
     """``(input_ids, attention_mask, labels)``: 2 sequences of 12, the second left-padded by 4."""
-    gen = torch.Generator().manual_seed(7)
-    ids = torch.randint(1, 512, (2, 12), generator=gen)
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, :4] = 0
-    ids[1, :4] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    return ids, mask, labels
+    return padded_batch()

@@ -4,8 +4,8 @@ compiles (a layer's ``attention_half``, the head's ``chunk_loss``) are instance 
 import pytest
 import torch
 
+from moeshard.models.common import ce_chunk
 from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, get_preset_config
-from moeshard.models.qwen3moe.fused_loss import ce_chunk
 from moeshard.models.qwen3moe.moe import SparseMoeBlock
 
 
@@ -17,7 +17,7 @@ def _model() -> Qwen3MoeForCausalLM:
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_attention_half_then_mlp_is_the_layer(padded):
-    from moeshard.models.qwen3moe.layers import build_attention_mask
+    from moeshard.models.common import build_attention_mask
 
     torch.manual_seed(0)
     model = _model()

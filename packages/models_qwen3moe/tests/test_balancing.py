@@ -28,7 +28,8 @@ def model(tiny_hf_config):
 
 def test_zero_bias_routes_as_before_and_a_bias_changes_selection_not_weights(tiny_hf_config):
     torch.manual_seed(0)
-    router = TopKRouter(tiny_hf_config())
+    c = tiny_hf_config()
+    router = TopKRouter(c.num_experts, c.hidden_size, c.num_experts_per_tok, c.norm_topk_prob)
     torch.nn.init.normal_(router.weight, std=0.5)
     x = torch.randn(32, router.weight.shape[1])
     logits, w0, ids0 = router(x)

@@ -12,7 +12,6 @@ from safetensors.torch import load_file, save_file
 from moeshard.models.qwen3moe import (
     CheckpointError,
     Qwen3MoeForCausalLM,
-    checkpoint_save,
     get_preset_config,
     load_hf_config,
     load_hf_weights,
@@ -203,7 +202,7 @@ def test_save_replaces_atomically_and_keeps_other_files(hf_dir, tmp_path, monkey
             raise OSError("disk full")
         return save_file(tensors, filename, metadata=metadata)
 
-    monkeypatch.setattr(checkpoint_save, "save_file", failing_save_file)
+    monkeypatch.setattr("moeshard.models.common._hf_save.save_file", failing_save_file)
     with torch.no_grad():
         model.lm_head.weight.add_(1.0)
     with pytest.raises(OSError, match="disk full"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from moeshard.ep import LocalDispatch
-from moeshard.models.qwen3moe import Experts, Qwen3MoeForCausalLM, get_preset_config
+from moeshard.models.qwen3moe import Experts, Qwen3MoeForCausalLM, apply_activation_checkpointing, get_preset_config
 
 
 class _SizedLocalDispatch(LocalDispatch):
@@ -34,7 +34,8 @@ def test_checkpointed_layers_read_their_exchange_sizes_once():
     ids = torch.randint(0, config.vocab_size, (2, 16))
     syncs, grads = [], []
     for checkpointing in (False, True):
-        model.enable_activation_checkpointing(checkpointing)
+        if checkpointing:
+            apply_activation_checkpointing(model)
         model.zero_grad(set_to_none=True)
         _SizedLocalDispatch.synced = 0
         model(ids, labels=ids).loss.backward()

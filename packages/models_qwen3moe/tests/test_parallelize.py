@@ -14,9 +14,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 import moeshard.ep
 import moeshard.fsdp_moe
+import moeshard.prefetch
 from moeshard.ep import EPOptions
 from moeshard.meshes import build_meshes, fake_process_group
 from moeshard.meshes.testing import run_distributed
+from moeshard.models.common import ce_chunk
+from moeshard.models.common.testing import check_two_nodes_of_two
 from moeshard.models.qwen3moe import (
     Parallelized,
     ParallelOptions,
@@ -25,7 +28,6 @@ from moeshard.models.qwen3moe import (
     load_hf_weights,
     parallelize,
 )
-from moeshard.models.qwen3moe.fused_loss import ce_chunk
 
 # ---- options ------------------------------------------------------------------------------------------------
 
@@ -139,7 +141,7 @@ def test_plan_at_world_16(tiny_hf_config, monkeypatch, ep, which):
     options = _OPTIONS[which]
     config = tiny_hf_config()  # 3 layers, layer 1 dense; 8 experts, D 64, F 32
     host_sync_hooks, shard_calls = [], []
-    _spy(monkeypatch, moeshard.ep, "add_host_sync_hook", host_sync_hooks)
+    _spy(monkeypatch, moeshard.prefetch, "prefetch_forward_at_host_sync", host_sync_hooks)
     _spy(monkeypatch, moeshard.fsdp_moe, "shard_model", shard_calls)
     with fake_process_group(16, rank=13):
         meshes = build_meshes(ep_size=ep, ranks_per_node=8, device_type="cpu")  # 2 nodes x 8
@@ -175,6 +177,8 @@ def test_plan_at_world_16(tiny_hf_config, monkeypatch, ep, which):
         dtype = {"auto": None, "bfloat16": torch.bfloat16}[options.param_dtype]
         expected_mp = MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(dtype, torch.float32)
         assert shard_kwargs == {
+            "ep_info": par.ep_info,  # what apply_ep returned, handed on: shard_model never applies EP itself
+            "compile": options.compile,
             "mp_policy": expected_mp,
             "reshard_after_forward": options.reshard_after_forward,
             "expert_reduce_dtype": getattr(torch, options.expert_reduce_dtype),
@@ -186,9 +190,11 @@ def test_plan_at_world_16(tiny_hf_config, monkeypatch, ep, which):
         else:
             assert par.schedule is None
         at_sync = ep > 1 and options.prefetch_depth > 0 and options.prefetch_at_host_sync
-        assert [args[0] for args, _ in host_sync_hooks] == ([model] if at_sync else [])
+        expected_hooks = [(par.schedule, par.ep_info.add_host_sync_hook)] if at_sync else []
+        assert [args for args, _ in host_sync_hooks] == expected_hooks  # the hooks of the EPInfo, as an argument
 
-        assert model.model.activation_checkpointing == (options.activation_checkpointing == "full")
+        full = options.activation_checkpointing == "full"
+        assert all(("forward" in vars(layer)) == full for layer in model.model.layers)  # applied from outside
         experts = [m for m in model.modules() if hasattr(m, "dispatch")]
         assert experts and all(m.dispatch.options == options.ep_options() for m in experts)
         for layer in model.model.layers:
@@ -203,7 +209,7 @@ def test_plan_at_world_16(tiny_hf_config, monkeypatch, ep, which):
 def test_parallelize_refuses_what_it_cannot_parallelize(tiny_hf_config):
     with fake_process_group(2):
         meshes = build_meshes(ep_size=1, device_type="cpu")
-        with pytest.raises(TypeError, match="Qwen3MoeForCausalLM"):
+        with pytest.raises(TypeError, match="MoECausalLM"):
             parallelize(torch.nn.Linear(2, 2), meshes)
         with torch.device("meta"):
             model = Qwen3MoeForCausalLM(tiny_hf_config())
@@ -212,27 +218,6 @@ def test_parallelize_refuses_what_it_cannot_parallelize(tiny_hf_config):
 
 
 # ---- numbers on gloo ------------------------------------------------------------------------------------------
-
-
-def _parallel_step(path, ids_RBS, options):
-    """One rank: parallelize the meta model, load the checkpoint, forward and backward this rank's sequences."""
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    meshes = build_meshes(ep_size=2, device_type="cpu")
-    with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(load_hf_config(path))
-    par = parallelize(model, meshes, options)
-    model.to_empty(device="cpu")
-    load_hf_weights(model, path)
-    # This rank's share of the global mean (FSDP averages over ranks): its summed loss / (N_global / world).
-    n_global = ids_RBS.shape[0] * ids_RBS.shape[1] * (ids_RBS.shape[2] - 1)
-    ids = ids_RBS[rank]
-    loss = model(ids, labels=ids, num_items_in_batch=n_global / world, output_router_logits=False).loss
-    loss.backward()
-    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-    experts = {fqn: (m.expert_start, m.expert_end) for fqn, m in par.ep_info.params.items()}
-    return loss.detach(), grads, experts
 
 
 @pytest.mark.parametrize(
@@ -246,22 +231,8 @@ def _parallel_step(path, ids_RBS, options):
     ids=["defaults", "checkpointing", "selective-experts-kept"],
 )
 def test_two_nodes_of_two_at_ep_2_equal_one_process(hf_dir, options):
-    ids_RBS = torch.randint(1, 512, (4, 2, 10), generator=torch.Generator().manual_seed(3))
-    ref = Qwen3MoeForCausalLM.from_pretrained(hf_dir)
-    all_ids = ids_RBS.reshape(-1, ids_RBS.shape[-1])
-    ref_loss = ref(all_ids, labels=all_ids, output_router_logits=False).loss
-    ref_loss.backward()
-    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
-    results = run_distributed(_parallel_step, 4, hf_dir, ids_RBS, options, ranks_per_node=2)
-    torch.testing.assert_close(sum(loss for loss, _, _ in results) / 4, ref_loss, rtol=0, atol=1e-5)
-    for _, grads, experts in results:
-        assert grads.keys() == ref_grads.keys()
-        for name, grad in grads.items():
-            expected = ref_grads[name]
-            if name in experts:
-                start, end = experts[name]
-                expected = expected[start:end]
-            torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    reference = Qwen3MoeForCausalLM.from_pretrained(hf_dir)
+    check_two_nodes_of_two(Qwen3MoeForCausalLM, hf_dir, reference, options, output_router_logits=False)
 
 
 def _compiled_and_eager(path, ids_RSBS):
@@ -280,9 +251,9 @@ def _compiled_and_eager(path, ids_RSBS):
     ):
         with torch.device("meta"):
             model = Qwen3MoeForCausalLM(load_hf_config(path))
-        parallelize(model, meshes, options)
+        par = parallelize(model, meshes, options)
         model.to_empty(device="cpu")
-        load_hf_weights(model, path)
+        load_hf_weights(model, path, ep_info=par.ep_info)
         losses, graphs = [], []
         for ids in ids_RSBS[rank]:
             model.zero_grad()

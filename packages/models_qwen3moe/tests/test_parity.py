@@ -5,19 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
-
-
-def _max_rel_grad_error(ref, ours) -> tuple[float, str]:
-    ref_params = dict(ref.named_parameters())
-    worst, where = 0.0, ""
-    for name, p in ours.named_parameters():
-        g_ref = ref_params[name].grad
-        assert p.grad is not None and g_ref is not None, name
-        err = ((p.grad - g_ref).abs().max() / g_ref.abs().max().clamp_min(1e-12)).item()
-        if err > worst:
-            worst, where = err, name
-    return worst, where
+from moeshard.models.common.testing import max_rel_grad_error
+from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, apply_activation_checkpointing
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "left-padding"])
@@ -40,7 +29,7 @@ def test_logits_losses_and_grads_match_transformers(hf_dir, batch, load_referenc
 
     out_ref.loss.backward()
     out.loss.backward()
-    worst, where = _max_rel_grad_error(ref, ours)
+    worst, where = max_rel_grad_error(ref, ours)
     assert worst < 1e-4, f"gradient of {where} differs by {worst:.2e} (relative)"
 
 
@@ -67,7 +56,7 @@ def test_logits_without_labels(hf_dir, batch):
 def test_activation_checkpointing_same_loss_and_grads(hf_dir, batch):
     ids, mask, labels = batch
     plain, ac = Qwen3MoeForCausalLM.from_pretrained(hf_dir), Qwen3MoeForCausalLM.from_pretrained(hf_dir)
-    ac.enable_activation_checkpointing()
+    apply_activation_checkpointing(ac)  # from outside the model, as parallelize does
     names = [n for n, _ in ac.named_parameters()]
     assert names == [n for n, _ in plain.named_parameters()]  # FQNs unchanged (FSDP / the plan rely on them)
     loss_plain = plain(ids, labels=labels, attention_mask=mask).loss

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from moeshard.ep import apply_ep, get_ep_info
+from moeshard.ep import apply_ep
 from moeshard.meshes import build_meshes, fake_process_group
 from moeshard.meshes.testing import run_distributed
 from moeshard.models.qwen3moe import (
@@ -27,7 +27,7 @@ def _sharded_model(path, meshes):
     """Meta model → EP → FSDP2 bottom-up (experts on ep_fsdp, dim 1; layers and root on fsdp) → CPU memory."""
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(load_hf_config(path))
-    apply_ep(model, model.get_parallel_plan(), meshes.ep)
+    info = apply_ep(model, model.get_parallel_plan(), meshes.ep)
     for layer in model.model.layers:
         for module in layer.modules():
             if isinstance(module, Experts):
@@ -35,7 +35,7 @@ def _sharded_model(path, meshes):
         fully_shard(layer, mesh=meshes.fsdp)
     fully_shard(model, mesh=meshes.fsdp)
     model.to_empty(device="cpu")
-    return model
+    return model, info
 
 
 @pytest.mark.parametrize(
@@ -48,9 +48,8 @@ def test_each_rank_gets_its_slice(hf_dir, world, ep, rank):
     full = dict(Qwen3MoeForCausalLM.from_pretrained(hf_dir).named_parameters())
     with fake_process_group(world, rank):
         meshes = build_meshes(ep_size=ep, ranks_per_node=world, device_type="cpu")
-        model = _sharded_model(hf_dir, meshes)
-        report = load_hf_weights(model, hf_dir)
-        info = get_ep_info(model)
+        model, info = _sharded_model(hf_dir, meshes)
+        report = load_hf_weights(model, hf_dir, ep_info=info)
         e_local = 8 // ep
         start = meshes.ep_rank * e_local
         for name, param in model.named_parameters():
@@ -72,14 +71,14 @@ def _ep_then_ep_fsdp(path, ids, mask):
     meshes = build_meshes(ep_size=2, device_type="cpu")
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(load_hf_config(path))
-    apply_ep(model, model.get_parallel_plan(), meshes.ep)
+    info = apply_ep(model, model.get_parallel_plan(), meshes.ep)
     model.to_empty(device="cpu")
-    load_hf_weights(model, path)
+    load_hf_weights(model, path, ep_info=info)
     out = model(ids, labels=ids, attention_mask=mask)
     out.loss.backward()
 
-    sharded = _sharded_model(path, meshes)
-    load_hf_weights(sharded, path)
+    sharded, info = _sharded_model(path, meshes)
+    load_hf_weights(sharded, path, ep_info=info)
     with torch.no_grad():
         sharded_logits = sharded(ids, attention_mask=mask).logits
     return out.logits.detach(), out.loss.detach(), model.lm_head.weight.grad, sharded_logits

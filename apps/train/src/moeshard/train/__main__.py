@@ -46,19 +46,31 @@ def _help() -> str:
     return USAGE.format(commands="\n".join(f"  {name:14s}{line}" for name, line in COMMANDS.items()))
 
 
+def _keys_help() -> str:
+    """Every config key with its default and meaning (the fields' own, as ``config --show`` prints them)."""
+    from moeshard.train.config import JobConfig, describe_keys
+
+    rows = [f"  --{key}={_show(default)}\n      {meaning}" for key, _, default, meaning in describe_keys(JobConfig())]
+    return (
+        "Overrides: --section.key=value, e.g. --train.lr=1e-4 (`config --show`: the same keys, resolved):\n"
+        + "\n".join(rows)
+    )
+
+
 def _train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="moeshard-train",
         description="Train (run under torchrun). `moeshard-train --help` lists the other commands.",
-        epilog="Overrides: --section.key=value, e.g. --train.lr=1e-4; `moeshard-train config --show` lists every key.",
+        epilog=_keys_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", default=None, help="YAML file; omitted: the embedded default job")
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     import torch.distributed as dist
 
-    from moeshard.train.job import run_job
-    from moeshard.train.preemption import EXIT_STATUS
+    from moeshard.train.cluster.preemption import EXIT_STATUS
+    from moeshard.train.run.job import run_job
 
     # Known and harmless here: DTensor's note on CPU random ops (initialisation).
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
@@ -80,8 +92,16 @@ def _config(argv: list[str]) -> int:
     )
     parser.add_argument("--config", default=None, help="YAML file; omitted: the embedded default job")
     parser.add_argument("--show", action="store_true", help="every key with its value, default and meaning")
+    parser.add_argument(
+        "--markdown", action="store_true", help="every key's default and meaning as a Markdown table (the README's)"
+    )
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
+    if args.markdown:
+        from moeshard.train.config import config_table
+
+        print(config_table(cfg), end="")
+        return 0
     if not args.show:
         import yaml
 
@@ -128,7 +148,7 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument("--summary", action="store_true", help="the totals, without the table of parameters")
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
-    from moeshard.train.plan import plan
+    from moeshard.train.commands.plan import plan
 
     print(
         plan(
@@ -152,7 +172,7 @@ def _export(argv: list[str]) -> int:
     )
     parser.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors file, e.g. 5GB, 500MB")
     args = parser.parse_args(argv)
-    from moeshard.train.export import export_hf
+    from moeshard.train.commands.export import export_hf
 
     path = export_hf(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
     print(f"wrote {path}")
@@ -160,7 +180,7 @@ def _export(argv: list[str]) -> int:
 
 
 def _launch_local(argv: list[str]) -> int:
-    from moeshard.train.launch_local import main as launch_main
+    from moeshard.train.cluster.launch_local import main as launch_main
 
     return launch_main(argv)
 
@@ -173,7 +193,7 @@ def _prepare_data(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    from moeshard.train.bench import main as bench_main
+    from moeshard.train.commands.bench import main as bench_main
 
     return bench_main(argv)
 
@@ -232,7 +252,7 @@ def _store_add(key: str, amount: int) -> int | None:
 def _one_line(error: BaseException) -> str:
     """``Type: first line``; for DCP's CheckpointException (a BaseException) each failed rank's error."""
     if type(error).__name__ == "CheckpointException":  # torch.distributed.checkpoint's, without importing it here
-        from moeshard.train.checkpoint import describe_failure
+        from moeshard.checkpoint import describe_failure
 
         return f"checkpoint read/write failed: {describe_failure(error)}"
     return f"{type(error).__name__}: {error}".splitlines()[0]
@@ -261,11 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``moeshard-train`` and ``python -m moeshard.train``.
 
     Returns the exit status: 0; 2 for a config error; 1 for any other error; 75 when SIGTERM or SIGUSR1 stopped
-    the training after saving a step (``moeshard.train.preemption``: run it again to continue); 130 on SIGINT.
+    the training after saving a step (``moeshard.train.cluster.preemption``: run it again to continue); 130 on SIGINT.
     Every failure is one line: errors every rank raises alike (config, data, model, checkpoint, divergence) from
     rank 0, others from the first rank that reports them; a rank that only lost contact with a failed peer stays
     silent. ``MOESHARD_TRACEBACK=1`` adds the traceback.
     """
+    from moeshard.checkpoint import CheckpointError
     from moeshard.train.errors import JobError
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -299,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         error, code = e, 2
         _report(f"config: {e}", alike=True)
-    except JobError as e:
+    except (JobError, CheckpointError) as e:  # the checkpoint package's errors say every_rank too
         error, code = e, 1
         _report(str(e), alike=e.every_rank)
     except (ValueError, FileNotFoundError) as e:  # plan and export-hf

@@ -9,6 +9,11 @@ unexpected: one line too, and its traceback with ``MOESHARD_TRACEBACK=1``.
 
 from __future__ import annotations
 
+# Raised by moeshard.checkpoint (a RuntimeError of its own, with every_rank too) and reported like a JobError.
+from moeshard.checkpoint import CheckpointError, CheckpointSaveError
+
+__all__ = ["CheckpointError", "CheckpointSaveError", "JobError", "TrainingDiverged"]
+
 
 class JobError(RuntimeError):
     """A problem with the job's inputs or state; the message says the fix.
@@ -24,7 +29,3 @@ class JobError(RuntimeError):
 
 class TrainingDiverged(JobError):
     """A non-finite loss or gradient norm; the parameters were not updated and the last good checkpoint is kept."""
-
-
-class CheckpointSaveError(JobError):
-    """A checkpoint could not be written on some rank; nothing was published and the previous one is intact."""

@@ -2,9 +2,10 @@
 
 A model describes how it is parallelised with a :class:`ParallelPlan`: FQN patterns of the expert parameters
 (sharded on dim 0, the expert dimension, over the EP group) and FQN patterns of its FSDP units. ``apply_ep``
-keeps this EP rank's slice of every expert parameter as a plain local ``nn.Parameter`` and records what was done
-(:class:`EPInfo`) on the model, keyed by FQN, so it survives FSDP2 later replacing the parameter objects. It
-also gives every expert module that routes through ``self.dispatch`` (the protocol: an expert module calls
+keeps this EP rank's slice of every expert parameter as a plain local ``nn.Parameter`` and returns what was done
+(:class:`EPInfo`, keyed by FQN, so it stays true after FSDP2 replaces the parameter objects): the caller hands it
+on, as an argument, to whatever needs it (FSDP, prefetch, checkpoint readers); nothing is left on the model for
+another package to read. It also gives every expert module that routes through ``self.dispatch`` (the protocol: an expert module calls
 ``self.dispatch(x_TD, ids_TK, weights_TK, w_gate_up, w_down)``) the dispatcher of its EP group and options.
 
 Pattern syntax: a pattern is a dotted FQN in which a segment that is exactly ``*`` matches any one segment
@@ -31,21 +32,17 @@ __all__ = [
     "EPInfo",
     "EPParamMeta",
     "ParallelPlan",
-    "add_host_sync_hook",
     "apply_ep",
     "ep_group",
     "find_expert_modules",
     "fqn_matches",
-    "get_ep_info",
     "is_expert_module",
 ]
 
-# Attribute names on the modules; plain attributes live in the module's __dict__, which FSDP2 keeps when it
-# swaps the module's class, and they are keyed by FQN, never attached to the Parameter objects FSDP2 replaces.
-_INFO_ATTR = "_moeshard_ep_info"
+# This package's own marks on the expert modules (read only by the functions below): plain attributes live in
+# the module's __dict__, which FSDP2 keeps when it swaps the module's class.
 _GROUP_ATTR = "_moeshard_ep_group"
 _EXPERT_ATTR = "_moeshard_ep_expert_fqn"
-_HOOKS_ATTR = "_moeshard_ep_host_sync_hooks"
 
 
 def _check_pattern(pattern: str, what: str) -> None:
@@ -131,6 +128,9 @@ class EPInfo:
         expert_modules: FQNs of the expert modules (parents of the matched parameters), in module order.
         params: expert-parameter FQN → :class:`EPParamMeta`.
         options: the :class:`EPOptions` of the dispatchers ``apply_ep`` installed.
+        host_sync_hooks: the one :class:`HostSyncHooks` all those dispatchers share (see
+            :meth:`add_host_sync_hook`).
+        modules: the expert module objects, in the order of ``expert_modules`` (see :meth:`module_names`).
     """
 
     ep_size: int
@@ -138,6 +138,42 @@ class EPInfo:
     expert_modules: tuple[str, ...]
     params: dict[str, EPParamMeta]
     options: EPOptions = EPOptions()
+    host_sync_hooks: HostSyncHooks = field(default_factory=HostSyncHooks, compare=False, repr=False)
+    modules: tuple[nn.Module, ...] = field(default=(), compare=False, repr=False)
+
+    def add_host_sync_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Run ``hook()`` right before each EP layer's device→host sync (forward) in the dispatchers of this EP.
+
+        With EP size > 1 each MoE layer's forward makes one sync (the exchange sizes) and runs the hooks right
+        before it, once per layer; EP size 1 has no such sync and never runs them. At that point the host is about
+        to wait for the device, so host work done there (e.g. issuing the next layer's FSDP all-gather, see
+        ``moeshard.prefetch``) costs no device time. Hooks must not launch work the sync depends on or synchronise
+        themselves.
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+        """
+        return self.host_sync_hooks.add(hook)
+
+    def __reduce__(self):
+        # Pickled (sent to another process, saved): the metadata only, not the live hooks and modules.
+        return EPInfo, (self.ep_size, self.ep_rank, self.expert_modules, self.params, self.options)
+
+    def module_names(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``(current FQN, module)`` of each expert module in ``model``, in module order, found by identity: a
+        wrapper added after ``apply_ep`` (activation checkpointing, compile) that changed FQNs does not hide them.
+
+        Raises:
+            ValueError: an expert module is not in ``model`` (this EPInfo is of another model).
+        """
+        ids = {id(m) for m in self.modules}
+        found = [(name, m) for name, m in model.named_modules() if id(m) in ids]
+        if len(found) != len(self.modules):
+            raise ValueError(
+                f"{len(self.modules) - len(found)} of the {len(self.modules)} expert modules of this EPInfo are not "
+                f"in this {type(model).__name__}: pass the EPInfo that apply_ep returned for this model"
+            )
+        return found
 
 
 def _mesh_size_rank(ep_mesh: DeviceMesh | None) -> tuple[int, int, dist.ProcessGroup | None]:
@@ -180,14 +216,15 @@ def apply_ep(
         options: the dispatchers' :class:`EPOptions`; None for ``EPOptions()``.
 
     Returns:
-        The :class:`EPInfo`, also readable later with :func:`get_ep_info`.
+        The :class:`EPInfo`: pass it on (``shard_model(..., ep_info=)``, the prefetch schedule's host-sync hook,
+        the checkpoint readers); nothing is recorded on ``model`` but a mark on each expert module.
 
     Raises:
         ValueError: EP already applied; a pattern matches no parameter; a matched parameter's dim 0 is not
             divisible by the EP size; a matched parameter is already a DTensor; ``options`` is not an
             EPOptions; the matched parameters of one module disagree on the number of experts.
     """
-    if get_ep_info(model) is not None:
+    if any(is_expert_module(m) for m in model.modules()):
         raise ValueError("apply_ep was already applied to this model; apply it once, before FSDP")
     options = EPOptions() if options is None else options
     if not isinstance(options, EPOptions):
@@ -248,36 +285,15 @@ def apply_ep(
         if hasattr(module, "dispatch"):
             module.dispatch = make_dispatch(num_experts[name], group, options, hooks)
 
-    info = EPInfo(ep_size=ep_size, ep_rank=ep_rank, expert_modules=expert_modules, params=metas, options=options)
-    setattr(model, _INFO_ATTR, info)
-    setattr(model, _HOOKS_ATTR, hooks)
-    return info
-
-
-def add_host_sync_hook(model: nn.Module, hook: Callable[[], None]) -> RemovableHandle:
-    """Run ``hook()`` right before each EP layer's device→host sync (forward) in the dispatchers of ``model``.
-
-    The dispatchers ``apply_ep(model, ...)`` installed share one :class:`HostSyncHooks`; with EP size > 1 each
-    MoE layer's forward makes one sync (the exchange sizes) and runs the hooks right before it, once per layer;
-    EP size 1 has no such sync and never runs them. At that point the host is about to wait for the device, so
-    host work done there (e.g. issuing the next layer's FSDP all-gather, see ``moeshard.prefetch``) costs no
-    device time. Hooks must not launch work the sync depends on or synchronise themselves.
-
-    Returns:
-        A handle whose ``remove()`` unregisters the hook.
-
-    Raises:
-        ValueError: ``apply_ep`` was not applied to ``model``.
-    """
-    hooks = model.__dict__.get(_HOOKS_ATTR)
-    if hooks is None:
-        raise ValueError(f"add_host_sync_hook: apply_ep was not applied to this {type(model).__name__}; apply it first")
-    return hooks.add(hook)
-
-
-def get_ep_info(model: nn.Module) -> EPInfo | None:
-    """The :class:`EPInfo` recorded on ``model`` by :func:`apply_ep`, or None when EP was not applied."""
-    return model.__dict__.get(_INFO_ATTR)
+    return EPInfo(
+        ep_size=ep_size,
+        ep_rank=ep_rank,
+        expert_modules=expert_modules,
+        params=metas,
+        options=options,
+        host_sync_hooks=hooks,
+        modules=tuple(model.get_submodule(name) for name in expert_modules),
+    )
 
 
 def is_expert_module(module: nn.Module) -> bool:

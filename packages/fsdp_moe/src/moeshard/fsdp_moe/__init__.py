@@ -11,8 +11,8 @@ checkpoints work across the two meshes. Where ``ep_fsdp`` has one rank the exper
     from moeshard.meshes import build_meshes
 
     meshes = build_meshes(ep_size=8)
-    apply_ep(model, model.get_parallel_plan(), meshes.ep)
-    units = shard_model(model, meshes)                       # units.stages -> moeshard.prefetch
+    ep_info = apply_ep(model, model.get_parallel_plan(), meshes.ep)
+    units = shard_model(model, meshes, ep_info=ep_info)      # units.stages -> moeshard.prefetch
     model.to_empty(device="cuda"); load_weights(model)       # float32 weights, then the optimizer
     optim = build_optimizer(model, lr=3e-4, weight_decay=0.1)
     n = num_items_for_global_mean((labels[:, 1:] != -100).sum())

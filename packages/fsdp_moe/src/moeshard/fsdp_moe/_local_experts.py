@@ -27,6 +27,7 @@ Two modes per parameter:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,19 +44,22 @@ _STATE_ATTR = "_moeshard_local_experts"
 
 class _ToCompute(torch.autograd.Function):
     """DTensor parameter → its local tensor (cast to ``dtype`` unless None); gradient → ``grad * scale`` as a
-    contiguous DTensor of the parameter's dtype."""
+    contiguous DTensor of the parameter's dtype (computed by ``scale_fn``: :func:`scaled` or its compiled form)."""
 
     @staticmethod
-    def forward(ctx: Any, param: DTensor, dtype: torch.dtype | None, scale: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, param: DTensor, dtype: torch.dtype | None, scale: float, scale_fn: Callable | None = None
+    ) -> torch.Tensor:
         ctx.spec = (param.device_mesh, param.placements, param.shape, param.stride(), param.dtype)
         ctx.scale = scale
+        ctx.scale_fn = scale_fn or scaled
         local = param.to_local()  # the local tensor itself (no autograd inside forward)
         if dtype is None or dtype == local.dtype:
             return local.view_as(local)  # a fresh tensor object: autograd writes its metadata into it
         return local.to(dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None, None, None]:
         mesh, placements, shape, stride, dtype = ctx.spec
         if ctx.scale != 1.0 or grad.dtype != dtype or not grad.is_contiguous():
             # One pass into a contiguous tensor of the parameter's dtype (its layout, as the optimizer expects).
@@ -63,15 +67,13 @@ class _ToCompute(torch.autograd.Function):
             # computes in the master dtype (float32) in the kernel that reads the compute-dtype gradient, as
             # FSDP2's cast into its float32 buffer followed by its division by W (which CUDA computes as a
             # multiplication by 1/W as well; on CPU the two agree exactly when W is a power of two).
-            grad = scaled(grad, ctx.scale, dtype)
-        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride), None, None
+            grad = ctx.scale_fn(grad, ctx.scale, dtype)
+        dt = DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return dt, None, None, None
 
 
 def scaled(grad: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """``grad * scale`` as a new contiguous tensor of ``dtype`` (products computed in ``dtype``)."""
-    fused = _fused_scale(grad, scale, dtype) if grad.is_cuda and scale != 1.0 else None
-    if fused is not None:
-        return fused
+    """``grad * scale`` as a new contiguous tensor of ``dtype`` (products computed in ``dtype``), eagerly."""
     out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
     if scale != 1.0:
         torch.mul(grad, torch.full((1,), scale, dtype=dtype, device=grad.device), out=out)
@@ -84,25 +86,18 @@ def _scale_into(grad: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.T
     return grad.contiguous().to(dtype) * scale
 
 
-# On CUDA the broadcast one-element factor above keeps the eager kernel from vectorising; compiled, the same
-# cast-and-multiply is one vectorised pass. Compiled once on first use (a cache, not a switch: the numbers are the
-# same); if compiling is not possible here, the eager kernel stays.
-_FUSED: list = [None]
+def compiled_scaled() -> Callable[[torch.Tensor, float, torch.dtype], torch.Tensor]:
+    """:func:`scaled` as one compiled, vectorised pass on CUDA (eagerly the broadcast one-element factor keeps the
+    kernel from vectorising); the same numbers. Elsewhere :func:`scaled` itself. Compiled on first call; a compile
+    that fails raises there (``compile`` was asked for: no silent fallback)."""
+    fused = torch.compile(_scale_into, dynamic=False)
 
+    def scale(grad: torch.Tensor, factor: float, dtype: torch.dtype) -> torch.Tensor:
+        if grad.is_cuda and factor != 1.0:
+            return fused(grad, factor, dtype)
+        return scaled(grad, factor, dtype)
 
-def _fused_scale(grad: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor | None:
-    if _FUSED[0] is None:
-        try:
-            _FUSED[0] = torch.compile(_scale_into, dynamic=False)
-        except Exception:  # noqa: BLE001 - no compiler: keep the eager path
-            _FUSED[0] = False
-    if _FUSED[0] is False:
-        return None
-    try:
-        return _FUSED[0](grad, scale, dtype)
-    except Exception:  # noqa: BLE001 - a backend that cannot compile this: eager from now on
-        _FUSED[0] = False
-        return None
+    return scale
 
 
 def _cast_floating(dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
@@ -117,13 +112,22 @@ class LocalExperts:
         params: the module's parameters by name (the objects the hooks swap in and out).
         mp_policy: the mixed-precision policy the forward follows (FSDP2's).
         scale: the gradient divide factor as a multiplier, ``1 / W``.
+        scale_fn: computes ``grad * scale`` into the master dtype in the backward (:func:`scaled`, or
+            :func:`compiled_scaled`'s function with ``shard_model(compile=True)``).
         in_compute_dtype: names of the parameters in *compute* mode (their master lives in an optimizer).
     """
 
-    def __init__(self, params: dict[str, nn.Parameter], mp_policy: MixedPrecisionPolicy, scale: float):
+    def __init__(
+        self,
+        params: dict[str, nn.Parameter],
+        mp_policy: MixedPrecisionPolicy,
+        scale: float,
+        scale_fn: Callable[[torch.Tensor, float, torch.dtype], torch.Tensor] = scaled,
+    ):
         self.params = params
         self.mp_policy = mp_policy
         self.scale = scale
+        self.scale_fn = scale_fn
         self.in_compute_dtype: set[str] = set()
         self._saved: list[tuple[str, nn.Parameter]] = []
 
@@ -141,7 +145,7 @@ class LocalExperts:
             if name in self.in_compute_dtype:
                 module._parameters[name] = _ToCompute.apply(param, None, 1.0)
             else:
-                module._parameters[name] = _ToCompute.apply(param, self.compute_dtype, self.scale)
+                module._parameters[name] = _ToCompute.apply(param, self.compute_dtype, self.scale, self.scale_fn)
         if self.mp_policy.cast_forward_inputs and self.compute_dtype is not None:
             args, kwargs = tree_map_only(torch.Tensor, lambda t: _cast_floating(self.compute_dtype, t), (args, kwargs))
         return args, kwargs
@@ -168,9 +172,17 @@ def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
 
 
 def keep_experts_local(
-    module: nn.Module, mesh: DeviceMesh, shard_dim: int, mp_policy: MixedPrecisionPolicy, divide_factor: float
+    module: nn.Module,
+    mesh: DeviceMesh,
+    shard_dim: int,
+    mp_policy: MixedPrecisionPolicy,
+    divide_factor: float,
+    *,
+    compile: bool = False,
 ) -> tuple[nn.Parameter, ...]:
     """Turn ``module``'s parameters into DTensors ``Shard(shard_dim)`` on the one-rank ``mesh`` and hook its forward.
+
+    ``compile``: the backward's cast-and-scale compiled (:func:`compiled_scaled`), else eager (:func:`scaled`).
 
     The parameters are wrapped without a copy (made contiguous, and moved to the mesh's device unless on meta, as
     ``fully_shard`` would); the Parameter objects are new, so build the optimizer afterwards.
@@ -197,7 +209,7 @@ def keep_experts_local(
         new = nn.Parameter(dt, requires_grad=param.requires_grad)
         module.register_parameter(name, new)
         params[name] = new
-    state = LocalExperts(params, mp_policy, 1 / divide_factor)
+    state = LocalExperts(params, mp_policy, 1 / divide_factor, compiled_scaled() if compile else scaled)
     module.register_forward_pre_hook(state.pre_forward, with_kwargs=True)
     module.register_forward_hook(state.post_forward, with_kwargs=True, always_call=True)
     setattr(module, _STATE_ATTR, state)

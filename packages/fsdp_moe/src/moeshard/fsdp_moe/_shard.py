@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from moeshard.ep import EPParamMeta, ParallelPlan, apply_ep, find_expert_modules, fqn_matches, get_ep_info
+from moeshard.ep import EPInfo, EPParamMeta, ParallelPlan, fqn_matches
 from moeshard.fsdp_moe._local_experts import keep_experts_local
 from moeshard.meshes import ParallelMeshes
 
@@ -148,17 +148,17 @@ def _validate(model: nn.Module, meshes: ParallelMeshes) -> None:
         raise ValueError("the model already has FSDP applied; call shard_model once, on a model without FSDP")
 
 
-def _ep_info(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPlan):
-    info = get_ep_info(model)
-    if info is None:
-        if meshes.ep_size > 1:
+def _ep_info(ep_info: EPInfo | None, meshes: ParallelMeshes, plan: ParallelPlan) -> EPInfo:
+    if ep_info is None:
+        if plan.ep_plan:
             raise ValueError(
-                f"the model has no expert parallelism applied but meshes.ep_size is {meshes.ep_size}; call "
-                "moeshard.ep.apply_ep(model, model.get_parallel_plan(), meshes.ep) before shard_model, "
-                "or build the meshes with ep_size=1"
+                "shard_model: the plan's EP part was not applied: call ep_info = moeshard.ep.apply_ep(model, plan, "
+                "meshes.ep if meshes.ep_size > 1 else None) first and pass shard_model(..., ep_info=ep_info)"
             )
-        # EP size 1: recording the metadata slices nothing; it is how the expert parameters are found.
-        info = apply_ep(model, plan, None)
+        return EPInfo(ep_size=meshes.ep_size, ep_rank=meshes.ep_rank, expert_modules=(), params={})
+    if not isinstance(ep_info, EPInfo):
+        raise ValueError(f"ep_info must be the moeshard.ep.EPInfo apply_ep returned, got {type(ep_info).__name__}")
+    info = ep_info
     if info.ep_size != meshes.ep_size or info.ep_rank != meshes.ep_rank:
         raise ValueError(
             f"EP was applied with EP size {info.ep_size} (EP rank {info.ep_rank}) but the meshes have EP size "
@@ -168,11 +168,11 @@ def _ep_info(model: nn.Module, meshes: ParallelMeshes, plan: ParallelPlan):
     return info
 
 
-def _check_experts(model: nn.Module, info, meshes: ParallelMeshes) -> list[str]:
+def _check_experts(model: nn.Module, info: EPInfo, meshes: ParallelMeshes) -> list[str]:
     """The expert modules' current FQNs, after checking every parameter they hold."""
     n = meshes.ep_fsdp_size
-    # Found by the mark apply_ep leaves on them, so wrappers added after apply_ep do not hide them.
-    names = [name for name, _ in find_expert_modules(model)]
+    # Found by identity, so wrappers added after apply_ep do not hide them.
+    names = [name for name, _ in info.module_names(model)]
     for name in names:
         for pname, param in model.get_submodule(name).named_parameters():
             fqn = clean_fqn(f"{name}.{pname}")
@@ -238,6 +238,7 @@ def shard_model(
     model: nn.Module,
     meshes: ParallelMeshes,
     *,
+    ep_info: EPInfo | None = None,
     plan: ParallelPlan | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool | int = True,
@@ -245,6 +246,7 @@ def shard_model(
     fsdp_experts_on_one_rank: bool = False,
     expert_reduce_dtype: torch.dtype | None = None,
     expert_reshard_after_forward: bool | None = None,
+    compile: bool = False,
 ) -> FSDPUnits:
     """Apply FSDP2 bottom-up: experts on dim 1 over ``meshes.ep_fsdp``, units and root on dim 0 over ``meshes.fsdp``.
 
@@ -261,9 +263,11 @@ def shard_model(
     optimizer, the parameters in the compute dtype).
 
     Args:
-        model: the model with EP applied (``moeshard.ep.apply_ep(model, plan, meshes.ep)``); for EP size 1
-            an unapplied model is accepted (the EP metadata is recorded here).
+        model: the model with EP applied (``moeshard.ep.apply_ep(model, plan, meshes.ep)``, for EP size 1 too:
+            it is how the expert parameters are known).
         meshes: from ``moeshard.meshes.build_meshes`` in this job.
+        ep_info: what ``apply_ep`` returned for this model and these meshes; None only for a plan without an
+            ``ep_plan`` (no experts). shard_model never applies EP itself.
         plan: the parallel plan; defaults to ``model.get_parallel_plan()``.
         mp_policy: FSDP2 mixed precision; defaults to :func:`default_mp_policy` of the meshes' device type.
         reshard_after_forward: passed to every unit, except the last unit in forward order (the head: backward
@@ -283,12 +287,15 @@ def shard_model(
             expert unit's gathered parameters from its forward to its backward: one all-gather per micro-batch
             instead of two, for the gathered experts' memory through the whole forward. Ignored on an ep_fsdp
             mesh of one rank (never resharded: nothing to gather).
+        compile: ``torch.compile`` the cast-and-scale of the gradients of experts kept out of FSDP (one vectorised
+            pass on CUDA instead of the eager broadcast multiply; the same numbers). Compiled on first use; a
+            failed compile raises.
 
     Returns:
         The units in forward order (:class:`FSDPUnits`).
 
     Raises:
-        ValueError: no EP applied while ``meshes.ep_size > 1``; EP applied with other meshes; meshes from
+        ValueError: an EP plan and no ``ep_info`` (EP not applied); EP applied with other meshes; meshes from
             another world; an expert dim 1 not divisible by the ep_fsdp size; a non-expert parameter inside an
             expert module; a plan unit matching nothing or an expert module; FSDP already applied; an
             ``expert_reduce_dtype`` or ``expert_reshard_after_forward`` of another kind.
@@ -306,7 +313,7 @@ def shard_model(
         if not hasattr(model, "get_parallel_plan"):
             raise ValueError(f"{type(model).__name__} has no get_parallel_plan(); pass plan=ParallelPlan(...)")
         plan = model.get_parallel_plan()
-    info = _ep_info(model, meshes, plan)
+    info = _ep_info(ep_info, meshes, plan)
     expert_names = _check_experts(model, info, meshes)
     units = _match_units(model, plan, set(expert_names))
 
@@ -332,7 +339,12 @@ def shard_model(
         for name in expert_names:
             ignored.update(
                 keep_experts_local(
-                    model.get_submodule(name), meshes.ep_fsdp, EXPERT_DIM, mp_policy, float(meshes.world_size)
+                    model.get_submodule(name),
+                    meshes.ep_fsdp,
+                    EXPERT_DIM,
+                    mp_policy,
+                    float(meshes.world_size),
+                    compile=compile,
                 )
             )
     ignore = {"ignored_params": ignored} if ignored else {}  # an empty set would still change FSDP2's module walk

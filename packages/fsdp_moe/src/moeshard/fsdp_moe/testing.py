@@ -3,9 +3,10 @@
 # T tokens, K top-k, D hidden, E experts, F expert width, V vocab
 
 ``ToyMoELM``: embedding → layers (token mixer, router, fused experts) → norm → head, with
-``get_parallel_plan()`` naming ``embed``, ``layers.*`` and ``head`` as FSDP units. Its expert module calls
-:func:`moeshard.ep.routed_experts` from its own ``forward`` (FSDP2 gathers a unit's parameters when the unit is
-called), so it runs unchanged on one process or with EP + FSDP.
+``get_parallel_plan()`` naming ``embed``, ``layers.*`` and ``head`` as FSDP units. Its expert module routes through
+``self.dispatch`` (``moeshard.ep``'s protocol: a ``LocalDispatch`` until ``apply_ep`` installs its EP group's
+dispatcher) from its own ``forward`` (FSDP2 gathers a unit's parameters when the unit is called), so it runs
+unchanged on one process or with EP + FSDP.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from moeshard.ep import ParallelPlan, ep_group, routed_experts
+from moeshard.ep import LocalDispatch, ParallelPlan
 from moeshard.fsdp_moe._local_adamw import local_expert_params
 from moeshard.fsdp_moe._local_experts import dtensor_like, scaled
 from moeshard.fsdp_moe._shard import clean_fqn, get_sharding_info
@@ -85,17 +86,10 @@ class ToyExperts(nn.Module):
         self.num_experts = num_experts  # global count; the parameters hold E / ep_size after apply_ep
         self.gate_up_proj = nn.Parameter(torch.randn(num_experts, 2 * width, hidden) / hidden**0.5)
         self.down_proj = nn.Parameter(torch.randn(num_experts, hidden, width) / width**0.5)
+        self.dispatch = LocalDispatch(num_experts)  # apply_ep installs its EP group's dispatcher (the protocol)
 
     def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        return routed_experts(
-            x_TD,
-            ids_TK,
-            weights_TK,
-            self.gate_up_proj,
-            self.down_proj,
-            num_experts=self.num_experts,
-            ep_group=ep_group(self),
-        )
+        return self.dispatch(x_TD, ids_TK, weights_TK, self.gate_up_proj, self.down_proj)
 
 
 class _Layer(nn.Module):

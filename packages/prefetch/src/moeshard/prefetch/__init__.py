@@ -4,7 +4,7 @@ Example (after ``moeshard.fsdp_moe.shard_model``)::
 
     from moeshard.prefetch import apply_schedule, build_schedule, record_unshard_order, stage_units
 
-    units = shard_model(model, meshes)
+    units = shard_model(model, meshes, ep_info=apply_ep(model, model.get_parallel_plan(), meshes.ep))
     schedule = build_schedule(units.stages, depth=1)   # layer i prefetches layer i+1 (fwd) / i-1 (bwd)
     apply_schedule(schedule)
     print(schedule.describe())

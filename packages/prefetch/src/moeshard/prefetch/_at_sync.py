@@ -73,17 +73,18 @@ def prefetch_forward_at_host_sync(
     Apply the schedule first (:func:`apply_schedule`); backward prefetching is left as it is. Which units are
     prefetched, and how far ahead, does not change; only the moment the host issues them does.
 
-    Example (the EP split-size syncs of ``model``'s dispatchers)::
+    Example (the EP split-size syncs of the dispatchers ``apply_ep`` installed)::
 
-        from moeshard.ep import add_host_sync_hook
+        ep_info = apply_ep(model, plan, meshes.ep)
+        ...
         apply_schedule(schedule)
-        prefetch_forward_at_host_sync(schedule, functools.partial(add_host_sync_hook, model))
+        prefetch_forward_at_host_sync(schedule, ep_info.add_host_sync_hook)
 
     Args:
         schedule: the applied schedule.
         register_host_sync_hook: registers a no-argument callable to run right before each host sync and returns a
-            handle with ``remove()`` (``functools.partial(moeshard.ep.add_host_sync_hook, model)`` for the EP
-            split-size syncs of ``model``).
+            handle with ``remove()`` (``EPInfo.add_host_sync_hook`` of ``moeshard.ep.apply_ep``'s result for the EP
+            split-size syncs).
 
     Returns:
         The installed hooks; ``remove()`` restores pre-forward prefetching.

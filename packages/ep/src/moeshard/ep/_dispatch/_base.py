@@ -13,9 +13,8 @@ the outputs back in the same order.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -36,38 +35,40 @@ class _SplitLog:
 
 
 class _SplitMode:
-    """While active (per thread), EP layers record (``"record"``) or replay (``"replay"``) their exchange sizes."""
+    """While entered, the given dispatchers record (``"record"``) or replay (``"replay"``) their exchange sizes.
 
-    _active = threading.local()
+    The mode is set on the dispatcher objects themselves (the ones of the checkpointed region), not on the thread:
+    whoever checkpoints a region names its EP layers."""
 
-    def __init__(self, mode: str, log: _SplitLog) -> None:
-        self.mode, self.log = mode, log
+    def __init__(self, mode: str, log: _SplitLog, dispatchers: tuple[ExpertDispatch, ...]) -> None:
+        self.mode, self.log, self.dispatchers = mode, log, dispatchers
+        self._outer: list[_SplitMode | None] = []
 
     def __enter__(self) -> _SplitMode:
-        self._outer = getattr(_SplitMode._active, "mode", None)
-        _SplitMode._active.mode = self
+        self._outer = [d.split_mode for d in self.dispatchers]
+        for d in self.dispatchers:
+            d.split_mode = self
         return self
 
     def __exit__(self, *exc) -> None:
-        _SplitMode._active.mode = self._outer
-
-    @staticmethod
-    def current() -> _SplitMode | None:
-        return getattr(_SplitMode._active, "mode", None)
+        for d, outer in zip(self.dispatchers, self._outer):
+            d.split_mode = outer
 
 
-def recompute_contexts() -> tuple[_SplitMode, _SplitMode]:
-    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` around code with EP layers:
-    the forward records each layer's exchange sizes (its one device→host sync) and the recompute in backward
-    replays them instead of synchronising again, so activation checkpointing adds no host sync.
+def recompute_contexts(dispatchers: Iterable[ExpertDispatch]) -> tuple[_SplitMode, _SplitMode]:
+    """The ``context_fn`` pair for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` around a region
+    whose EP layers use ``dispatchers``: the forward records each layer's exchange sizes (its one device→host sync)
+    and the recompute in backward replays them instead of synchronising again, so activation checkpointing adds no
+    host sync.
 
     The recompute routes the same tokens the same way (checkpointing replays the forward on the same inputs), so the
     sizes are the same. A new pair per ``checkpoint`` call::
 
-        checkpoint(layer, x, use_reentrant=False, context_fn=recompute_contexts)
+        dispatchers = [m.dispatch for m in layer.modules() if isinstance(getattr(m, "dispatch", None), ExpertDispatch)]
+        checkpoint(layer, x, use_reentrant=False, context_fn=functools.partial(recompute_contexts, dispatchers))
     """
-    log = _SplitLog()
-    return _SplitMode("record", log), _SplitMode("replay", log)
+    log, dispatchers = _SplitLog(), tuple(dispatchers)
+    return _SplitMode("record", log, dispatchers), _SplitMode("replay", log, dispatchers)
 
 
 class HostSyncHooks:
@@ -76,8 +77,8 @@ class HostSyncHooks:
     At that point the host is about to wait for the device to catch up, so host-side work done there (e.g.
     issuing the next layer's FSDP all-gather, see ``moeshard.prefetch``) costs no device time, whereas the same
     work done after the sync delays the next kernel launches. Hooks must not launch work the sync depends on
-    or synchronise themselves. ``apply_ep`` gives one instance to all the dispatchers it installs;
-    ``moeshard.ep.add_host_sync_hook(model, hook)`` adds to it.
+    or synchronise themselves. ``apply_ep`` gives one instance to all the dispatchers it installs and returns it
+    as ``EPInfo.host_sync_hooks``; ``EPInfo.add_host_sync_hook(hook)`` adds to it.
     """
 
     def __init__(self) -> None:
@@ -141,6 +142,7 @@ class ExpertDispatch:
         self.ep_rank = 0 if group is None else dist.get_rank(group)
         self.kernels = kernels_for(options.kernels)
         self.host_sync_hooks = host_sync_hooks
+        self.split_mode: _SplitMode | None = None  # set while a checkpointed region records or replays (above)
         if self.distributed != (self.ep_size > 1):
             raise ValueError(
                 f"{type(self).__name__} runs "
@@ -198,7 +200,7 @@ class ExpertDispatch:
 
         In the recompute of a region checkpointed with :func:`recompute_contexts`, the list its forward read: no
         sync and no hooks."""
-        mode = _SplitMode.current()
+        mode = self.split_mode
         if mode is not None and mode.mode == "replay":
             if not mode.log.sizes:
                 raise RuntimeError(

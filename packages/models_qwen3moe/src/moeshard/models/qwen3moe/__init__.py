@@ -1,9 +1,8 @@
 """moeshard.models.qwen3moe: Qwen3-MoE (30B-A3B) in plain PyTorch, numerically equal to transformers.
 
-Fused experts (``mlp.experts.gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]``) computed by each layer's expert
-dispatcher (``moeshard.ep``), transformers' FQNs, HF safetensors load/save (both expert layouts, lazily and per
-rank), the model's parallel plan, and :func:`parallelize` (EP, activation checkpointing, compile, FSDP2,
-prefetch; needs the ``parallel`` extra).
+Qwen3-MoE's attention, MoE block, presets and checkpoint format; the rest (the causal LM, fused experts through
+``moeshard.ep``'s dispatchers, HF safetensors load/save, :func:`parallelize`, balancing) is
+``moeshard.models.common``'s, re-exported here under the names this package always had.
 
     from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
 
@@ -12,8 +11,33 @@ prefetch; needs the ``parallel`` extra).
     model.save_pretrained("/ckpt/finetuned")                         # transformers loads it too
 """
 
-from moeshard.models.qwen3moe._evaluation import EvalResult, evaluate
-from moeshard.models.qwen3moe._parallelize import Parallelized, ParallelOptions, parallelize
+from moeshard.models.common import (
+    IGNORE_INDEX,
+    Balancing,
+    BalancingOptions,
+    CausalLMOutput,
+    CheckpointError,
+    DecoderLayer,
+    EvalResult,
+    Experts,
+    GlobalExpertCounts,
+    Parallelized,
+    ParallelOptions,
+    SafetensorsDir,
+    StepBalance,
+    TopKRouter,
+    apply_activation_checkpointing,
+    causal_lm_loss,
+    evaluate,
+    expert_counts,
+    global_balancing_loss,
+    load_balancing_loss,
+    parallelize,
+    router_z_loss,
+    routers,
+    update_router_bias,
+)
+from moeshard.models.common import ModelFamily as _ModelFamily
 from moeshard.models.qwen3moe.checkpoint import (
     STRUCTURAL_CONFIG_KEYS,
     LoadReport,
@@ -22,41 +46,32 @@ from moeshard.models.qwen3moe.checkpoint import (
     local_region,
 )
 from moeshard.models.qwen3moe.checkpoint_save import save_hf_checkpoint, save_hf_weights
-from moeshard.models.qwen3moe.model import (
-    IGNORE_INDEX,
-    CausalLMOutput,
-    DecoderLayer,
-    Qwen3MoeForCausalLM,
-    Qwen3MoeModel,
-    causal_lm_loss,
-)
-from moeshard.models.qwen3moe.moe import (
-    Experts,
-    GlobalExpertCounts,
-    SparseMoeBlock,
-    TopKRouter,
-    expert_counts,
-    global_balancing_loss,
-    load_balancing_loss,
-    router_z_loss,
-    routers,
-    update_router_bias,
-)
+from moeshard.models.qwen3moe.model import Qwen3MoeForCausalLM, Qwen3MoeModel
+from moeshard.models.qwen3moe.moe import SparseMoeBlock
 from moeshard.models.qwen3moe.presets import (
     MODEL_TYPE,
     PRESETS,
+    activations_per_token,
     check_config,
     count_parameters,
+    flops_per_token,
     get_preset_config,
     is_moe_layer,
 )
-from moeshard.models.qwen3moe.safetensors_dir import CheckpointError, SafetensorsDir
+
+FAMILY = _ModelFamily(
+    Qwen3MoeForCausalLM, PRESETS, get_preset_config, count_parameters, flops_per_token, activations_per_token
+)
+"""Qwen3-MoE as a :class:`moeshard.models.common.ModelFamily` (what a trainer needs, by family name)."""
 
 __all__ = [
+    "FAMILY",
     "IGNORE_INDEX",
     "MODEL_TYPE",
     "PRESETS",
     "STRUCTURAL_CONFIG_KEYS",
+    "Balancing",
+    "BalancingOptions",
     "CausalLMOutput",
     "CheckpointError",
     "DecoderLayer",
@@ -70,12 +85,16 @@ __all__ = [
     "Qwen3MoeModel",
     "SafetensorsDir",
     "SparseMoeBlock",
+    "StepBalance",
     "TopKRouter",
+    "apply_activation_checkpointing",
     "causal_lm_loss",
+    "activations_per_token",
     "check_config",
     "count_parameters",
     "evaluate",
     "expert_counts",
+    "flops_per_token",
     "get_preset_config",
     "global_balancing_loss",
     "is_moe_layer",

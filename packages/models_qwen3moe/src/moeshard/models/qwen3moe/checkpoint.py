@@ -1,45 +1,29 @@
-"""Loading HF Qwen3-MoE checkpoints into a model in place, whatever its parameters have become.
+"""Qwen3-MoE's HF checkpoints: its :class:`HFFormat` for the shared loader and writer (``moeshard.models.common``).
 
-A parameter may be a plain tensor, an EP-sliced expert tensor (``moeshard.ep.apply_ep``: its experts are
-``[expert_start, expert_end)`` of the global ones, from ``get_ep_info(model)``), or a DTensor from FSDP2 (its
-local shard is a box of the DTensor's global shape, from ``compute_local_shape_and_global_offset``). For an
-expert parameter after EP + FSDP, the DTensor's global shape is the EP-local one, so the box is shifted by
-``expert_start`` on dim 0. Each rank reads exactly its box, from either expert layout:
-
-- fused (transformers 5.x in memory): ``...mlp.experts.gate_up_proj [E, 2F, D]``, ``...mlp.experts.down_proj
-  [E, D, F]``;
-- per expert (the Hub): ``...mlp.experts.{e}.gate_proj.weight [F, D]``, ``up_proj.weight [F, D]``,
-  ``down_proj.weight [D, F]``; the box of ``gate_up_proj`` is split between the gate and up tensors.
-
-The whole plan (keys, shapes, dtypes) is checked against the checkpoint before the first byte is written.
+The loading itself (both expert layouts, EP slices, FSDP shards, the whole plan checked before the first byte) is
+``moeshard.models.common.load_hf_weights``, re-exported here.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
-from collections import Counter
-from dataclasses import dataclass
-from pathlib import Path
 
-import torch
-from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import Qwen3MoeConfig
 
-from moeshard.ep import get_ep_info
+from moeshard.models.common import CheckpointError, HFFormat, LoadReport, load_hf_weights, local_region
+from moeshard.models.common import load_hf_config as _load_hf_config
 from moeshard.models.qwen3moe.presets import MODEL_TYPE, check_config, head_dim
-from moeshard.models.qwen3moe.safetensors_dir import CheckpointError, SafetensorsDir
 
-__all__ = ["CheckpointError", "LoadReport", "load_hf_config", "load_hf_weights", "local_region"]
+__all__ = [
+    "QWEN3_FORMAT",
+    "STRUCTURAL_CONFIG_KEYS",
+    "CheckpointError",
+    "LoadReport",
+    "load_hf_config",
+    "load_hf_weights",
+    "local_region",
+]
 
-logger = logging.getLogger(__name__)
-
-_EXPERT_SUFFIXES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
-# Segments that wrappers (activation checkpointing, torch.compile, FSDP1) insert into FQNs.
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 STRUCTURAL_CONFIG_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -57,34 +41,24 @@ STRUCTURAL_CONFIG_KEYS = (
 to give a clearer error than a shape mismatch when loading or resuming)."""
 
 
-@dataclass(frozen=True)
-class LoadReport:
-    """What :func:`load_hf_weights` did.
-
-    Attributes:
-        keys_read: checkpoint keys of which at least one element was read.
-        bytes_read: bytes read from the files (in the stored dtype).
-        casts: ``"bfloat16->float32"``-style dtype conversions → number of checkpoint tensors cast.
-    """
-
-    keys_read: frozenset[str]
-    bytes_read: int
-    casts: dict[str, int]
+def _field(config: Qwen3MoeConfig, name: str) -> object:
+    if name == "head_dim":
+        return head_dim(config)
+    if name == "mlp_only_layers":
+        return sorted(config.mlp_only_layers or [])
+    return getattr(config, name, None)
 
 
-def _read_config_json(path: Path) -> dict:
-    file = path / "config.json"
-    try:
-        raw = json.loads(file.read_text())
-    except ValueError as err:
-        raise CheckpointError(f"{file} is not valid JSON ({err}); restore the checkpoint's config.json") from None
-    model_type = raw.get("model_type")
-    if model_type != MODEL_TYPE:
-        raise CheckpointError(
-            f"{file} has model_type {model_type!r}, this model is {MODEL_TYPE!r}: point to a Qwen3-MoE "
-            "checkpoint (e.g. Qwen/Qwen3-30B-A3B), or use a loader for that architecture"
-        )
-    return raw
+QWEN3_FORMAT = HFFormat(
+    model_type=MODEL_TYPE,
+    architecture="Qwen3MoeForCausalLM",
+    config_class=Qwen3MoeConfig,
+    check_config=check_config,
+    structural_keys=STRUCTURAL_CONFIG_KEYS,
+    num_experts=lambda config: config.num_experts,
+    field=_field,
+)
+"""Qwen3-MoE's checkpoints (``Qwen3MoeForCausalLM.hf_format``)."""
 
 
 def load_hf_config(path: str | os.PathLike) -> Qwen3MoeConfig:
@@ -95,231 +69,4 @@ def load_hf_config(path: str | os.PathLike) -> Qwen3MoeConfig:
         CheckpointError: invalid JSON or ``model_type`` other than ``qwen3_moe``.
         ValueError: a config feature this model does not implement (see ``check_config``).
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"checkpoint directory {path} does not exist or is not a directory; pass the local folder holding "
-            "config.json and *.safetensors (download it first: no network access is attempted)"
-        )
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json; copy the checkpoint's config.json next to its weights")
-    config = Qwen3MoeConfig.from_dict(_read_config_json(path))
-    check_config(config)
-    return config
-
-
-def local_region(param: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor]:
-    """``(offset, local)``: where this rank's data sits in ``param``'s (DTensor-)global shape, and the tensor to
-    write it to (a DTensor's local shard, shared with its storage; a plain tensor itself).
-
-    Raises:
-        ValueError: a DTensor placement other than Shard/Replicate (e.g. Partial or strided sharding).
-    """
-    if not isinstance(param, DTensor):
-        return (0,) * param.dim(), param.detach()
-    for placement in param.placements:
-        if type(placement) not in (Shard, Replicate):
-            raise ValueError(
-                f"cannot load into a DTensor placed {param.placements}: only Shard and Replicate are supported"
-            )
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    local = param.to_local().detach()
-    if local.numel() == 0:
-        offset = (0,) * param.dim()
-    return tuple(offset), local
-
-
-def _clean_fqn(fqn: str) -> str:
-    for seg in _WRAPPER_SEGMENTS:
-        fqn = fqn.replace(seg, "")
-    return fqn
-
-
-@dataclass
-class _Request:
-    key: str
-    slices: tuple[slice, ...]
-    dst: torch.Tensor
-
-
-def _expert_requests(
-    fqn: str, global_shape: tuple[int, ...], offset: tuple[int, ...], local: torch.Tensor
-) -> list[_Request]:
-    """Reads that fill ``local`` (box ``offset`` + ``local.shape`` of a fused expert tensor) from per-expert keys."""
-    prefix, _, name = fqn.rpartition(".")
-    (e0, r0, c0), (ne, nr, nc) = offset, tuple(local.shape)
-    cols = slice(c0, c0 + nc)
-    reqs = []
-    for e in range(e0, e0 + ne):
-        dst = local[e - e0]
-        if name == "down_proj":
-            reqs.append(_Request(f"{prefix}.{e}.down_proj.weight", (slice(r0, r0 + nr), cols), dst))
-            continue
-        f = global_shape[1] // 2
-        for proj, lo in (("gate_proj", 0), ("up_proj", f)):  # gate rows [0, F), up rows [F, 2F)
-            a, b = max(r0, lo), min(r0 + nr, lo + f)
-            if a < b:
-                reqs.append(
-                    _Request(f"{prefix}.{e}.{proj}.weight", (slice(a - lo, b - lo), cols), dst[a - r0 : b - r0])
-                )
-    return reqs
-
-
-def _per_expert_keys(fqn: str, global_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    """Per-expert key → stored shape, for every expert of the fused parameter ``fqn`` of ``global_shape``."""
-    prefix, _, name = fqn.rpartition(".")
-    e, rows, cols = global_shape
-    if name == "down_proj":  # [E, D, F] -> E x [D, F]
-        return {f"{prefix}.{i}.down_proj.weight": (rows, cols) for i in range(e)}
-    # [E, 2F, D] -> E x gate [F, D] + up [F, D]
-    return {f"{prefix}.{i}.{p}.weight": (rows // 2, cols) for i in range(e) for p in ("gate_proj", "up_proj")}
-
-
-def _field(config: Qwen3MoeConfig, name: str) -> object:
-    if name == "head_dim":
-        return head_dim(config)
-    if name == "mlp_only_layers":
-        return sorted(config.mlp_only_layers or [])
-    return getattr(config, name, None)
-
-
-def _check_structure(model: nn.Module, path: Path) -> None:
-    config = getattr(model, "config", None)
-    if config is None or not (path / "config.json").is_file():
-        return
-    raw = _read_config_json(path)
-    ckpt_config = Qwen3MoeConfig.from_dict(raw)
-    for name in STRUCTURAL_CONFIG_KEYS:
-        ours, theirs = _field(config, name), _field(ckpt_config, name)
-        if ours != theirs:
-            raise CheckpointError(
-                f"{path / 'config.json'} has {name}={theirs!r}, the model was built with {name}={ours!r}: build the "
-                "model from this checkpoint's config (load_hf_config) or load a matching checkpoint"
-            )
-
-
-def load_hf_weights(
-    model: nn.Module,
-    path: str | os.PathLike,
-    *,
-    expert_range: tuple[int, int] | None = None,
-    allow_dtype_cast: bool = True,
-) -> LoadReport:
-    """Fill every parameter of ``model`` in place from a local HF checkpoint, reading only this rank's slices.
-
-    Works on plain models, after ``moeshard.ep.apply_ep`` (each expert parameter's global expert range comes
-    from ``get_ep_info(model)``) and after FSDP2 (DTensor parameters: only the local shard is read). Both expert
-    layouts load (fused or per-expert keys, per layer). Float checkpoint tensors of another float dtype are cast to
-    the parameter's dtype (reported in ``LoadReport.casts`` and logged); other dtype differences are errors.
-
-    Args:
-        model: a materialised model (no ``meta`` parameters) with our FQNs (wrappers' segments are ignored).
-        path: the checkpoint directory.
-        expert_range: ``(start, end)`` when the model's expert parameters hold global experts ``[start, end)``
-            without EP metadata (``from_pretrained(expert_range=...)``); ignored for parameters EP recorded.
-        allow_dtype_cast: False makes a float dtype difference an error too.
-
-    Returns:
-        A :class:`LoadReport`.
-
-    Raises:
-        FileNotFoundError: no such directory / shard.
-        CheckpointError: other architecture, config mismatch, missing or unexpected keys, shape or dtype
-            mismatch, truncated or corrupt files; nothing is written to the model in these cases.
-    """
-    path = Path(path)
-    ckpt = SafetensorsDir(path)
-    _check_structure(model, path)
-    ep_info = get_ep_info(model)
-    num_experts = getattr(getattr(model, "config", None), "num_experts", None)
-
-    expected: set[str] = set()
-    requests: list[_Request] = []
-    wanted_shape: dict[str, tuple[int, ...]] = {}
-    for raw_fqn, param in model.named_parameters():
-        fqn = _clean_fqn(raw_fqn)
-        if param.device.type == "meta":
-            raise ValueError(f"parameter {fqn} is on the meta device: materialise the model (to_empty) before loading")
-        offset, local = local_region(param)
-        global_shape = tuple(param.shape)
-        meta = ep_info.params.get(fqn) if ep_info is not None else None
-        is_expert = fqn.endswith(_EXPERT_SUFFIXES)
-        if meta is not None:
-            global_shape, start = tuple(meta.global_shape), meta.expert_start
-            offset = (offset[0] + start, *offset[1:])
-        elif is_expert and expert_range is not None:
-            start, end = expert_range
-            if global_shape[0] != end - start or num_experts is None:
-                raise ValueError(
-                    f"{fqn} holds {global_shape[0]} experts but expert_range={expert_range} spans {end - start}"
-                )
-            global_shape = (num_experts, *global_shape[1:])
-            offset = (offset[0] + start, *offset[1:])
-
-        if not is_expert or fqn in ckpt:
-            expected.add(fqn)
-            wanted_shape[fqn] = global_shape
-            if fqn in ckpt and local.numel():
-                requests.append(_Request(fqn, tuple(slice(o, o + n) for o, n in zip(offset, local.shape)), local))
-            continue
-        # Per-expert layout: the fused tensor's shape fixes each expert tensor's shape.
-        keys = _per_expert_keys(fqn, global_shape)
-        expected.update(keys)
-        wanted_shape.update(keys)
-        if local.numel():
-            requests.extend(_expert_requests(fqn, global_shape, offset, local))
-
-    _check_keys(path, expected, ckpt.keys())
-    for key in expected:
-        info = ckpt.info(key)
-        if info.shape != wanted_shape[key]:
-            raise CheckpointError(
-                f"{key} in {info.file.name} has shape {list(info.shape)}, the model needs {list(wanted_shape[key])}: "
-                "the checkpoint and the model's config disagree (build the model from this checkpoint's config)"
-            )
-    cast_of: dict[str, str] = {}
-    for req in requests:
-        src = ckpt.info(req.key).dtype
-        dst = req.dst.dtype
-        if src != dst:
-            if not (allow_dtype_cast and src.is_floating_point and dst.is_floating_point):
-                raise CheckpointError(
-                    f"{req.key} is stored as {src}, the parameter is {dst}: "
-                    + ("pass allow_dtype_cast=True" if src.is_floating_point and dst.is_floating_point else "")
-                    + " (only float-to-float casts are done; convert the checkpoint or the model's dtype)"
-                )
-            cast_of[req.key] = f"{_name(src)}->{_name(dst)}"
-    casts = dict(Counter(cast_of.values()))
-    if casts:
-        logger.info("load_hf_weights(%s): cast checkpoint tensors to the parameters' dtypes: %s", path, casts)
-
-    bytes_read = 0
-    with torch.no_grad():
-        for i, _key, tensor in ckpt.read((r.key, r.slices) for r in requests):
-            req = requests[i]
-            assert tuple(tensor.shape) == tuple(req.dst.shape), (req.key, tensor.shape, req.dst.shape)
-            req.dst.copy_(tensor)
-            bytes_read += tensor.numel() * tensor.element_size()
-    return LoadReport(keys_read=frozenset(r.key for r in requests), bytes_read=bytes_read, casts=casts)
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _check_keys(path: Path, expected: set[str], found: set[str]) -> None:
-    missing, unexpected = sorted(expected - found), sorted(found - expected)
-    problems = []
-    if missing:
-        problems.append(
-            f"is missing {len(missing)} tensor(s) the model needs, e.g. {missing[:5]} (the checkpoint is incomplete: "
-            "copy every shard; or it was saved from a different config)"
-        )
-    if unexpected:
-        problems.append(
-            f"has {len(unexpected)} tensor(s) this model does not have, e.g. {unexpected[:5]} (saved from a different "
-            "architecture or config, or a layer's experts stored both fused and per expert: remove them or load a "
-            "matching checkpoint)"
-        )
-    if problems:
-        raise CheckpointError(f"checkpoint {path} " + "; and it ".join(problems))
+    return _load_hf_config(path, QWEN3_FORMAT)

@@ -1,157 +1,21 @@
-"""Dense building blocks of Qwen3-MoE: RMSNorm, RoPE, GQA attention with q/k norm, and the dense SwiGLU MLP.
+"""Qwen3-MoE's attention: grouped-query attention with per-head RMSNorm on q and k before RoPE.
 
-Each block computes exactly what transformers' ``modeling_qwen3_moe`` computes (same dtype casts, same order), so
-a checkpoint gives the same numbers in both. Legend: B batch, S sequence, H query heads, G key/value heads,
-Dh head_dim, D hidden.
+Computes exactly what transformers' ``modeling_qwen3_moe`` computes. Legend: B batch, S sequence, H query heads,
+G key/value heads, Dh head_dim, D hidden. The blocks both families share (norms, RoPE, masks, the MLP) are
+``moeshard.models.common``'s.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 from transformers import Qwen3MoeConfig
 
+from moeshard.models.common import RMSNorm, apply_rotary, attend
 from moeshard.models.qwen3moe.presets import head_dim
 
-__all__ = [
-    "Attention",
-    "DenseMLP",
-    "RMSNorm",
-    "RotaryEmbedding",
-    "apply_rotary",
-    "build_attention_mask",
-    "document_block_mask",
-    "document_causal_mask",
-    "rms_norm",
-]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * (x / rms(x))`` with the statistics in float32 (transformers' Qwen3 RMSNorm)."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, scaled by a learned weight in the input dtype."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-    def reset_parameters(self) -> None:
-        """Ones, as transformers initialises norms."""
-        nn.init.ones_(self.weight)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
-
-
-class RotaryEmbedding(nn.Module):
-    """Default RoPE: cos/sin tables for given positions, in the activations' dtype.
-
-    The inverse frequencies are computed in float32 on the CPU (as transformers does at construction) and cached
-    per device, not kept as a buffer: a model built on ``meta`` and materialised with ``to_empty`` then needs no
-    extra step to get them right.
-    """
-
-    def __init__(self, config: Qwen3MoeConfig) -> None:
-        super().__init__()
-        self.dim = head_dim(config)
-        self.base = float(config.rope_parameters["rope_theta"])
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
-
-    def inv_freq(self, device: torch.device) -> torch.Tensor:
-        """``1 / base^(2i / Dh)`` for ``i < Dh/2``, float32, on ``device``."""
-        if device not in self._inv_freq:
-            exponent = torch.arange(0, self.dim, 2, dtype=torch.int64, device="cpu").float() / self.dim
-            self._inv_freq[device] = (1.0 / (self.base**exponent)).to(device)
-        return self._inv_freq[device]
-
-    def forward(self, position_ids_BS: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos_BSDh, sin_BSDh)`` for integer positions ``[B, S]``."""
-        freqs = position_ids_BS[..., None].float() * self.inv_freq(position_ids_BS.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    def extra_repr(self) -> str:
-        return f"dim={self.dim}, base={self.base}"
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x_BHSDh: torch.Tensor, cos_BSDh: torch.Tensor, sin_BSDh: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (heads on dim 1) by the RoPE tables (non-interleaved halves, as transformers)."""
-    cos, sin = cos_BSDh.unsqueeze(1), sin_BSDh.unsqueeze(1)
-    return x_BHSDh * cos + _rotate_half(x_BHSDh) * sin
-
-
-def build_attention_mask(attention_mask_BS: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
-    """Boolean SDPA mask ``[B, 1, S, S]`` (True = attend): causal and not a padded key; None when no padding mask.
-
-    A query whose visible keys are all padding (left padding) gets a fully masked row; SDPA returns zeros there,
-    as in transformers, so padded positions stay finite.
-    """
-    if attention_mask_BS is None:
-        return None
-    if attention_mask_BS.dim() != 2 or attention_mask_BS.shape[1] != seq_len:
-        raise ValueError(
-            f"attention_mask must be [batch, seq_len={seq_len}] with 1 for tokens and 0 for padding, "
-            f"got shape {tuple(attention_mask_BS.shape)}"
-        )
-    device = attention_mask_BS.device
-    causal_SS = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-    return causal_SS[None, None] & attention_mask_BS.bool()[:, None, None, :]
-
-
-def document_causal_mask(document_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
-    """Boolean SDPA mask ``[B, 1, S, S]`` (True = attend) of packed rows: token ``t`` attends to ``j <= t`` of its
-    own document (equal ``document_ids``; padding carries its own id, e.g. -1), and not to padded keys when an
-    ``attention_mask`` is given. Dense: the CPU reference path; on CUDA :func:`document_block_mask` skips the
-    masked blocks instead."""
-    if document_ids_BS.dim() != 2:
-        raise ValueError(f"document_ids must be [batch, seq_len], got shape {tuple(document_ids_BS.shape)}")
-    s = document_ids_BS.shape[1]
-    causal_SS = torch.ones(s, s, dtype=torch.bool, device=document_ids_BS.device).tril()
-    mask = (document_ids_BS[:, :, None] == document_ids_BS[:, None, :]) & causal_SS
-    if attention_mask_BS is not None:
-        mask = mask & attention_mask_BS.bool()[:, None, :]
-    return mask[:, None]
-
-
-def document_block_mask(document_ids_BS: torch.Tensor) -> BlockMask:
-    """flex_attention ``BlockMask`` of the same rule as :func:`document_causal_mask` (no attention_mask: padding
-    is its own document): blocks where no query sees a key of its document are skipped, so a row of short
-    documents costs less attention than one long document."""
-    if document_ids_BS.dim() != 2:
-        raise ValueError(f"document_ids must be [batch, seq_len], got shape {tuple(document_ids_BS.shape)}")
-    b, s = document_ids_BS.shape
-    doc = document_ids_BS
-
-    def same_document_causal(b_, h_, q_, kv_):
-        return (doc[b_, q_] == doc[b_, kv_]) & (kv_ <= q_)
-
-    return create_block_mask(same_document_causal, b, None, s, s, device=doc.device)
-
-
-@functools.cache
-def _compiled_flex_attention():
-    # flex_attention runs its fused kernel only when compiled (eagerly it is a dense reference); compiled once per
-    # process, reused by every layer (inside an already compiled attention_half dynamo inlines it).
-    return torch.compile(flex_attention, dynamic=False)
+__all__ = ["Attention"]
 
 
 class Attention(nn.Module):
@@ -180,46 +44,19 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attention output ``[B, S, D]``. ``mask_B1SS``: None (plain causal, SDPA), a boolean mask from
         :func:`build_attention_mask` / :func:`document_causal_mask` (SDPA), or a ``BlockMask`` from
-        :func:`document_block_mask` (compiled flex_attention)."""
+        :func:`document_block_mask` (flex_attention)."""
         b, s, _ = x_BSD.shape
         q = self.q_norm(self.q_proj(x_BSD).view(b, s, -1, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x_BSD).view(b, s, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x_BSD).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos_BSDh, sin_BSDh), apply_rotary(k, cos_BSDh, sin_BSDh)
-        if isinstance(mask_B1SS, BlockMask):
-            if self.training and self.dropout > 0:
-                raise ValueError(
-                    f"attention_dropout={self.dropout} is not supported with document masking (flex_attention); "
-                    "set attention_dropout to 0"
-                )
-            # Compiled on CUDA (the fused kernel); eager elsewhere (a dense reference, for CPU tests of this path).
-            flex = _compiled_flex_attention() if q.is_cuda else flex_attention
-            out_BHSDh = flex(
-                q, k, v, block_mask=mask_B1SS, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads
-            )
-            return self.o_proj(out_BHSDh.transpose(1, 2).reshape(b, s, -1))
-        out_BHSDh = F.scaled_dot_product_attention(
+        out_BHSDh = attend(
             q,
             k,
             v,
-            attn_mask=mask_B1SS,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=mask_B1SS is None,
+            mask_B1SS,
             scale=self.head_dim**-0.5,
+            dropout=self.dropout if self.training else 0.0,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return self.o_proj(out_BHSDh.transpose(1, 2).reshape(b, s, -1))
-
-
-class DenseMLP(nn.Module):
-    """SwiGLU MLP of the layers without experts (``mlp_only_layers`` / ``decoder_sparse_step``)."""
-
-    def __init__(self, config: Qwen3MoeConfig) -> None:
-        super().__init__()
-        d, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(d, i, bias=False)
-        self.up_proj = nn.Linear(d, i, bias=False)
-        self.down_proj = nn.Linear(i, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -9,12 +9,22 @@ Configs are transformers' ``Qwen3MoeConfig``, so a ``config.json`` from the Hub 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from transformers import Qwen3MoeConfig
 
-__all__ = ["MODEL_TYPE", "PRESETS", "check_config", "count_parameters", "get_preset_config", "is_moe_layer"]
+from moeshard.models.common import check_common_config, config_keys, preset_config, sum_over_layers
+
+__all__ = [
+    "MODEL_TYPE",
+    "PRESETS",
+    "check_config",
+    "activations_per_token",
+    "count_parameters",
+    "flops_per_token",
+    "get_preset_config",
+    "is_moe_layer",
+]
 
 MODEL_TYPE = "qwen3_moe"
 """The ``model_type`` of the configs and checkpoints this package accepts."""
@@ -71,12 +81,7 @@ PRESETS: dict[str, dict[str, Any]] = {"qwen3-30b-a3b": _QWEN3_30B_A3B, "tiny": _
 """Preset name -> ``Qwen3MoeConfig`` fields (read through :func:`get_preset_config`)."""
 
 # Keys a Qwen3MoeConfig understands: its dataclass fields plus the ones it reads through kwargs.
-_CONFIG_KEYS = frozenset(f.name for f in dataclasses.fields(Qwen3MoeConfig)) | {
-    "head_dim",
-    "rope_theta",
-    "num_local_experts",
-    "max_window_layers",
-}
+_CONFIG_KEYS = config_keys(Qwen3MoeConfig, "head_dim", "rope_theta", "num_local_experts", "max_window_layers")
 
 
 def get_preset_config(name: str, **overrides: Any) -> Qwen3MoeConfig:
@@ -85,21 +90,7 @@ def get_preset_config(name: str, **overrides: Any) -> Qwen3MoeConfig:
     Raises:
         ValueError: unknown preset name or unknown override key.
     """
-    if name not in PRESETS:
-        raise ValueError(f"unknown Qwen3-MoE preset {name!r}; choose one of {sorted(PRESETS)}")
-    unknown = sorted(set(overrides) - _CONFIG_KEYS)
-    if unknown:
-        raise ValueError(
-            f"unknown Qwen3MoeConfig field(s) {unknown} in the overrides of preset {name!r}; "
-            f"valid fields: {sorted(_CONFIG_KEYS)}"
-        )
-    values = dict(PRESETS[name])
-    if "rope_theta" in overrides:
-        values["rope_parameters"] = {"rope_type": "default", "rope_theta": float(overrides.pop("rope_theta"))}
-    values.update(overrides)
-    config = Qwen3MoeConfig(**values)
-    check_config(config)
-    return config
+    return preset_config("Qwen3-MoE", PRESETS, Qwen3MoeConfig, check_config, _CONFIG_KEYS, name, overrides)
 
 
 def head_dim(config: Qwen3MoeConfig) -> int:
@@ -120,16 +111,7 @@ def check_config(config: Qwen3MoeConfig) -> None:
         ValueError: another architecture, or a feature we do not support (sliding window, tied embeddings,
             activation other than SiLU, RoPE scaling, inconsistent head counts).
     """
-    model_type = getattr(config, "model_type", None)
-    if model_type != MODEL_TYPE:
-        raise ValueError(
-            f"config has model_type {model_type!r}, this model is {MODEL_TYPE!r}; load a Qwen3-MoE checkpoint or "
-            "config (transformers.Qwen3MoeConfig)"
-        )
-    if config.hidden_act != "silu":
-        raise ValueError(f"hidden_act={config.hidden_act!r} is not supported: the experts are SwiGLU; use 'silu'")
-    if config.tie_word_embeddings:
-        raise ValueError("tie_word_embeddings=True is not supported (Qwen3-MoE is untied); set it to False")
+    check_common_config(config, MODEL_TYPE, "Qwen3-MoE")
     if config.use_sliding_window:
         raise ValueError("use_sliding_window=True is not supported (Qwen3-MoE does not use it); set it to False")
     rope = config.rope_parameters or {}
@@ -164,15 +146,30 @@ def count_parameters(config: Qwen3MoeConfig) -> tuple[int, int]:
         attn += q + 2 * kv + d
     norms = 2 * d
     expert = 3 * config.moe_intermediate_size * d
-    total = active = 2 * config.vocab_size * d + d  # embeddings, lm_head, final norm
-    for layer in range(config.num_hidden_layers):
-        total += attn + norms
-        active += attn + norms
-        if is_moe_layer(config, layer):
-            router = config.num_experts * d
-            total += router + config.num_experts * expert
-            active += router + config.num_experts_per_tok * expert
-        else:
-            total += 3 * config.intermediate_size * d
-            active += 3 * config.intermediate_size * d
-    return total, active
+    base = 2 * config.vocab_size * d + d + config.num_hidden_layers * (attn + norms)  # embeddings, head, norms
+    router, dense = config.num_experts * d, 3 * config.intermediate_size * d
+    total = base + sum_over_layers(config, is_moe_layer, router + config.num_experts * expert, dense)
+    active = base + sum_over_layers(config, is_moe_layer, router + config.num_experts_per_tok * expert, dense)
+    return int(total), int(active)
+
+
+def flops_per_token(config: Qwen3MoeConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) at ``seq_len`` with causal attention:
+    ``6 · (matmul parameters a token passes through: q/k/v/o, routers, top-k experts or the dense MLP, the head)
+    + 6 · L · (S/2) · H · (Dh + Dh)`` (scores and values, half the keys on average)."""
+    d, hd = config.hidden_size, head_dim(config)
+    attn = d * config.num_attention_heads * hd * 2 + d * config.num_key_value_heads * hd * 2
+    moe = config.num_experts_per_tok * 3 * d * config.moe_intermediate_size + d * config.num_experts
+    mlps = sum_over_layers(config, is_moe_layer, moe, 3 * d * config.intermediate_size)
+    matmul = d * config.vocab_size + config.num_hidden_layers * attn + mlps
+    scores = config.num_hidden_layers * (seq_len / 2) * config.num_attention_heads * 2 * hd
+    return 6 * matmul + 6 * scores
+
+
+def activations_per_token(config: Qwen3MoeConfig) -> tuple[int, int]:
+    """Elements per token a layer saves for backward beyond its norms and routed copies (an estimate for ``plan``):
+    ``(attention: q, k, v projections and rotations, the attention output, 3·q + 2·kv; the MoE layer's other MLPs:
+    none in Qwen3-MoE)``."""
+    hd = head_dim(config)
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    return 3 * q + 2 * kv, 0

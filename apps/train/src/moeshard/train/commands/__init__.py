@@ -1,0 +1,1 @@
+"""The commands besides training: ``bench``, ``plan``, ``export-hf`` (``moeshard-train <command>``)."""

@@ -1,0 +1,342 @@
+"""``moeshard-train plan``: the job's layout on the fake backend, no GPU and no communication.
+
+Prints the meshes and groups, one row per parameter (global shape, this rank's local shape and placement), the
+estimated memory per rank and the estimated communication per step by kind and by link (intra/inter-node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from moeshard.train.config import JobConfig, layout_error_for_config, parallel_options, resolve_model_config
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank; ``total`` is what to compare with the peak allocated memory."""
+
+    params: int
+    grads: int
+    optimizer: int
+    unsharded: int
+    activations: int
+    micro_batches: int = 1
+    held_grads: int = 0
+
+    @property
+    def total(self) -> int:
+        """The peak. With one micro-batch per step, saved activations are all alive when backward starts and the
+        gradients all exist when it ends, so the two do not add up; with several, the gradients of the earlier
+        micro-batches are alive beside the last one's activations, and with ``train.gradient_sync:
+        last_micro_batch`` also FSDP's unsharded float32 gradients (``held_grads``). (One H200, 8 layers, EP 1,
+        4 x 4096 tokens per step: within +1% to +4% of the measured peak allocated at micro-batch 4 / 2 / 1, with
+        and without full checkpointing; see benchmarks/NOTES.md.)"""
+        if self.micro_batches > 1:
+            held = self.activations + self.grads + self.held_grads
+            return self.params + self.optimizer + self.unsharded + held
+        return self.params + self.optimizer + self.unsharded + max(self.activations, self.grads)
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:8.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:8.2f} MiB"
+
+
+def _placement(p: Any, expert_meta: Any) -> str:
+    from torch.distributed.tensor import DTensor
+
+    parts = []
+    if expert_meta is not None:
+        parts.append(f"ep:Shard(0)x{expert_meta.ep_size}")
+    if isinstance(p, DTensor):
+        names = p.device_mesh.mesh_dim_names or ("?",)
+        parts += [f"{n}:{pl}x{p.device_mesh.size(i)}" for i, (n, pl) in enumerate(zip(names, p.placements))]
+    return " ".join(parts) or "replicated"
+
+
+def _local(p: Any) -> torch.Size:
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local().shape if isinstance(p, DTensor) else p.shape
+
+
+def activation_bytes_per_token(
+    config: Any, compute_bytes: int, activation_checkpointing: str = "none", selective_recompute: str = "mlp"
+) -> int:
+    """Saved activations per token of one training micro-batch, all layers + the loss head.
+
+    Without activation checkpointing every layer keeps its activations; with ``full``, each layer keeps only its
+    input and one layer at a time is recomputed in backward; with ``selective`` every layer keeps its activations
+    but the routed copies' gated activation (``activation``: ``F`` elements per copy) or also their gate/up output
+    (``mlp``: ``3F``). The loss head is chunked (the trainer never holds the ``[tokens, vocab]`` logits): it keeps
+    the hidden states and their gradient.
+    """
+    from moeshard.train.families import family_of, routed_experts
+
+    d, e, k, f = config.hidden_size, routed_experts(config), config.num_experts_per_tok, config.moe_intermediate_size
+    attn_elems, mlp_elems = family_of(config).activations_per_token(config)  # the family's attention, shared experts
+    attn = compute_bytes * (4 * d + attn_elems) + 4 * config.num_attention_heads  # norms, projections, sdpa out + lse
+    moe = compute_bytes * (2 * d + k * (2 * d + 4 * f) + mlp_elems) + 4 * (2 * e + 3 * k)  # dispatch ... router
+    if activation_checkpointing == "selective":
+        moe -= compute_bytes * k * (f if selective_recompute == "activation" else 3 * f)
+    head = 2 * d * compute_bytes
+    layers = config.num_hidden_layers
+    if activation_checkpointing == "full":
+        return layers * d * compute_bytes + (attn + moe) + head
+    return layers * (attn + moe) + head
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """The dry run's findings: the printed text and the figures behind it."""
+
+    text: str
+    memory: MemoryEstimate
+    comm: dict[tuple[str, str], float]  # (kind, "intra-node" | "inter-node") -> bytes per rank per step
+    comm_bound: dict[tuple[str, str], float]  # the same with the all-to-all upper bound
+
+
+def plan(
+    cfg: JobConfig,
+    *,
+    nnodes: int,
+    nproc_per_node: int,
+    rank: int = 0,
+    micro_batch_size: int | None = None,
+    table: bool = True,
+) -> str:
+    """Build the job on meta under the fake backend as ``rank`` and describe it (see :func:`plan_report`)."""
+    return plan_report(
+        cfg, nnodes=nnodes, nproc_per_node=nproc_per_node, rank=rank, micro_batch_size=micro_batch_size, table=table
+    ).text
+
+
+def plan_report(
+    cfg: JobConfig,
+    *,
+    nnodes: int,
+    nproc_per_node: int,
+    rank: int = 0,
+    micro_batch_size: int | None = None,
+    table: bool = True,
+) -> PlanReport:
+    """Build the job on meta under the fake backend as ``rank`` (through ``parallelize`` with the job's options):
+    meshes, options, parameter rows (``table=False``: left out, ``plan --summary``), memory and communication.
+
+    Compute precision: ``parallel.param_dtype`` float32 means fp32, anything else bf16 (the GPU default).
+
+    Raises:
+        ValueError: the layout does not fit the cluster (naming the config key to change).
+    """
+    from moeshard.meshes import build_meshes, fake_process_group
+    from moeshard.models.common import parallelize
+    from moeshard.train.families import family_of
+
+    world = nnodes * nproc_per_node
+    mcfg = resolve_model_config(cfg)
+    par = cfg.parallel
+    expert_reshard = (
+        par.reshard_after_forward if par.expert_reshard_after_forward is None else par.expert_reshard_after_forward
+    )
+    expert_reduce_bytes = _expert_grad_bytes(cfg)
+    gpu = cfg.parallel.param_dtype != "float32"
+    compute_bytes = 2 if gpu else 4
+    lines: list[str] = []
+    with fake_process_group(world, rank):
+        try:
+            meshes = build_meshes(
+                cfg.parallel.ep_size,
+                ranks_per_node=nproc_per_node,
+                device_type="cpu",
+                allow_cross_node_ep=cfg.parallel.allow_cross_node_ep,
+            )
+        except ValueError as e:  # the package speaks of its argument; the user sets a config key
+            raise ValueError(f"parallel.ep_size: {layout_error_for_config(e)}") from None
+        with torch.device("meta"):
+            model = family_of(mcfg).model_class(mcfg)
+        parallel = parallelize(model, meshes, parallel_options(cfg))
+        info, units = parallel.ep_info, parallel.units
+        lines.append(meshes.describe())
+        lines += ["options:", *(f"  {line}" for line in parallel.options.describe())]
+        lines.append(f"  optimizer: AdamW, fuse_local_experts={cfg.train.fuse_local_experts}")
+        lines.append("")
+        header = f"{'parameter':62s} {'global shape':>22s} {'local shape':>22s}  placement"
+        if table:
+            lines.append(header)
+            lines.append("-" * len(header))
+        local_numel, total_numel = _parameter_rows(model, info, lines if table else None)
+        u = _unit_figures(units, meshes, cfg, expert_reshard, expert_reduce_bytes)
+    mb = micro_batch_size or cfg.train.micro_batch_size
+    tokens = mb * cfg.data.seq_len
+    depth = cfg.parallel.prefetch_depth
+    t, opts = cfg.train, parallel.options  # the options as ParallelOptions reads them (true: full)
+    est = MemoryEstimate(
+        params=4 * local_numel,
+        grads=4 * (local_numel - u.fused_numel) + compute_bytes * u.fused_numel,
+        optimizer=8 * local_numel,
+        unsharded=compute_bytes * (u.largest_unit * (1 + depth) + u.kept_numel) + u.reduce_buffers,
+        activations=activation_bytes_per_token(
+            mcfg, compute_bytes, opts.activation_checkpointing, opts.selective_recompute
+        )
+        * tokens,
+        micro_batches=max(1, t.global_batch_size // world // mb),
+        held_grads=u.held_grads if t.gradient_sync == "last_micro_batch" else 0,
+    )
+    if table:
+        lines.append("")
+    lines.append(f"parameters: {total_numel / 1e9:.3f} B in total, {local_numel / 1e6:.2f} M on rank {rank}")
+    lines += _memory_lines(est, opts, mb, cfg.data.seq_len, compute_bytes, expert_reduce_bytes)
+    lines.append("")
+    comm = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, u.once_numel)
+    bound = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, u.once_numel, uniform_routing=False)
+    lines += comm_estimate_lines(comm, bound)
+    return PlanReport("\n".join(lines), est, comm, bound)
+
+
+def _memory_lines(
+    est: MemoryEstimate, opts: Any, mb: int, seq_len: int, compute_bytes: int, expert_reduce_bytes: int
+) -> list[str]:
+    """The memory estimate's lines of the report."""
+    lines: list[str] = []
+    ac = {"none": "no", "full": "full", "selective": f"selective ({opts.selective_recompute})"}
+    ac = ac[opts.activation_checkpointing]
+    lines.append(
+        f"estimated memory per rank (micro batch {mb} x seq {seq_len} x {est.micro_batches} per step, "
+        f"{ac} activation checkpointing, {'bf16' if compute_bytes == 2 else 'fp32'} compute, fp32 master weights, "
+        "AdamW):"
+    )
+    for k in ("params", "grads", "optimizer", "unsharded", "activations"):
+        lines.append(f"  {k:12s} {_size(getattr(est, k))}")
+    if est.held_grads and est.micro_batches > 1:
+        dtype = "fp32" if expert_reduce_bytes == 4 else "fp32, experts' bf16"
+        lines.append(
+            f"  {'held grads':12s} {_size(est.held_grads)}  (gradient_sync last_micro_batch: unsharded {dtype})"
+        )
+    held = "alive together" if est.micro_batches > 1 else "not alive together"
+    lines.append(f"  {'total':12s} {_size(est.total)}  (peak: activations and gradients are {held})")
+    return lines
+
+
+def _parameter_rows(model: torch.nn.Module, info: Any, lines: list[str] | None) -> tuple[int, int]:
+    """``(elements on this rank, elements in all)`` of the model's parameters; with ``lines``, one row each."""
+    local_numel = 0
+    total_numel = 0
+    for name, p in model.named_parameters():
+        meta = info.params.get(name) if info is not None else None
+        gshape = tuple(meta.global_shape) if meta is not None else tuple(p.shape)
+        lshape = tuple(_local(p))
+        local_numel += int(torch.Size(lshape).numel())
+        total_numel += int(torch.Size(gshape).numel())
+        if lines is not None:
+            lines.append(f"{name:62s} {str(list(gshape)):>22s} {str(list(lshape)):>22s}  {_placement(p, meta)}")
+    return local_numel, total_numel
+
+
+class _UnitFigures(NamedTuple):
+    largest_unit: int  # elements of the largest stage gathered at once
+    reduce_buffers: int  # bytes of the largest stage's gradient reduce buffers
+    once_numel: int  # gathered once per micro-batch (the root and the head)
+    kept_numel: int  # unsharded from forward to backward
+    fused_numel: int  # experts updated by the fused pass (compute-dtype gradients)
+    held_grads: int  # bytes of unsharded gradients held with gradient_sync last_micro_batch
+
+
+def _unit_figures(
+    units: Any, meshes: Any, cfg: JobConfig, expert_reshard: bool, expert_reduce_bytes: int
+) -> _UnitFigures:
+    """What the FSDP units gather, keep and reduce (for the memory and communication estimates)."""
+    # Expert modules kept out of FSDP (ep_fsdp of one rank) belong to no unit's gathered parameters.
+    local_experts = dict(units.local_experts)
+    all_units = {id(m) for stage in units.stages for _, m in stage.modules} | {id(units.root)}
+    skip = all_units | {id(m) for m in local_experts.values()}
+
+    def stage_numel(stage: Any) -> int:
+        # A stage's local experts count as if gathered with it: their compute-dtype copies are made in its
+        # forward (the same figure as when they were FSDP units).
+        gathered = sum(_managed_numel(m, skip) for _, m in stage.modules)
+        return gathered + sum(_managed_numel(local_experts[e], skip) for e in stage.local_experts)
+
+    largest_unit = max(stage_numel(stage) for stage in units.stages)
+    # Bytes per element of the gradients FSDP reduces (and holds unsharded): float32, the expert units' in
+    # parallel.expert_reduce_dtype.
+    expert_units = {id(m) for _, m in units.experts}
+
+    def grad_bytes(unit: Any) -> int:
+        return _managed_numel(unit, skip) * (expert_reduce_bytes if id(unit) in expert_units else 4)
+
+    def stage_grad_bytes(stage: Any) -> int:
+        local = sum(_managed_numel(local_experts[e], skip) for e in stage.local_experts)
+        return sum(grad_bytes(m) for _, m in stage.modules) + 4 * local
+
+    reduce_buffers = max(stage_grad_bytes(stage) for stage in units.stages)  # the largest stage's, in backward
+    head = units.stages[-1].modules[0][1]
+    # Gathered once per micro-batch (never resharded after forward): the root and the head (see shard_model).
+    once_numel = _managed_numel(units.root, skip) + _managed_numel(head, skip)
+    # Unsharded from forward to backward: the head (see shard_model), and the experts when ep_fsdp has one
+    # rank (their compute-dtype copies, saved for backward) or they are not resharded after forward
+    # (parallel.expert_reshard_after_forward); these live through the whole step.
+    experts_kept = meshes.ep_fsdp_size == 1 or not expert_reshard
+    kept = [head] + ([m for _, m in units.experts] if experts_kept else [])
+    kept += list(local_experts.values())
+    kept_numel = sum(_managed_numel(m, skip) for m in kept)
+    # Experts outside FSDP updated by the fused pass keep their gradients in the compute dtype.
+    fused_numel = sum(p.numel() for m in local_experts.values() for p in m.parameters())
+    fused_numel = fused_numel if cfg.train.fuse_local_experts else 0
+    # train.gradient_sync last_micro_batch: every FSDP unit holds its unsharded gradients until the step's last
+    # backward reduces them, in the reduce dtype (FSDP2 accumulates in it).
+    held_grads = sum(grad_bytes(m) for _, m in units)
+    return _UnitFigures(largest_unit, reduce_buffers, once_numel, kept_numel, fused_numel, held_grads)
+
+
+def _expert_grad_bytes(cfg: JobConfig) -> int:
+    """Bytes per element of the expert units' gradient reduce-scatter (``parallel.expert_reduce_dtype``)."""
+    return 2 if cfg.parallel.expert_reduce_dtype == "bfloat16" else 4
+
+
+def _managed_numel(unit: torch.nn.Module, skip: set[int]) -> int:
+    """Unsharded elements of the parameters of ``unit`` and its submodules, except those of the modules in
+    ``skip`` (other units, and expert modules outside FSDP): what one FSDP unit gathers."""
+    total, stack = 0, [unit]
+    while stack:
+        m = stack.pop()
+        total += sum(p.numel() for p in m.parameters(recurse=False))
+        stack.extend(c for c in m.children() if id(c) not in skip)
+    return total
+
+
+def comm_estimate(
+    cfg: JobConfig, mcfg: Any, world: int, per_node: int, elem: int, once_numel: int, *, uniform_routing: bool = True
+) -> dict[tuple[str, str], float]:
+    """Bytes per optimizer step per rank by ``(kind, link)`` for this job (see :mod:`moeshard.train.observe.comm`)."""
+    from moeshard.train.observe.comm import estimate_comm_bytes
+
+    return estimate_comm_bytes(
+        mcfg,
+        world_size=world,
+        ranks_per_node=per_node,
+        ep_size=cfg.parallel.ep_size,
+        tokens_per_rank=cfg.train.global_batch_size // world * cfg.data.seq_len,
+        micro_batches=max(1, cfg.train.global_batch_size // world // cfg.train.micro_batch_size),
+        compute_bytes=elem,
+        reshard_after_forward=cfg.parallel.reshard_after_forward,
+        once_numel=once_numel,
+        expert_reshard_after_forward=cfg.parallel.expert_reshard_after_forward,
+        expert_reduce_bytes=_expert_grad_bytes(cfg),
+        activation_checkpointing=parallel_options(cfg).activation_checkpointing == "full",
+        reduce_every_micro_batch=cfg.train.gradient_sync == "every_micro_batch",
+        uniform_routing=uniform_routing,
+    )
+
+
+def comm_estimate_lines(est: dict[tuple[str, str], float], bound: dict[tuple[str, str], float]) -> list[str]:
+    """Bytes per optimizer step per rank by collective kind, and which of them cross nodes."""
+    out = ["estimated communication per optimizer step per rank (bytes sent to peers; all-to-all for uniform routing):"]
+    for (kind, link), b in sorted(est.items()):
+        extra = f"   (at most {bound[(kind, link)] / 2**20:.1f} MiB)" if kind == "all_to_all" else ""
+        out.append(f"  {kind:16s} {link:11s} {b / 2**20:12.1f} MiB{extra}")
+    out.append("  all_reduce       (loss, token count, gradient norm: a few scalars per step)")
+    return out

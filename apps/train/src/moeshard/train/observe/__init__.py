@@ -1,0 +1,1 @@
+"""What a run measures and reports: metrics, tracking sinks, profiling, communication (estimated and counted)."""

@@ -1,0 +1,114 @@
+"""Communication estimates per optimizer step (for ``plan``): bytes per rank by collective kind and link.
+
+Same convention as the measurement (:mod:`moeshard.train.observe.comm_accounting`): the bytes one rank sends to its peers,
+counted per peer, so the share of peers on other nodes is the inter-node share. All-gather ``(n-1)·shard``,
+reduce-scatter ``(n-1)/n·full``, all-to-all the rows sent to each peer. A test checks the all-gather and
+reduce-scatter figures against the measured ones within 2 %; the all-to-all depends on where the router sends
+tokens, so it is given for uniform routing together with its upper bound (every token to every EP peer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def moe_layer_count(config: Any) -> int:
+    """Number of decoder layers with routed experts (the model family's rule)."""
+    from moeshard.train.families import moe_layers
+
+    return moe_layers(config)
+
+
+def a2a_rows_per_token(config: Any, ep_size: int, uniform: bool = True) -> float:
+    """Rows one token sends to the other EP ranks: each of its K routed copies whose expert lives elsewhere
+    (every dispatch strategy of moeshard.ep sends copies). Expected value under uniform routing, or the upper
+    bound (all K elsewhere)."""
+    k, p = config.num_experts_per_tok, ep_size
+    return k * (p - 1) / p if uniform else float(k)
+
+
+def estimate_comm_bytes(
+    config: Any,
+    *,
+    world_size: int,
+    ranks_per_node: int,
+    ep_size: int,
+    tokens_per_rank: int,
+    micro_batches: int,
+    compute_bytes: int,
+    reshard_after_forward: bool,
+    once_numel: int = 0,
+    expert_reshard_after_forward: bool | None = None,
+    expert_reduce_bytes: int = 4,
+    activation_checkpointing: bool = False,
+    reduce_every_micro_batch: bool = True,
+    uniform_routing: bool = True,
+) -> dict[tuple[str, str], float]:
+    """Bytes leaving one rank per optimizer step, keyed by ``(kind, "intra-node" | "inter-node")``.
+
+    Args:
+        tokens_per_rank: tokens this rank processes per optimizer step (all micro-batches).
+        micro_batches: gradient-accumulation steps; FSDP gathers and reduce-scatters once per micro-batch.
+        compute_bytes: bytes per element of the gathered parameters and the exchanged activations.
+        reshard_after_forward: units are gathered again in backward, except the ``once_numel`` parameters of units
+            never resharded after forward (FSDP2's root; the head, which backward needs first), gathered once per
+            micro-batch.
+        expert_reshard_after_forward: the same for the expert units (None: ``reshard_after_forward``); False
+            gathers them once per micro-batch.
+        expert_reduce_bytes: bytes per element of the experts' reduce-scatter (2 with
+            ``parallel.expert_reduce_dtype: bfloat16``).
+        activation_checkpointing: the recomputed forward repeats the dispatch all-to-alls (full checkpointing).
+        reduce_every_micro_batch: FSDP reduce-scatters after every micro-batch (False: once per step,
+            ``train.gradient_sync: last_micro_batch``).
+        uniform_routing: False gives the all-to-all upper bound (every token to every EP peer).
+
+    all-to-all per MoE layer and token: the token's hidden state out and its partial output back, in forward and
+    backward (4 passes, 6 with activation checkpointing), plus the per-expert row counts (int64) of each forward.
+    Reduce-scatter is float32, the experts' ``expert_reduce_bytes`` per element.
+    """
+    d = config.hidden_size
+    from moeshard.train.families import routed_experts
+
+    moe_layers = moe_layer_count(config)
+    ep_fsdp = world_size // ep_size
+    nodes = world_size // ranks_per_node
+    out: dict[tuple[str, str], float] = {}
+
+    def add(kind: str, total: float, group: int, group_nodes: int) -> None:
+        if group <= 1 or total == 0:
+            return
+        peers = group - 1
+        inter = 0.0 if group_nodes <= 1 else (group - group // group_nodes) / peers
+        for link, share in (("intra-node", 1 - inter), ("inter-node", inter)):
+            if share > 0:
+                out[(kind, link)] = out.get((kind, link), 0.0) + total * share
+
+    rows = a2a_rows_per_token(config, ep_size, uniform_routing)
+    passes = 6 if activation_checkpointing else 4  # hidden states out + partial outputs back, fwd (x2 with AC) + bwd
+    per_row = passes * d * compute_bytes
+    forwards = 2 if activation_checkpointing else 1
+    counts = (ep_size - 1) * (routed_experts(config) // ep_size) * 8  # per layer and forward: rows per expert (int64)
+    a2a = moe_layers * (tokens_per_rank * rows * per_row + micro_batches * forwards * counts)
+    ep_nodes = -(-ep_size // ranks_per_node) if ep_size > ranks_per_node else 1
+    add("all_to_all", a2a, ep_size, ep_nodes)
+
+    expert_numel = moe_layers * routed_experts(config) * 3 * d * config.moe_intermediate_size
+    dense_numel = _total_numel(config) - expert_numel
+    gathers = 2 if reshard_after_forward else 1
+    expert_reshard = reshard_after_forward if expert_reshard_after_forward is None else expert_reshard_after_forward
+    ep_fsdp_nodes = min(nodes, ep_fsdp)
+    for numel, root, group, group_nodes, unit_gathers, reduce_bytes in (
+        (dense_numel, once_numel, world_size, nodes, gathers, 4),
+        (expert_numel / ep_size, 0, ep_fsdp, ep_fsdp_nodes, 2 if expert_reshard else 1, expert_reduce_bytes),
+    ):
+        gathered = micro_batches * (unit_gathers * (numel - root) + root)
+        add("all_gather", gathered * compute_bytes * (group - 1) / group, group, group_nodes)
+        reductions = micro_batches if reduce_every_micro_batch else 1
+        add("reduce_scatter", reductions * numel * reduce_bytes * (group - 1) / group, group, group_nodes)
+    return out
+
+
+def _total_numel(config: Any) -> int:
+    from moeshard.train.families import family_of
+
+    return int(family_of(config).count_parameters(config)[0])

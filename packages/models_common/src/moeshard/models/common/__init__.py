@@ -1,0 +1,156 @@
+"""moeshard.models.common: what every moeshard model family shares, so that a family says only what differs.
+
+- The causal LM (:class:`MoECausalLM`, :class:`DecoderModel`, :class:`DecoderLayer`, :class:`LMHead` with the
+  chunked loss :func:`linear_cross_entropy`): a family subclasses two classes and names its layers and checkpoints.
+- The MoE block and its parts: :class:`MoEBlock` (router, routed :class:`Experts` through ``moeshard.ep``'s
+  dispatchers, optional shared experts), the routers :class:`TopKRouter` (softmax top-k) and
+  :class:`GroupLimitedRouter` (sigmoid/softmax, selection-only correction bias, group-limited top-k, scaling).
+- Dense blocks: :class:`RMSNorm`, :class:`RotaryEmbedding` (the config's RoPE scaling), :class:`DenseMLP`, the
+  attention masks (padding, packed documents) and :func:`attend` under them.
+- :func:`parallelize` (EP, activation checkpointing, compile, FSDP2, prefetch; the ``parallel`` extra) and
+  :class:`ParallelOptions`, for any family's model.
+- Balancing: :class:`Balancing` with the hooks a loop calls (aux loss per micro-batch or global batch, z-loss,
+  aux-loss-free bias update by DeepSeek-V3's rule), and its parts.
+- HF checkpoints: a family describes its format once (:class:`HFFormat`, the model class's ``hf_format``);
+  :func:`load_hf_weights` fills a plain, EP-sliced or FSDP-sharded model in place from either expert layout, each
+  rank reading only its slices, the whole plan checked before the first byte (FP8 block-scaled weights
+  dequantised, skipped layers named in one line); :func:`save_hf_weights` / :func:`stream_hf_weights` /
+  :func:`save_hf_checkpoint` write folders transformers loads.
+- :class:`ModelFamily`: a family's entry points as one value (each family package exports its ``FAMILY``), so a
+  trainer picks a family by name and knows none.
+
+    from moeshard.models.common import load_hf_weights, parallelize
+    par = parallelize(model, meshes)                                  # any family's model
+    report = load_hf_weights(model, "/ckpt/Moonlight-16B-A3B", ep_info=par.ep_info)
+"""
+
+from moeshard.models.common._balancing import (
+    SCOPES,
+    Balancing,
+    BalancingOptions,
+    GlobalExpertCounts,
+    StepBalance,
+    expert_counts,
+    global_balancing_loss,
+    load_balancing_loss,
+    router_z_loss,
+    update_router_bias,
+)
+from moeshard.models.common._causal_lm import (
+    CausalLMOutput,
+    DecoderLayer,
+    DecoderModel,
+    LMHead,
+    MoECausalLM,
+    causal_lm_loss,
+)
+from moeshard.models.common._evaluation import EvalResult, evaluate
+from moeshard.models.common._family import ModelFamily
+from moeshard.models.common._hf_load import (
+    HFFormat,
+    LoadReport,
+    load_hf_config,
+    load_hf_weights,
+    local_region,
+    model_format,
+)
+from moeshard.models.common._hf_save import (
+    EXPERT_LAYOUTS,
+    parse_size,
+    save_hf_checkpoint,
+    save_hf_weights,
+    stream_hf_weights,
+)
+from moeshard.models.common._layers import (
+    DenseMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    attend,
+    build_attention_mask,
+    document_block_mask,
+    document_causal_mask,
+    rms_norm,
+)
+from moeshard.models.common._lm_loss import IGNORE_INDEX, ce_chunk, linear_cross_entropy
+from moeshard.models.common._moe import (
+    SCORING_FUNCS,
+    Experts,
+    GroupLimitedRouter,
+    MoEBlock,
+    Router,
+    TopKRouter,
+    routers,
+)
+from moeshard.models.common._parallelize import (
+    Parallelized,
+    ParallelOptions,
+    apply_activation_checkpointing,
+    parallelize,
+)
+from moeshard.models.common._presets import check_common_config, config_keys, preset_config, sum_over_layers
+from moeshard.models.common._safetensors import INDEX_NAME, CheckpointError, SafetensorsDir, TensorInfo
+
+__all__ = [
+    "EXPERT_LAYOUTS",
+    "IGNORE_INDEX",
+    "INDEX_NAME",
+    "SCOPES",
+    "SCORING_FUNCS",
+    "Balancing",
+    "BalancingOptions",
+    "CausalLMOutput",
+    "CheckpointError",
+    "DecoderLayer",
+    "DecoderModel",
+    "DenseMLP",
+    "EvalResult",
+    "Experts",
+    "GlobalExpertCounts",
+    "GroupLimitedRouter",
+    "HFFormat",
+    "LMHead",
+    "LoadReport",
+    "MoEBlock",
+    "MoECausalLM",
+    "ModelFamily",
+    "ParallelOptions",
+    "Parallelized",
+    "RMSNorm",
+    "Router",
+    "RotaryEmbedding",
+    "SafetensorsDir",
+    "StepBalance",
+    "TensorInfo",
+    "TopKRouter",
+    "apply_activation_checkpointing",
+    "apply_rotary",
+    "attend",
+    "build_attention_mask",
+    "causal_lm_loss",
+    "ce_chunk",
+    "check_common_config",
+    "config_keys",
+    "document_block_mask",
+    "document_causal_mask",
+    "evaluate",
+    "expert_counts",
+    "global_balancing_loss",
+    "linear_cross_entropy",
+    "load_balancing_loss",
+    "load_hf_config",
+    "load_hf_weights",
+    "local_region",
+    "model_format",
+    "parse_size",
+    "parallelize",
+    "preset_config",
+    "rms_norm",
+    "router_z_loss",
+    "routers",
+    "save_hf_checkpoint",
+    "save_hf_weights",
+    "stream_hf_weights",
+    "sum_over_layers",
+    "update_router_bias",
+]

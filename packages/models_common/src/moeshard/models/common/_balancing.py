@@ -1,0 +1,368 @@
+"""Expert balancing for a training loop: one object with the hooks a loop calls, and the losses it is made of.
+
+What balances the experts is not the model's business (the model returns the LM loss and transformers' aux loss
+as separate values, :class:`CausalLMOutput`); a loop builds a :class:`Balancing` from
+:class:`BalancingOptions` and calls its hooks in this order, every step::
+
+    balancing = Balancing(model, BalancingOptions(aux_loss_coef=1e-3, scope="global_batch"), device=device)
+    balancing.start_step(len(micro_batches))
+    for b in micro_batches:
+        out = model(b.input_ids, labels=b.labels, output_router_logits=True, return_logits=False, ...)
+        (out.lm_loss + balancing.micro_batch_loss(out, b.attention_mask)).backward()   # before backward
+    step = balancing.end_step()          # after the last backward: the step's aux / z-loss means, expert load
+    optimizer.step()
+    balancing.after_optimizer_step()     # aux-loss-free balancing: the routers' selection biases move
+
+Its parts (usable alone): transformers' :func:`load_balancing_loss`; :func:`expert_counts` and
+:class:`GlobalExpertCounts` (the step's expert load over micro-batches and ranks, no host sync);
+:func:`global_balancing_loss` (the aux loss with a global batch's expert frequencies); :func:`router_z_loss`
+(ST-MoE) and :func:`update_router_bias` (DeepSeek-V3's aux-loss-free balancing).
+
+Legend: T tokens, K top-k, E experts, L MoE layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moeshard.models.common._moe import Router, routers
+
+__all__ = [
+    "SCOPES",
+    "Balancing",
+    "BalancingOptions",
+    "GlobalExpertCounts",
+    "StepBalance",
+    "expert_counts",
+    "global_balancing_loss",
+    "load_balancing_loss",
+    "router_z_loss",
+    "update_router_bias",
+]
+
+SCOPES = ("micro_batch", "global_batch")
+"""Values of :attr:`BalancingOptions.scope`."""
+
+
+@dataclass(frozen=True)
+class BalancingOptions:
+    """How a loop balances the experts; validated on construction (``ValueError``).
+
+    Attributes:
+        aux_loss_coef: the load-balancing loss's coefficient (transformers' ``router_aux_loss_coef``; 0: none).
+        scope: ``micro_batch`` (transformers' loss, per rank and micro-batch) or ``global_batch`` (the expert
+            frequencies of the step's micro-batches so far over all ranks: :func:`global_balancing_loss`).
+        z_loss_coef: the router z-loss's coefficient (0: not computed).
+        router_bias_rate: aux-loss-free balancing's update rate (None: no router bias; the routers must have one,
+            ``model.enable_router_bias()``, when it is set).
+    """
+
+    aux_loss_coef: float = 0.0
+    scope: str = "micro_batch"
+    z_loss_coef: float = 0.0
+    router_bias_rate: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"BalancingOptions.{name}={value!r} is not allowed: a number >= 0")
+        if self.scope not in SCOPES:
+            raise ValueError(f"BalancingOptions.scope={self.scope!r} is not one of {SCOPES}")
+        rate = self.router_bias_rate
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0):
+            raise ValueError(f"BalancingOptions.router_bias_rate={rate!r} is not allowed: None or a number > 0")
+
+
+@dataclass
+class StepBalance:
+    """One step's balancing figures (device tensors, this rank's; no host sync).
+
+    Attributes:
+        aux_loss: the mean over the micro-batches of the aux loss used (scope's form).
+        z_loss: the mean router z-loss, or None without ``z_loss_coef``.
+        expert_load: ``[L, E]`` tokens routed to each expert in the step over all ranks, or None without MoE layers.
+    """
+
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor | None
+    expert_load: torch.Tensor | None
+
+
+class Balancing:
+    """The balancing terms of a training step, as named hooks (see the module docstring for the order).
+
+    Args:
+        model: the model whose routers balance (their ``bias`` is the aux-loss-free selection bias).
+        options: see :class:`BalancingOptions`.
+        device: where the step's losses live.
+        group: the process group the expert counts are summed over (None: the default group, or none).
+
+    Raises:
+        ValueError: ``router_bias_rate`` set but the routers have no bias.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        options: BalancingOptions,
+        *,
+        device: torch.device | str,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not isinstance(options, BalancingOptions):
+            raise ValueError(f"options must be a BalancingOptions, got {type(options).__name__}")
+        self.model, self.options, self.device = model, options, torch.device(device)
+        self.routers = routers(model)
+        self.top_k = model.config.num_experts_per_tok
+        if options.router_bias_rate is not None and any(r.selection_bias is None for r in self.routers):
+            raise ValueError(
+                "BalancingOptions.router_bias_rate is set but the routers have no bias: call "
+                "model.enable_router_bias() before building the Balancing"
+            )
+        self.counts = GlobalExpertCounts(group)
+        self._n = 1
+        self._aux_sum = self._z_sum = torch.zeros((), device=self.device)
+        self._load: torch.Tensor | None = None
+
+    def start_step(self, num_micro_batches: int) -> None:
+        """Before the step's first forward: forget the last step, expect ``num_micro_batches`` micro-batches."""
+        if num_micro_batches < 1:
+            raise ValueError(f"a step has at least one micro-batch, got {num_micro_batches}")
+        self.counts.reset()
+        self._n = num_micro_batches
+        self._aux_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        self._z_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        self._load = None
+
+    def micro_batch_loss(self, out, attention_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """Before a micro-batch's backward: the balancing term to add to its LM loss, ``(aux_coef · aux + z_coef ·
+        z) / num_micro_batches`` (the balancing losses are per-micro-batch means, averaged over the step).
+
+        Args:
+            out: the model's output with ``output_router_logits=True`` (its ``aux_loss`` and ``router_logits``).
+            attention_mask_BS: the micro-batch's mask (None unless padded): padding routes nowhere.
+        """
+        o, zero = self.options, torch.zeros((), device=self.device)
+        aux = out.aux_loss if out.aux_loss is not None else zero
+        z = zero
+        if out.router_logits:
+            global_scope = o.scope == "global_batch"
+            counts = expert_counts(
+                out.router_logits, self.top_k, attention_mask_BS=attention_mask_BS, routers=self.routers
+            )
+            running = self.counts.add(counts, all_reduce=global_scope)
+            if global_scope:  # the expert frequencies of micro-batches 1..m of this step, all ranks
+                aux = global_balancing_loss(out.router_logits, running, self.top_k, attention_mask_BS)
+            if o.z_loss_coef:
+                z = router_z_loss(out.router_logits, attention_mask_BS)
+        self._aux_sum += aux.detach().float() / self._n
+        self._z_sum += z.detach().float() / self._n
+        return (o.aux_loss_coef * aux + o.z_loss_coef * z) / self._n
+
+    def end_step(self) -> StepBalance:
+        """After the step's last backward: its figures; the expert load is summed over the ranks here (one
+        all-reduce, unless ``global_batch`` did it micro-batch by micro-batch; every rank must call it alike)."""
+        self._load = self.counts.total()
+        return StepBalance(self._aux_sum, self._z_sum if self.options.z_loss_coef else None, self._load)
+
+    def after_optimizer_step(self) -> None:
+        """After the optimizer step: with ``router_bias_rate``, move the routers' biases (:func:`update_router_bias`,
+        the same counts on every rank: the same biases)."""
+        if self.options.router_bias_rate is not None and self._load is not None:
+            update_router_bias(self.model, self._load, self.options.router_bias_rate)
+
+
+# ---- the losses and counts ---------------------------------------------------------------------------------------
+
+
+def load_balancing_loss(
+    router_logits: tuple[torch.Tensor, ...],
+    num_experts: int,
+    top_k: int,
+    attention_mask_BS: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Switch-Transformer load-balancing loss over all MoE layers, as transformers' ``load_balancing_loss_func``.
+
+    ``E · Σ_e f_e · P_e`` where ``f_e`` is the share of top-k assignments to expert e and ``P_e`` its mean router
+    probability, both averaged over every MoE layer's tokens (padding excluded when ``attention_mask_BS`` is
+    given). Not multiplied by ``router_aux_loss_coef``.
+
+    Args:
+        router_logits: one ``[B·S, E]`` tensor per MoE layer.
+        num_experts: E (global).
+        top_k: experts per token.
+        attention_mask_BS: 1 for tokens, 0 for padding, or None.
+    """
+    device = router_logits[0].device if router_logits else torch.device("cpu")
+    tokens_per_expert_E = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    prob_per_expert_E = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    mask_T = None if attention_mask_BS is None else attention_mask_BS.reshape(-1).to(device, torch.float32)
+    for logits_TE in router_logits:
+        # Softmax in the logits' dtype (not forced to float32) to match transformers in bf16 too.
+        probs_TE = torch.softmax(logits_TE, dim=-1)
+        _, ids_TK = torch.topk(probs_TE, top_k, dim=-1)
+        weight_T = torch.ones(ids_TK.shape[0], dtype=torch.float32, device=device) if mask_T is None else mask_T
+        tokens_per_expert_E = tokens_per_expert_E.scatter_add(0, ids_TK.reshape(-1), weight_T.repeat_interleave(top_k))
+        prob_per_expert_E = prob_per_expert_E + (probs_TE.float() * weight_T[:, None]).sum(dim=0)
+        rows = rows + weight_T.sum()
+    return num_experts * torch.sum((tokens_per_expert_E / rows) * (prob_per_expert_E / rows))
+
+
+@torch.no_grad()
+def expert_counts(
+    router_logits: tuple[torch.Tensor, ...] | list[torch.Tensor],
+    top_k: int,
+    biases: list[torch.Tensor | None] | None = None,
+    attention_mask_BS: torch.Tensor | None = None,
+    routers: list[Router] | None = None,
+) -> torch.Tensor:
+    """Tokens routed to each expert of each MoE layer: float32 ``[L, E]`` (each token counts once per selected
+    expert; padding left out when ``attention_mask_BS`` is given). No host sync: sum it over micro-batches and
+    all-reduce it over ranks for the global load of a step.
+
+    The selection: with ``routers`` (one per layer, :func:`routers`), each router's own (``select_ids``: its scores,
+    selection bias and groups, e.g. DeepSeek-V3's); else the softmax top-k of the logits plus ``biases`` (each
+    layer's selection bias or None), Qwen3-MoE's."""
+    rows = []
+    for i, logits_TE in enumerate(router_logits):
+        if routers is not None:
+            ids_TK = routers[i].select_ids(logits_TE)
+        else:
+            probs_TE = torch.softmax(logits_TE.detach(), dim=-1, dtype=torch.float32)
+            bias = biases[i] if biases is not None else None
+            ids_TK = torch.topk(probs_TE if bias is None else probs_TE + bias, top_k, dim=-1).indices
+        weight_TK = torch.ones_like(ids_TK, dtype=torch.float32)
+        if attention_mask_BS is not None:
+            weight_TK = weight_TK * attention_mask_BS.reshape(-1, 1).to(weight_TK)
+        rows.append(
+            torch.zeros(logits_TE.shape[-1], device=logits_TE.device).scatter_add_(
+                0, ids_TK.flatten(), weight_TK.flatten()
+            )
+        )
+    return torch.stack(rows)
+
+
+def global_balancing_loss(
+    router_logits: tuple[torch.Tensor, ...] | list[torch.Tensor],
+    counts_LE: torch.Tensor,
+    top_k: int,
+    attention_mask_BS: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Load-balancing loss with the expert frequencies of a larger batch: ``mean_l E · Σ_e f_le · P_le``.
+
+    ``f_le``: the fraction of layer ``l``'s tokens routed to expert ``e`` according to ``counts_LE`` (e.g. the step's
+    counts over all micro-batches so far and all ranks, from :func:`expert_counts` all-reduced: no gradient; the
+    ``f`` of a layer sum to ``top_k``, as in transformers' loss, so the same coefficient applies); ``P_le``: the
+    mean router probability of expert ``e`` over this call's tokens (the gradient flows through it). With this
+    call's own counts it is transformers' loss computed per layer and averaged over layers.
+    """
+    f_LE = counts_LE * top_k / counts_LE.sum(-1, keepdim=True).clamp_min(1.0)
+    p_rows = []
+    mask_T = None if attention_mask_BS is None else attention_mask_BS.reshape(-1, 1).float()
+    for logits_TE in router_logits:
+        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        if mask_T is None:
+            p_rows.append(probs_TE.mean(0))
+        else:
+            m = mask_T.to(probs_TE.device)
+            p_rows.append((probs_TE * m).sum(0) / m.sum().clamp_min(1.0))
+    p_LE = torch.stack(p_rows)
+    return counts_LE.shape[-1] * (f_LE.to(p_LE.device) * p_LE).sum(-1).mean()
+
+
+def router_z_loss(
+    router_logits: tuple[torch.Tensor, ...] | list[torch.Tensor], attention_mask_BS: torch.Tensor | None = None
+) -> torch.Tensor:
+    """ST-MoE's router z-loss: the mean over tokens and MoE layers of ``logsumexp(logits)²`` (float32)."""
+    mask_T = None if attention_mask_BS is None else attention_mask_BS.reshape(-1).float()
+    total = []
+    for logits_TE in router_logits:
+        z_T = torch.logsumexp(logits_TE.float(), dim=-1).square()
+        if mask_T is None:
+            total.append(z_T.mean())
+        else:
+            m = mask_T.to(z_T.device)
+            total.append((z_T * m).sum() / m.sum().clamp_min(1.0))
+    return torch.stack(total).mean()
+
+
+@torch.no_grad()
+def update_router_bias(model: nn.Module, load_LE: torch.Tensor, update_rate: float) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3's rule, its paper's γ = ``update_rate``): after an optimizer step, move
+    each router's selection bias (``selection_bias``: Qwen3-MoE's ``bias``, DeepSeek-V3's ``e_score_correction_bias``)
+    by ``update_rate`` towards balance, ``bias_e += γ · sign(mean load - load_e)``: under-loaded experts up,
+    over-loaded down. ``load_LE``: the step's global expert counts (identical on every rank, so are the biases)."""
+    rs = routers(model)
+    if len(rs) != load_LE.shape[0]:
+        raise ValueError(f"load has {load_LE.shape[0]} layers but the model has {len(rs)} MoE layers")
+    for router, load_E in zip(rs, load_LE):
+        bias = router.selection_bias
+        if bias is None:
+            raise ValueError("the routers have no bias: call model.enable_router_bias() before training")
+        load_E = load_E.to(bias.device, torch.float32)
+        bias.add_(update_rate * torch.sign(load_E.mean() - load_E))
+
+
+class GlobalExpertCounts:
+    """A step's expert counts summed over its micro-batches and over the ranks of ``group``, on the device.
+
+    The counts are :func:`expert_counts`' ``[L, E]`` float32, added micro-batch by micro-batch (no host sync).
+
+    - Global-batch balancing loss: ``add(counts, all_reduce=True)`` all-reduces each micro-batch's counts at once
+      (one all-reduce of ``[L, E]``) and returns the running sum: micro-batch ``m`` of a step sees the counts of
+      micro-batches ``1..m`` of that step on every rank. Pass it to :func:`global_balancing_loss`. This is the
+      running form of a global-batch loss (Megatron-LM's ``global_aux_loss`` keeps the same running sum): the
+      last micro-batch sees the whole step's counts, the first only its own micro-batch on all ranks.
+    - Otherwise ``add(counts)`` keeps them on this rank, and :meth:`total` all-reduces them once per step.
+
+    :meth:`total` gives the step's global counts, identical on every rank (for the load metrics and
+    :func:`update_router_bias`); :meth:`reset` starts the next step. Without a process group nothing is
+    communicated (one rank's counts are the global ones).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self._reduced_LE: torch.Tensor | None = None  # summed over the ranks already
+        self._local_LE: torch.Tensor | None = None  # this rank's, not yet reduced
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def reset(self) -> None:
+        """Forget the counts (a new step)."""
+        self._reduced_LE = self._local_LE = None
+
+    def add(self, counts_LE: torch.Tensor, *, all_reduce: bool = False) -> torch.Tensor:
+        """Add one micro-batch's counts of this rank.
+
+        Args:
+            all_reduce: sum them over the ranks now (every rank must call it alike, once per micro-batch).
+
+        Returns:
+            With ``all_reduce``, the running global counts of the step's micro-batches so far (all ranks); else this
+            rank's counts so far plus what was reduced already.
+        """
+        counts_LE = counts_LE.detach().float()
+        if all_reduce:
+            reduced = self._all_reduce(counts_LE.clone())
+            self._reduced_LE = reduced if self._reduced_LE is None else self._reduced_LE + reduced
+            return self._reduced_LE if self._local_LE is None else self._reduced_LE + self._local_LE
+        self._local_LE = counts_LE.clone() if self._local_LE is None else self._local_LE + counts_LE
+        return self._local_LE if self._reduced_LE is None else self._reduced_LE + self._local_LE
+
+    def total(self) -> torch.Tensor | None:
+        """The step's counts over all micro-batches and ranks (one all-reduce of the local part, if any; every rank
+        must call it alike), or None when nothing was added."""
+        if self._local_LE is not None:
+            local = self._all_reduce(self._local_LE)
+            self._reduced_LE = local if self._reduced_LE is None else self._reduced_LE + local
+            self._local_LE = None
+        return self._reduced_LE

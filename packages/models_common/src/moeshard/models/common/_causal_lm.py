@@ -1,0 +1,468 @@
+"""The causal LM every family is: decoder stack, LM and load-balancing losses, init, parallel plan, HF load/save.
+
+A family subclasses :class:`DecoderModel` (``build_layer``: its attention and MLP per layer) and
+:class:`MoECausalLM` (``base_model_class``, ``hf_format``); everything else is here, once. Plain PyTorch: runs alone
+on one device with no process group. Parallelism and compilation are applied from outside by :func:`parallelize`
+(EP installs each layer's expert dispatcher, which does the token all-to-all; nothing here changes).
+``get_parallel_plan`` is the only place the model says anything about parallelism.
+
+    model = Qwen3MoeForCausalLM.from_pretrained("/ckpt/Qwen3-30B-A3B", dtype=torch.bfloat16)   # any family
+    out = model(input_ids, labels=input_ids)          # out.loss, out.lm_loss, out.aux_loss, out.logits
+
+    with torch.device("meta"):                        # sharded training: build, parallelise, then fill
+        model = DeepseekV3ForCausalLM(get_preset_config("deepseek-v3-16b"))
+    par = parallelize(model, meshes, ParallelOptions(compile=True))
+    model.to_empty(device="cuda")
+    load_hf_weights(model, "/ckpt/...", ep_info=par.ep_info)  # or model.init_weights()
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Shard
+from torch.nn.attention.flex_attention import BlockMask
+from transformers import PretrainedConfig
+
+from moeshard.ep import ParallelPlan
+from moeshard.models.common._balancing import load_balancing_loss
+from moeshard.models.common._hf_load import HFFormat
+from moeshard.models.common._layers import (
+    DenseMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    build_attention_mask,
+    document_block_mask,
+    document_causal_mask,
+)
+from moeshard.models.common._lm_loss import IGNORE_INDEX, ce_chunk, linear_cross_entropy
+from moeshard.models.common._moe import Experts, routers
+
+__all__ = ["CausalLMOutput", "DecoderLayer", "DecoderModel", "LMHead", "MoECausalLM", "causal_lm_loss"]
+
+
+@dataclass
+class CausalLMOutput:
+    """What ``MoECausalLM.forward`` returns.
+
+    Attributes:
+        loss: transformers' total: ``lm_loss`` plus ``router_aux_loss_coef * aux_loss`` when router logits are
+            output, or None without labels. Training loops use ``lm_loss`` and ``aux_loss`` (and their own
+            balancing coefficients, see :class:`moeshard.models.common.Balancing`), never this sum.
+        aux_loss: the load-balancing loss (unscaled), or None when router logits are not output.
+        logits: ``[B, S, V]`` in the model's dtype.
+        router_logits: one ``[B·S, E]`` tensor per MoE layer when output, else None.
+        lm_loss: the language-model loss alone, or None without labels.
+    """
+
+    loss: torch.Tensor | None
+    aux_loss: torch.Tensor | None
+    logits: torch.Tensor
+    router_logits: tuple[torch.Tensor, ...] | None = None
+    lm_loss: torch.Tensor | None = None
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x + self_attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    ``self_attn(x_BSD, cos, sin, mask) -> y_BSD``; ``mlp(h_BSD)`` returns ``y_BSD`` (dense) or
+    ``(y_BSD, router_logits_TE)`` (MoE). Every family builds its layers from its own attention and MLP modules.
+    """
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def attention_half(
+        self,
+        x_BSD: torch.Tensor,
+        cos_BSDh: torch.Tensor,
+        sin_BSDh: torch.Tensor,
+        mask_B1SS: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to the MLP: ``(x + attn(input_norm(x)), post_attention_norm(of that))``.
+
+        A method of its own so that it can be compiled from outside as one graph (``parallelize`` replaces it on
+        the instance with ``torch.compile(layer.attention_half)``); the MLP after it is not compiled (MoE layers
+        sync with the host there).
+        """
+        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos_BSDh, sin_BSDh, mask_B1SS)
+        return x_BSD, self.post_attention_layernorm(x_BSD)
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos_BSDh: torch.Tensor,
+        sin_BSDh: torch.Tensor,
+        mask_B1SS: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(x_BSD, router_logits_TE or None for a dense layer)``."""
+        x_BSD, h_BSD = self.attention_half(x_BSD, cos_BSDh, sin_BSDh, mask_B1SS)
+        out = self.mlp(h_BSD)
+        if isinstance(out, tuple):  # an MoE block: (y, router logits)
+            y_BSD, logits_TE = out
+            return x_BSD + y_BSD, logits_TE
+        return x_BSD + out, None
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, decoder layers and the final norm (``model.*`` in checkpoints); a family says what its layers are:
+    ``attention_class(config)``, then ``moe_block_class(config)`` where ``is_moe_layer(config, i)``, else a dense
+    SwiGLU MLP of ``intermediate_size`` (:meth:`build_layer`).
+
+    ``document_attention`` says how packed rows (``document_ids``) are masked: ``"auto"`` (default) uses a
+    flex_attention ``BlockMask`` on CUDA (masked blocks skipped) and a dense SDPA mask elsewhere; ``"flex"`` and
+    ``"dense"`` force one (the dense mask is the reference; it costs ``B·S²`` booleans per forward).
+    flex_attention runs its fused kernel only compiled (eagerly it is a dense reference), so ``"auto"`` picks it
+    only where the attention is compiled (``compiled_attention``, which ``parallelize(compile=True)`` sets).
+    """
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(self.build_layer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.document_attention = "auto"
+        self.compiled_attention = False
+
+    attention_class: type[nn.Module]
+    """The family's attention, ``attention_class(config)``."""
+    moe_block_class: type[nn.Module]
+    """The family's MoE block, ``moe_block_class(config)``."""
+    is_moe_layer: Callable[[PretrainedConfig, int], bool]
+    """Whether layer ``i`` of a config has routed experts (a staticmethod of the family's subclass)."""
+
+    @classmethod
+    def build_layer(cls, config: PretrainedConfig, layer_idx: int) -> DecoderLayer:
+        """Decoder layer ``layer_idx``: the family's attention, then its MoE block or a dense MLP."""
+        mlp = (
+            cls.moe_block_class(config)
+            if cls.is_moe_layer(config, layer_idx)
+            else DenseMLP(config.hidden_size, config.intermediate_size)
+        )
+        return DecoderLayer(cls.attention_class(config), mlp, config.hidden_size, config.rms_norm_eps, layer_idx)
+
+    def forward(
+        self,
+        input_ids_BS: torch.Tensor,
+        attention_mask_BS: torch.Tensor | None = None,
+        position_ids_BS: torch.Tensor | None = None,
+        document_ids_BS: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """``(hidden_BSD after the final norm, router logits of every MoE layer)``."""
+        x_BSD = self.embed_tokens(input_ids_BS)
+        s = input_ids_BS.shape[1]
+        if position_ids_BS is None:
+            # As transformers: positions 0..S-1 even with left padding (the mask alone hides the pads).
+            position_ids_BS = torch.arange(s, device=x_BSD.device)[None]
+        elif position_ids_BS.dim() == 1:
+            position_ids_BS = position_ids_BS[None]
+        cos, sin = self.rotary_emb(position_ids_BS, x_BSD.dtype)
+        mask = self._attention_mask(attention_mask_BS, document_ids_BS, s)
+        router_logits = []
+        for layer in self.layers:
+            x_BSD, logits_TE = layer(x_BSD, cos, sin, mask)
+            if logits_TE is not None:
+                router_logits.append(logits_TE)
+        return self.norm(x_BSD), tuple(router_logits)
+
+    def _attention_mask(
+        self, attention_mask_BS: torch.Tensor | None, document_ids_BS: torch.Tensor | None, s: int
+    ) -> torch.Tensor | BlockMask | None:
+        """One mask for every layer: None (causal), a dense boolean ``[B, 1, S, S]``, or a flex ``BlockMask``."""
+        if document_ids_BS is None:
+            return build_attention_mask(attention_mask_BS, s)
+        if document_ids_BS.shape[-1] != s:
+            raise ValueError(
+                f"document_ids must be [batch, seq_len={s}] like input_ids, got shape {tuple(document_ids_BS.shape)}"
+            )
+        kind = self.document_attention
+        if kind not in ("auto", "flex", "dense"):
+            raise ValueError(f"document_attention must be 'auto', 'flex' or 'dense', got {kind!r}")
+        if kind == "flex" and not document_ids_BS.is_cuda and torch.is_grad_enabled():
+            raise ValueError(
+                "document_attention='flex' has no backward on CPU (flex_attention); use 'auto' or 'dense' there"
+            )
+        if kind == "flex" or (kind == "auto" and document_ids_BS.is_cuda and self.compiled_attention):
+            if attention_mask_BS is not None:
+                # Padding is a document of its own in packed rows (the data gives it id -1): no second mask.
+                document_ids_BS = document_ids_BS.masked_fill(attention_mask_BS == 0, -1)
+            return document_block_mask(document_ids_BS)
+        return document_causal_mask(document_ids_BS, attention_mask_BS)
+
+
+class MoECausalLM(nn.Module):
+    """An MoE causal LM with transformers' FQNs, numerics and ``from_pretrained``/``save_pretrained`` face.
+
+    A family subclass names ``base_model_class`` (its :class:`DecoderModel`) and ``hf_format`` (its checkpoints,
+    whose ``check_config`` the config passes and whose ``num_experts`` counts the routed experts).
+
+    Args:
+        config: the family's transformers config; checked by ``hf_format.check_config``.
+    """
+
+    base_model_class: type[DecoderModel]
+    """The decoder stack (``model.*``)."""
+    hf_format: HFFormat
+    """Its HF checkpoints (read by ``load_hf_weights`` and ``save_hf_checkpoint``)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.hf_format.check_config(config)
+        self.config = config
+        self.model = self.base_model_class(config)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (global)."""
+        return self.hf_format.num_experts(self.config)
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """What ``forward`` adds the load-balancing loss with to ``loss``: ``config.router_aux_loss_coef`` (0 where
+        the config has none, as transformers' DeepSeek-V3)."""
+        return float(getattr(self.config, "router_aux_loss_coef", 0.0) or 0.0)
+
+    # ---- forward -------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        output_router_logits: bool | None = None,
+        return_logits: bool = True,
+    ) -> CausalLMOutput:
+        """Logits and, with ``labels``, the loss (transformers semantics).
+
+        Args:
+            input_ids: ``[B, S]`` token ids.
+            labels: ``[B, S]``, shifted inside (position t predicts ``labels[t + 1]``); ``-100`` is ignored.
+            attention_mask: ``[B, S]``, 1 for tokens and 0 for padding; also excludes padding from the aux loss.
+            position_ids: ``[B, S]`` or ``[S]``; default ``0..S-1``. Packed rows restart them in every document.
+            document_ids: ``[B, S]``, packed rows: token ``t`` attends to ``j <= t`` only where the ids are equal
+                (padding gets an id of its own, e.g. -1). With ``position_ids`` restarting per document, each
+                document computes what it computes alone (``moeshard.data`` produces both).
+            num_items_in_batch: when given, the LM loss is the sum over label tokens divided by it (for
+                gradient accumulation / data parallel), else the mean over this call's label tokens.
+            output_router_logits: compute ``aux_loss`` (and add ``router_aux_loss_coef * aux_loss`` to ``loss``,
+                not to ``lm_loss``); default ``config.output_router_logits``.
+            return_logits: with ``labels``, False computes the loss in chunks through the head without ever
+                holding the ``[B, S, V]`` logits (training); ``logits`` is then None.
+        """
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        hidden_BSD, router_logits = self.model(input_ids, attention_mask, position_ids, document_ids)
+        loss = logits_BSV = None
+        if labels is not None and not return_logits:
+            shift_labels_BS = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+            loss = self.lm_head(hidden_BSD, targets_BS=shift_labels_BS, num_items_in_batch=num_items_in_batch)
+        else:
+            logits_BSV = self.lm_head(hidden_BSD)
+            if labels is not None:
+                loss = causal_lm_loss(logits_BSV, labels, num_items_in_batch)
+        aux_loss, lm_loss = None, loss
+        if output_router_logits:
+            if router_logits:
+                aux_loss = load_balancing_loss(
+                    router_logits, self.num_experts, self.config.num_experts_per_tok, attention_mask
+                )
+            else:  # no MoE layer at all
+                aux_loss = torch.zeros((), device=hidden_BSD.device)
+            if loss is not None:
+                loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+        return CausalLMOutput(
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=logits_BSV,
+            router_logits=router_logits if output_router_logits else None,
+            lm_loss=lm_loss,
+        )
+
+    # ---- construction helpers --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Initialise every parameter as transformers does: normal(0, initializer_range) for linear, embedding,
+        router and expert weights (linear biases zero, the padding row of the embedding zero), ones for norms.
+
+        Works on a materialised model (after ``to_empty``), before or after EP/FSDP (DTensor parameters are
+        initialised through the DTensor random ops). ``generator`` applies to plain parameters; DTensor parameters
+        draw from DTensor's own generator, which ``torch.manual_seed`` seeds: for reproducible sharded weights call
+        ``torch.manual_seed(s)`` with the same ``s`` on every rank first (as ``moeshard-train`` does).
+        """
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
+                if module.padding_idx is not None:
+                    _zero_row(module.weight, module.padding_idx)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+            elif hasattr(module, "init_weights_"):  # routers, experts: their own rule
+                module.init_weights_(std, generator)
+
+    def enable_router_bias(self) -> None:
+        """Give every router a selection bias (zeros) for aux-loss-free balancing (see ``update_router_bias``).
+
+        Call it after loading HF weights (their format has no such tensor) and before a distributed checkpoint is
+        loaded or saved (theirs has). Each rank holds the whole ``[E]`` bias of each layer."""
+        for router in routers(self):
+            router.enable_bias()
+
+    @staticmethod
+    def get_parallel_plan() -> ParallelPlan:
+        """Experts sharded on the expert dim for EP; embeddings, each decoder layer and the head as FSDP units.
+
+        Layers without experts (dense layers) simply do not match the expert patterns; shared experts are part of
+        their decoder layer's unit.
+        """
+        return ParallelPlan(
+            ep_plan={
+                "model.layers.*.mlp.experts.gate_up_proj": Shard(0),
+                "model.layers.*.mlp.experts.down_proj": Shard(0),
+            },
+            fsdp_units=("model.embed_tokens", "model.layers.*", "lm_head"),
+        )
+
+    # ---- HF checkpoints --------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        expert_range: tuple[int, int] | None = None,
+    ) -> MoECausalLM:
+        """Build the model from a local HF directory (``config.json`` + safetensors) and load every weight.
+
+        The model is built on ``meta``, materialised on ``device`` (default CPU) in ``dtype`` (default: the
+        current default dtype, float32 unless changed) and filled by :func:`load_hf_weights`; float checkpoint
+        tensors are cast to ``dtype``. With ``expert_range=(start, end)`` the expert tensors hold only global
+        experts ``[start, end)`` and only those are read (for tools and converters; such a model runs forward
+        only once EP provides the other experts).
+
+        Raises:
+            FileNotFoundError / ValueError: see :func:`load_hf_weights`.
+        """
+        from moeshard.models.common._hf_load import load_hf_config, load_hf_weights
+
+        config = load_hf_config(path, cls.hf_format)
+        with torch.device("meta"):
+            model = cls(config)
+        if expert_range is not None:
+            model._slice_experts(expert_range)
+        if dtype is not None:
+            model.to(dtype)  # on meta: free, so memory is allocated once, in the final dtype
+        model.to_empty(device=device or "cpu")
+        load_hf_weights(model, path, expert_range=expert_range)
+        return model
+
+    def save_pretrained(
+        self,
+        path: str | os.PathLike,
+        *,
+        max_shard_size: int | str = "5GB",
+        expert_layout: str = "per_expert",
+    ) -> None:
+        """Write ``config.json`` and safetensors shards (+ index when sharded) that transformers loads.
+
+        ``expert_layout="per_expert"`` (default) writes the Hub's one-tensor-per-expert keys; ``"fused"`` writes
+        ``gate_up_proj``/``down_proj`` as they are. The directory is replaced atomically (see
+        :func:`save_hf_checkpoint`). Needs plain, complete parameters: gather a sharded model first.
+        """
+        from moeshard.models.common._hf_save import save_hf_checkpoint
+
+        save_hf_checkpoint(self, path, max_shard_size=max_shard_size, expert_layout=expert_layout)
+
+    def _slice_experts(self, expert_range: tuple[int, int]) -> None:
+        start, end = expert_range
+        if not 0 <= start < end <= self.num_experts:
+            raise ValueError(
+                f"expert_range={expert_range} must satisfy 0 <= start < end <= num_experts={self.num_experts}"
+            )
+        for module in self.modules():
+            if isinstance(module, Experts):
+                for name in ("gate_up_proj", "down_proj"):
+                    old = getattr(module, name)
+                    setattr(module, name, nn.Parameter(old.detach()[start:end].clone(), old.requires_grad))
+
+
+class LMHead(nn.Linear):
+    """The output projection; given next-token targets it returns the loss instead of logits (chunked, see
+    :func:`linear_cross_entropy`). A module of its own so that FSDP's hooks
+    gather its weight in both cases; its parameter name stays ``lm_head.weight``.
+
+    ``chunk_loss`` is the function of one chunk's loss and logit gradient (``ce_chunk``); setting it on
+    an instance (``parallelize`` sets a compiled version) changes that head only.
+    """
+
+    chunk_loss = staticmethod(ce_chunk)
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__(hidden_size, vocab_size, bias=False)
+
+    def forward(  # noqa: D102
+        self,
+        x_BSD: torch.Tensor,
+        targets_BS: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if targets_BS is None:
+            return super().forward(x_BSD)
+        return linear_cross_entropy(
+            x_BSD.reshape(-1, x_BSD.shape[-1]),
+            self.weight,
+            targets_BS.reshape(-1),
+            num_items_in_batch,
+            chunk_loss=self.chunk_loss,
+        )
+
+
+def causal_lm_loss(
+    logits_BSV: torch.Tensor, labels_BS: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None
+) -> torch.Tensor:
+    """Next-token cross-entropy in float32, labels shifted inside, ``-100`` ignored (transformers semantics).
+
+    Mean over label tokens, or their sum divided by ``num_items_in_batch`` when it is given.
+    """
+    shift_labels_BS = F.pad(labels_BS, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    logits_NV = logits_BSV.float().reshape(-1, logits_BSV.shape[-1])
+    targets_N = shift_labels_BS.reshape(-1).to(logits_NV.device)
+    if num_items_in_batch is None:
+        return F.cross_entropy(logits_NV, targets_N, ignore_index=IGNORE_INDEX)
+    loss = F.cross_entropy(logits_NV, targets_N, ignore_index=IGNORE_INDEX, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def _zero_row(weight: torch.Tensor, row: int) -> None:
+    """Zero row ``row`` of a plain or DTensor (local shard only: no communication) weight."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor):
+        from moeshard.models.common._hf_load import local_region
+
+        offset, local = local_region(weight)
+        if offset[0] <= row < offset[0] + local.shape[0]:
+            local[row - offset[0]].zero_()
+    else:
+        weight[row].zero_()

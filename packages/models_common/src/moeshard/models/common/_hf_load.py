@@ -1,0 +1,438 @@
+"""Loading HF checkpoints of a model family into a model in place, whatever its parameters have become.
+
+The family's :class:`HFFormat` (the model class's ``hf_format``) says what its checkpoints hold beyond the common
+layout: its ``model_type``, the config fields that decide shapes, stored buffers, layers to skip.
+
+A parameter may be a plain tensor, an EP-sliced expert tensor (``moeshard.ep.apply_ep``: its experts are
+``[expert_start, expert_end)`` of the global ones, from the ``EPInfo`` that ``apply_ep`` returned), or a DTensor from FSDP2 (its
+local shard is a box of the DTensor's global shape, from ``compute_local_shape_and_global_offset``). For an
+expert parameter after EP + FSDP, the DTensor's global shape is the EP-local one, so the box is shifted by
+``expert_start`` on dim 0. Each rank reads exactly its box, from either expert layout:
+
+- fused (transformers 5.x in memory): ``...mlp.experts.gate_up_proj [E, 2F, D]``, ``...mlp.experts.down_proj
+  [E, D, F]``;
+- per expert (the Hub): ``...mlp.experts.{e}.gate_proj.weight [F, D]``, ``up_proj.weight [F, D]``,
+  ``down_proj.weight [D, F]``; the box of ``gate_up_proj`` is split between the gate and up tensors.
+
+The whole plan (keys, shapes, dtypes) is checked against the checkpoint before the first byte is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import PretrainedConfig
+
+from moeshard.ep import EPInfo
+from moeshard.models.common._fp8 import FP8, SCALE_SUFFIX, check_fp8, dequantize, fp8_block, read_scales
+from moeshard.models.common._safetensors import CheckpointError, SafetensorsDir
+
+__all__ = [
+    "CheckpointError",
+    "HFFormat",
+    "LoadReport",
+    "load_hf_config",
+    "load_hf_weights",
+    "local_region",
+]
+
+logger = logging.getLogger(__name__)
+
+_EXPERT_SUFFIXES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+# Segments that wrappers (activation checkpointing, torch.compile, FSDP1) insert into FQNs.
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _no_layers(config: PretrainedConfig) -> range:
+    """No layer is skipped (the default of ``HFFormat.skipped_layers``)."""
+    return range(0)
+
+
+def _config_field(config: PretrainedConfig, name: str) -> object:
+    """``getattr(config, name, None)`` (the default of ``HFFormat.field``)."""
+    return getattr(config, name, None)
+
+
+@dataclass(frozen=True)
+class HFFormat:
+    """What one model family's HF checkpoints look like: the loader and writer read it from the model class
+    (``type(model).hf_format``) or are given it.
+
+    Attributes:
+        model_type: the ``model_type`` of its ``config.json``.
+        architecture: written to ``config.json``'s ``architectures``.
+        config_class: the transformers config class.
+        check_config: raises ``ValueError`` for a config the model does not implement.
+        structural_keys: config fields that decide parameter shapes (a checkpoint that differs is refused by name).
+        num_experts: routed experts per MoE layer of a config.
+        buffers: name suffixes of persistent buffers the format stores (loaded and saved like parameters).
+        skipped_layers: layer indices a checkpoint may carry that the model does not build (their keys
+            ``model.layers.{i}.*`` are skipped with one logged line), from the config.
+        field: a structural field of a config in comparable form (default ``getattr``).
+    """
+
+    model_type: str
+    architecture: str
+    config_class: type[PretrainedConfig]
+    check_config: Callable[[PretrainedConfig], None]
+    structural_keys: tuple[str, ...]
+    num_experts: Callable[[PretrainedConfig], int]
+    buffers: tuple[str, ...] = ()
+    skipped_layers: Callable[[PretrainedConfig], range] = _no_layers
+    field: Callable[[PretrainedConfig, str], object] = _config_field
+
+
+def model_format(model: nn.Module | type[nn.Module]) -> HFFormat:
+    """The :class:`HFFormat` of a model (or model class): its class's ``hf_format``.
+
+    Raises:
+        TypeError: the class names no ``hf_format`` (not a moeshard model family).
+    """
+    fmt = getattr(model if isinstance(model, type) else type(model), "hf_format", None)
+    if not isinstance(fmt, HFFormat):
+        name = (model if isinstance(model, type) else type(model)).__name__
+        raise TypeError(f"{name} has no hf_format (an HFFormat): it is not a moeshard model family's model class")
+    return fmt
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What :func:`load_hf_weights` did.
+
+    Attributes:
+        keys_read: checkpoint keys of which at least one element was read.
+        bytes_read: bytes read from the files (in the stored dtype).
+        casts: ``"bfloat16->float32"``-style dtype conversions → number of checkpoint tensors cast
+            (``"float8_e4m3fn->bfloat16"`` for FP8 weights dequantised with their block scales).
+        skipped: checkpoint keys left out on purpose (layers the model does not build, e.g. multi-token
+            prediction).
+    """
+
+    keys_read: frozenset[str]
+    bytes_read: int
+    casts: dict[str, int]
+    skipped: frozenset[str] = frozenset()
+
+
+def _read_config_json(path: Path, fmt: HFFormat) -> dict:
+    file = path / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except ValueError as err:
+        raise CheckpointError(f"{file} is not valid JSON ({err}); restore the checkpoint's config.json") from None
+    model_type = raw.get("model_type")
+    if model_type != fmt.model_type:
+        raise CheckpointError(
+            f"{file} has model_type {model_type!r}, this model is {fmt.model_type!r}: point to a "
+            f"{fmt.architecture} checkpoint, or use the model family of that architecture"
+        )
+    return raw
+
+
+def load_hf_config(path: str | os.PathLike, fmt: HFFormat) -> PretrainedConfig:
+    """Read and check ``config.json`` of a local HF checkpoint directory of the family ``fmt``.
+
+    Raises:
+        FileNotFoundError: no such directory, or no config.json in it.
+        CheckpointError: invalid JSON or another ``model_type``.
+        ValueError: a config feature this model does not implement (see ``check_config``).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"checkpoint directory {path} does not exist or is not a directory; pass the local folder holding "
+            "config.json and *.safetensors (download it first: no network access is attempted)"
+        )
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json; copy the checkpoint's config.json next to its weights")
+    config = fmt.config_class.from_dict(_read_config_json(path, fmt))
+    fmt.check_config(config)
+    return config
+
+
+def local_region(param: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor]:
+    """``(offset, local)``: where this rank's data sits in ``param``'s (DTensor-)global shape, and the tensor to
+    write it to (a DTensor's local shard, shared with its storage; a plain tensor itself).
+
+    Raises:
+        ValueError: a DTensor placement other than Shard/Replicate (e.g. Partial or strided sharding).
+    """
+    if not isinstance(param, DTensor):
+        return (0,) * param.dim(), param.detach()
+    for placement in param.placements:
+        if type(placement) not in (Shard, Replicate):
+            raise ValueError(
+                f"cannot load into a DTensor placed {param.placements}: only Shard and Replicate are supported"
+            )
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    local = param.to_local().detach()
+    if local.numel() == 0:
+        offset = (0,) * param.dim()
+    return tuple(offset), local
+
+
+def _clean_fqn(fqn: str) -> str:
+    for seg in _WRAPPER_SEGMENTS:
+        fqn = fqn.replace(seg, "")
+    return fqn
+
+
+@dataclass
+class _Request:
+    key: str
+    slices: tuple[slice, ...]
+    dst: torch.Tensor
+
+
+def _expert_requests(
+    fqn: str, global_shape: tuple[int, ...], offset: tuple[int, ...], local: torch.Tensor
+) -> list[_Request]:
+    """Reads that fill ``local`` (box ``offset`` + ``local.shape`` of a fused expert tensor) from per-expert keys."""
+    prefix, _, name = fqn.rpartition(".")
+    (e0, r0, c0), (ne, nr, nc) = offset, tuple(local.shape)
+    cols = slice(c0, c0 + nc)
+    reqs = []
+    for e in range(e0, e0 + ne):
+        dst = local[e - e0]
+        if name == "down_proj":
+            reqs.append(_Request(f"{prefix}.{e}.down_proj.weight", (slice(r0, r0 + nr), cols), dst))
+            continue
+        f = global_shape[1] // 2
+        for proj, lo in (("gate_proj", 0), ("up_proj", f)):  # gate rows [0, F), up rows [F, 2F)
+            a, b = max(r0, lo), min(r0 + nr, lo + f)
+            if a < b:
+                reqs.append(
+                    _Request(f"{prefix}.{e}.{proj}.weight", (slice(a - lo, b - lo), cols), dst[a - r0 : b - r0])
+                )
+    return reqs
+
+
+def _per_expert_keys(fqn: str, global_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Per-expert key → stored shape, for every expert of the fused parameter ``fqn`` of ``global_shape``."""
+    prefix, _, name = fqn.rpartition(".")
+    e, rows, cols = global_shape
+    if name == "down_proj":  # [E, D, F] -> E x [D, F]
+        return {f"{prefix}.{i}.down_proj.weight": (rows, cols) for i in range(e)}
+    # [E, 2F, D] -> E x gate [F, D] + up [F, D]
+    return {f"{prefix}.{i}.{p}.weight": (rows // 2, cols) for i in range(e) for p in ("gate_proj", "up_proj")}
+
+
+def _check_structure(model: nn.Module, path: Path, fmt: HFFormat) -> None:
+    config = getattr(model, "config", None)
+    if config is None or not (path / "config.json").is_file():
+        return
+    ckpt_config = fmt.config_class.from_dict(_read_config_json(path, fmt))
+    for name in fmt.structural_keys:
+        ours, theirs = fmt.field(config, name), fmt.field(ckpt_config, name)
+        if ours != theirs:
+            raise CheckpointError(
+                f"{path / 'config.json'} has {name}={theirs!r}, the model was built with {name}={ours!r}: build the "
+                "model from this checkpoint's config (load_hf_config) or load a matching checkpoint"
+            )
+
+
+def _tensors(model: nn.Module, fmt: HFFormat):
+    """``(fqn, tensor)`` of every parameter and of the persistent buffers the format stores."""
+    yield from model.named_parameters()
+    for fqn, buf in model.named_buffers():
+        if fqn.endswith(fmt.buffers):
+            yield fqn, buf
+
+
+def _skipped_keys(found: set[str], layers: range) -> set[str]:
+    prefixes = tuple(f"model.layers.{i}." for i in layers)
+    return {k for k in found if k.startswith(prefixes)} if prefixes else set()
+
+
+def load_hf_weights(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    ep_info: EPInfo | None = None,
+    expert_range: tuple[int, int] | None = None,
+    allow_dtype_cast: bool = True,
+) -> LoadReport:
+    """Fill every parameter of ``model`` in place from a local HF checkpoint, reading only this rank's slices.
+
+    Works on plain models, after ``moeshard.ep.apply_ep`` (each expert parameter's global expert range comes
+    from ``ep_info``, what ``apply_ep`` or ``parallelize`` returned) and after FSDP2 (DTensor parameters: only the local shard is read). Both expert
+    layouts load (fused or per-expert keys, per layer). Float checkpoint tensors of another float dtype are cast to
+    the parameter's dtype (reported in ``LoadReport.casts`` and logged); other dtype differences are errors. FP8
+    weights with their block scales (``X.weight_scale_inv``, DeepSeek's Hub format) are dequantised to the
+    parameter's dtype; an FP8 weight without scales is refused. The persistent buffers the model's format names
+    (``HFFormat.buffers``) load like parameters; layers the format says the model does not build
+    (``HFFormat.skipped_layers``) are skipped with one logged line. The format is the model class's ``hf_format``.
+
+    Args:
+        model: a materialised model (no ``meta`` parameters) with our FQNs (wrappers' segments are ignored).
+        path: the checkpoint directory.
+        ep_info: the model's EP metadata (``apply_ep``'s result, ``Parallelized.ep_info``); needed when EP sliced
+            the experts (EP size > 1), optional otherwise. An EP-sliced model without it is an error.
+        expert_range: ``(start, end)`` when the model's expert parameters hold global experts ``[start, end)``
+            without EP metadata (``from_pretrained(expert_range=...)``); ignored for parameters EP recorded.
+        allow_dtype_cast: False makes a float dtype difference an error too.
+
+    Returns:
+        A :class:`LoadReport`.
+
+    Raises:
+        FileNotFoundError: no such directory / shard.
+        CheckpointError: other architecture, config mismatch, missing or unexpected keys, shape or dtype
+            mismatch, truncated or corrupt files; nothing is written to the model in these cases.
+    """
+    path = Path(path)
+    fmt = model_format(model)
+    ckpt = SafetensorsDir(path)
+    _check_structure(model, path, fmt)
+    config = getattr(model, "config", None)
+    num_experts = fmt.num_experts(config) if config is not None else None
+
+    requests, wanted_shape = _plan(model, ckpt, fmt, ep_info, expert_range, num_experts)
+    found = ckpt.keys()
+    skipped = _skipped_keys(found, fmt.skipped_layers(config)) if config is not None else set()
+    if skipped:
+        layers = sorted({int(k.split(".")[2]) for k in skipped})
+        logger.warning(
+            "load_hf_weights(%s): skipping %d tensors of model.layers.%s (multi-token prediction), which this model "
+            "does not build",
+            path,
+            len(skipped),
+            layers[0] if len(layers) == 1 else layers,
+        )
+    scales = {k for k in found if k.endswith(SCALE_SUFFIX) and k.removesuffix(SCALE_SUFFIX) in wanted_shape}
+    _check_keys(path, set(wanted_shape), found - skipped - scales)
+    for key, shape in wanted_shape.items():
+        info = ckpt.info(key)
+        if info.shape != shape:
+            raise CheckpointError(
+                f"{key} in {info.file.name} has shape {list(info.shape)}, the model needs {list(shape)}: "
+                "the checkpoint and the model's config disagree (build the model from this checkpoint's config)"
+            )
+    block = fp8_block(config)
+    fp8 = sorted({r.key for r in requests if ckpt.info(r.key).dtype in FP8})
+    check_fp8(ckpt, fp8, block)
+    casts = _check_dtypes(ckpt, requests, set(fp8), allow_dtype_cast)
+    if casts:
+        logger.info("load_hf_weights(%s): cast checkpoint tensors to the parameters' dtypes: %s", path, casts)
+
+    bytes_read = 0
+    scale_of = read_scales(ckpt, fp8)
+    with torch.no_grad():
+        for i, _key, tensor in ckpt.read((r.key, r.slices) for r in requests):
+            req = requests[i]
+            assert tuple(tensor.shape) == tuple(req.dst.shape), (req.key, tensor.shape, req.dst.shape)
+            bytes_read += tensor.numel() * tensor.element_size()
+            if req.key in scale_of:
+                tensor = dequantize(tensor, scale_of[req.key], req.slices, block, req.dst.dtype)
+            req.dst.copy_(tensor)
+    return LoadReport(
+        keys_read=frozenset(r.key for r in requests),
+        bytes_read=bytes_read,
+        casts=casts,
+        skipped=frozenset(skipped),
+    )
+
+
+def _plan(
+    model: nn.Module,
+    ckpt: SafetensorsDir,
+    fmt: HFFormat,
+    ep_info: EPInfo | None,
+    expert_range: tuple[int, int] | None,
+    num_experts: int | None,
+) -> tuple[list[_Request], dict[str, tuple[int, ...]]]:
+    """``(reads that fill this rank's boxes, every checkpoint key the model needs -> its stored shape)``; expert
+    tensors read from fused keys where the checkpoint has them, else from per-expert keys."""
+    requests: list[_Request] = []
+    wanted_shape: dict[str, tuple[int, ...]] = {}
+    for raw_fqn, param in _tensors(model, fmt):
+        fqn = _clean_fqn(raw_fqn)
+        if param.device.type == "meta":
+            raise ValueError(f"parameter {fqn} is on the meta device: materialise the model (to_empty) before loading")
+        offset, local = local_region(param)
+        global_shape = tuple(param.shape)
+        meta = ep_info.params.get(fqn) if ep_info is not None else None
+        is_expert = fqn.endswith(_EXPERT_SUFFIXES)
+        if meta is not None:
+            global_shape, start = tuple(meta.global_shape), meta.expert_start
+            offset = (offset[0] + start, *offset[1:])
+        elif is_expert and expert_range is not None:
+            start, end = expert_range
+            if global_shape[0] != end - start or num_experts is None:
+                raise ValueError(
+                    f"{fqn} holds {global_shape[0]} experts but expert_range={expert_range} spans {end - start}"
+                )
+            global_shape = (num_experts, *global_shape[1:])
+            offset = (offset[0] + start, *offset[1:])
+        elif is_expert and num_experts is not None and global_shape[0] != num_experts:
+            raise ValueError(
+                f"{fqn} holds {global_shape[0]} of the model's {num_experts} experts (EP applied) but no ep_info was "
+                "given: pass load_hf_weights(..., ep_info=...) with what apply_ep / parallelize returned"
+            )
+
+        if not is_expert or fqn in ckpt:
+            wanted_shape[fqn] = global_shape
+            if fqn in ckpt and local.numel():
+                requests.append(_Request(fqn, tuple(slice(o, o + n) for o, n in zip(offset, local.shape)), local))
+            continue
+        # Per-expert layout: the fused tensor's shape fixes each expert tensor's shape.
+        keys = _per_expert_keys(fqn, global_shape)
+        wanted_shape.update(keys)
+        if local.numel():
+            requests.extend(_expert_requests(fqn, global_shape, offset, local))
+
+    return requests, wanted_shape
+
+
+def _check_dtypes(
+    ckpt: SafetensorsDir, requests: list[_Request], fp8: set[str], allow_dtype_cast: bool
+) -> dict[str, int]:
+    """``"src->dst"`` → tensors cast (FP8 dequantisation counted as a cast); raises for a cast that is not done."""
+    cast_of: dict[str, str] = {}
+    for req in requests:
+        src, dst = ckpt.info(req.key).dtype, req.dst.dtype
+        if req.key in fp8:
+            if not dst.is_floating_point or dst in FP8:
+                raise CheckpointError(f"{req.key} is FP8: it dequantises into a float parameter, not {dst}")
+            cast_of[req.key] = f"{_name(src)}->{_name(dst)}"
+        elif src != dst:
+            if not (allow_dtype_cast and src.is_floating_point and dst.is_floating_point):
+                raise CheckpointError(
+                    f"{req.key} is stored as {src}, the parameter is {dst}: "
+                    + ("pass allow_dtype_cast=True" if src.is_floating_point and dst.is_floating_point else "")
+                    + " (only float-to-float casts are done; convert the checkpoint or the model's dtype)"
+                )
+            cast_of[req.key] = f"{_name(src)}->{_name(dst)}"
+    return dict(Counter(cast_of.values()))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_keys(path: Path, expected: set[str], found: set[str]) -> None:
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    problems = []
+    if missing:
+        problems.append(
+            f"is missing {len(missing)} tensor(s) the model needs, e.g. {missing[:5]} (the checkpoint is incomplete: "
+            "copy every shard; or it was saved from a different config)"
+        )
+    if unexpected:
+        problems.append(
+            f"has {len(unexpected)} tensor(s) this model does not have, e.g. {unexpected[:5]} (saved from a different "
+            "architecture or config, or a layer's experts stored both fused and per expert: remove them or load a "
+            "matching checkpoint)"
+        )
+    if problems:
+        raise CheckpointError(f"checkpoint {path} " + "; and it ".join(problems))

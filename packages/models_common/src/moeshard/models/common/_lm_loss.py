@@ -1,0 +1,115 @@
+"""LM head + next-token cross-entropy without materialising the ``[tokens, vocab]`` logits.
+
+# N tokens, D hidden, V vocabulary, C tokens per chunk
+
+With a 151,936-word vocabulary the plain path holds bf16 logits, their fp32 copy and log-softmax (~5 + 10 + 10
+GB at 16k tokens) and makes several memory-bound passes over them. Here the tokens go through the head in chunks;
+each chunk's fp32 logits live only while its loss and its gradient (softmax − one-hot) are computed, in the
+forward. The gradients w.r.t. the hidden states and the head weight are kept (``[N, D]`` and ``[V, D]``) and
+scaled by the incoming gradient in backward, so no logits are recomputed: the same three matmuls as the plain
+path, numerically the same function (fp32 log-softmax of the logits in the compute dtype).
+
+The per-chunk loss and logit gradient is :func:`ce_chunk`, passed in as ``chunk_loss`` so that a compiled version
+can replace it (``parallelize`` does that on the model's head) without a global switch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+IGNORE_INDEX = -100
+"""Label value that the loss ignores (padding, prompts), as in transformers and ``torch.nn.CrossEntropyLoss``."""
+
+
+def ce_chunk(logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of one chunk and its gradient w.r.t. the logits (in the logits' dtype).
+
+    Statistics in float32; ``-100`` targets contribute nothing.
+    """
+    x_CV = logits_CV.float()
+    lse_C = torch.logsumexp(x_CV, dim=-1)
+    valid_C = targets_C != IGNORE_INDEX
+    safe_C = torch.where(valid_C, targets_C, torch.zeros_like(targets_C))
+    picked_C = x_CV.gather(1, safe_C[:, None]).squeeze(1)
+    loss = torch.where(valid_C, lse_C - picked_C, torch.zeros_like(lse_C)).sum()
+    # d(sum of losses)/d logits = softmax - one_hot(target), zero on ignored rows.
+    one_hot_CV = torch.arange(x_CV.shape[1], device=x_CV.device)[None, :] == safe_C[:, None]
+    grad_CV = (torch.exp(x_CV - lse_C[:, None]) - one_hot_CV.float()) * valid_C[:, None].float()
+    return loss, grad_CV.to(logits_CV.dtype)
+
+
+ChunkLoss = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _accumulate_mm(acc_fp32: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` in float32. On CUDA with 16-bit inputs the addition happens in the GEMM's epilogue
+    (``addmm`` with ``out_dtype=float32``), not as two more passes over the ``[V, D]`` accumulator."""
+    if acc_fp32.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        torch.addmm(acc_fp32, a, b, out_dtype=torch.float32, out=acc_fp32)
+    else:
+        acc_fp32 += (a @ b).float()
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    @staticmethod
+    def forward(  # noqa: D102
+        ctx, h_ND: torch.Tensor, w_VD: torch.Tensor, targets_N: torch.Tensor, chunk: int, chunk_loss: ChunkLoss
+    ) -> torch.Tensor:
+        N = h_ND.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h_ND = torch.empty_like(h_ND) if need_h else None
+        grad_w_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need_w else None
+        loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+        for start in range(0, N, chunk):
+            h_CD = h_ND[start : start + chunk]
+            t_C = targets_N[start : start + chunk]
+            loss_C, g_CV = chunk_loss(h_CD @ w_VD.t(), t_C)
+            loss += loss_C
+            if need_h:
+                torch.mm(g_CV, w_VD, out=grad_h_ND[start : start + chunk])
+            if need_w:
+                _accumulate_mm(grad_w_VD, g_CV.t(), h_CD)
+        ctx.save_for_backward(grad_h_ND, None if grad_w_VD is None else grad_w_VD.to(w_VD.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):  # noqa: D102
+        grad_h_ND, grad_w_VD = ctx.saved_tensors
+        scale = grad_loss.to(torch.float32)
+        gh = None if grad_h_ND is None else (grad_h_ND * scale).to(grad_h_ND.dtype)
+        gw = None if grad_w_VD is None else (grad_w_VD * scale).to(grad_w_VD.dtype)
+        return gh, gw, None, None, None
+
+
+def linear_cross_entropy(
+    h_ND: torch.Tensor,
+    w_VD: torch.Tensor,
+    targets_N: torch.Tensor,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    chunk_size: int = 4096,
+    chunk_loss: ChunkLoss = ce_chunk,
+) -> torch.Tensor:
+    """Cross-entropy of ``h @ w.T`` against ``targets`` (-100 ignored), chunked; never holds all logits.
+
+    Args:
+        h_ND: hidden states (already shifted to align with ``targets_N``).
+        w_VD: the LM head weight.
+        targets_N: next-token ids, ``-100`` where ignored.
+        num_items_in_batch: divide the summed loss by this; None: mean over non-ignored targets.
+        chunk_size: tokens per chunk (fp32 logits of one chunk: ``chunk_size × V × 4`` bytes).
+        chunk_loss: ``(logits_CV, targets_C) -> (summed loss, d loss / d logits_CV)`` of one chunk; default
+            :func:`ce_chunk` (a compiled version of it fuses its passes over the logits).
+
+    Returns:
+        The scalar loss in float32.
+    """
+    if h_ND.dim() != 2 or targets_N.shape != h_ND.shape[:1]:
+        raise ValueError(f"h must be [N, D] and targets [N], got {tuple(h_ND.shape)} and {tuple(targets_N.shape)}")
+    total = _LinearCrossEntropySum.apply(h_ND, w_VD, targets_N.to(h_ND.device), chunk_size, chunk_loss)
+    if num_items_in_batch is None:
+        return total / (targets_N != IGNORE_INDEX).sum().clamp_min(1).to(total.device)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch

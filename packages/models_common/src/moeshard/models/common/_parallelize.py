@@ -1,0 +1,316 @@
+"""Parallelising any family's model for training: one function, one fixed order, options passed in.
+
+    meshes = build_meshes(ep_size=2)                       # under torchrun (or fake_process_group to plan)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(get_preset_config("deepseek-v3-16b"))     # or MoECausalLM(...)
+    par = parallelize(model, meshes, ParallelOptions(compile=True, ep=EPOptions(kernels="triton")))
+    model.to_empty(device="cuda")
+    load_hf_weights(model, "/ckpt/Moonlight-16B-A3B", ep_info=par.ep_info)  # or torch.manual_seed(s); model.init_weights()
+
+Needs the ``parallel`` extra (moeshard-meshes, moeshard-fsdp-moe, moeshard-prefetch), imported only when
+:func:`parallelize` runs: the model itself needs none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from moeshard.ep import EPInfo, EPOptions, ExpertDispatch, recompute_contexts
+from moeshard.models.common._causal_lm import MoECausalLM
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from moeshard.fsdp_moe import FSDPUnits
+    from moeshard.meshes import ParallelMeshes
+    from moeshard.prefetch import PrefetchSchedule
+
+__all__ = ["ParallelOptions", "Parallelized", "apply_activation_checkpointing", "parallelize"]
+
+PARAM_DTYPES = ("auto", "float32", "bfloat16")
+"""Values of :attr:`ParallelOptions.param_dtype`: ``auto`` is bfloat16 on CUDA, float32 elsewhere."""
+CHECKPOINTING = ("none", "full", "selective")
+"""Values of :attr:`ParallelOptions.activation_checkpointing` (``True``/``False`` mean ``full``/``none``)."""
+SELECTIVE = ("activation", "mlp")
+"""Values of :attr:`ParallelOptions.selective_recompute`."""
+REDUCE_DTYPES = ("float32", "bfloat16")
+"""Values of :attr:`ParallelOptions.expert_reduce_dtype`."""
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """How :func:`parallelize` parallelises the model; each field is validated on construction (``ValueError``).
+
+    The fields are the vocabulary of every front end (the training job's ``parallel:`` section is generated from
+    them: names, defaults, the ``Literal`` choices and the meanings below), so each is described here once.
+
+    Attributes:
+        ep: the expert-parallel options (dispatch strategy, kernel tier, expert GEMM, SM carve-out) given to
+            ``moeshard.ep.apply_ep``.
+        compile: ``torch.compile`` each decoder layer's ``attention_half`` (norms, projections, RoPE, attention,
+            residual: one graph, shared by all layers; flex_attention for packed rows on CUDA runs inside it), the
+            LM head's loss chunk (rows dynamic) and the cast-and-scale of the gradients of experts kept out of FSDP.
+            False compiles nothing (packed rows then use the dense document mask). Every compile in the packages
+            is decided here; a compile that fails raises.
+        activation_checkpointing: what backward recomputes instead of keeping from forward: ``"none"``;
+            ``"full"`` (each decoder layer's forward is checkpointed and recomputed whole, FQNs unchanged; the
+            EP exchanges run again, their sizes replayed: no extra host sync); ``"selective"`` (inside the routed
+            experts only, as ``selective_recompute`` says: no exchange runs again, results bit-identical).
+            ``True`` / ``False`` are read as ``"full"`` / ``"none"``.
+        selective_recompute: with ``"selective"``, the expert intermediates recomputed (``EPOptions.recompute``):
+            ``"mlp"`` (default: the gate/up grouped GEMM and the gated activation, from the saved expert input;
+            about a fifth of a Qwen3-30B-A3B layer's saved activations for one more GEMM per layer in backward)
+            or ``"activation"`` (the gated activation only, from the saved gate/up output: a pointwise kernel).
+        param_dtype: the compute dtype: ``auto`` (bfloat16 on CUDA, float32 elsewhere), ``float32`` or
+            ``bfloat16``; master weights and gradient reduction stay float32 (the experts': ``expert_reduce_dtype``).
+        reshard_after_forward: free each unit's gathered parameters after its forward (gather again in backward).
+        expert_reduce_dtype: the dtype of the expert units' gradient reduce-scatter over ``ep_fsdp``: ``float32``
+            or ``bfloat16`` (half the bytes, summed in bfloat16; the gradients still land in float32). Only where
+            experts are FSDP units (ep_fsdp > 1).
+        expert_reshard_after_forward: for the expert units (ep_fsdp > 1): None follows ``reshard_after_forward``;
+            False keeps their gathered parameters from forward to backward (one all-gather per micro-batch instead
+            of two, for the gathered experts' memory through the forward).
+        prefetch_depth: units each stage prefetches ahead (forward) and behind (backward); 0 keeps FSDP's default
+            order.
+        prefetch_at_host_sync: with EP > 1 and ``prefetch_depth`` > 0, issue the next layer's all-gathers at each
+            MoE layer's device->host sync instead of in the layer's pre-forward (the same prefetches, issued while
+            the host would otherwise wait); ignored otherwise.
+    """
+
+    ep: EPOptions = field(default_factory=EPOptions)
+    compile: bool = False
+    activation_checkpointing: Literal[CHECKPOINTING] | bool = "none"
+    selective_recompute: Literal[SELECTIVE] = "mlp"
+    param_dtype: Literal[PARAM_DTYPES] = "auto"
+    reshard_after_forward: bool = True
+    expert_reduce_dtype: Literal[REDUCE_DTYPES] = "float32"
+    expert_reshard_after_forward: bool | None = None
+    prefetch_depth: int = 1
+    prefetch_at_host_sync: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ep, EPOptions):
+            raise ValueError(f"ParallelOptions.ep={self.ep!r} is not allowed: a moeshard.ep.EPOptions")
+        if isinstance(self.activation_checkpointing, bool):  # the bool of 0.3
+            object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
+        if self.activation_checkpointing not in CHECKPOINTING:
+            raise ValueError(
+                f"ParallelOptions.activation_checkpointing={self.activation_checkpointing!r} is not one of "
+                f"{CHECKPOINTING}"
+            )
+        if self.selective_recompute not in SELECTIVE:
+            raise ValueError(
+                f"ParallelOptions.selective_recompute={self.selective_recompute!r} is not one of {SELECTIVE}"
+            )
+        if self.ep.recompute != "none":
+            raise ValueError(
+                f"ParallelOptions.ep has recompute={self.ep.recompute!r}: set "
+                f"activation_checkpointing='selective', selective_recompute={self.ep.recompute!r} instead (the "
+                "checkpointing policy is chosen in one place)"
+            )
+        for name in ("compile", "reshard_after_forward", "prefetch_at_host_sync"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"ParallelOptions.{name}={value!r} is not allowed: True or False")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"ParallelOptions.param_dtype={self.param_dtype!r} is not one of {PARAM_DTYPES}")
+        if self.expert_reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(
+                f"ParallelOptions.expert_reduce_dtype={self.expert_reduce_dtype!r} is not one of {REDUCE_DTYPES}"
+            )
+        if self.expert_reshard_after_forward is not None and not isinstance(self.expert_reshard_after_forward, bool):
+            raise ValueError(
+                f"ParallelOptions.expert_reshard_after_forward={self.expert_reshard_after_forward!r} is not allowed: "
+                "None (as reshard_after_forward), True or False"
+            )
+        depth = self.prefetch_depth
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+            raise ValueError(
+                f"ParallelOptions.prefetch_depth={depth!r} is not allowed: an int >= 0 (0 = FSDP's default order)"
+            )
+
+    def ep_options(self) -> EPOptions:
+        """The EP options :func:`parallelize` gives ``apply_ep``: ``ep`` with the experts' recompute of
+        ``"selective"`` checkpointing."""
+        if self.activation_checkpointing != "selective":
+            return self.ep
+        return dataclasses.replace(self.ep, recompute=self.selective_recompute)
+
+    def describe(self) -> list[str]:
+        """The options as lines for ``plan``, e.g. ``compile: attention half of each decoder layer, loss chunk``."""
+        dtype = {"auto": "auto (bfloat16 on CUDA, float32 elsewhere)"}.get(self.param_dtype, self.param_dtype)
+        if self.prefetch_depth == 0:
+            prefetch = "off (FSDP's default order)"
+        else:
+            where = "at each MoE layer's host sync when EP > 1" if self.prefetch_at_host_sync else "in pre-forward"
+            prefetch = f"depth {self.prefetch_depth}, forward prefetch issued {where}"
+        experts = self.expert_reshard_after_forward
+        experts = None if experts is None or experts == self.reshard_after_forward else experts
+        return [
+            f"ep: {self.ep_options().describe()}",
+            "compile: " + ("attention half of each decoder layer, loss chunk" if self.compile else "off"),
+            "activation checkpointing: " + _CHECKPOINTING_LINES[self.activation_checkpointing].format(self),
+            f"param dtype: {dtype}; master weights and gradient reduction float32"
+            + ("" if self.expert_reduce_dtype == "float32" else ", the experts' reduce-scatter bfloat16 (ep_fsdp > 1)"),
+            f"reshard after forward: {self.reshard_after_forward}"
+            + ("" if experts is None else f", experts {experts} (ep_fsdp > 1)"),
+            f"prefetch: {prefetch}",
+        ]
+
+
+_CHECKPOINTING_LINES = {
+    "none": "off",
+    "full": "full (each decoder layer recomputed in backward)",
+    "selective": "selective (the routed experts recompute: {0.selective_recompute})",
+}
+
+
+@dataclass
+class Parallelized:
+    """What :func:`parallelize` did.
+
+    Attributes:
+        units: the FSDP units in forward order (``moeshard.fsdp_moe.shard_model``).
+        schedule: the applied prefetch schedule, or None with ``prefetch_depth`` 0.
+        ep_info: the EP metadata ``moeshard.ep.apply_ep`` recorded (experts held, global shapes).
+        options: the options it was given.
+    """
+
+    units: FSDPUnits
+    schedule: PrefetchSchedule | None
+    ep_info: EPInfo | None
+    options: ParallelOptions
+
+
+def parallelize(
+    model: MoECausalLM, meshes: ParallelMeshes, options: ParallelOptions = ParallelOptions()
+) -> Parallelized:
+    """Apply expert parallelism, activation checkpointing, compilation, FSDP2 and prefetching, in that order.
+
+    Why this order:
+
+    1. **EP** (``moeshard.ep.apply_ep``) first: it slices the expert tensors to this rank's experts and installs
+       each MoE layer's dispatcher, and it must see the model's own FQNs and plain (not yet DTensor) parameters.
+       Everything after works on the EP-local experts (FSDP shards those again, on dim 1).
+    2. **Activation checkpointing**: ``"full"`` checkpoints each decoder layer's forward from outside
+       (:func:`apply_activation_checkpointing`: no wrapper module, FQNs kept); ``"selective"`` is an EP option of
+       step 1 (the experts' intermediates recomputed).
+    3. **Compile**: ``layer.attention_half = torch.compile(layer.attention_half)`` on each decoder layer (an
+       instance attribute: FQNs and the state dict unchanged) and ``moeshard.ep.compile_rows_dynamic`` on the
+       head's loss chunk. Nothing compiles until the first forward. The compiled region lies inside the layer's
+       forward, so FSDP's hooks (after step 4) run outside it and it sees plain gathered parameters; under
+       checkpointing the recomputation runs the compiled graph again. The MoE half stays eager: it syncs with
+       the host (split sizes), where a graph would break anyway.
+    4. **FSDP2** (``moeshard.fsdp_moe.shard_model``), bottom-up: experts on ``meshes.ep_fsdp`` (dim 1), then
+       each unit and the root on ``meshes.fsdp``, with the mixed-precision policy of ``options.param_dtype``
+       (the expert units' reduce-scatter in ``options.expert_reduce_dtype``). It is given the EP metadata step 1
+       returned (``ep_info``: it never applies EP itself).
+    5. **Prefetch** last, over the units of step 4 (``moeshard.prefetch.build_schedule`` / ``apply_schedule``;
+       with EP > 1 and ``prefetch_at_host_sync`` the forward prefetches are issued at each MoE layer's host sync,
+       through ``ep_info.add_host_sync_hook``, the hooks of the dispatchers step 1 installed).
+
+    It does not materialise or load weights: a model built on ``meta`` stays there (``plan`` builds any world size
+    with the fake backend). Then ``model.to_empty(device=...)`` and ``load_hf_weights(model, path,
+    ep_info=result.ep_info)``, or ``torch.manual_seed(s); model.init_weights()``.
+
+    Args:
+        model: a :class:`MoECausalLM` without EP or FSDP applied, on ``meta`` or materialised.
+        meshes: ``moeshard.meshes.build_meshes(ep_size=...)`` of this job.
+        options: see :class:`ParallelOptions`.
+
+    Returns:
+        The FSDP units, the prefetch schedule, the EP metadata and the options (:class:`Parallelized`).
+
+    Raises:
+        TypeError: ``model`` is not a :class:`MoECausalLM` or ``options`` not a :class:`ParallelOptions`.
+        ValueError: from ``apply_ep`` / ``shard_model`` (EP or FSDP already applied, an EP size that does not
+            divide the experts, meshes of another world, ...).
+    """
+    from moeshard.ep import apply_ep, compile_rows_dynamic
+    from moeshard.fsdp_moe import shard_model
+    from moeshard.prefetch import apply_schedule, build_schedule, prefetch_forward_at_host_sync
+
+    if not isinstance(model, MoECausalLM):
+        raise TypeError(f"parallelize takes a model family's causal LM (an MoECausalLM), got {type(model).__name__}")
+    if not isinstance(options, ParallelOptions):
+        raise TypeError(f"options must be a ParallelOptions, got {type(options).__name__}")
+
+    ep_mesh = meshes.ep if meshes.ep_size > 1 else None
+    ep_info = apply_ep(model, model.get_parallel_plan(), ep_mesh, options.ep_options())
+    if options.activation_checkpointing == "full":
+        apply_activation_checkpointing(model)
+    if options.compile:
+        model.model.compiled_attention = True  # packed rows: flex_attention's fused kernel, compiled inside
+        for layer in model.model.layers:
+            # At the call site, from outside (the bound method, compiled): every layer shares one graph.
+            layer.attention_half = torch.compile(layer.attention_half)
+        # The row count varies (the last chunk), the vocabulary width never does.
+        model.lm_head.chunk_loss = compile_rows_dynamic(model.lm_head.chunk_loss)
+    units = shard_model(
+        model,
+        meshes,
+        ep_info=ep_info,
+        compile=options.compile,
+        mp_policy=_mp_policy(options.param_dtype, meshes.device_type),
+        reshard_after_forward=options.reshard_after_forward,
+        expert_reduce_dtype=getattr(torch, options.expert_reduce_dtype),
+        expert_reshard_after_forward=options.expert_reshard_after_forward,
+    )
+    schedule = None
+    if options.prefetch_depth > 0:
+        schedule = build_schedule(units.stages, depth=options.prefetch_depth)
+        apply_schedule(schedule)
+        if options.prefetch_at_host_sync and meshes.ep_size > 1:
+            prefetch_forward_at_host_sync(schedule, ep_info.add_host_sync_hook)
+    return Parallelized(units=units, schedule=schedule, ep_info=ep_info, options=options)
+
+
+def apply_activation_checkpointing(model: MoECausalLM) -> None:
+    """Recompute each decoder layer in backward: its ``forward`` becomes (an instance attribute, so FQNs, the state
+    dict and FSDP's hooks are untouched) a non-reentrant ``torch.utils.checkpoint`` of itself.
+
+    Applied from outside the model (:func:`parallelize` calls it with ``activation_checkpointing="full"``, after EP
+    and before compile and FSDP): FSDP's hooks run outside the checkpointed region, as with torch's checkpoint
+    wrapper, and the recompute in backward replays the EP layers' exchange sizes recorded by the forward
+    (``moeshard.ep.recompute_contexts`` of the layer's dispatchers): no extra host sync. Without grad (eval) the
+    forward runs plainly.
+
+    Raises:
+        ValueError: already applied.
+    """
+    for layer in model.model.layers:
+        if "forward" in layer.__dict__:
+            raise ValueError("activation checkpointing is already applied to this model; apply it once")
+        layer.forward = _checkpointed(layer.forward, layer)
+
+
+def _checkpointed(forward, layer: torch.nn.Module):
+    def contexts():
+        # Looked up at each call: the dispatchers apply_ep installed, whenever it ran.
+        dispatchers = [m.dispatch for m in layer.modules() if isinstance(getattr(m, "dispatch", None), ExpertDispatch)]
+        return recompute_contexts(dispatchers)
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+    return run
+
+
+def _mp_policy(param_dtype: str, device_type: str) -> MixedPrecisionPolicy:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from moeshard.fsdp_moe import default_mp_policy
+
+    if param_dtype == "auto":
+        return default_mp_policy(device_type)
+    # An explicit dtype is the compute dtype; master weights and gradient reduction stay float32.
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)

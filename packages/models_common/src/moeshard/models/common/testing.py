@@ -1,0 +1,161 @@
+"""Test helpers shared by the model families' tests: packed documents, padded batches, and the comparisons against
+transformers (one process, packed per document, 2 x 2 gloo processes).
+
+ids, labels, position_ids, document_ids, pieces = pack_documents(vocab=512)
+worst, where = max_rel_grad_error(reference_model, our_model)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "DOCUMENT_LENGTHS",
+    "check_packed_documents",
+    "check_two_nodes_of_two",
+    "max_rel_grad_error",
+    "pack_documents",
+    "padded_batch",
+]
+
+DOCUMENT_LENGTHS = (5, 11, 3, 20, 7, 2, 16, 4)
+"""Documents of :func:`pack_documents`: several per row, one across a row boundary, one longer than most rows."""
+
+
+def pack_documents(vocab: int, seq_len: int = 24, lengths: tuple[int, ...] = DOCUMENT_LENGTHS, seed: int = 0):
+    """Rows of ``seq_len`` tokens cut from random documents laid back to back, as ``moeshard.data`` packs them.
+
+    Each run of one document inside a row is a *piece*: positions restart, ``document_ids`` count pieces in the row,
+    the piece's first token is not a target (label -100).
+
+    Returns:
+        ``(input_ids, labels, position_ids, document_ids, pieces)``, each ``[rows, seq_len]`` but ``pieces``: a list
+        of ``(row, start, end)``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(1, vocab, (n,), generator=g) for n in lengths]
+    stream = torch.cat(docs)
+    owner = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    rows = stream.numel() // seq_len
+    ids, owner = stream[: rows * seq_len].view(rows, seq_len), owner[: rows * seq_len].view(rows, seq_len)
+    new_piece = torch.ones_like(owner, dtype=torch.bool)
+    new_piece[:, 1:] = owner[:, 1:] != owner[:, :-1]
+    document_ids = new_piece.long().cumsum(1) - 1
+    position_ids = torch.zeros_like(ids)
+    for r in range(rows):
+        for t in range(1, seq_len):
+            position_ids[r, t] = 0 if new_piece[r, t] else position_ids[r, t - 1] + 1
+    labels = ids.masked_fill(new_piece, -100)
+    pieces = [
+        (r, int(a), int(a) + int((document_ids[r] == d).sum()))
+        for r in range(rows)
+        for d in document_ids[r].unique()
+        for a in [(document_ids[r] == d).nonzero()[0, 0]]
+    ]
+    return ids, labels, position_ids, document_ids, pieces
+
+
+def max_rel_grad_error(reference: nn.Module, ours: nn.Module, *, allow_unreached: bool = False) -> tuple[float, str]:
+    """``(worst, name)``: the largest ``max|g - g_ref| / max|g_ref|`` over the parameters of ``ours``, matched by
+    name. ``allow_unreached``: a reference gradient of None (an expert no token reached) needs ours to be None or
+    zero, else both must exist."""
+    ref_params = dict(reference.named_parameters())
+    worst, where = 0.0, ""
+    for name, p in ours.named_parameters():
+        g_ref = ref_params[name].grad
+        if g_ref is None and allow_unreached:
+            assert p.grad is None or not p.grad.any(), name
+            continue
+        assert p.grad is not None and g_ref is not None, name
+        err = ((p.grad - g_ref).abs().max() / g_ref.abs().max().clamp_min(1e-12)).item()
+        if err > worst:
+            worst, where = err, name
+    return worst, where
+
+
+def check_packed_documents(ours: nn.Module, reference: nn.Module, *, backward: bool = True) -> None:
+    """Packed rows through ``ours`` (``document_ids``, restarting positions) against ``reference`` (a transformers
+    causal LM) run on every document alone: each token's logits, the mean loss over the predicted tokens (1e-5) and,
+    with ``backward``, every gradient (1e-4 relative). Raises ``AssertionError`` on a difference."""
+    ids, labels, position_ids, document_ids, pieces = pack_documents(reference.config.vocab_size)
+    assert len(pieces) > ids.shape[0]  # several documents per row
+    with torch.set_grad_enabled(backward):
+        out = ours(ids, labels=labels, position_ids=position_ids, document_ids=document_ids, output_router_logits=False)
+    n_targets = int((labels[:, 1:] != -100).sum())
+    ref_sum = torch.zeros(())
+    for r, a, b in pieces:
+        piece = ids[r : r + 1, a:b]
+        lg = reference(input_ids=piece).logits
+        torch.testing.assert_close(out.logits[r : r + 1, a:b], lg, rtol=0, atol=1e-5)
+        ref_sum = ref_sum + F.cross_entropy(lg[0, :-1], piece[0, 1:], reduction="sum")
+    ref_loss = ref_sum / n_targets
+    torch.testing.assert_close(out.loss, ref_loss, rtol=0, atol=1e-5)
+    if backward:
+        out.loss.backward()
+        ref_loss.backward()
+        worst, where = max_rel_grad_error(reference, ours, allow_unreached=True)
+        assert worst < 1e-4, f"gradient of {where} differs by {worst:.2e} (relative)"
+
+
+def padded_batch(vocab: int = 512, seed: int = 7):
+    """``(input_ids, attention_mask, labels)``: 2 sequences of 12, the second left-padded by 4 (id 0, label -100)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (2, 12), generator=gen)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    ids[1, :4] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def _parallel_step(model_class, path, ids_RBS, options):
+    """One rank: parallelize the meta model (EP 2), load the checkpoint, forward and backward this rank's rows."""
+    import torch.distributed as dist
+
+    from moeshard.meshes import build_meshes
+    from moeshard.models.common import load_hf_config, load_hf_weights, parallelize
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    meshes = build_meshes(ep_size=2, device_type="cpu")
+    with torch.device("meta"):
+        model = model_class(load_hf_config(path, model_class.hf_format))
+    par = parallelize(model, meshes, options)
+    model.to_empty(device="cpu")
+    load_hf_weights(model, path, ep_info=par.ep_info)
+    # This rank's share of the global mean (FSDP averages over ranks): its summed loss / (N_global / world).
+    n_global = ids_RBS.shape[0] * ids_RBS.shape[1] * (ids_RBS.shape[2] - 1)
+    ids = ids_RBS[rank]
+    loss = model(ids, labels=ids, num_items_in_batch=n_global / world, output_router_logits=False).loss
+    loss.backward()
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    experts = {fqn: (m.expert_start, m.expert_end) for fqn, m in par.ep_info.params.items()}
+    return loss.detach(), grads, experts
+
+
+def check_two_nodes_of_two(
+    model_class: type[nn.Module], path, reference: nn.Module, options, **reference_kwargs
+) -> None:
+    """4 gloo processes as 2 nodes x 2 ranks at EP 2 x ep_fsdp 2 (``parallelize(options)`` of ``model_class`` loaded
+    from ``path``) against ``reference`` (a model of the same checkpoint, e.g. transformers') in one process on the
+    global batch: the loss (1e-5) and every gradient (1e-4 relative), each rank's experts against their slice.
+    ``reference_kwargs`` go to the reference's call (its LM loss alone is compared). Raises ``AssertionError`` on a
+    difference."""
+    from moeshard.meshes.testing import run_distributed
+
+    ids_RBS = torch.randint(1, reference.config.vocab_size, (4, 2, 10), generator=torch.Generator().manual_seed(3))
+    all_ids = ids_RBS.reshape(-1, ids_RBS.shape[-1])
+    ref_loss = reference(input_ids=all_ids, labels=all_ids, **reference_kwargs).loss
+    ref_loss.backward()
+    ref_grads = {name: p.grad for name, p in reference.named_parameters()}
+    results = run_distributed(_parallel_step, 4, model_class, path, ids_RBS, options, ranks_per_node=2)
+    torch.testing.assert_close(sum(loss for loss, _, _ in results) / 4, ref_loss, rtol=0, atol=1e-5)
+    for _, grads, experts in results:
+        assert grads.keys() == ref_grads.keys()
+        for name, grad in grads.items():
+            expected = ref_grads[name]
+            if name in experts:
+                start, end = experts[name]
+                expected = expected[start:end]
+            torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

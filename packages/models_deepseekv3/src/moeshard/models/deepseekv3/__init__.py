@@ -1,0 +1,63 @@
+"""moeshard.models.deepseekv3: the DeepSeek-V3 architecture (DeepSeek-V3/R1, Kimi K2, Moonlight) in plain PyTorch,
+numerically equal to transformers' ``DeepseekV3ForCausalLM``.
+
+MLA attention (optional query LoRA, YaRN RoPE), dense first layers, MoE layers with shared experts and a
+group-limited router (sigmoid or softmax scores, the selection-only ``e_score_correction_bias``,
+``routed_scaling_factor``), fused experts computed by ``moeshard.ep``'s dispatchers; transformers' FQNs, Hub
+checkpoints in both expert layouts (FP8 block-scaled weights dequantised on load, multi-token-prediction layers
+skipped), and the model's parallel plan for the shared ``parallelize``.
+
+    from moeshard.models.deepseekv3 import DeepseekV3ForCausalLM
+
+    model = DeepseekV3ForCausalLM.from_pretrained("/ckpt/Moonlight-16B-A3B", dtype=torch.bfloat16)
+    out = model(input_ids, labels=input_ids, attention_mask=mask)    # .loss .logits
+    model.save_pretrained("/ckpt/finetuned")                         # transformers loads it too
+"""
+
+from moeshard.models.common import GroupLimitedRouter
+from moeshard.models.common import ModelFamily as _ModelFamily
+from moeshard.models.deepseekv3._layers import MLAttention, softmax_scale
+from moeshard.models.deepseekv3._model import (
+    DEEPSEEK_V3_FORMAT,
+    STRUCTURAL_CONFIG_KEYS,
+    DeepseekV3ForCausalLM,
+    DeepseekV3Model,
+)
+from moeshard.models.deepseekv3._moe import DeepseekV3MoE
+from moeshard.models.deepseekv3._presets import (
+    MODEL_TYPE,
+    PRESETS,
+    activations_per_token,
+    check_config,
+    count_parameters,
+    flops_per_token,
+    get_preset_config,
+    is_moe_layer,
+    scoring_func,
+)
+
+FAMILY = _ModelFamily(
+    DeepseekV3ForCausalLM, PRESETS, get_preset_config, count_parameters, flops_per_token, activations_per_token
+)
+"""DeepSeek-V3 as a :class:`moeshard.models.common.ModelFamily` (what a trainer needs, by family name)."""
+
+__all__ = [
+    "DEEPSEEK_V3_FORMAT",
+    "FAMILY",
+    "MODEL_TYPE",
+    "PRESETS",
+    "STRUCTURAL_CONFIG_KEYS",
+    "DeepseekV3ForCausalLM",
+    "DeepseekV3MoE",
+    "DeepseekV3Model",
+    "GroupLimitedRouter",
+    "MLAttention",
+    "activations_per_token",
+    "check_config",
+    "count_parameters",
+    "flops_per_token",
+    "get_preset_config",
+    "is_moe_layer",
+    "scoring_func",
+    "softmax_scale",
+]
