@@ -4,7 +4,8 @@ Four gloo ranks as 2 nodes x 2, two layouts: EP 2 x ep_fsdp 2 (experts FSDP-shar
 (experts out of FSDP, updated by the fused ``LocalExpertAdamW``). In each, the same job from the same seed trains
 a few steps of two micro-batches per rank with either setting: the per-step losses and gradient norms and the final
 parameters agree to float32 rounding, and ``last_micro_batch`` issues half the reduce-scatters (counted by
-``moeshard.train.observe.comm_accounting``). Every token goes to every expert (top-k = all 8): with a discrete top-k choice
+``moeshard.train.observe.comm_accounting``); with ``parallel.reshard_after_forward: false`` as well, the parameters
+stay gathered between the micro-batches: one all-gather per unit per step, the same training again. Every token goes to every expert (top-k = all 8): with a discrete top-k choice
 a rounding difference may move a token to another expert and the runs part by more than rounding.
 """
 
@@ -21,7 +22,7 @@ LAYOUTS = {
 }
 
 
-def _train(layout: str, gradient_sync: str) -> dict:
+def _train(layout: str, gradient_sync: str, *extra: str) -> dict:
     import os
 
     import torch.distributed as dist
@@ -46,6 +47,7 @@ def _train(layout: str, gradient_sync: str) -> dict:
             "--train.warmup_steps=0",
             "--train.lr=1e-3",
             f"--train.gradient_sync={gradient_sync}",
+            *extra,
         ],
     )
     job = build(cfg, device)
@@ -53,7 +55,7 @@ def _train(layout: str, gradient_sync: str) -> dict:
     batches = StepBatches(rows, global_batch=2 * WORLD, world_size=WORLD, micro_batch=1)
     m = job.meshes
     labels = {m.ep.get_group(): "ep", m.ep_fsdp.get_group(): "ep_fsdp", m.fsdp.get_group(): "fsdp"}
-    losses, norms, reduce_scatters = [], [], []
+    losses, norms, reduce_scatters, gathers = [], [], [], []
     with CommAccounting(labels, int(os.environ["LOCAL_WORLD_SIZE"])) as accounting:
         for step in range(STEPS):
             accounting.reset()
@@ -64,14 +66,21 @@ def _train(layout: str, gradient_sync: str) -> dict:
             norms.append(stats.grad_norm)
             snapshot = accounting.snapshot()
             reduce_scatters.append({k: v["calls"] for k, v in snapshot.items() if k.startswith("reduce_scatter/")})
+            gathers.append({k: v["calls"] for k, v in snapshot.items() if k.startswith("all_gather/")})
     sd = get_state_dict(job.model, job.optimizer)["model"]
     params = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in sd.items()}
-    out = {"losses": losses, "norms": norms, "reduce_scatters": reduce_scatters, "ep_fsdp": m.ep_fsdp_size}
+    out = {"losses": losses, "norms": norms, "reduce_scatters": reduce_scatters, "gathers": gathers}
+    out["ep_fsdp"] = m.ep_fsdp_size
     return {**out, "params": params} if dist.get_rank() == 0 else out
 
 
-def _all() -> dict[str, tuple[dict, dict]]:
-    return {layout: (_train(layout, "every_micro_batch"), _train(layout, "last_micro_batch")) for layout in LAYOUTS}
+def _all() -> dict[str, tuple[dict, ...]]:
+    runs = {layout: (_train(layout, "every_micro_batch"), _train(layout, "last_micro_batch")) for layout in LAYOUTS}
+    no_reshard = "--parallel.reshard_after_forward=false"
+    runs["gathered"] = (_train("ep2 x ep_fsdp2", "every_micro_batch", no_reshard),) + (
+        _train("ep2 x ep_fsdp2", "last_micro_batch", no_reshard),
+    )
+    return runs
 
 
 def test_last_micro_batch_sync_gives_the_same_training():
@@ -90,3 +99,16 @@ def test_last_micro_batch_sync_gives_the_same_training():
         for e, la in zip(every["reduce_scatters"], last["reduce_scatters"]):
             assert set(e) == set(la) == groups, layout
             assert all(e[k] == 2 * la[k] > 0 for k in groups), (layout, e, la)
+    # Kept gathered between the micro-batches: the same training as every micro-batch's reduce in the same layout,
+    # and each unit gathers once per step instead of once per micro-batch (the step's all-gathers halve).
+    every, gathered = results["gathered"]
+    reference = results["ep2 x ep_fsdp2"][0]
+    for run in (every, gathered):
+        assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        assert run["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+    for name, ref in reference["params"].items():
+        err = float((gathered["params"][name] - ref).norm() / ref.norm())
+        assert err <= 1e-5, f"kept gathered, {name}: relative error in norm {err:.2e}"
+    for e, g in zip(every["gathers"], gathered["gathers"]):
+        assert set(e) == set(g) and e, (e, g)
+        assert all(e[k] == 2 * g[k] > 0 for k in e), (e, g)

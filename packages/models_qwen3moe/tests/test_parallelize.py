@@ -42,7 +42,7 @@ from moeshard.models.qwen3moe import (
         ("selective_recompute", "attention"),
         ("param_dtype", "float16"),
         ("param_dtype", torch.bfloat16),
-        ("reshard_after_forward", None),
+        ("reshard_after_forward", 0),
         ("expert_reduce_dtype", "float16"),
         ("expert_reduce_dtype", torch.bfloat16),
         ("expert_reshard_after_forward", 0),
@@ -56,6 +56,14 @@ from moeshard.models.qwen3moe import (
 def test_options_refuse_bad_values_naming_the_field(name, value):
     with pytest.raises(ValueError, match=rf"ParallelOptions\.{name}="):
         ParallelOptions(**{name: value})
+
+
+def test_resharding_resolves_none_by_the_world_size():
+    # None: reshard where the FSDP mesh shards (more than one rank), keep gathered on one rank; experts follow.
+    assert ParallelOptions().resharding(1) == (False, False)
+    assert ParallelOptions().resharding(16) == (True, True)
+    assert ParallelOptions(reshard_after_forward=True).resharding(1) == (True, True)
+    assert ParallelOptions(expert_reshard_after_forward=False).resharding(16) == (True, False)
 
 
 def test_options_are_frozen_and_describe_themselves():
@@ -81,8 +89,10 @@ def test_options_are_frozen_and_describe_themselves():
         "param dtype: auto (bfloat16 on CUDA, float32 elsewhere); master weights and gradient reduction float32"
         in lines
     )
-    assert "reshard after forward: True" in lines
-    experts = ParallelOptions(expert_reduce_dtype="bfloat16", expert_reshard_after_forward=False).describe()
+    assert "reshard after forward: auto (True, False where the FSDP mesh has one rank)" in lines
+    experts = ParallelOptions(
+        expert_reduce_dtype="bfloat16", reshard_after_forward=True, expert_reshard_after_forward=False
+    ).describe()
     assert any(
         line.endswith("gradient reduction float32, the experts' reduce-scatter bfloat16 (ep_fsdp > 1)")
         for line in experts

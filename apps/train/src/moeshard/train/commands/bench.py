@@ -51,7 +51,7 @@ from moeshard.train.commands.bench_steps import (
     synthetic_batches,
     timed_steps,
 )
-from moeshard.train.config import JobConfig, load_config
+from moeshard.train.config import JobConfig, gradient_sync, load_config
 from moeshard.train.observe.metrics import flops_per_token, mfu
 
 if TYPE_CHECKING:
@@ -248,6 +248,7 @@ def _result(
     fpt = flops_per_token(job.model_config, args.seq_len)
     cfg, options = job.cfg, job.parallel.options
     layers = job.model_config.num_hidden_layers
+    reshard, expert_reshard = options.resharding(world)  # as parallelize resolved them
     return {
         "layers": layers,
         "seq_len": args.seq_len,
@@ -260,12 +261,12 @@ def _result(
         "selective_recompute": options.selective_recompute if options.activation_checkpointing == "selective" else None,
         "prefetch_depth": options.prefetch_depth,
         "prefetch_at_host_sync": options.prefetch_at_host_sync,
-        "reshard_after_forward": options.reshard_after_forward,
-        "expert_reshard_after_forward": options.expert_reshard_after_forward,
+        "reshard_after_forward": reshard,
+        "expert_reshard_after_forward": expert_reshard,
         "expert_reduce_dtype": options.expert_reduce_dtype,
         "compile": options.compile,
         "fused_expert_update": cfg.train.fuse_local_experts,
-        "gradient_sync": cfg.train.gradient_sync,
+        "gradient_sync": gradient_sync(cfg.train, world),
         "dispatch": options.ep.dispatch,
         "expert_kernels": options.ep.kernels,
         "sm_carveout": options.ep.sm_carveout,

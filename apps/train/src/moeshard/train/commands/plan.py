@@ -11,7 +11,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from moeshard.train.config import JobConfig, layout_error_for_config, parallel_options, resolve_model_config
+from moeshard.train.config import (
+    JobConfig,
+    gradient_sync,
+    layout_error_for_config,
+    parallel_options,
+    resolve_model_config,
+)
 
 GiB = 2**30
 
@@ -138,10 +144,7 @@ def plan_report(
 
     world = nnodes * nproc_per_node
     mcfg = resolve_model_config(cfg)
-    par = cfg.parallel
-    expert_reshard = (
-        par.reshard_after_forward if par.expert_reshard_after_forward is None else par.expert_reshard_after_forward
-    )
+    _, expert_reshard = parallel_options(cfg).resharding(world)
     expert_reduce_bytes = _expert_grad_bytes(cfg)
     gpu = cfg.parallel.param_dtype != "float32"
     compute_bytes = 2 if gpu else 4
@@ -184,7 +187,7 @@ def plan_report(
         )
         * tokens,
         micro_batches=max(1, t.global_batch_size // world // mb),
-        held_grads=u.held_grads if t.gradient_sync == "last_micro_batch" else 0,
+        held_grads=u.held_grads if gradient_sync(t, world) == "last_micro_batch" else 0,
     )
     if table:
         lines.append("")
@@ -314,6 +317,7 @@ def comm_estimate(
     """Bytes per optimizer step per rank by ``(kind, link)`` for this job (see :mod:`moeshard.train.observe.comm`)."""
     from moeshard.train.observe.comm import estimate_comm_bytes
 
+    reshard, expert_reshard = parallel_options(cfg).resharding(world)
     return estimate_comm_bytes(
         mcfg,
         world_size=world,
@@ -322,12 +326,12 @@ def comm_estimate(
         tokens_per_rank=cfg.train.global_batch_size // world * cfg.data.seq_len,
         micro_batches=max(1, cfg.train.global_batch_size // world // cfg.train.micro_batch_size),
         compute_bytes=elem,
-        reshard_after_forward=cfg.parallel.reshard_after_forward,
+        reshard_after_forward=reshard,
         once_numel=once_numel,
-        expert_reshard_after_forward=cfg.parallel.expert_reshard_after_forward,
+        expert_reshard_after_forward=expert_reshard,
         expert_reduce_bytes=_expert_grad_bytes(cfg),
         activation_checkpointing=parallel_options(cfg).activation_checkpointing == "full",
-        reduce_every_micro_batch=cfg.train.gradient_sync == "every_micro_batch",
+        reduce_every_micro_batch=gradient_sync(cfg.train, world) == "every_micro_batch",
         uniform_routing=uniform_routing,
     )
 

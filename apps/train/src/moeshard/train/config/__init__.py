@@ -7,6 +7,7 @@ Unknown keys and wrong types are errors that name the key. The defaults *are* th
 
 from moeshard.train.config.load import (
     config_from_dict,
+    gradient_sync,
     layout_error_for_config,
     load_config,
     resolve_model_config,
@@ -54,6 +55,7 @@ __all__ = [
     "TrainConfig",
     "WandbConfig",
     "config_from_dict",
+    "gradient_sync",
     "config_table",
     "describe_keys",
     "layout_error_for_config",

@@ -18,7 +18,7 @@ from moeshard.train.config.sections import DataConfig, JobConfig
 
 SCHEDULES = ("cosine", "constant", "wsd")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
-GRADIENT_SYNC = ("every_micro_batch", "last_micro_batch")
+GRADIENT_SYNC = ("auto", "every_micro_batch", "last_micro_batch")
 SAVE_HF = ("none", "final", "every")
 HF_DTYPES = ("bfloat16", "float16", "float32")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -118,6 +118,15 @@ def _data_source(data: Any, from_cli: set[str]) -> None:
                 data.pop(k, None)
     if data.get("path") is None and not data.get("sources") and "synthetic" not in data:
         data["synthetic"] = True
+
+
+def gradient_sync(train: Any, world_size: int) -> str:
+    """``train.gradient_sync`` for a job of ``world_size`` ranks: ``auto`` is ``last_micro_batch`` on one rank (its
+    unsharded gradients are its sharded ones: holding them costs nothing) and ``every_micro_batch`` on more (the
+    unsharded gradients of every unit held through the step; ``plan`` shows what they would cost)."""
+    if train.gradient_sync != "auto":
+        return train.gradient_sync
+    return "last_micro_batch" if world_size == 1 else "every_micro_batch"
 
 
 def validate(cfg: JobConfig) -> None:

@@ -142,9 +142,10 @@ class TrainConfig:
         True, "experts outside FSDP (ep_fsdp 1): one fused AdamW pass from their compute-dtype gradients"
     )
     gradient_sync: str = _key(
-        "every_micro_batch",
+        "auto",
         "when FSDP reduce-scatters gradients: every_micro_batch | last_micro_batch (once per step; every FSDP unit "
-        "holds unsharded float32 gradients meanwhile)",
+        "holds unsharded float32 gradients meanwhile) | auto (last_micro_batch on one rank, where that costs no "
+        "memory; every_micro_batch on more)",
     )
     aux_loss: AuxLossConfig = _key(factory=AuxLossConfig, help="expert balancing loss: {coef, scope}")
     router_bias: RouterBiasConfig | None = _key(

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from moeshard.data import Batch
+from moeshard.train.config import gradient_sync
 from moeshard.train.run.build import Job
 
 
@@ -110,7 +111,9 @@ def train_step(
     scope, z-loss) → clip → optimizer step → schedule → the balancing's after-step hook (router-bias update).
     ``train.gradient_sync``: FSDP reduce-scatters each micro-batch's gradients (``every_micro_batch``) or their sum
     once, in the last backward (``last_micro_batch``, FSDP2's ``set_requires_gradient_sync``: every unit holds its
-    unsharded float32 gradients meanwhile); the same gradients to float32 rounding.
+    unsharded float32 gradients meanwhile; ``auto`` picks it on one rank); the same gradients to float32 rounding.
+    Where every unit keeps its gathered parameters from forward to backward (``Parallelized.keeps_gathered``), a
+    deferred sync keeps them gathered between the micro-batches too: one gather per unit per step.
 
     Args:
         before_update: called after backward and clipping, before the optimizer step (the loop's finiteness check
@@ -127,7 +130,7 @@ def train_step(
     num_items = num_items_for_global_mean(local_tokens).clamp_min(1.0 / world)
     lm_sum = torch.zeros((), device=job.device, dtype=torch.float32)
     balancing.start_step(len(micro_batches))
-    last, defer_sync = len(micro_batches) - 1, job.cfg.train.gradient_sync == "last_micro_batch"
+    last, defer_sync = len(micro_batches) - 1, gradient_sync(job.cfg.train, world) == "last_micro_batch"
     for m, b in enumerate(micro_batches):
         b = b.to(job.device, non_blocking=True)  # pinned by the loader on CUDA: an asynchronous copy
         out = model(
@@ -145,6 +148,8 @@ def train_step(
             # Off from the first backward, on for the last: the earlier backwards add into FSDP's unsharded
             # gradients, the last one reduce-scatters their sum once (experts kept out of FSDP reduce nothing).
             model.set_requires_gradient_sync(m == last)
+            if job.parallel.keeps_gathered:  # no peak memory of its own: all are gathered at forward's end anyway
+                model.set_reshard_after_backward(m == last)
         (out.lm_loss + balancing.micro_batch_loss(out, b.attention_mask)).backward()
         lm_sum += out.lm_loss.detach().float()
     # One norm over both meshes; the container may apply the clip coefficient inside its step (no extra pass).
