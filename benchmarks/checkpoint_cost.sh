@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 DIR=${DIR:-$PWD/bench_checkpoints}; mkdir -p "$DIR"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 R=$(cd "${TREE:-.}" && pwd)
-export PYTHONPATH="$R/packages/meshes/src:$R/packages/ep/src:$R/packages/fsdp_moe/src:$R/packages/prefetch/src:$R/packages/models_common/src:$R/packages/models_qwen3moe/src:$R/packages/models_deepseekv3/src:$R/packages/data/src:$R/packages/checkpoint/src:$R/apps/train/src"
+export PYTHONPATH="$(ls -d "$R"/packages/*/src "$R"/apps/*/src | tr '\n' ':')"
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
 df -h "$DIR" | tail -n 1
 free -g | head -n 2

@@ -20,9 +20,8 @@ flags_of() {  # flags_of TREE EP_SIZE
     echo "$S_OLD --ep-size $2${MB:+ --micro-batch $MB}"
   fi
 }
-path_of() {
-  local root=$1
-  echo "$root/packages/meshes/src:$root/packages/ep/src:$root/packages/fsdp_moe/src:$root/packages/prefetch/src:$root/packages/models_qwen3moe/src:$root/packages/data/src:$root/apps/train/src"
+path_of() {  # every package's src of the tree (a tree may have more packages than another)
+  ls -d "$1"/packages/*/src "$1"/apps/*/src | tr '\n' ':'
 }
 bench() {  # bench NAME TREE EP_SIZE
   local name=$1 tree=$2 ep=$3

@@ -10,7 +10,7 @@ set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 R=$PWD
-export PYTHONPATH="$R/packages/meshes/src:$R/packages/ep/src:$R/packages/fsdp_moe/src:$R/packages/prefetch/src:$R/packages/models_qwen3moe/src:$R/packages/data/src:$R/apps/train/src"
+export PYTHONPATH="$(ls -d "$R"/packages/*/src "$R"/apps/*/src | tr '\n' ':')"
 CORPUS=${CORPUS:-/tmp/corpus_docs}
 python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); from data_scaling import write_corpus; write_corpus(Path('$CORPUS'), 20_000_000)"
 S="--model.overrides.num_hidden_layers=${LAYERS:-8} --steps ${STEPS:-22} --warmup 6 --parallel.compile=true --parallel.ep.kernels=triton --parallel.ep_size=${EP:-1}"

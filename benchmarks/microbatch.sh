@@ -7,7 +7,7 @@ set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 R=$(cd "${TREE:-.}" && pwd)
-export PYTHONPATH="$R/packages/meshes/src:$R/packages/ep/src:$R/packages/fsdp_moe/src:$R/packages/prefetch/src:$R/packages/models_qwen3moe/src:$R/packages/data/src:$R/apps/train/src"
+export PYTHONPATH="$(ls -d "$R"/packages/*/src "$R"/apps/*/src | tr '\n' ':')"
 L=${LAYERS:-8}; EP=${EP:-1}; N=${NPROC:-1}
 S="--model.overrides.num_hidden_layers=$L --steps ${STEPS:-16} --warmup 5 --parallel.compile=true --parallel.ep.kernels=triton --parallel.ep_size=$EP --batch-per-gpu 4"
 bench() {  # bench NAME ARGS...
