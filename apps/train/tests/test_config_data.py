@@ -44,7 +44,10 @@ def test_overrides_and_types():
         (["--train.decay_shape=sqrt"], "train.decay_shape one of linear, cosine, 1-sqrt"),
         (["--train.decay_fraction=0"], "train.decay_fraction must be in (0, 1]"),
         (["--train.aux_loss.scope=global"], "train.aux_loss.scope must be one of micro_batch, global_batch"),
-        (["--train.gradient_sync=last"], "train.gradient_sync must be one of auto, every_micro_batch, last_micro_batch"),
+        (
+            ["--train.gradient_sync=last"],
+            "train.gradient_sync must be one of auto, every_micro_batch, last_micro_batch",
+        ),
         (["--train.aux_loss.cof=1"], "unknown config key train.aux_loss.cof; did you mean train.aux_loss.coef?"),
         (["--train.z_loss_coef=-1"], "train.aux_loss.coef and train.z_loss_coef must be >= 0"),
         (["--train.router_bias.update_rate=0"], "train.router_bias.update_rate must be > 0"),
