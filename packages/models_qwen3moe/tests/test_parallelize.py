@@ -190,10 +190,11 @@ def test_plan_at_world_16(tiny_hf_config, monkeypatch, ep, which):
             "ep_info": par.ep_info,  # what apply_ep returned, handed on: shard_model never applies EP itself
             "compile": options.compile,
             "mp_policy": expected_mp,
-            "reshard_after_forward": options.reshard_after_forward,
+            "reshard_after_forward": options.resharding(16)[0],  # resolved for the world (None: True at 16)
             "expert_reduce_dtype": getattr(torch, options.expert_reduce_dtype),
-            "expert_reshard_after_forward": options.expert_reshard_after_forward,
+            "expert_reshard_after_forward": options.resharding(16)[1],
         }
+        assert par.keeps_gathered is not any(options.resharding(16))
 
         if options.prefetch_depth:
             assert par.schedule.depth == options.prefetch_depth and len(par.schedule.stages) == 5

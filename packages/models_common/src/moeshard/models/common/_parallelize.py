@@ -248,7 +248,7 @@ def parallelize(
         ValueError: from ``apply_ep`` / ``shard_model`` (EP or FSDP already applied, an EP size that does not
             divide the experts, meshes of another world, ...).
     """
-    from moeshard.ep import apply_ep, compile_rows_dynamic
+    from moeshard.ep import apply_ep
     from moeshard.fsdp_moe import shard_model
     from moeshard.prefetch import apply_schedule, build_schedule, prefetch_forward_at_host_sync
 
@@ -262,12 +262,7 @@ def parallelize(
     if options.activation_checkpointing == "full":
         apply_activation_checkpointing(model)
     if options.compile:
-        model.model.compiled_attention = True  # packed rows: flex_attention's fused kernel, compiled inside
-        for layer in model.model.layers:
-            # At the call site, from outside (the bound method, compiled): every layer shares one graph.
-            layer.attention_half = torch.compile(layer.attention_half)
-        # The row count varies (the last chunk), the vocabulary width never does.
-        model.lm_head.chunk_loss = compile_rows_dynamic(model.lm_head.chunk_loss)
+        _compile(model)
     reshard, expert_reshard = options.resharding(meshes.world_size)
     units = shard_model(
         model,
@@ -287,6 +282,18 @@ def parallelize(
             prefetch_forward_at_host_sync(schedule, ep_info.add_host_sync_hook)
     keeps_gathered = not reshard and (meshes.ep_fsdp_size == 1 or not expert_reshard)
     return Parallelized(units=units, schedule=schedule, ep_info=ep_info, options=options, keeps_gathered=keeps_gathered)
+
+
+def _compile(model: MoECausalLM) -> None:
+    """Step 3 of :func:`parallelize`: each layer's attention half and the head's loss chunk, compiled."""
+    from moeshard.ep import compile_rows_dynamic
+
+    model.model.compiled_attention = True  # packed rows: flex_attention's fused kernel, compiled inside
+    for layer in model.model.layers:
+        # At the call site, from outside (the bound method, compiled): every layer shares one graph.
+        layer.attention_half = torch.compile(layer.attention_half)
+    # The row count varies (the last chunk), the vocabulary width never does.
+    model.lm_head.chunk_loss = compile_rows_dynamic(model.lm_head.chunk_loss)
 
 
 def apply_activation_checkpointing(model: MoECausalLM) -> None:
