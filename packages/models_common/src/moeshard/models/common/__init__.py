@@ -36,16 +36,10 @@ from moeshard.models.common._balancing import (
     router_z_loss,
     update_router_bias,
 )
-from moeshard.models.common._causal_lm import (
-    CausalLMOutput,
-    DecoderLayer,
-    DecoderModel,
-    LMHead,
-    MoECausalLM,
-    causal_lm_loss,
-)
+from moeshard.models.common._causal_lm import DecoderLayer, DecoderModel, MoECausalLM
 from moeshard.models.common._evaluation import EvalResult, evaluate
 from moeshard.models.common._family import ModelFamily
+from moeshard.models.common._head import CausalLMOutput, LMHead, causal_lm_loss
 from moeshard.models.common._hf_load import (
     HFFormat,
     LoadReport,

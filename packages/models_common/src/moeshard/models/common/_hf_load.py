@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from transformers import PretrainedConfig
 
 from moeshard.ep import EPInfo
 from moeshard.models.common._fp8 import FP8, SCALE_SUFFIX, check_fp8, dequantize, fp8_block, read_scales
+from moeshard.models.common._hf_checks import check_dtypes, check_keys
 from moeshard.models.common._safetensors import CheckpointError, SafetensorsDir
 
 __all__ = [
@@ -310,7 +310,7 @@ def load_hf_weights(
             layers[0] if len(layers) == 1 else layers,
         )
     scales = {k for k in found if k.endswith(SCALE_SUFFIX) and k.removesuffix(SCALE_SUFFIX) in wanted_shape}
-    _check_keys(path, set(wanted_shape), found - skipped - scales)
+    check_keys(path, set(wanted_shape), found - skipped - scales)
     for key, shape in wanted_shape.items():
         info = ckpt.info(key)
         if info.shape != shape:
@@ -321,7 +321,7 @@ def load_hf_weights(
     block = fp8_block(config)
     fp8 = sorted({r.key for r in requests if ckpt.info(r.key).dtype in FP8})
     check_fp8(ckpt, fp8, block)
-    casts = _check_dtypes(ckpt, requests, set(fp8), allow_dtype_cast)
+    casts = check_dtypes(ckpt, requests, set(fp8), allow_dtype_cast)
     if casts:
         logger.info("load_hf_weights(%s): cast checkpoint tensors to the parameters' dtypes: %s", path, casts)
 
@@ -392,47 +392,3 @@ def _plan(
             requests.extend(_expert_requests(fqn, global_shape, offset, local))
 
     return requests, wanted_shape
-
-
-def _check_dtypes(
-    ckpt: SafetensorsDir, requests: list[_Request], fp8: set[str], allow_dtype_cast: bool
-) -> dict[str, int]:
-    """``"src->dst"`` → tensors cast (FP8 dequantisation counted as a cast); raises for a cast that is not done."""
-    cast_of: dict[str, str] = {}
-    for req in requests:
-        src, dst = ckpt.info(req.key).dtype, req.dst.dtype
-        if req.key in fp8:
-            if not dst.is_floating_point or dst in FP8:
-                raise CheckpointError(f"{req.key} is FP8: it dequantises into a float parameter, not {dst}")
-            cast_of[req.key] = f"{_name(src)}->{_name(dst)}"
-        elif src != dst:
-            if not (allow_dtype_cast and src.is_floating_point and dst.is_floating_point):
-                raise CheckpointError(
-                    f"{req.key} is stored as {src}, the parameter is {dst}: "
-                    + ("pass allow_dtype_cast=True" if src.is_floating_point and dst.is_floating_point else "")
-                    + " (only float-to-float casts are done; convert the checkpoint or the model's dtype)"
-                )
-            cast_of[req.key] = f"{_name(src)}->{_name(dst)}"
-    return dict(Counter(cast_of.values()))
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _check_keys(path: Path, expected: set[str], found: set[str]) -> None:
-    missing, unexpected = sorted(expected - found), sorted(found - expected)
-    problems = []
-    if missing:
-        problems.append(
-            f"is missing {len(missing)} tensor(s) the model needs, e.g. {missing[:5]} (the checkpoint is incomplete: "
-            "copy every shard; or it was saved from a different config)"
-        )
-    if unexpected:
-        problems.append(
-            f"has {len(unexpected)} tensor(s) this model does not have, e.g. {unexpected[:5]} (saved from a different "
-            "architecture or config, or a layer's experts stored both fused and per expert: remove them or load a "
-            "matching checkpoint)"
-        )
-    if problems:
-        raise CheckpointError(f"checkpoint {path} " + "; and it ".join(problems))

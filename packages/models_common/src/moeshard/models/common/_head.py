@@ -1,0 +1,84 @@
+"""The output side of the causal LM: :class:`LMHead` (logits, or the chunked loss given targets),
+:func:`causal_lm_loss` (the loss from logits, transformers' semantics) and :class:`CausalLMOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeshard.models.common._lm_loss import IGNORE_INDEX, ce_chunk, linear_cross_entropy
+
+__all__ = ["CausalLMOutput", "LMHead", "causal_lm_loss"]
+
+
+@dataclass
+class CausalLMOutput:
+    """What ``MoECausalLM.forward`` returns.
+
+    Attributes:
+        loss: transformers' total: ``lm_loss`` plus ``router_aux_loss_coef * aux_loss`` when router logits are
+            output, or None without labels. Training loops use ``lm_loss`` and ``aux_loss`` (and their own
+            balancing coefficients, see :class:`moeshard.models.common.Balancing`), never this sum.
+        aux_loss: the load-balancing loss (unscaled), or None when router logits are not output.
+        logits: ``[B, S, V]`` in the model's dtype.
+        router_logits: one ``[B·S, E]`` tensor per MoE layer when output, else None.
+        lm_loss: the language-model loss alone, or None without labels.
+    """
+
+    loss: torch.Tensor | None
+    aux_loss: torch.Tensor | None
+    logits: torch.Tensor
+    router_logits: tuple[torch.Tensor, ...] | None = None
+    lm_loss: torch.Tensor | None = None
+
+
+class LMHead(nn.Linear):
+    """The output projection; given next-token targets it returns the loss instead of logits (chunked, see
+    :func:`linear_cross_entropy`). A module of its own so that FSDP's hooks
+    gather its weight in both cases; its parameter name stays ``lm_head.weight``.
+
+    ``chunk_loss`` is the function of one chunk's loss and logit gradient (``ce_chunk``); setting it on
+    an instance (``parallelize`` sets a compiled version) changes that head only.
+    """
+
+    chunk_loss = staticmethod(ce_chunk)
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__(hidden_size, vocab_size, bias=False)
+
+    def forward(  # noqa: D102
+        self,
+        x_BSD: torch.Tensor,
+        targets_BS: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if targets_BS is None:
+            return super().forward(x_BSD)
+        return linear_cross_entropy(
+            x_BSD.reshape(-1, x_BSD.shape[-1]),
+            self.weight,
+            targets_BS.reshape(-1),
+            num_items_in_batch,
+            chunk_loss=self.chunk_loss,
+        )
+
+
+def causal_lm_loss(
+    logits_BSV: torch.Tensor, labels_BS: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None
+) -> torch.Tensor:
+    """Next-token cross-entropy in float32, labels shifted inside, ``-100`` ignored (transformers semantics).
+
+    Mean over label tokens, or their sum divided by ``num_items_in_batch`` when it is given.
+    """
+    shift_labels_BS = F.pad(labels_BS, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    logits_NV = logits_BSV.float().reshape(-1, logits_BSV.shape[-1])
+    targets_N = shift_labels_BS.reshape(-1).to(logits_NV.device)
+    if num_items_in_batch is None:
+        return F.cross_entropy(logits_NV, targets_N, ignore_index=IGNORE_INDEX)
+    loss = F.cross_entropy(logits_NV, targets_N, ignore_index=IGNORE_INDEX, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
