@@ -5,6 +5,8 @@
 # every_micro_batch, reshard_after_forward true), which isolates a refactor from a change of defaults.
 #   mkdir -p .bench_old && git archive <commit> packages apps | tar -x -C .bench_old
 #   OLD=.bench_old bash benchmarks/before_after_1gpu.sh          (JSON land in $OUT; a table at the end)
+# An old tree that already speaks the new flags (f98cef0 and later): OLD_CLI=new; VARIANTS picks the new tree's runs
+# ("olddefaults new"); MBS the micro-batch sizes.
 set -u
 OLD=${OLD:-.bench_old}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
@@ -21,9 +23,18 @@ bench() {  # bench NAME TREE ARGS...
 NEW="--parallel.compile=true --parallel.ep.kernels=triton"
 OLD_DEFAULTS="--train.gradient_sync=every_micro_batch --parallel.reshard_after_forward=true"
 for mb in ${MBS:-4 1}; do
-  bench "old_mb$mb" "$OLD" --layers 8 --compile --ep-size 1 --micro-batch "$mb"
-  bench "new_olddefaults_mb$mb" "$PWD" $NEW $OLD_DEFAULTS --train.micro_batch_size="$mb"
-  bench "new_mb$mb" "$PWD" $NEW --train.micro_batch_size="$mb"
+  if [ "${OLD_CLI:-old}" = new ]; then
+    bench "old_mb$mb" "$OLD" $NEW --train.micro_batch_size="$mb"
+  else
+    bench "old_mb$mb" "$OLD" --layers 8 --compile --ep-size 1 --micro-batch "$mb"
+  fi
+  for v in ${VARIANTS:-olddefaults new}; do
+    if [ "$v" = olddefaults ]; then
+      bench "new_olddefaults_mb$mb" "$PWD" $NEW $OLD_DEFAULTS --train.micro_batch_size="$mb"
+    else
+      bench "new_mb$mb" "$PWD" $NEW --train.micro_batch_size="$mb"
+    fi
+  done
 done
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys

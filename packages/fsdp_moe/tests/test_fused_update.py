@@ -191,7 +191,15 @@ def _compare(config):
         torch.equal(p.to_local(), local.state[p]["master"].to_local().to(p.dtype)) for p in experts.values()
     )
     grad_types = {n: type(p.grad).__name__ for n, p in experts.items()}  # (None after zero_grad)
+    # the later micro-batches' expert gradients are added into param.grad by the dispatcher (the hand-off)
+    from moeshard.fsdp_moe._local_experts import local_experts_state
+
+    expert_modules = [m for m in model.modules() if local_experts_state(m) is not None]
+    handed_off = bool(expert_modules) and all(
+        m.dispatch.weight_grads.__self__ is local_experts_state(m) for m in expert_modules
+    )
     return {
+        "handed_off": handed_off,
         "kinds": kinds,
         "layout": layout,
         "masters_cast": masters_cast,
@@ -221,6 +229,7 @@ def test_container_with_local_expert_adamw_equals_torch_adamw(config):
     dtype, _, micro = CONFIGS[config]
     for out in run_distributed(_compare, 2, config):
         assert out["kinds"] == ["LocalExpertAdamW", "AdamW"]
+        assert out["handed_off"]
         compute = dtype or torch.float32
         assert all(v[:2] == ("DTensor", compute) for v in out["layout"].values()), out["layout"]
         assert out["masters_cast"]

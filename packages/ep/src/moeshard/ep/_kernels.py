@@ -9,7 +9,8 @@
 - ``"compiled"``: the same functions through :func:`compile_rows_dynamic` (the gated activation both ways, the
   weighted combine and its two gradients, the copies' gradient sum); the row expansion stays an eager gather;
 - ``"triton"``: on CUDA tensors the triton kernels of ``moeshard.ep._triton`` (the gathers, SwiGLU's gated
-  activation both ways), the compiled functions for everything else (CPU tensors, other activations).
+  activation both ways) and ``moeshard.ep._wgrad_triton`` (the weight gradients added into the gradient inside
+  the grouped GEMM), the compiled functions for everything else (CPU tensors, other activations).
 
 All tiers compute the same thing (products and sums of the routing weights in float32).
 """
@@ -94,6 +95,12 @@ def routing_weight_grad(g_TD: torch.Tensor, y_sorted_ND: torch.Tensor, inv_N: to
     return (y_TKD.float() * g_TD.float().unsqueeze(1)).sum(dim=-1)
 
 
+def weight_grad_into(a_NM: torch.Tensor, b_NK: torch.Tensor, offs_E: torch.Tensor, out_EMK: torch.Tensor) -> None:
+    """``out[e] += a[rows_e]^T @ b[rows_e]`` for each expert (``offs_E``: int32 cumulative row ends): the
+    ``grouped_mm`` into a new tensor, then one add (the pass ``moeshard.ep._wgrad_triton`` folds into the GEMM)."""
+    out_EMK.add_(F.grouped_mm(a_NM.transpose(0, 1), b_NK, offs=offs_E))
+
+
 def _combine_backward_of(sorted_output_grad: Callable, routing_weight_grad: Callable) -> Callable:
     def combine_backward(g_TD, y_sorted_ND, order_N, inv_N, w_TK, need_gy: bool, need_gw: bool):
         gy = sorted_output_grad(g_TD, order_N, w_TK, y_sorted_ND.dtype) if need_gy else None
@@ -139,6 +146,8 @@ class Kernels:
         unsort_weighted_sum: ``(y_sorted_ND, inv_N, w_TK) -> y_TD`` in float32.
         combine_backward: ``(g_TD, y_sorted_ND, order_N, inv_N, w_TK, need_gy, need_gw) -> (gy_ND, gw_TK)``, each
             None where not needed (``gw`` in float32).
+        weight_grad_into: ``(a_NM, b_NK, offs_E, out_EMK) -> None``, ``out[e] += a[rows_e]^T @ b[rows_e]`` (the
+            grouped_mm backend's weight gradients added into a gradient buffer, see ``ExpertPass.backward``).
     """
 
     tier: str
@@ -148,6 +157,7 @@ class Kernels:
     gather_sum: Callable
     unsort_weighted_sum: Callable
     combine_backward: Callable
+    weight_grad_into: Callable = weight_grad_into
 
 
 @functools.cache
@@ -207,7 +217,17 @@ def _triton_kernels(other: Kernels) -> Kernels:
         gather_sum=_on_cuda(_triton.gather_sum, other.gather_sum),
         unsort_weighted_sum=_on_cuda(_triton.unsort_weighted_sum, other.unsort_weighted_sum),
         combine_backward=_on_cuda(combine_backward, other.combine_backward),
+        weight_grad_into=_on_cuda(_wgrad_into_triton, other.weight_grad_into),
     )
+
+
+def _wgrad_into_triton(a_NM, b_NK, offs_E, out_EMK) -> None:
+    from moeshard.ep._wgrad_triton import grouped_weight_grad
+
+    if a_NM.stride(-1) != 1 or b_NK.stride(-1) != 1 or not out_EMK.is_contiguous():
+        weight_grad_into(a_NM, b_NK, offs_E, out_EMK)  # layouts the kernel does not take (not the expert MLP's)
+        return
+    grouped_weight_grad(a_NM, b_NK, offs_E, out_EMK, accumulate=True)
 
 
 def _silu_on_cuda(gpu_fn: Callable, other_fn: Callable) -> Callable:

@@ -13,12 +13,18 @@ callers that want autograd. Two GEMM backends that agree within dtype tolerance:
 
 ``"auto"`` picks ``grouped_mm`` on CUDA for bf16/fp16 on compute capability >= 9.0 (where it is fast and
 tested), the loop elsewhere (on CPU, torch's grouped_mm needs 16-byte aligned strides and has no float64).
+
+**Weight gradients into a buffer.** A :data:`WeightGradTarget` (``target(weight) -> buffer | None``), given by the
+owner of the weights' gradients (``EPInfo.accumulate_weight_grads``), lets backward add the weight gradients into
+the gradient that is already there (gradient accumulation's later micro-batches) instead of returning a new tensor
+that autograd then adds in a separate pass: with the triton tier on CUDA the add happens inside the grouped GEMM
+(``moeshard.ep._wgrad_triton``), elsewhere as one ``add_``. For such a weight backward returns no gradient.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +32,12 @@ import torch.nn.functional as F
 from moeshard.ep._kernels import Kernels, activation_fn, gated, gated_backward, kernels_for
 from moeshard.ep._options import GEMMS, RECOMPUTES
 
-__all__ = ["ExpertPass", "grouped_expert_mlp", "resolve_gemm"]
+__all__ = ["ExpertPass", "WeightGradTarget", "grouped_expert_mlp", "resolve_gemm"]
+
+WeightGradTarget = Callable[[torch.Tensor], "torch.Tensor | None"]
+"""``target(weight) -> buffer | None``, asked in backward for each expert weight (the tensor the forward received):
+a contiguous tensor of the weight's shape and dtype holding its gradient so far, into which backward adds this
+pass's gradient (and then returns none for that weight), or None for a gradient returned to autograd as usual."""
 
 
 @functools.cache
@@ -125,21 +136,24 @@ class ExpertPass:
             yield start, n
             start += n
 
-    def backward(self, grad_ND, saved, w_gate_up, w_down, need_x: bool, need_w: bool):
+    def backward(self, grad_ND, saved, w_gate_up, w_down, need_x: bool, need_w: bool, into=(None, None)):
         """``(grad x, grad w_gate_up, grad w_down)``; None where not needed. Every expert's weight gradient is
-        produced (zeros for an expert without rows), so every rank reduces the same set of gradients."""
+        produced (zeros for an expert without rows), so every rank reduces the same set of gradients.
+
+        ``into``: a buffer per weight (gate/up, down) or None: a weight with a buffer gets this pass's gradient
+        added into it (see :data:`WeightGradTarget`) and None in the returned tuple."""
         x_ND, h_NX, a_NF = self._restore(saved, w_gate_up)
         grad_ND = grad_ND.contiguous()
         gx = gw1 = gw2 = None
         if self.gemm == "grouped_mm":
             ga_NF = F.grouped_mm(grad_ND, w_down, offs=self.offs)
             if need_w:
-                gw2 = F.grouped_mm(grad_ND.transpose(0, 1), a_NF, offs=self.offs)
+                gw2 = self._weight_grad(grad_ND, a_NF, into[1])
             gh_NX = self.kernels.gated_backward(self.activation, h_NX, ga_NF).contiguous()
             if need_x:
                 gx = F.grouped_mm(gh_NX, w_gate_up, offs=self.offs)
             if need_w:
-                gw1 = F.grouped_mm(gh_NX.transpose(0, 1), x_ND, offs=self.offs)
+                gw1 = self._weight_grad(gh_NX, x_ND, into[0])
             return gx, gw1, gw2
         gxs, gw1s, gw2s = [], [], []
         for e, (s, n) in enumerate(self._spans()):
@@ -153,16 +167,38 @@ class ExpertPass:
             gx = torch.cat(gxs) if gxs else grad_ND.new_zeros((0, w_gate_up.shape[-1]))
         if need_w:
             gw1, gw2 = torch.stack(gw1s), torch.stack(gw2s)
+            gw1, gw2 = _add_into(gw1, into[0]), _add_into(gw2, into[1])
         return gx, gw1, gw2
+
+    def _weight_grad(self, a_NM, b_NK, into):
+        """Each expert's ``a[rows]^T @ b[rows]`` (grouped_mm backend): a new tensor, or added into ``into`` (None)."""
+        if into is None:
+            return F.grouped_mm(a_NM.transpose(0, 1), b_NK, offs=self.offs)
+        self.kernels.weight_grad_into(a_NM, b_NK, self.offs, into)
+        return None
+
+
+def _add_into(grad: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor | None:
+    if into is None:
+        return grad
+    into.add_(grad)
+    return None
+
+
+def weight_grad_buffers(target: WeightGradTarget | None, w_gate_up, w_down, need_w1: bool, need_w2: bool):
+    """``into`` for :meth:`ExpertPass.backward`: the target's buffer for each weight whose gradient is needed."""
+    if target is None:
+        return None, None
+    return target(w_gate_up) if need_w1 else None, target(w_down) if need_w2 else None
 
 
 class _ExpertMLP(torch.autograd.Function):
     """:class:`ExpertPass` under autograd."""
 
     @staticmethod
-    def forward(ctx, x_ND, w_gate_up, w_down, run: ExpertPass):  # noqa: D102
+    def forward(ctx, x_ND, w_gate_up, w_down, run: ExpertPass, target: WeightGradTarget | None):  # noqa: D102
         y_ND, saved = run.forward(x_ND, w_gate_up, w_down)
-        ctx.run = run
+        ctx.run, ctx.target = run, target
         ctx.save_for_backward(w_gate_up, w_down, *saved)
         return y_ND
 
@@ -170,8 +206,9 @@ class _ExpertMLP(torch.autograd.Function):
     def backward(ctx, grad_ND):  # noqa: D102
         w_gate_up, w_down, *saved = ctx.saved_tensors
         need_x, need_w1, need_w2 = ctx.needs_input_grad[:3]
-        gx, gw1, gw2 = ctx.run.backward(grad_ND, saved, w_gate_up, w_down, need_x, need_w1 or need_w2)
-        return gx, gw1 if need_w1 else None, gw2 if need_w2 else None, None
+        into = weight_grad_buffers(ctx.target, w_gate_up, w_down, need_w1, need_w2)
+        gx, gw1, gw2 = ctx.run.backward(grad_ND, saved, w_gate_up, w_down, need_x, need_w1 or need_w2, into)
+        return gx, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None
 
 
 def grouped_expert_mlp(
@@ -185,6 +222,7 @@ def grouped_expert_mlp(
     gemm: str = "auto",
     kernels: str = "eager",
     recompute: str = "none",
+    weight_grads: WeightGradTarget | None = None,
 ) -> torch.Tensor:
     """Run each local expert's gated MLP on its rows: ``down_e(act(gate_e x) * up_e x)`` (SwiGLU with silu).
 
@@ -201,6 +239,8 @@ def grouped_expert_mlp(
         kernels: the kernel tier of the gated activation, ``"eager"``, ``"compiled"`` or ``"triton"``.
         recompute: ``"none"``, ``"activation"`` or ``"mlp"``: what backward recomputes instead of keeping it
             (see :class:`~moeshard.ep.EPOptions`).
+        weight_grads: where backward adds the weight gradients instead of returning them (see
+            :data:`WeightGradTarget`); None: returned to autograd.
 
     Returns:
         ``y_ND`` in the rows' order. Every expert's weights get a gradient, zeros for an expert without rows.
@@ -236,4 +276,4 @@ def grouped_expert_mlp(
             raise ValueError(f"counts_E sums to {sum(counts)} but x has {x_ND.shape[0]} rows")
         counts_t = counts_E if isinstance(counts_E, torch.Tensor) else None
         run = ExpertPass(counts_t, counts, activation, backend, tier, recompute=recompute)
-    return _ExpertMLP.apply(x_ND, w_gate_up, w_down, run)
+    return _ExpertMLP.apply(x_ND, w_gate_up, w_down, run, weight_grads)

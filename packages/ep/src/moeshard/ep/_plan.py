@@ -25,7 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
-from moeshard.ep._dispatch import HostSyncHooks, make_dispatch
+from moeshard.ep._dispatch import ExpertDispatch, HostSyncHooks, make_dispatch
+from moeshard.ep._mlp import WeightGradTarget
 from moeshard.ep._options import EPOptions
 
 __all__ = [
@@ -154,6 +155,34 @@ class EPInfo:
             A handle whose ``remove()`` unregisters the hook.
         """
         return self.host_sync_hooks.add(hook)
+
+    def routes(self, module: nn.Module) -> bool:
+        """Whether ``module`` is one of these expert modules and routes through a ``moeshard.ep`` dispatcher."""
+        return any(m is module for m in self.modules) and isinstance(getattr(module, "dispatch", None), ExpertDispatch)
+
+    def accumulate_weight_grads(self, module: nn.Module, target: WeightGradTarget | None) -> None:
+        """Hand the weight gradients of expert ``module`` to ``target``: the hand-off between this EP and the owner
+        of those gradients (``moeshard.fsdp_moe.shard_model`` for the experts it keeps out of FSDP).
+
+        From now on the backward of ``module``'s dispatcher asks ``target(weight)`` for each expert weight and adds
+        that pass's gradient into the buffer it returns (inside the grouped GEMM with the triton tier on CUDA), or
+        returns the gradient to autograd where it returns None (see ``moeshard.ep.WeightGradTarget``). None undoes it.
+
+        Raises:
+            ValueError: ``module`` is not one of this EPInfo's expert modules, or it routes through no dispatcher.
+        """
+        if not any(m is module for m in self.modules):
+            raise ValueError(
+                f"{type(module).__name__} is not an expert module of this EPInfo: pass one of EPInfo.modules (the "
+                "modules apply_ep gave a dispatcher)"
+            )
+        dispatch = getattr(module, "dispatch", None)
+        if not isinstance(dispatch, ExpertDispatch):
+            raise ValueError(
+                f"expert module {type(module).__name__} has no moeshard.ep dispatcher (module.dispatch): its backward "
+                "is its own, so its weight gradients cannot be handed to a target"
+            )
+        dispatch.accumulate_weight_grads(target)
 
     def __reduce__(self):
         # Pickled (sent to another process, saved): the metadata only, not the live hooks and modules.

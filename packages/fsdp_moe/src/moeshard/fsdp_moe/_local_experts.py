@@ -23,6 +23,12 @@ Two modes per parameter:
 - *compute* (after :class:`moeshard.fsdp_moe.LocalExpertAdamW` took the master into its state): the parameter is
   already in the compute dtype; the forward uses its local tensor as it is and the backward hands the gradient
   to autograd unchanged (no cast, no divide factor: the optimizer applies ``1 / W`` in float32 as it reads it).
+
+Gradient accumulation in *compute* mode: :meth:`LocalExperts.grad_buffer` is the ``moeshard.ep.WeightGradTarget``
+that ``shard_model`` hands to the module's EP dispatcher (``EPInfo.accumulate_weight_grads``). Once a parameter has
+a gradient (the first micro-batch's, stored by autograd), the dispatcher's backward adds the next micro-batches'
+gradients straight into it (inside the grouped GEMM on CUDA with the triton tier) instead of returning a new tensor
+for autograd to add in a second pass; :class:`_ToCompute` then gets no gradient and passes none on.
 """
 
 from __future__ import annotations
@@ -53,13 +59,16 @@ class _ToCompute(torch.autograd.Function):
         ctx.spec = (param.device_mesh, param.placements, param.shape, param.stride(), param.dtype)
         ctx.scale = scale
         ctx.scale_fn = scale_fn or scaled
+        ctx.set_materialize_grads(False)  # none comes where the gradient was added into param.grad already
         local = param.to_local()  # the local tensor itself (no autograd inside forward)
         if dtype is None or dtype == local.dtype:
             return local.view_as(local)  # a fresh tensor object: autograd writes its metadata into it
         return local.to(dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[DTensor | None, None, None, None]:
+        if grad is None:  # added into param.grad by the weight-gradient target (LocalExperts.grad_buffer)
+            return None, None, None, None
         mesh, placements, shape, stride, dtype = ctx.spec
         if ctx.scale != 1.0 or grad.dtype != dtype or not grad.is_contiguous():
             # One pass into a contiguous tensor of the parameter's dtype (its layout, as the optimizer expects).
@@ -149,6 +158,23 @@ class LocalExperts:
         if self.mp_policy.cast_forward_inputs and self.compute_dtype is not None:
             args, kwargs = tree_map_only(torch.Tensor, lambda t: _cast_floating(self.compute_dtype, t), (args, kwargs))
         return args, kwargs
+
+    def grad_buffer(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The ``moeshard.ep.WeightGradTarget`` of this module: for ``weight``, the tensor its forward received from
+        a *compute*-mode parameter that already has a gradient, that gradient's local tensor (the backward adds
+        into it); None otherwise (the first micro-batch, *master* mode, a tensor of no parameter here)."""
+        for name in self.in_compute_dtype:
+            param = self.params[name]
+            local = param._local_tensor
+            if weight.data_ptr() != local.data_ptr() or weight.shape != local.shape:
+                continue
+            grad = param.grad
+            if grad is None:
+                return None
+            buf = grad.to_local() if isinstance(grad, DTensor) else grad
+            ok = buf.shape == weight.shape and buf.dtype == weight.dtype and buf.is_contiguous()
+            return buf if ok else None
+        return None
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         for name, param in self._saved:

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import Shard
 
 from moeshard.ep import EPInfo, EPParamMeta, ParallelPlan, fqn_matches
-from moeshard.fsdp_moe._local_experts import keep_experts_local
+from moeshard.fsdp_moe._local_experts import keep_experts_local, local_experts_state
 from moeshard.meshes import ParallelMeshes
 
 __all__ = ["FSDPUnits", "ShardingInfo", "Stage", "clean_fqn", "default_mp_policy", "get_sharding_info", "shard_model"]
@@ -337,16 +337,15 @@ def shard_model(
     ignored: set[nn.Parameter] = set()
     if local:
         for name in expert_names:
+            module = model.get_submodule(name)
             ignored.update(
                 keep_experts_local(
-                    model.get_submodule(name),
-                    meshes.ep_fsdp,
-                    EXPERT_DIM,
-                    mp_policy,
-                    float(meshes.world_size),
-                    compile=compile,
+                    module, meshes.ep_fsdp, EXPERT_DIM, mp_policy, float(meshes.world_size), compile=compile
                 )
             )
+            if info.routes(module):
+                # later micro-batches' expert gradients added into param.grad by the dispatcher's backward
+                info.accumulate_weight_grads(module, local_experts_state(module).grad_buffer)
     ignore = {"ignored_params": ignored} if ignored else {}  # an empty set would still change FSDP2's module walk
 
     expert_kwargs = dict(kwargs)

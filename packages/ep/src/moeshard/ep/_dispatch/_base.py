@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from moeshard.ep._kernels import activation_fn, kernels_for
+from moeshard.ep._mlp import WeightGradTarget
 from moeshard.ep._options import EPOptions
 from moeshard.ep._permute import combine, expand_rows, inverse_permutation, sort_by_expert
 
@@ -143,12 +144,21 @@ class ExpertDispatch:
         self.kernels = kernels_for(options.kernels)
         self.host_sync_hooks = host_sync_hooks
         self.split_mode: _SplitMode | None = None  # set while a checkpointed region records or replays (above)
+        self.weight_grads: WeightGradTarget | None = None  # see accumulate_weight_grads
         if self.distributed != (self.ep_size > 1):
             raise ValueError(
                 f"{type(self).__name__} runs "
                 + ("over an EP group of 2 or more ranks" if self.distributed else "every expert on this rank")
                 + f", but its group has {self.ep_size} rank(s); make_dispatch picks the strategy for the EP size"
             )
+
+    def accumulate_weight_grads(self, target: WeightGradTarget | None) -> None:
+        """From now on backward asks ``target(weight)`` for a buffer to add each expert weight's gradient into (see
+        ``moeshard.ep.WeightGradTarget``); None returns the gradients to autograd again. Called by the owner of
+        the gradients through :meth:`moeshard.ep.EPInfo.accumulate_weight_grads`."""
+        if target is not None and not callable(target):
+            raise ValueError(f"the weight-gradient target must be callable or None, got {type(target).__name__}")
+        self.weight_grads = target
 
     def __repr__(self) -> str:
         return (

@@ -88,6 +88,7 @@ class AllToAllDispatch(ExpertDispatch):
             gemm=self.options.gemm,
             kernels=self.options.kernels,
             recompute=self.options.recompute,
+            weight_grads=self.weight_grads,
         )
         y_recv_RD = y_out_RD if perm_R is None else permute_rows(y_out_RD, inv_R, perm_R)
         # 5. the outputs home, in the order the copies left

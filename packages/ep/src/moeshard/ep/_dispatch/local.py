@@ -32,6 +32,7 @@ class LocalDispatch(ExpertDispatch):
             gemm=self.options.gemm,
             kernels=self.options.kernels,
             recompute=self.options.recompute,
+            weight_grads=self.weight_grads,
         )
 
     def _check_expert_count(self, El: int) -> None:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from moeshard.ep._dispatch._base import ExpertDispatch
 from moeshard.ep._kernels import Kernels
-from moeshard.ep._mlp import ExpertPass, resolve_gemm
+from moeshard.ep._mlp import ExpertPass, resolve_gemm, weight_grad_buffers
 from moeshard.ep._permute import inverse_permutation, regroup_by_local_expert
 
 __all__ = ["OverlappedDispatch"]
@@ -54,7 +54,7 @@ class OverlappedDispatch(ExpertDispatch):
         host = self.host_sizes(counts_E, recv_counts_E)  # replayed in a checkpoint recompute
         gemm = resolve_gemm(self.options.gemm, x_sorted_ND, w_gate_up_EXD)
         ex = _Exchange(self, El, host[: P * El], host[P * El :], sources_SEl, device_counts, offsets, gemm, activation)
-        return _OverlappedExperts.apply(x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex)
+        return _OverlappedExperts.apply(x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex, self.weight_grads)
 
 
 class _Exchange:
@@ -152,7 +152,7 @@ class _OverlappedExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex: _Exchange):  # noqa: D102
+    def forward(ctx, x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex: _Exchange, target):  # noqa: D102
         N, D = x_sorted_ND.shape
         El = w_gate_up_EXD.shape[0]
         half_a, half_b = _LocalHalf(ex, 0, El // 2, 0), _LocalHalf(ex, El // 2, El, 2)
@@ -184,7 +184,7 @@ class _OverlappedExperts(torch.autograd.Function):
             if y is not None:
                 y_sorted_ND[part.rows].copy_(y)
         _wait(works)
-        ctx.ex, ctx.passes = ex, (half_a, remote, half_b)
+        ctx.ex, ctx.passes, ctx.target = ex, (half_a, remote, half_b), target
         ctx.sizes = (len(saved_a), len(saved_r), len(saved_b))
         ctx.save_for_backward(w_gate_up_EXD, w_down_EDF, *saved_a, *saved_r, *saved_b)
         return y_sorted_ND
@@ -197,6 +197,7 @@ class _OverlappedExperts(torch.autograd.Function):
         na, nr, _ = ctx.sizes
         saved_a, saved_r, saved_b = saved[:na], saved[na : na + nr], saved[na + nr :]
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        into = weight_grad_buffers(ctx.target, w1, w2, ctx.needs_input_grad[1], ctx.needs_input_grad[2])
         grad_ND = grad_ND.contiguous()
         N, D = grad_ND.shape
         dev = grad_ND.device
@@ -205,7 +206,8 @@ class _OverlappedExperts(torch.autograd.Function):
             if not saved_part:
                 return None, None, None
             sl = part.experts
-            return part.run.backward(grad_ND[part.rows], saved_part, w1[sl], w2[sl], need_x, need_w)
+            into_part = tuple(None if b is None else b[sl] for b in into)  # the half's experts' slice of the buffer
+            return part.run.backward(grad_ND[part.rows], saved_part, w1[sl], w2[sl], need_x, need_w, into_part)
 
         grad_in_MD = grad_ND.new_empty((ex.rows_in, D))
         works = ex.start(grad_ND, ex.send, grad_in_MD, ex.recv)
@@ -213,7 +215,7 @@ class _OverlappedExperts(torch.autograd.Function):
             gx_a, gw1_a, gw2_a = local(half_a, saved_a)
         _wait(works)
         g_rem = grad_in_MD if ex.perm is None else grad_in_MD.index_select(0, ex.perm[0])
-        gx_rem, gw1, gw2 = remote.backward(g_rem, saved_r, w1, w2, need_x, need_w)
+        gx_rem, gw1, gw2 = remote.backward(g_rem, saved_r, w1, w2, need_x, need_w, into)
         gx = None
         works = []
         if need_x:
@@ -231,4 +233,4 @@ class _OverlappedExperts(torch.autograd.Function):
             _add_slice(gw1, g1, part.experts)
             _add_slice(gw2, g2, part.experts)
         _wait(works)
-        return gx, gw1 if ctx.needs_input_grad[1] else None, gw2 if ctx.needs_input_grad[2] else None, None
+        return gx, gw1 if ctx.needs_input_grad[1] else None, gw2 if ctx.needs_input_grad[2] else None, None, None
