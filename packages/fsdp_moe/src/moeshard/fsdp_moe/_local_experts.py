@@ -162,7 +162,11 @@ class LocalExperts:
     def grad_buffer(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The ``moeshard.ep.WeightGradTarget`` of this module: for ``weight``, the tensor its forward received from
         a *compute*-mode parameter that already has a gradient, that gradient's local tensor (the backward adds
-        into it); None otherwise (the first micro-batch, *master* mode, a tensor of no parameter here)."""
+        into it); None otherwise (the first micro-batch, *master* mode, a tensor of no parameter here).
+
+        So once such a parameter has a ``.grad``, every backward through the module adds into it, as
+        ``loss.backward()`` does; ``torch.autograd.grad`` over these parameters then gets no gradient for them
+        (clear ``.grad`` first, or use master mode)."""
         for name in self.in_compute_dtype:
             param = self.params[name]
             local = param._local_tensor
