@@ -9,7 +9,9 @@
 A package's session installs exactly that package, what its ``pyproject.toml`` declares and its ``test`` extra, so
 a test that imports something undeclared fails there. The moeshard packages it declares are installed editable
 from this tree, so its version ranges must accept their versions here. Tests that need a package their own package
-does not declare live in the top-level ``tests/`` and run in ``cross``, which installs everything.
+does not declare live in the top-level ``tests/`` and run in ``cross``, which installs everything. torch, which every
+package declares, is installed once into ``.nox/_torch-<pin>-py<X.Y>`` and every session's venv sees it through a
+``.pth`` file (delete that folder, or change ``MOESHARD_TORCH``, for a fresh one).
 
 Virtual environments are reused between runs (``--no-reuse-existing-virtualenvs`` for a fresh one); pass pytest
 arguments after ``--`` (``python3 -m nox -s ep -- -k dispatch``).
