@@ -9,7 +9,9 @@
 A package's session installs exactly that package, what its ``pyproject.toml`` declares and its ``test`` extra, so
 a test that imports something undeclared fails there. The moeshard packages it declares are installed editable
 from this tree, so its version ranges must accept their versions here. Tests that need a package their own package
-does not declare live in the top-level ``tests/`` and run in ``cross``, which installs everything.
+does not declare live in the top-level ``tests/`` and run in ``cross``, which installs everything. torch, which every
+package declares, is installed once into ``.nox/_torch-<pin>-py<X.Y>`` and every session's venv sees it through a
+``.pth`` file (delete that folder, or change ``MOESHARD_TORCH``, for a fresh one).
 
 Virtual environments are reused between runs (``--no-reuse-existing-virtualenvs`` for a fresh one); pass pytest
 arguments after ``--`` (``python3 -m nox -s ep -- -k dispatch``).
@@ -18,6 +20,8 @@ arguments after ``--`` (``python3 -m nox -s ep -- -k dispatch``).
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from pathlib import Path
 
 import nox
@@ -99,10 +103,36 @@ def _internal_closure(folder: str, extras: tuple[str, ...] = ("test",)) -> list[
     return order
 
 
+def _site_packages(session: nox.Session) -> Path | None:
+    """The session venv's ``site-packages`` (None under ``--no-install``, where nothing is installed)."""
+    probe = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    out = session.run_install("python", "-c", probe, silent=True)
+    return None if out is None else Path(out.strip().splitlines()[-1])
+
+
+def _torch_layer(session: nox.Session) -> None:
+    """The pinned torch (and what it brings) installed once into ``.nox/_torch-<pin>-py<X.Y>``, made visible to this
+    session's venv by a ``.pth`` file; the venv's own packages come first on ``sys.path``. Every package declares
+    torch, so each venv still sees what a ``pip install`` of its package would give it; unpacking the CPU wheel
+    once instead of once per session saves about half a minute a session."""
+    site = _site_packages(session)
+    if site is None:
+        return
+    version = session.run_install("python", "-c", "import sys; print('%d.%d' % sys.version_info[:2])", silent=True)
+    layer = ROOT / ".nox" / f"_torch-{re.sub(r'[^A-Za-z0-9.]+', '-', TORCH)}-py{version.strip()}"
+    complete = layer / ".complete"
+    if not complete.is_file():
+        shutil.rmtree(layer, ignore_errors=True)  # a partial one
+        session.install(*PIP_ARGS, "--target", str(layer), TORCH)
+        complete.write_text(TORCH + "\n")
+    (site / "_moeshard_torch_layer.pth").write_text(f"{layer}\n")
+
+
 def _install(session: nox.Session, folders: list[str], with_test_extra: list[str]) -> None:
-    """The pinned torch first, then ``folders`` editable in one resolve (``with_test_extra`` with their ``test``
-    extra): each moeshard requirement resolves to this tree's folder, the rest to the index."""
-    session.install(*PIP_ARGS, TORCH)
+    """The pinned torch first (the shared layer of :func:`_torch_layer`), then ``folders`` editable in one resolve
+    (``with_test_extra`` with their ``test`` extra): each moeshard requirement resolves to this tree's folder, the
+    rest to the index."""
+    _torch_layer(session)
     if any(r.name == "triton" for f in with_test_extra for r in _requirements(f, ("test",))):
         probe = "import importlib.util; print(importlib.util.find_spec('triton') is not None)"
         found = session.run_install("python", "-c", probe, silent=True)  # None under --no-install

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -50,10 +51,22 @@ logging: {{tensorboard: false, progress_bar: false, expert_load_every: 0}}
 """
 
 
-def _run(cmd: list[str], cwd: Path) -> str:
-    res = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
-    assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-4000:]}\n{res.stderr[-8000:]}"
-    return res.stdout
+def _run(*cmds: list[str], cwd: Path) -> None:
+    """Run ``cmds`` side by side (independent jobs: their start-ups overlap); each must succeed."""
+    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in cmds]
+    procs = [subprocess.Popen(c, cwd=cwd, env=ENV, stdout=o, stderr=e, text=True) for c, (o, e) in zip(cmds, logs)]
+    try:
+        for p in procs:
+            p.wait(timeout=TIMEOUT)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for cmd, p, (out, err) in zip(cmds, procs, logs):
+        out.seek(0)
+        err.seek(0)
+        assert p.returncode == 0, f"{' '.join(cmd)} failed:\n{out.read()[-4000:]}\n{err.read()[-8000:]}"
 
 
 def _torchrun(nproc: int, script: Path, *args: str) -> list[str]:
@@ -96,21 +109,14 @@ def test_examples_do_not_use_the_app_and_the_toy_not_the_model():
 def test_custom_trainer_matches_the_app(tiny, tmp_path):
     (tmp_path / "app.yaml").write_text(APP_CONFIG)
     app_out = tmp_path / "app"
+    losses_file, ckpt = tmp_path / "example_losses.json", tmp_path / "example_ckpt"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in HYPER.items()]
     _run(
         [
             sys.executable, "-m", "moeshard.train", "launch-local", "--nnodes", "2", "--nproc-per-node", "2", "--",
             "--config", str(tmp_path / "app.yaml"), f"--data.path={tiny / 'data.jsonl'}",
             f"--model.path={tiny / 'model'}", f"--logging.output_dir={app_out}", f"--eval.path={tiny / 'data.jsonl'}",
         ],
-        cwd=tmp_path,
-    )  # fmt: skip
-    records = [json.loads(line) for line in (app_out / "metrics.jsonl").read_text().splitlines()]
-    app = [r for r in records if "loss" in r]
-    app_eval = [r for r in records if "val_loss" in r]
-
-    losses_file, ckpt = tmp_path / "example_losses.json", tmp_path / "example_ckpt"
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in HYPER.items()]
-    _run(
         _torchrun(
             4, EXAMPLES / "custom_trainer.py", f"--model={tiny / 'model'}", f"--data={tiny / 'data.jsonl'}",
             "--ep-size=2", "--ranks-per-node=2", *flags, f"--losses={losses_file}", f"--checkpoint={ckpt}",
@@ -118,6 +124,9 @@ def test_custom_trainer_matches_the_app(tiny, tmp_path):
         ),
         cwd=tmp_path,
     )  # fmt: skip
+    records = [json.loads(line) for line in (app_out / "metrics.jsonl").read_text().splitlines()]
+    app = [r for r in records if "loss" in r]
+    app_eval = [r for r in records if "val_loss" in r]
     example = json.loads(losses_file.read_text())
 
     assert [m["step"] for m in app] == list(range(1, HYPER["steps"] + 1))
@@ -134,8 +143,11 @@ def test_custom_trainer_matches_the_app(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_toy_moe_matches_one_process(tmp_path):
-    _run([sys.executable, str(EXAMPLES / "toy_moe.py"), f"--out={tmp_path / 'one.pt'}"], cwd=tmp_path)
-    _run(_torchrun(4, EXAMPLES / "toy_moe.py", "--ranks-per-node=2", f"--out={tmp_path / 'four.pt'}"), cwd=tmp_path)
+    _run(
+        [sys.executable, str(EXAMPLES / "toy_moe.py"), f"--out={tmp_path / 'one.pt'}"],
+        _torchrun(4, EXAMPLES / "toy_moe.py", "--ranks-per-node=2", f"--out={tmp_path / 'four.pt'}"),
+        cwd=tmp_path,
+    )
     one, four = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "four.pt")
     assert four["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert sorted(four["grads"]) == sorted(one["grads"])

@@ -195,12 +195,27 @@ RUNS = {
 }
 
 
+def _all_runs(path, ckpt_dir):
+    """Every ``(config, run)`` of :data:`RUNS` and the checkpoint round trip, in one pair of processes. DTensor's
+    random-number tracker lives in the process and would give a second model other numbers: it is dropped before
+    each run, so the next ``init_weights`` syncs a new one from the seeded default generator, as a fresh process
+    does (the runs' equal initial weights below check it)."""
+    from torch.distributed.tensor import _random
+
+    out = {}
+    for c in CONFIGS:
+        for k in RUNS:
+            _random._rng_tracker = None  # test-only: DTensor's private per-process state
+            out[(c, k)] = _run(path, c, *RUNS[k])
+    out["round_trip"] = _round_trip(ckpt_dir)
+    return out
+
+
 @pytest.fixture(scope="module")
-def results(hf_dir):
-    """Per rank: ``{(config, run): _run(...)}``; each run in fresh processes (DTensor's random-number state
-    lives in the process, so a second model initialised in it would draw other numbers)."""
-    runs = {(c, k): run_distributed(_run, 2, hf_dir, c, *RUNS[k]) for c in CONFIGS for k in RUNS}
-    return [{key: per_rank[rank] for key, per_rank in runs.items()} for rank in range(2)]
+def results(hf_dir, tmp_path_factory):
+    """Per rank: ``{(config, run): _run(...), "round_trip": _round_trip(...)}`` (one launch: a pair of processes
+    costs more than the runs)."""
+    return run_distributed(_all_runs, 2, hf_dir, str(tmp_path_factory.mktemp("round_trip")), timeout=400)
 
 
 def test_experts_are_dtensors_outside_fsdp(results):
@@ -377,8 +392,8 @@ def _round_trip(path):
     return out
 
 
-def test_checkpoint_moves_between_ep2x1_and_ep1x2(tmp_path):
-    for snaps in run_distributed(_round_trip, 2, str(tmp_path)):
+def test_checkpoint_moves_between_ep2x1_and_ep1x2(results):
+    for snaps in (r["round_trip"] for r in results):
         assert any(".experts." in k and "exp_avg" in k for k in snaps["saved 2x1"])
         _same(snaps["loaded 1x2"], snaps["saved 2x1"], "EP 1 x 2 loading EP 2 x 1")
         _same(snaps["loaded back 2x1"], snaps["next 1x2"], "EP 2 x 1 loading EP 1 x 2")

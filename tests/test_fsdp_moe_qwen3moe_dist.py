@@ -49,6 +49,11 @@ def hf_dir(tmp_path_factory):
     return _save_hf(tmp_path_factory.mktemp("hf_tiny"))
 
 
+@pytest.fixture(scope="module")
+def hf_aux_dir(tmp_path_factory):
+    return _save_hf(tmp_path_factory.mktemp("hf_aux"), output_router_logits=True, router_aux_loss_coef=AUX_COEF)
+
+
 def _batches(steps=STEPS):
     g = torch.Generator().manual_seed(5)
     out = []
@@ -199,8 +204,19 @@ def reference(hf_dir):
     return _reference(hf_dir)
 
 
-def test_ep2_ep_fsdp2_layout_and_training_match_transformers(hf_dir, reference):
-    results = run_distributed(_ep2x2, 4, hf_dir, ranks_per_node=2)
+def _every_layout(path, aux_path):
+    return {"ep2x2": _ep2x2(path), "others": _other_layouts(path), "aux": _aux_step(aux_path)}
+
+
+@pytest.fixture(scope="module")
+def ranks(hf_dir, hf_aux_dir):
+    """Per rank: every distributed part of this file, from one launch of 4 processes (a launch costs more than
+    the runs)."""
+    return run_distributed(_every_layout, 4, hf_dir, hf_aux_dir, ranks_per_node=2, timeout=400)
+
+
+def test_ep2_ep_fsdp2_layout_and_training_match_transformers(ranks, reference):
+    results = [r["ep2x2"] for r in ranks]
     layout, _ = results[0]
     expert_shapes = {"gate_up_proj": (8, 64, 64), "down_proj": (8, 64, 32)}
     for fqn, (local, full, placements, mesh_names, mesh_size) in layout.items():
@@ -225,8 +241,8 @@ def test_ep2_ep_fsdp2_layout_and_training_match_transformers(hf_dir, reference):
         _compare(steps, reference, f"EP 2 x ep_fsdp 2, rank {rank}")
 
 
-def test_ep4_and_ep_fsdp4_match_transformers(hf_dir, reference):
-    out = run_distributed(_other_layouts, 4, hf_dir, ranks_per_node=2)[0]
+def test_ep4_and_ep_fsdp4_match_transformers(ranks, reference):
+    out = ranks[0]["others"]
     _compare(out[(4, True)], reference, "EP 4 x ep_fsdp 1, LocalExpertAdamW")
     _compare(out[(4, False)], reference, "EP 4 x ep_fsdp 1, torch's AdamW")
     _compare(out[(1, True)], reference, "EP 1 x ep_fsdp 4")
@@ -250,13 +266,12 @@ def _aux_step(path):
     return _np(full_tensors(model, grads=True))
 
 
-def test_aux_loss_is_the_mean_of_per_rank_aux_losses(tmp_path):
+def test_aux_loss_is_the_mean_of_per_rank_aux_losses(ranks, hf_aux_dir):
     """Each rank's aux loss is computed from its own tokens' router logits (no communication), and gradients are
     averaged over the W ranks, so training minimises ``mean_r aux(tokens of rank r)``: load balance per rank's
     micro-batch, not over the global batch (the aux loss is not linear in the tokens, so the two differ).
     Equal to transformers run on each rank's chunk, losses averaged."""
-    path = _save_hf(tmp_path / "hf_aux", output_router_logits=True, router_aux_loss_coef=AUX_COEF)
-    model = HFQwen3MoeForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32).train()
+    model = HFQwen3MoeForCausalLM.from_pretrained(hf_aux_dir, attn_implementation="sdpa", dtype=torch.float32).train()
     ids, _ = _batches(1)[0]
     W = 4
     chunks = ids.chunk(W)
@@ -267,7 +282,7 @@ def test_aux_loss_is_the_mean_of_per_rank_aux_losses(tmp_path):
     model(ids, labels=ids).loss.backward()  # aux loss over the global batch: not what distributed training does
     global_aux = {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    grads = run_distributed(_aux_step, 4, path, ranks_per_node=2)[0]
+    grads = ranks[0]["aux"]
     router = "model.layers.0.mlp.gate.weight"
     for k, g in expected.items():
         _close(torch.from_numpy(grads[k]), g, f"gradient of {k}")

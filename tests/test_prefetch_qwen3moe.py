@@ -2,7 +2,8 @@
 one real step with and without the schedule, forward prefetches issued at the EP host sync, and the same losses.
 
 Cross-package (moeshard.prefetch with moeshard.ep, moeshard.fsdp_moe and the model); the toy-model checks of the
-same order are in packages/prefetch/tests/test_order_dist.py. One spawn per layout serves every test of it.
+same order are in packages/prefetch/tests/test_order_dist.py. One spawn serves every test: EP 2 on nodes of 2, then
+EP 4 on the same 4 ranks taken as one node.
 """
 
 import math
@@ -22,8 +23,8 @@ from moeshard.prefetch.testing import check_default_order, check_scheduled_order
 WORLD, RANKS_PER_NODE, EP = 4, 2, 2
 
 
-def _qwen3_body(ep_size=EP):
-    meshes = build_meshes(ep_size=ep_size, device_type="cpu")
+def _qwen3_body(ep_size, ranks_per_node=None):
+    meshes = build_meshes(ep_size=ep_size, device_type="cpu", ranks_per_node=ranks_per_node)
     config = get_preset_config("tiny", num_hidden_layers=4)
     out = {}
     for depth in (0, 1, "sync"):
@@ -54,9 +55,18 @@ def _qwen3_body(ep_size=EP):
     return out
 
 
+def _both_layouts():
+    return {"ep2": _qwen3_body(EP), "ep4": _qwen3_body(WORLD, ranks_per_node=WORLD)}
+
+
 @pytest.fixture(scope="module")
-def qwen3_results():
-    return run_distributed(_qwen3_body, WORLD, ranks_per_node=RANKS_PER_NODE)
+def both_layouts():
+    return run_distributed(_both_layouts, WORLD, ranks_per_node=RANKS_PER_NODE)
+
+
+@pytest.fixture(scope="module")
+def qwen3_results(both_layouts):
+    return [r["ep2"] for r in both_layouts]
 
 
 def test_qwen3_scheduled_and_default_order(qwen3_results):
@@ -91,8 +101,8 @@ def test_qwen3_forward_prefetch_at_host_sync(qwen3_results):
 
 
 @pytest.fixture(scope="module")
-def qwen3_ep4_results():
-    return run_distributed(_qwen3_body, WORLD, WORLD, ranks_per_node=WORLD)
+def qwen3_ep4_results(both_layouts):
+    return [r["ep4"] for r in both_layouts]
 
 
 def test_qwen3_without_expert_units(qwen3_ep4_results):

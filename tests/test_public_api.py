@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -41,17 +42,34 @@ def test_readme_lists_the_public_api(folder, import_name):
     assert public_api.sync_readme(folder / "README.md", import_name, write=False) is None
 
 
-@pytest.mark.parametrize(("folder", "import_name"), PACKAGES, ids=IDS)
-def test_readme_example_runs(folder, import_name, tmp_path):
-    section = public_api.readme_section(folder / "README.md")
-    blocks = re.findall(r"```python\n(.*?)```", section or "", re.S)
-    assert blocks, f"{folder}/README.md: the Public API section has no python example"
-    example = blocks[0]
-    assert f"from {import_name} import" in example, "the example should use the package's own API"
+def _readme_example(folder: Path) -> str | None:
+    blocks = re.findall(r"```python\n(.*?)```", public_api.readme_section(folder / "README.md") or "", re.S)
+    return blocks[0] if blocks else None
+
+
+@pytest.fixture(scope="module")
+def example_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Each package's README example in a fresh interpreter of its own (one thread each, as many at once as there
+    are cores): ``{import_name: its completed process}``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(
-        [sys.executable, "-c", example], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
+
+    def run(example: str, name: str) -> subprocess.CompletedProcess:
+        cwd = tmp_path_factory.mktemp(f"example_{name}")
+        cmd = [sys.executable, "-c", example]
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+    examples = {name: _readme_example(folder) for folder, name in PACKAGES}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        futures = {name: pool.submit(run, ex, name) for name, ex in examples.items() if ex is not None}
+        return {name: f.result() for name, f in futures.items()}
+
+
+@pytest.mark.parametrize(("folder", "import_name"), PACKAGES, ids=IDS)
+def test_readme_example_runs(folder, import_name, example_runs):
+    example = _readme_example(folder)
+    assert example, f"{folder}/README.md: the Public API section has no python example"
+    assert f"from {import_name} import" in example, "the example should use the package's own API"
+    res = example_runs[import_name]
     assert res.returncode == 0, f"{folder}/README.md example failed:\n{res.stdout}\n{res.stderr}"
 
 

@@ -19,6 +19,7 @@ import tarfile
 import textwrap
 import venv
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,8 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = os.environ.get("MOESHARD_TORCH", "torch==2.13.0")
+# No byte-compiling at install: it more than doubles installing torch and transformers; modules compile on import.
+INSTALL = ["install", "-q", "--no-compile"]
 
 
 def _load_release():
@@ -285,7 +288,7 @@ def built(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     tmp = tmp_path_factory.mktemp("release")
     venv.EnvBuilder(with_pip=True).create(tmp / "build-env")
     py = _bin(tmp / "build-env", "python")
-    _run(py, "-m", "pip", "install", "-q", "build", "hatchling", "packaging")
+    _run(py, "-m", "pip", *INSTALL, "build", "hatchling", "packaging")
     dist = tmp / "dist"
     _run(py, ROOT / "tools/release.py", "build", "--no-isolation", "--outdir", dist)
     wheels = {}
@@ -309,50 +312,62 @@ def test_wheels_and_sdists_hold_their_package_only(built):
         assert {"pyproject.toml", "README.md", "CHANGELOG.md", f"src/{package_dir}__init__.py"} <= names, d.name
 
 
+def _install_chain(chain: list[str], torch_env: Path, built: tuple[Path, dict[str, Path]], tmp_path: Path) -> None:
+    """One fresh environment (torch from ``torch_env``'s layer), ``chain``'s wheel sets installed into it in turn;
+    after each, the environment holds exactly that set's closure and its smoke code runs."""
+    dist, wheels = built
+    pip = [_bin(torch_env, "python"), "-m", "pip"]
+    env = tmp_path / f"env-{chain[0]}"
+    venv.EnvBuilder(with_pip=False).create(env)
+    (_site_packages(env) / "_torch_layer.pth").write_text(str(_site_packages(torch_env)) + "\n")
+    py = _bin(env, "python")
+    asked: set[str] = set()  # the external requirements installed into this environment so far
+    for spec in chain:
+        closure = _closure(spec, wheels)
+        external = {
+            str(r)
+            for n, extras in closure.items()
+            for r in _wheel_requires(wheels[n], extras)
+            if canonicalize_name(r.name) not in wheels
+        }
+        if not external <= asked:  # from the index: what is declared
+            _run(*pip, "--python", py, *INSTALL, *sorted(external))
+            asked |= external
+        # Our wheels only from dist/, never from an index: pip can use nothing undeclared.
+        req = Requirement(spec)
+        version = wheels[canonicalize_name(req.name)].name.split("-")[1]
+        extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+        _run(
+            *pip,
+            "--python",
+            py,
+            *INSTALL,
+            "--no-index",
+            "--find-links",
+            dist,
+            f"{req.name}{extras}=={version}",
+        )
+        probe = (
+            "import importlib.metadata as m, importlib.util as u, json; "
+            "print(json.dumps([sorted(d.metadata['Name'] for d in m.distributions() "
+            "if d.metadata['Name'].startswith('moeshard')), bool(u.find_spec('transformers'))]))"
+        )
+        installed, has_transformers = json.loads(_run(py, "-c", probe))
+        assert {canonicalize_name(n) for n in installed} == set(closure), spec
+        assert has_transformers == bool(TRANSFORMERS_USERS & set(closure)), spec
+        _run(py, "-c", SMOKE[spec], cwd=tmp_path)
+
+
 @pytest.mark.slow
 def test_each_wheel_set_installs_with_only_what_it_declares(built, tmp_path):
-    dist, wheels = built
+    _, wheels = built
     assert sorted({canonicalize_name(Requirement(s).name) for chain in CHAINS for s in chain}) == sorted(wheels)
     torch_env = tmp_path / "torch-env"
     venv.EnvBuilder(with_pip=True).create(torch_env)
-    pip = [_bin(torch_env, "python"), "-m", "pip"]
-    _run(*pip, "install", "-q", TORCH)
-    for chain in CHAINS:
-        env = tmp_path / f"env-{chain[0]}"
-        venv.EnvBuilder(with_pip=False).create(env)
-        (_site_packages(env) / "_torch_layer.pth").write_text(str(_site_packages(torch_env)) + "\n")
-        py = _bin(env, "python")
-        for spec in chain:
-            closure = _closure(spec, wheels)
-            external = {
-                str(r)
-                for n, extras in closure.items()
-                for r in _wheel_requires(wheels[n], extras)
-                if canonicalize_name(r.name) not in wheels
-            }
-            _run(*pip, "--python", py, "install", "-q", *sorted(external))  # from the index: what is declared
-            # Our wheels only from dist/, never from an index: pip can use nothing undeclared.
-            req = Requirement(spec)
-            version = wheels[canonicalize_name(req.name)].name.split("-")[1]
-            extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
-            _run(
-                *pip,
-                "--python",
-                py,
-                "install",
-                "-q",
-                "--no-index",
-                "--find-links",
-                dist,
-                f"{req.name}{extras}=={version}",
-            )
-            probe = (
-                "import importlib.metadata as m, importlib.util as u, json; "
-                "print(json.dumps([sorted(d.metadata['Name'] for d in m.distributions() "
-                "if d.metadata['Name'].startswith('moeshard')), bool(u.find_spec('transformers'))]))"
-            )
-            installed, has_transformers = json.loads(_run(py, "-c", probe))
-            assert {canonicalize_name(n) for n in installed} == set(closure), spec
-            assert has_transformers == bool(TRANSFORMERS_USERS & set(closure)), spec
-            _run(py, "-c", SMOKE[spec], cwd=tmp_path)
+    _run(_bin(torch_env, "python"), "-m", "pip", *INSTALL, TORCH)
+    # The chains' environments are independent: as many at once as there are cores (pip and the smoke runs are
+    # single-threaded); each chain's own steps stay in order.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for done in [pool.submit(_install_chain, chain, torch_env, built, tmp_path) for chain in CHAINS]:
+            done.result()
     _run(_bin(tmp_path / "env-moeshard-qwen3moe", "moeshard-train"), "plan", "--nnodes", "2", "--nproc-per-node", "2")

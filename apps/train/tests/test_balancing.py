@@ -26,12 +26,21 @@ def _benchmark():
     return module
 
 
-def _demo(out: str, steps: int) -> dict[str, list[float]]:
-    return _benchmark().demo(Path(out), steps)
+SCOPES = ("micro_batch", "global_batch")
 
 
-def test_each_method_lowers_the_expert_load_of_a_skewed_router(tmp_path):
-    curves = run_distributed(_demo, 1, str(tmp_path), 100, timeout=600)[0]
+def _demo_and_one_steps(out: str, steps: int) -> dict:
+    """The benchmark's curves, and :func:`_one_step` of each aux-loss scope (one process serves both tests)."""
+    return {"curves": _benchmark().demo(Path(out), steps), "one_step": {s: _one_step(s) for s in SCOPES}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    return run_distributed(_demo_and_one_steps, 1, str(tmp_path_factory.mktemp("balancing")), 100, timeout=600)[0]
+
+
+def test_each_method_lowers_the_expert_load_of_a_skewed_router(runs, tmp_path):
+    curves = runs["curves"]
     end = {name: sum(c[-10:]) / 10 for name, c in curves.items()}  # the mean of the last 10 steps
     print({name: round(v, 3) for name, v in end.items()})
     assert all(len(c) == 100 for c in curves.values())
@@ -60,11 +69,11 @@ def test_load_imbalance_and_the_device_peak_table(monkeypatch):
     assert line == "eval      3 | val_loss 2.0000 | val_ppl 7.39 | 1,984 tokens | 0.5 s"
 
 
-@pytest.mark.parametrize("scope", ["micro_batch", "global_batch"])
-def test_balancing_loss_per_scope_without_ranks(scope):
+@pytest.mark.parametrize("scope", SCOPES)
+def test_balancing_loss_per_scope_without_ranks(runs, scope):
     """One rank, one micro-batch: both scopes see the same counts, and the global-batch loss is transformers'
     formula per layer (``global_balancing_loss`` with the batch's own counts)."""
-    out = run_distributed(_one_step, 1, scope)[0]
+    out = runs["one_step"][scope]
     assert out["aux"] == pytest.approx(out["want"][scope], rel=1e-5)
     assert out["load_sum"] == out["tokens_x_k"]
 

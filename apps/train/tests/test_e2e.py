@@ -9,6 +9,10 @@
    restarts it twice, it resumes from steps 2 and 4 and ends with the losses of run 1.
 3. A NaN loss at step 3 under plain torchrun: one clear line on the console, no traceback, exit status 1, the
    checkpoint of step 2 kept.
+4. ``bench`` under torchrun: every figure it reports.
+
+The four are independent and start at once (the ``jobs`` fixture): their start-ups, rendezvous and restarts
+overlap.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,11 +41,14 @@ JOB = [
 KEYS = {"step", "loss", "aux_loss", "grad_norm", "lr", "tokens_per_s_per_gpu", "max_memory_gib"}  # no mfu on CPU
 
 
-def _launch(args: list[str], env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "moeshard.train", *args], env=full_env, capture_output=True, text=True, timeout=timeout
-    )
+def _train(*args: str) -> list[str]:
+    return [sys.executable, "-m", "moeshard.train", *args]
+
+
+def _torchrun(*args: str) -> list[str]:
+    """Plain ``torchrun --standalone`` of the job, 2 ranks."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    return [*torchrun, "-m", "moeshard.train", *args]
 
 
 def _records(out: Path) -> list[dict]:
@@ -53,12 +61,58 @@ def _all_records(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("job") / "ref"
-    res = _launch(
-        ["launch-local", "--nnodes", "2", "--nproc-per-node", "2", "--", *JOB, "--logging.comm_accounting=true"]
-        + [f"--logging.output_dir={out}"]
-    )
+def jobs(tmp_path_factory) -> dict:
+    """The file's four jobs, started at once (independent: their start-ups, rendezvous and restarts overlap); each
+    one's :class:`subprocess.CompletedProcess` (stdout and stderr) once all have ended, and ``root``, their folder."""
+    root = tmp_path_factory.mktemp("job")
+    launch = ["launch-local", "--nnodes", "2", "--nproc-per-node", "2"]
+    commands = {
+        "reference": (
+            _train(*launch, "--", *JOB, "--logging.comm_accounting=true", f"--logging.output_dir={root / 'ref'}"),
+            {},
+        ),
+        "restarted": (
+            _train(*launch, "--max-restarts", "2", "--", *JOB, f"--logging.output_dir={root / 'restarted'}"),
+            {"MOESHARD_FAULT": "kill_rank:1:during_save:4,kill_rank:2:step:5"},
+        ),
+        "nan": (
+            _torchrun("--model.overrides.num_hidden_layers=2", "--data.seq_len=32", "--train.steps=4")
+            + ["--checkpoint.every_steps=1", "--checkpoint.keep_last=1", f"--logging.output_dir={root / 'nan'}"],
+            {"MOESHARD_FAULT": "nan_loss:1:step:3"},
+        ),
+        "bench": (
+            _torchrun("bench", "--model.preset=tiny", "--model.overrides.num_hidden_layers=2", "--data.seq_len=32")
+            + ["--parallel.ep_size=2", "--steps", "4", "--warmup", "1", "--out", str(root / "bench.json")],
+            {},
+        ),
+    }
+    logs = {name: (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for name in commands}
+    procs = {
+        name: subprocess.Popen(
+            cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, stdout=logs[name][0], stderr=logs[name][1]
+        )
+        for name, (cmd, env) in commands.items()
+    }
+    try:
+        for proc in procs.values():
+            proc.wait(timeout=600)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    out = {"root": root}
+    for name, proc in procs.items():
+        stdout, stderr = logs[name]
+        stdout.seek(0)
+        stderr.seek(0)
+        out[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout.read(), stderr.read())
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(jobs) -> Path:
+    res, out = jobs["reference"], jobs["root"] / "ref"
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     assert "world 4 = 2 node(s) x 2 ranks; ep 2 x ep_fsdp 2" in res.stdout
     assert "Traceback" not in res.stdout + res.stderr
@@ -141,14 +195,8 @@ def test_comm_accounting_stays_in_its_links_and_matches_plan(reference):
     assert per_kind.get(("all_to_all", "inter-node"), 0.0) == per_kind.get(("send", "inter-node"), 0.0) == 0
 
 
-def test_restart_after_sigkill_in_save_and_in_step(reference, tmp_path):
-    out = tmp_path / "restarted"
-    res = _launch(
-        ["launch-local", "--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "2", "--", *JOB]
-        + [f"--logging.output_dir={out}"],
-        env={"MOESHARD_FAULT": "kill_rank:1:during_save:4,kill_rank:2:step:5"},
-        timeout=400,
-    )
+def test_restart_after_sigkill_in_save_and_in_step(reference, jobs):
+    out, res = jobs["root"] / "restarted", jobs["restarted"]
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-6000:]
     assert sorted(p.name for p in (out / ".faults_fired").iterdir()) == [
@@ -164,17 +212,8 @@ def test_restart_after_sigkill_in_save_and_in_step(reference, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000004", "step_00000006"]
 
 
-def test_nan_loss_stops_with_one_message_and_keeps_the_checkpoint(tmp_path):
-    out = tmp_path / "nan"
-    res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moeshard.train"]
-        + ["--model.overrides.num_hidden_layers=2", "--data.seq_len=32", "--train.steps=4"]
-        + ["--checkpoint.every_steps=1", "--checkpoint.keep_last=1", f"--logging.output_dir={out}"],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "MOESHARD_FAULT": "nan_loss:1:step:3"},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+def test_nan_loss_stops_with_one_message_and_keeps_the_checkpoint(jobs):
+    out, res = jobs["root"] / "nan", jobs["nan"]
     log = res.stdout + res.stderr
     assert res.returncode != 0
     errors = [line for line in log.splitlines() if line.startswith("moeshard-train: error")]
@@ -187,20 +226,10 @@ def test_nan_loss_stops_with_one_message_and_keeps_the_checkpoint(tmp_path):
     assert [r["step"] for r in _records(out)] == [1, 2]
 
 
-def test_bench_reports_every_figure(tmp_path):
+def test_bench_reports_every_figure(jobs):
     # The benchmark's CPU path end to end (tiny geometry, EP 2 on gloo): a step time per timed step, the losses of
     # every step (random tokens: finite, near log(vocab)), and the figures the README table quotes.
-    out = tmp_path / "bench.json"
-    res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "moeshard.train"]
-        + ["bench", "--model.preset=tiny", "--model.overrides.num_hidden_layers=2", "--data.seq_len=32"]
-        + ["--parallel.ep_size=2"]
-        + ["--steps", "4", "--warmup", "1", "--out", str(out)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    out, res = jobs["root"] / "bench.json", jobs["bench"]
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     result = json.loads(out.read_text())
     assert len(result["step_times_s"]) == 3 and all(t > 0 for t in result["step_times_s"])
