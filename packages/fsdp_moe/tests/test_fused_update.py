@@ -218,8 +218,25 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
+def _all_checks():
+    """Every gloo check of this file in one 2-process launch (one torchrun start instead of eight)."""
+    return {
+        "compare": {config: _compare(config) for config in CONFIGS},
+        "round trip": _round_trip_and_scheduler(),
+        "zero grad": _zero_grad_drops_the_clip(),
+        "clip twice": _clip_twice(),
+        "errors": _errors(),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Per rank, what each check returned."""
+    return run_distributed(_all_checks, 2)
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_container_with_local_expert_adamw_equals_torch_adamw(config):
+def test_container_with_local_expert_adamw_equals_torch_adamw(runs, config):
     """Gradients (as the update reads them), grad norms and the parameters after each of 3 clipped steps equal
     those of torch's AdamW over float32 experts: to float32 rounding where the update sees the same gradient (one
     micro-batch; float32 compute: the gradients are equal, the norm's sum runs in another order, which Adam's
@@ -227,7 +244,7 @@ def test_container_with_local_expert_adamw_equals_torch_adamw(config):
     expert gradients within the bf16 sum's rounding (2^-9) and its update within 1e-3, tensor by tensor; later
     steps within 2e-2 over the whole model."""
     dtype, _, micro = CONFIGS[config]
-    for out in run_distributed(_compare, 2, config):
+    for out in (r["compare"][config] for r in runs):
         assert out["kinds"] == ["LocalExpertAdamW", "AdamW"]
         assert out["handed_off"]
         compute = dtype or torch.float32
@@ -292,10 +309,10 @@ def _round_trip_and_scheduler():
     return out
 
 
-def test_state_dict_round_trip_and_lr_scheduler():
+def test_state_dict_round_trip_and_lr_scheduler(runs):
     """torch's state-dict protocol (torch.save / torch.load) restores masters, moments and steps: the next step is
     the saving run's, bit for bit; LambdaLR on the container drives both children's learning rates."""
-    for out in run_distributed(_round_trip_and_scheduler, 2):
+    for out in (r["round trip"] for r in runs):
         assert out["groups"] == 2 and out["initial_lr"] == [1e-2, 1e-2]
         assert out["lr after 1"] == [5e-3, 5e-3]
         assert out["state keys"] == ["exp_avg", "exp_avg_sq", "master", "step"]
@@ -320,8 +337,8 @@ def _zero_grad_drops_the_clip():
     return grads, max((got[k] - want[k]).abs().max().item() for k in want)
 
 
-def test_zero_grad_drops_gradients_and_a_kept_clip():
-    for grads, diff in run_distributed(_zero_grad_drops_the_clip, 2):
+def test_zero_grad_drops_gradients_and_a_kept_clip(runs):
+    for grads, diff in (r["zero grad"] for r in runs):
         assert grads == [None] * len(grads) and diff == 0.0
 
 
@@ -341,8 +358,8 @@ def _clip_twice():
     return n1.item(), first.item(), second.item(), max((got[k] - want[k]).abs().max().item() for k in want)
 
 
-def test_clipping_twice_sees_the_first_clip():
-    for n1, first, second, diff in run_distributed(_clip_twice, 2):
+def test_clipping_twice_sees_the_first_clip(runs):
+    for n1, first, second, diff in (r["clip twice"] for r in runs):
         assert first == n1 > MAX_NORM and second == pytest.approx(MAX_NORM, rel=1e-4)
         assert diff <= 1e-6
 
@@ -396,8 +413,8 @@ def _errors():
     return out
 
 
-def test_refusals_name_the_problem():
-    for out in run_distributed(_errors, 2):
+def test_refusals_name_the_problem(runs):
+    for out in (r["errors"] for r in runs):
         for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
             assert out[flag].startswith("ValueError") and flag in out[flag], out[flag]
         assert "tensor lr" in out["tensor lr"]
