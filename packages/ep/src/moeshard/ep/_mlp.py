@@ -167,7 +167,7 @@ class ExpertPass:
             gx = torch.cat(gxs) if gxs else grad_ND.new_zeros((0, w_gate_up.shape[-1]))
         if need_w:
             gw1, gw2 = torch.stack(gw1s), torch.stack(gw2s)
-            gw1, gw2 = _add_into(gw1, into[0]), _add_into(gw2, into[1])
+            gw1, gw2 = add_into(gw1, into[0]), add_into(gw2, into[1])
         return gx, gw1, gw2
 
     def _weight_grad(self, a_NM, b_NK, into):
@@ -178,7 +178,7 @@ class ExpertPass:
         return None
 
 
-def _add_into(grad: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor | None:
+def add_into(grad: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor | None:
     if into is None:
         return grad
     into.add_(grad)

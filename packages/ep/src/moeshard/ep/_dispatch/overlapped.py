@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from moeshard.ep._dispatch._base import ExpertDispatch
 from moeshard.ep._kernels import Kernels
-from moeshard.ep._mlp import ExpertPass, resolve_gemm, weight_grad_buffers
+from moeshard.ep._mlp import ExpertPass, add_into, resolve_gemm, weight_grad_buffers
 from moeshard.ep._permute import inverse_permutation, regroup_by_local_expert
 
 __all__ = ["OverlappedDispatch"]
@@ -197,6 +197,9 @@ class _OverlappedExperts(torch.autograd.Function):
         na, nr, _ = ctx.sizes
         saved_a, saved_r, saved_b = saved[:na], saved[na : na + nr], saved[na + nr :]
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        # An expert's gradient has two parts here (its own copies' half and the received copies): they are summed
+        # first and added into the target's buffer once, in the order autograd's accumulation adds them (bf16 sums
+        # in another order differ where the parts nearly cancel).
         into = weight_grad_buffers(ctx.target, w1, w2, ctx.needs_input_grad[1], ctx.needs_input_grad[2])
         grad_ND = grad_ND.contiguous()
         N, D = grad_ND.shape
@@ -206,8 +209,7 @@ class _OverlappedExperts(torch.autograd.Function):
             if not saved_part:
                 return None, None, None
             sl = part.experts
-            into_part = tuple(None if b is None else b[sl] for b in into)  # the half's experts' slice of the buffer
-            return part.run.backward(grad_ND[part.rows], saved_part, w1[sl], w2[sl], need_x, need_w, into_part)
+            return part.run.backward(grad_ND[part.rows], saved_part, w1[sl], w2[sl], need_x, need_w)
 
         grad_in_MD = grad_ND.new_empty((ex.rows_in, D))
         works = ex.start(grad_ND, ex.send, grad_in_MD, ex.recv)
@@ -215,7 +217,7 @@ class _OverlappedExperts(torch.autograd.Function):
             gx_a, gw1_a, gw2_a = local(half_a, saved_a)
         _wait(works)
         g_rem = grad_in_MD if ex.perm is None else grad_in_MD.index_select(0, ex.perm[0])
-        gx_rem, gw1, gw2 = remote.backward(g_rem, saved_r, w1, w2, need_x, need_w, into)
+        gx_rem, gw1, gw2 = remote.backward(g_rem, saved_r, w1, w2, need_x, need_w)
         gx = None
         works = []
         if need_x:
@@ -232,5 +234,6 @@ class _OverlappedExperts(torch.autograd.Function):
         for part, g1, g2 in ((half_a, gw1_a, gw2_a), (half_b, gw1_b, gw2_b)):
             _add_slice(gw1, g1, part.experts)
             _add_slice(gw2, g2, part.experts)
+        gw1, gw2 = add_into(gw1, into[0]), add_into(gw2, into[1])
         _wait(works)
         return gx, gw1 if ctx.needs_input_grad[1] else None, gw2 if ctx.needs_input_grad[2] else None, None, None
