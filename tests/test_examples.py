@@ -13,13 +13,13 @@ import ast
 import importlib.util
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+from moeshard.meshes.testing import run_side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -53,20 +53,8 @@ logging: {{tensorboard: false, progress_bar: false, expert_load_every: 0}}
 
 def _run(*cmds: list[str], cwd: Path) -> None:
     """Run ``cmds`` side by side (independent jobs: their start-ups overlap); each must succeed."""
-    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in cmds]
-    procs = [subprocess.Popen(c, cwd=cwd, env=ENV, stdout=o, stderr=e, text=True) for c, (o, e) in zip(cmds, logs)]
-    try:
-        for p in procs:
-            p.wait(timeout=TIMEOUT)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for cmd, p, (out, err) in zip(cmds, procs, logs):
-        out.seek(0)
-        err.seek(0)
-        assert p.returncode == 0, f"{' '.join(cmd)} failed:\n{out.read()[-4000:]}\n{err.read()[-8000:]}"
+    for cmd, res in zip(cmds, run_side_by_side(*cmds, timeout=TIMEOUT, cwd=cwd, env=ENV)):
+        assert res.returncode == 0, f"{' '.join(cmd)} failed:\n{res.stdout[-4000:]}\n{res.stderr[-8000:]}"
 
 
 def _torchrun(nproc: int, script: Path, *args: str) -> list[str]:

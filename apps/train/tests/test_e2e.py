@@ -21,13 +21,13 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+from moeshard.meshes.testing import run_side_by_side
 
 pytestmark = pytest.mark.slow
 
@@ -86,28 +86,12 @@ def jobs(tmp_path_factory) -> dict:
             {},
         ),
     }
-    logs = {name: (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for name in commands}
-    procs = {
-        name: subprocess.Popen(
-            cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, stdout=logs[name][0], stderr=logs[name][1]
-        )
-        for name, (cmd, env) in commands.items()
-    }
-    try:
-        for proc in procs.values():
-            proc.wait(timeout=600)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    out = {"root": root}
-    for name, proc in procs.items():
-        stdout, stderr = logs[name]
-        stdout.seek(0)
-        stderr.seek(0)
-        out[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout.read(), stderr.read())
-    return out
+    results = run_side_by_side(
+        *(cmd for cmd, _ in commands.values()),
+        timeout=600,
+        env=[{**os.environ, "OMP_NUM_THREADS": "1", **env} for _, env in commands.values()],
+    )
+    return {"root": root, **dict(zip(commands, results))}
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from moeshard.meshes.testing import run_side_by_side
 from moeshard.train.__main__ import main
 
 TINY = [
@@ -263,10 +263,17 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_gone_one(capsys, tmp_path, 
 # ---- under torchrun ----------------------------------------------------------------------------------------------
 
 
-def _torchrun(args: list[str], **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _torchrun_command(args: list[str]) -> list[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m"]
-    return subprocess.Popen([*command, "moeshard.train", *args], env=env, text=True, **kwargs)
+    return [*command, "moeshard.train", *args]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _torchrun(args: list[str], **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(_torchrun_command(args), env=_env(), text=True, **kwargs)
 
 
 def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
@@ -274,20 +281,8 @@ def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
 
 
 def _run_both(*jobs: list[str], timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """Each of ``jobs`` under its own ``torchrun``, all at once; their outputs once every one has ended."""
-    logs = [tempfile.TemporaryFile("w+") for _ in jobs]
-    procs = [_torchrun(args, stdout=log, stderr=subprocess.STDOUT) for args, log in zip(jobs, logs)]
-    try:
-        for p in procs:
-            p.wait(timeout=timeout)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for log in logs:
-        log.seek(0)
-    return [subprocess.CompletedProcess(p.args, p.returncode, log.read()) for p, log in zip(procs, logs)]
+    """Each of ``jobs`` under its own ``torchrun``, all at once; their outputs (stderr in stdout) once all have ended."""
+    return run_side_by_side(*map(_torchrun_command, jobs), timeout=timeout, env=_env(), merge_stderr=True)
 
 
 @pytest.mark.slow

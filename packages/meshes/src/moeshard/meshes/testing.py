@@ -14,25 +14,33 @@ default gloo process group already initialised through a TCPStore on a free port
 thread. On success the harness runs ``barrier`` then ``destroy_process_group`` (gloo aborts at exit
 otherwise). A failure on any rank fails the call with that rank's traceback; a hang fails after ``timeout``
 seconds with every live rank's Python stack printed to stderr.
+
+``run_side_by_side(*cmds, timeout=...)`` runs independent commands (``torchrun`` jobs, scripts) as subprocesses
+all at once and returns each one's :class:`subprocess.CompletedProcess`; a job that outlives the deadline is
+killed and fails the call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib.util
 import os
 import pickle
 import queue
+import subprocess
 import sys
+import tempfile
+import time
 import traceback
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["DistributedTestError", "run_distributed"]
+__all__ = ["DistributedTestError", "run_distributed", "run_side_by_side"]
 
 _LOADED: dict[str, Any] = {}
 
@@ -151,8 +159,6 @@ def run_distributed(
         p.start()
     outputs: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    import time
-
     deadline = time.monotonic() + timeout
     try:
         while len(outputs) + len(errors) < world_size:
@@ -192,3 +198,77 @@ def run_distributed(
             )
         raise DistributedTestError(f"{fn.__qualname__} on {world_size} processes:\n" + "\n".join(parts))
     return [outputs[r] for r in range(world_size)]
+
+
+def run_side_by_side(
+    *cmds: Sequence[str],
+    timeout: float,
+    cwd: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | Sequence[Mapping[str, str] | None] | None = None,
+    merge_stderr: bool = False,
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run independent commands as subprocesses, all at once, and return each one's result once all have ended.
+
+    Every command is started before any is waited on, so their start-ups overlap. Each one's stdout and stderr go
+    to temporary files (a large output never blocks on a full pipe), read back as text (UTF-8, undecodable bytes
+    replaced) once every command has ended. On a timeout, or any exception (a command that cannot be started, an
+    interrupt), every command still running is killed (SIGKILL to the process itself: processes it started, such
+    as torchrun's workers, are not signalled) and reaped before the call returns or raises.
+
+    Args:
+        cmds: the commands, as argument lists (no shell).
+        timeout: seconds for the whole set, counted from before the first start: one deadline, not one per command.
+        cwd: working directory of every command (``None``: this process's).
+        env: the environment of every command, as ``subprocess.Popen``'s ``env`` (it replaces this process's;
+            ``None`` inherits it), or a sequence of such, one per command.
+        merge_stderr: send stderr into stdout (one interleaved log); each result's ``stderr`` is then ``None``.
+
+    Returns:
+        One :class:`subprocess.CompletedProcess` per command, in order of ``cmds``: ``args``, ``returncode``
+        (negative: ended by that signal) and the captured output. A non-zero return code is not an error here.
+
+    Raises:
+        subprocess.TimeoutExpired: a command was still running at the deadline (the first such one in order is
+            named, with what it wrote so far as ``output`` and ``stderr``); raised after all were killed and reaped.
+        ValueError: ``env`` is a sequence whose length is not the number of commands.
+    """
+    envs = [env] * len(cmds) if env is None or isinstance(env, Mapping) else list(env)
+    if len(envs) != len(cmds):
+        raise ValueError(f"env: {len(envs)} environments for {len(cmds)} commands")
+    with contextlib.ExitStack() as files:
+
+        def log() -> IO[str]:
+            return files.enter_context(tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace"))
+
+        logs = [(log(), None if merge_stderr else log()) for _ in cmds]
+        procs: list[subprocess.Popen[str]] = []
+        late: int | None = None
+        deadline = time.monotonic() + timeout
+        try:
+            for cmd, cmd_env, (out, err) in zip(cmds, envs, logs):
+                stderr = subprocess.STDOUT if err is None else err
+                procs.append(subprocess.Popen(list(cmd), cwd=cwd, env=cmd_env, stdout=out, stderr=stderr))
+            for i, proc in enumerate(procs):
+                try:
+                    proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+                except subprocess.TimeoutExpired:
+                    late = i
+                    break
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+            for proc in procs:
+                proc.wait()
+        results = [
+            subprocess.CompletedProcess(proc.args, proc.returncode, _read(out), None if err is None else _read(err))
+            for proc, (out, err) in zip(procs, logs)
+        ]
+    if late is not None:
+        raise subprocess.TimeoutExpired(procs[late].args, timeout, results[late].stdout, results[late].stderr)
+    return results
+
+
+def _read(file: IO[str]) -> str:
+    file.seek(0)
+    return file.read()
