@@ -8,6 +8,7 @@ from moeshard.ep._permute import (
     combine,
     expand_rows,
     inverse_permutation,
+    narrow_keys,
     permute_rows,
     regroup_by_local_expert,
     sort_by_expert,
@@ -31,6 +32,17 @@ def test_sort_by_expert_empty_and_all_to_one():
     assert order_N.numel() == 0 and counts_E.tolist() == [0, 0, 0]
     order_N, counts_E = sort_by_expert(torch.full((4, 1), 2), num_experts=3)
     assert order_N.tolist() == [0, 1, 2, 3] and counts_E.tolist() == [0, 0, 4]
+
+
+def test_sort_by_expert_narrow_keys_keep_the_order():
+    # The keys are sorted in the narrowest dtype that holds the expert count (one radix pass per byte on CUDA);
+    # a stable sort's order depends on the values only, so it is the int64 sort's, at each width.
+    for E, dtype in ((128, torch.uint8), (256, torch.int16), (40_000, torch.int32)):
+        ids_TK = torch.randint(0, E, (300, 8), generator=torch.Generator().manual_seed(E))
+        assert narrow_keys(ids_TK, E).dtype == dtype
+        order_N, counts_E = sort_by_expert(ids_TK, E)
+        assert torch.equal(order_N, torch.sort(ids_TK.reshape(-1), stable=True)[1])
+        assert torch.equal(counts_E, torch.bincount(ids_TK.reshape(-1), minlength=E))
 
 
 def test_inverse_permutation():

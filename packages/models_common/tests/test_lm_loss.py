@@ -34,3 +34,15 @@ def test_all_ignored_is_zero_not_nan():
     out = linear_cross_entropy(h, w, torch.full((4,), -100))
     out.backward()
     assert out.item() == 0.0 and torch.all(h.grad == 0) and torch.all(w.grad == 0)
+
+
+def test_backward_scaling_per_dtype():
+    # The head's backward scales its saved gradients by the incoming one: one pass per dtype, None passed through,
+    # the factor taken in each gradient's dtype (what lets the device's _foreach_mul vectorise).
+    from moeshard.models.common._lm_loss import _scaled
+
+    g16, g32 = torch.randn(5, 3).bfloat16(), torch.randn(4)
+    factor = torch.tensor(1 / 3)
+    a, none, b = _scaled(g16, None, g32, factor=factor)
+    assert none is None and a.dtype == torch.bfloat16 and b.dtype == torch.float32
+    assert torch.equal(a, g16 * factor.bfloat16()) and torch.equal(b, g32 * factor)

@@ -17,6 +17,7 @@ __all__ = [
     "combine",
     "expand_rows",
     "inverse_permutation",
+    "narrow_keys",
     "permute_rows",
     "regroup_by_local_expert",
     "sort_by_expert",
@@ -31,11 +32,22 @@ def sort_by_expert(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.T
         ``counts_E``: copies per expert (int64, on the ids' device), computed without a host sync.
     """
     ids_N = topk_ids_TK.reshape(-1)
-    sorted_ids_N, order_N = torch.sort(ids_N, stable=True)
+    sorted_ids_N, order_N = torch.sort(narrow_keys(ids_N, num_experts), stable=True)
     # searchsorted gives each expert's first position in the sorted ids; bincount would sync on CUDA.
     bounds = torch.arange(num_experts + 1, device=ids_N.device, dtype=sorted_ids_N.dtype)
     counts_E = torch.diff(torch.searchsorted(sorted_ids_N, bounds)).to(torch.int64)
     return order_N, counts_E
+
+
+def narrow_keys(keys_N: torch.Tensor, bound: int) -> torch.Tensor:
+    """``keys_N`` (integers in ``[0, bound)``) in the narrowest integer dtype that also holds ``bound`` itself.
+
+    A stable sort's order depends only on the key values, so it is the same; but CUDA's radix sort makes one pass
+    per byte of the key dtype, so uint8 keys (up to 255 experts) take one pass where int64 takes eight."""
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        if bound <= torch.iinfo(dtype).max:
+            return keys_N if keys_N.dtype == dtype else keys_N.to(dtype)
+    return keys_N
 
 
 def inverse_permutation(perm_N: torch.Tensor) -> torch.Tensor:
@@ -59,7 +71,7 @@ def regroup_by_local_expert(recv_counts_SEl: torch.Tensor, num_rows: int) -> tor
     S, El = recv_counts_SEl.shape
     if S == 1:
         return None
-    expert_of_block = torch.arange(El, device=recv_counts_SEl.device).repeat(S)
+    expert_of_block = narrow_keys(torch.arange(El, device=recv_counts_SEl.device), El).repeat(S)
     expert_of_row_R = torch.repeat_interleave(expert_of_block, recv_counts_SEl.reshape(-1), output_size=num_rows)
     return torch.sort(expert_of_row_R, stable=True)[1]
 
