@@ -5,12 +5,14 @@
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 import moeshard.data
 from moeshard.train.config import ConfigError, DataConfig, JobConfig, load_config
+from moeshard.train.run.build import balancing_options
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -43,7 +45,7 @@ def test_overrides_and_types():
         (["--train.schedule=linear"], "train.schedule must be one of cosine, constant, wsd"),
         (["--train.decay_shape=sqrt"], "train.decay_shape one of linear, cosine, 1-sqrt"),
         (["--train.decay_fraction=0"], "train.decay_fraction must be in (0, 1]"),
-        (["--train.aux_loss.scope=global"], "train.aux_loss.scope must be one of micro_batch, global_batch"),
+        (["--train.aux_loss.scope=global"], "train.aux_loss.scope must be one of micro_batch, global_batch, sequence"),
         (
             ["--train.gradient_sync=last"],
             "train.gradient_sync must be one of auto, every_micro_batch, last_micro_batch",
@@ -102,6 +104,10 @@ def test_data_section_is_moeshard_datas_config(tmp_path):
 def test_balancing_and_eval_keys():
     cfg = load_config(None, ["--train.aux_loss.scope=global_batch", "--train.router_bias=true"])
     assert cfg.train.aux_loss.scope == "global_batch" and cfg.train.aux_loss.coef is None
+    sequence = load_config(None, ["--train.aux_loss.scope=sequence", "--train.aux_loss.coef=1e-4"])
+    assert sequence.train.aux_loss.scope == "sequence" and sequence.train.aux_loss.coef == 1e-4
+    options = balancing_options(sequence, SimpleNamespace())  # what the job's Balancing is built with
+    assert options.scope == "sequence" and options.aux_loss_coef == 1e-4
     assert cfg.train.router_bias.update_rate == 1e-3 and JobConfig().train.router_bias is None
     assert load_config(None, ["--train.router_bias.update_rate=0.01"]).train.router_bias.update_rate == 0.01
     # the default job evaluates generated held-out rows; a job on real data evaluates only what eval.path names

@@ -107,7 +107,9 @@ class AuxLossConfig:
     scope: str = _key(
         "micro_batch",
         "expert frequencies of: micro_batch (per rank and micro-batch, transformers' loss) | global_batch (the step's "
-        "micro-batches so far on all ranks: one all-reduce of [layers, experts] per micro-batch)",
+        "micro-batches so far on all ranks: one all-reduce of [layers, experts] per micro-batch) | sequence "
+        "(DeepSeek-V3's complementary sequence-wise balance loss: per row of the micro-batch, the routers' own "
+        "selection and normalised scores; DeepSeek-V3 used coef 1e-4)",
     )
 
 

@@ -150,7 +150,8 @@ def train_step(
             model.set_requires_gradient_sync(m == last)
             if job.parallel.keeps_gathered:  # no peak memory of its own: all are gathered at forward's end anyway
                 model.set_reshard_after_backward(m == last)
-        (out.lm_loss + balancing.micro_batch_loss(out, b.attention_mask)).backward()
+        term = balancing.micro_batch_loss(out, b.attention_mask, rows=b.input_ids.shape[0])  # rows: sequence scope
+        (out.lm_loss + term).backward()
         lm_sum += out.lm_loss.detach().float()
     # One norm over both meshes; the container may apply the clip coefficient inside its step (no extra pass).
     grad_norm = job.optimizer.clip_grad_norm_(job.cfg.train.max_grad_norm)

@@ -9,7 +9,7 @@
   attention masks (padding, packed documents) and :func:`attend` under them.
 - :func:`parallelize` (EP, activation checkpointing, compile, FSDP2, prefetch; the ``parallel`` extra) and
   :class:`ParallelOptions`, for any family's model.
-- Balancing: :class:`Balancing` with the hooks a loop calls (aux loss per micro-batch or global batch, z-loss,
+- Balancing: :class:`Balancing` with the hooks a loop calls (aux loss per micro-batch, global batch or sequence, z-loss,
   aux-loss-free bias update by DeepSeek-V3's rule), and its parts.
 - HF checkpoints: a family describes its format once (:class:`HFFormat`, the model class's ``hf_format``);
   :func:`load_hf_weights` fills a plain, EP-sliced or FSDP-sharded model in place from either expert layout, each
@@ -34,6 +34,7 @@ from moeshard.models.common._balancing import (
     global_balancing_loss,
     load_balancing_loss,
     router_z_loss,
+    sequence_balancing_loss,
     update_router_bias,
 )
 from moeshard.models.common._causal_lm import DecoderLayer, DecoderModel, MoECausalLM
@@ -144,6 +145,7 @@ __all__ = [
     "routers",
     "save_hf_checkpoint",
     "save_hf_weights",
+    "sequence_balancing_loss",
     "stream_hf_weights",
     "sum_over_layers",
     "update_router_bias",

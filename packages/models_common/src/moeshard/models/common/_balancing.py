@@ -8,17 +8,19 @@ as separate values, :class:`CausalLMOutput`); a loop builds a :class:`Balancing`
     balancing.start_step(len(micro_batches))
     for b in micro_batches:
         out = model(b.input_ids, labels=b.labels, output_router_logits=True, return_logits=False, ...)
-        (out.lm_loss + balancing.micro_batch_loss(out, b.attention_mask)).backward()   # before backward
+        term = balancing.micro_batch_loss(out, b.attention_mask, rows=b.input_ids.shape[0])  # before backward
+        (out.lm_loss + term).backward()
     step = balancing.end_step()          # after the last backward: the step's aux / z-loss means, expert load
     optimizer.step()
     balancing.after_optimizer_step()     # aux-loss-free balancing: the routers' selection biases move
 
 Its parts (usable alone): transformers' :func:`load_balancing_loss`; :func:`expert_counts` and
 :class:`GlobalExpertCounts` (the step's expert load over micro-batches and ranks, no host sync);
-:func:`global_balancing_loss` (the aux loss with a global batch's expert frequencies); :func:`router_z_loss`
+:func:`global_balancing_loss` (the aux loss with a global batch's expert frequencies);
+:func:`sequence_balancing_loss` (DeepSeek-V3's complementary sequence-wise balance loss); :func:`router_z_loss`
 (ST-MoE) and :func:`update_router_bias` (DeepSeek-V3's aux-loss-free balancing).
 
-Legend: T tokens, K top-k, E experts, L MoE layers.
+Legend: T tokens, B rows (sequences) of a micro-batch, S tokens per row, K top-k, E experts, L MoE layers.
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ __all__ = [
     "global_balancing_loss",
     "load_balancing_loss",
     "router_z_loss",
+    "sequence_balancing_loss",
     "update_router_bias",
 ]
 
-SCOPES = ("micro_batch", "global_batch")
+SCOPES = ("micro_batch", "global_batch", "sequence")
 """Values of :attr:`BalancingOptions.scope`."""
 
 
@@ -54,8 +57,11 @@ class BalancingOptions:
 
     Attributes:
         aux_loss_coef: the load-balancing loss's coefficient (transformers' ``router_aux_loss_coef``; 0: none).
-        scope: ``micro_batch`` (transformers' loss, per rank and micro-batch) or ``global_batch`` (the expert
-            frequencies of the step's micro-batches so far over all ranks: :func:`global_balancing_loss`).
+        scope: ``micro_batch`` (transformers' loss, per rank and micro-batch), ``global_batch`` (the expert
+            frequencies of the step's micro-batches so far over all ranks: :func:`global_balancing_loss`) or
+            ``sequence`` (DeepSeek-V3's complementary sequence-wise balance loss, per row of the micro-batch with
+            the routers' own selection and affinities: :func:`sequence_balancing_loss`; DeepSeek-V3 used a
+            coefficient of 1e-4; ``micro_batch_loss`` needs the rows: the attention mask or ``rows=``).
         z_loss_coef: the router z-loss's coefficient (0: not computed).
         router_bias_rate: aux-loss-free balancing's update rate (None: no router bias; the routers must have one,
             ``model.enable_router_bias()``, when it is set).
@@ -139,13 +145,21 @@ class Balancing:
         self._z_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         self._load = None
 
-    def micro_batch_loss(self, out, attention_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+    def micro_batch_loss(
+        self, out, attention_mask_BS: torch.Tensor | None = None, *, rows: int | None = None
+    ) -> torch.Tensor:
         """Before a micro-batch's backward: the balancing term to add to its LM loss, ``(aux_coef · aux + z_coef ·
         z) / num_micro_batches`` (the balancing losses are per-micro-batch means, averaged over the step).
 
         Args:
             out: the model's output with ``output_router_logits=True`` (its ``aux_loss`` and ``router_logits``).
             attention_mask_BS: the micro-batch's mask (None unless padded): padding routes nowhere.
+            rows: the micro-batch's rows B (its sequences); the ``sequence`` scope needs them, from here or from
+                ``attention_mask_BS`` (both given: they must agree); the other scopes ignore it.
+
+        Raises:
+            ValueError: the ``sequence`` scope without ``attention_mask_BS`` or ``rows``, or with rows that do not
+                fit the mask or the router logits.
         """
         o, zero = self.options, torch.zeros((), device=self.device)
         aux = out.aux_loss if out.aux_loss is not None else zero
@@ -158,6 +172,9 @@ class Balancing:
             running = self.counts.add(counts, all_reduce=global_scope)
             if global_scope:  # the expert frequencies of micro-batches 1..m of this step, all ranks
                 aux = global_balancing_loss(out.router_logits, running, self.top_k, attention_mask_BS)
+            elif o.scope == "sequence":
+                b = _sequence_rows(attention_mask_BS, rows)
+                aux = sequence_balancing_loss(out.router_logits, self.routers, self.top_k, b, attention_mask_BS)
             if o.z_loss_coef:
                 z = router_z_loss(out.router_logits, attention_mask_BS)
         self._aux_sum += aux.detach().float() / self._n
@@ -274,6 +291,77 @@ def global_balancing_loss(
             p_rows.append((probs_TE * m).sum(0) / m.sum().clamp_min(1.0))
     p_LE = torch.stack(p_rows)
     return counts_LE.shape[-1] * (f_LE.to(p_LE.device) * p_LE).sum(-1).mean()
+
+
+def sequence_balancing_loss(
+    router_logits: tuple[torch.Tensor, ...] | list[torch.Tensor],
+    routers: list[Router],
+    top_k: int,
+    rows: int,
+    attention_mask_BS: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss (its report's section 2.1.2), float32, not multiplied
+    by its coefficient: ``mean_l mean_b Σ_e f_lbe · P_lbe`` over the MoE layers ``l`` and the micro-batch's rows ``b``.
+
+    A row is one sequence (packed documents in one row are one). With ``T_b`` the row's tokens (padding left out
+    when ``attention_mask_BS`` is given; a row of padding only is left out of the mean):
+
+    - ``f_lbe = E / (K · T_b) · #{t in b: e among t's selected experts}``: the router's own selection
+      (:meth:`Router.select_ids`: selection bias and groups included), no gradient;
+    - ``P_lbe = 1 / T_b · Σ_t s'_te`` with ``s'`` the router's normalised affinities (:meth:`Router.affinities`:
+      softmax probabilities, or sigmoid scores divided by their sum over the experts); the gradient flows here.
+
+    An evenly balanced row gives 1. The result is this rank's own: no communication.
+
+    Args:
+        router_logits: one ``[B·S, E]`` tensor per MoE layer, rows first (the model's ``router_logits``).
+        routers: one router per MoE layer, in the same order (:func:`routers`).
+        top_k: K, experts per token.
+        rows: B.
+        attention_mask_BS: 1 for tokens, 0 for padding, or None.
+
+    Raises:
+        ValueError: the logits' tokens do not split into ``rows`` rows, or the routers are not one per layer.
+    """
+    if len(routers) != len(router_logits):
+        raise ValueError(f"{len(router_logits)} layers of router logits but {len(routers)} routers")
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    losses = []
+    for router, logits_TE in zip(routers, router_logits):
+        t, e = logits_TE.shape
+        if t % rows:
+            raise ValueError(f"router logits of {t} tokens do not split into {rows} rows")
+        s = t // rows
+        probs_BSE = router.affinities(logits_TE).view(rows, s, e)
+        chosen_TE = torch.zeros(t, e, device=logits_TE.device, dtype=torch.float32)
+        chosen_BSE = chosen_TE.scatter_(1, router.select_ids(logits_TE), 1.0).view(rows, s, e)
+        if attention_mask_BS is None:
+            tokens_B = torch.full((rows,), float(s), device=logits_TE.device)
+        else:
+            w_BS1 = attention_mask_BS.reshape(rows, s, 1).to(logits_TE.device, torch.float32)
+            probs_BSE, chosen_BSE = probs_BSE * w_BS1, chosen_BSE * w_BS1
+            tokens_B = w_BS1.sum(dim=(1, 2))
+        n_B1 = tokens_B.clamp_min(1.0)[:, None]
+        f_BE = chosen_BSE.sum(1) * (e / top_k) / n_B1
+        p_BE = probs_BSE.sum(1) / n_B1
+        keep_B = (tokens_B > 0).float()
+        losses.append(((f_BE * p_BE).sum(-1) * keep_B).sum() / keep_B.sum().clamp_min(1.0))
+    return torch.stack(losses).mean()
+
+
+def _sequence_rows(attention_mask_BS: torch.Tensor | None, rows: int | None) -> int:
+    """The micro-batch's rows for the ``sequence`` scope: the mask's, or ``rows``."""
+    if attention_mask_BS is None:
+        if rows is None:
+            raise ValueError(
+                "BalancingOptions.scope='sequence' needs the micro-batch's rows: pass its attention mask, or "
+                "micro_batch_loss(out, rows=B) with B its sequences"
+            )
+        return rows
+    if rows is not None and rows != attention_mask_BS.shape[0]:
+        raise ValueError(f"rows={rows} but the attention mask has {attention_mask_BS.shape[0]} rows")
+    return attention_mask_BS.shape[0]
 
 
 def router_z_loss(

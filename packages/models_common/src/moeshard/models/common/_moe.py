@@ -27,7 +27,8 @@ SCORING_FUNCS = ("sigmoid", "softmax")
 
 class Router(nn.Module):
     """What every router is: ``forward(x_TD) -> (logits_TE, topk_weights_TK, topk_ids_TK)``, a ``weight [E, D]``,
-    and a selection-only bias for aux-loss-free balancing (``selection_bias``, None where it has none)."""
+    a selection-only bias for aux-loss-free balancing (``selection_bias``, None where it has none), and its
+    selection (``select_ids``) and normalised affinities (``affinities``) as functions of the logits."""
 
     weight: nn.Parameter
 
@@ -43,6 +44,11 @@ class Router(nn.Module):
     @torch.no_grad()
     def select_ids(self, logits_TE: torch.Tensor) -> torch.Tensor:
         """``ids_TK``: the experts ``forward`` selects for these logits (its scores, bias and groups), no gradient."""
+        raise NotImplementedError
+
+    def affinities(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        """float32 ``[T, E]``: each token's affinity to each expert, normalised to sum 1 over the experts, with the
+        gradient w.r.t. the logits (DeepSeek-V3's ``s'``, what the sequence-wise balance loss averages)."""
         raise NotImplementedError
 
     def init_weights_(self, std: float, generator: torch.Generator | None = None) -> None:
@@ -88,6 +94,10 @@ class TopKRouter(Router):
     def select_ids(self, logits_TE: torch.Tensor) -> torch.Tensor:
         """``ids_TK`` of :meth:`select` on the float32 softmax of ``logits_TE``."""
         return self.select(torch.softmax(logits_TE.detach(), dim=-1, dtype=torch.float32))[1]
+
+    def affinities(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        """The float32 softmax probabilities (normalised already; the bias plays no part)."""
+        return torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(logits_TE, topk_weights_TK, topk_ids_TK)``; weights in the logits' dtype, as transformers."""
@@ -178,6 +188,14 @@ class GroupLimitedRouter(Router):
     def select_ids(self, logits_TE: torch.Tensor) -> torch.Tensor:
         """``ids_TK`` of :meth:`select` on the scores of the float32 logits."""
         return self.select(self.scores(logits_TE.detach().float()))
+
+    def affinities(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        """The scores of the float32 logits divided by their sum over the experts (sigmoid scores do not sum to 1;
+        softmax ones do already); the correction bias plays no part."""
+        scores_TE = self.scores(logits_TE.float())
+        if self.scoring_func == "softmax":
+            return scores_TE
+        return scores_TE / scores_TE.sum(dim=-1, keepdim=True)
 
     def init_weights_(self, std: float, generator: torch.Generator | None = None) -> None:
         """normal(0, std) for the weight and a zero bias, as transformers initialises the router."""
