@@ -45,7 +45,6 @@ import torch.multiprocessing as mp
 __all__ = ["DistributedTestError", "run_distributed", "run_side_by_side"]
 
 _LOADED: dict[str, Any] = {}
-_PARENT_STATE = "\0parent"  # the key of the caller's environment, directory and path in the worker's env argument
 PRELOAD = (
     "torch",
     "torch.distributed.tensor",
@@ -79,13 +78,14 @@ def _resolve(path: str, module_name: str, qualname: str) -> Callable[..., Any]:
     return obj
 
 
-def _worker(rank, world_size, ranks_per_node, port, backend, fn_ref, args, kwargs, results, timeout, extra_env):
-    parent_env, parent_cwd, parent_path = extra_env.pop(_PARENT_STATE)
-    # A forked child has the fork server's environment, directory and path: take the caller's, as a spawned one would.
+def _worker(rank, world_size, ranks_per_node, port, backend, fn_ref, args, kwargs, results, timeout, caller):
+    # A forked child has the fork server's environment, directory and path: this rank takes the caller's (its
+    # environment with the call's extra variables), as a spawned one would have them.
+    environ, cwd, path = caller
     os.environ.clear()
-    os.environ.update(parent_env)
-    os.chdir(parent_cwd)
-    sys.path[:] = parent_path
+    os.environ.update(environ)
+    os.chdir(cwd)
+    sys.path[:] = path
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -95,7 +95,6 @@ def _worker(rank, world_size, ranks_per_node, port, backend, fn_ref, args, kwarg
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    os.environ.update(extra_env)
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(max(timeout - 5.0, 1.0), exit=False)  # a hang shows where it hangs
     try:
@@ -178,7 +177,7 @@ def run_distributed(
                 kwargs,
                 results,
                 timeout,
-                {**(env or {}), _PARENT_STATE: (dict(os.environ), os.getcwd(), list(sys.path))},
+                ({**os.environ, **(env or {})}, os.getcwd(), list(sys.path)),
             ),
             daemon=True,
         )
