@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 from moeshard.ep import EPOptions, routed_experts  # noqa: E402
 from moeshard.ep import _kernels as k  # noqa: E402
 from moeshard.ep._permute import inverse_permutation, sort_by_expert  # noqa: E402
+from moeshard.ep.testing import interpreter_numpy_fix  # noqa: E402
 
 
 def _triton_module():
@@ -91,6 +92,40 @@ def check_bad_shapes() -> None:
         tk.silu_gated_backward(torch.zeros(6, 4), torch.zeros(6, 4))
 
 
+def check_route(device: str) -> int:
+    """The counting-sort route against the sort path: the same stable order, inverse and counts, exactly."""
+    from moeshard.ep._route_triton import route
+
+    g = torch.Generator().manual_seed(2)
+    cases = 0
+    # (T, K, E): blocks of 64 copies, partial and several; experts not a power of two; one expert; no token;
+    # all copies to a few experts (long runs across blocks)
+    for T, K, E, skew in [
+        (29, 4, 8, 0),
+        (300, 8, 128, 0),
+        (300, 8, 128, 3),
+        (1, 1, 1, 0),
+        (0, 8, 16, 0),
+        (130, 2, 5, 0),
+        (64, 8, 256, 0),
+        (257, 3, 1000, 40),
+    ]:
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)] or [torch.zeros(0, K).long()]).view(
+            T, K
+        )
+        if skew:
+            ids = ids % skew
+        order, inv, counts = route(ids.to(device), E)
+        want, want_counts = sort_by_expert(ids, E)
+        assert order.dtype == inv.dtype == counts.dtype == torch.int64, (order.dtype, inv.dtype, counts.dtype)
+        assert torch.equal(order.cpu(), want), (T, K, E, skew)
+        assert torch.equal(inv.cpu(), inverse_permutation(want)) and torch.equal(counts.cpu(), want_counts)
+        cases += 1
+    with pytest.raises(ValueError, match="up to"):
+        route(torch.zeros(4, 1, dtype=torch.long, device=device), 10**5)
+    return cases
+
+
 CASES = [(dtype, D) for dtype in (torch.float32, torch.bfloat16) for D in (200, 1536)]  # D: a partial block, several
 
 
@@ -99,7 +134,7 @@ def test_kernels_match_eager_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "checked 4 cases" in run.stdout
+    assert "checked 4 cases, 8 routes" in run.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -109,11 +144,17 @@ def test_kernels_match_eager_on_cuda(dtype, D):
     check_bad_shapes()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_route_matches_sort_on_cuda():
+    assert check_route("cuda") == 8
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels replace the compiled ones on CUDA only")
 def test_triton_tier_on_cuda():
     triton, compiled = k.kernels_for("triton"), k.kernels_for("compiled")
     assert triton.tier == "triton" and triton.combine_backward.__wrapped__ is compiled.combine_backward
     assert triton.gated.__wrapped__ is compiled.gated and triton.expand_rows.__wrapped__ is k.expand_rows
+    assert triton.route.__wrapped__ is k.route
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels replace the compiled ones on CUDA only")
@@ -139,7 +180,9 @@ def test_routed_experts_with_triton_kernels_match_compiled(gemm):
 
 
 if __name__ == "__main__":  # the interpreter run of test_kernels_match_eager_in_the_interpreter
+    interpreter_numpy_fix()
     for dtype, D in CASES:
         check_kernels("cpu", dtype, D)
     check_bad_shapes()
-    print(f"checked {len(CASES)} cases")
+    routes = check_route("cpu")
+    print(f"checked {len(CASES)} cases, {routes} routes")

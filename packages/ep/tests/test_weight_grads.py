@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from moeshard.ep import EPOptions, LocalDispatch, ParallelPlan, apply_ep
+from moeshard.ep.testing import interpreter_numpy_fix
 
 
 def check_kernel(device: str, dtype: torch.dtype) -> int:
@@ -55,19 +56,6 @@ def check_kernel(device: str, dtype: torch.dtype) -> int:
             torch.zeros(4, 3), torch.zeros(4, 2), torch.tensor([4]), torch.zeros(1, 2, 3), accumulate=True
         )
     return cases
-
-
-def _interpreter_numpy_fix() -> None:
-    # triton 3.6's interpreter turns a one-element array into a loop bound with int(), which numpy >= 2.4 refuses
-    import triton.runtime.interpreter as ti
-
-    patch = ti._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    ti._patch_lang_tensor = patched
 
 
 def test_kernel_in_the_interpreter():
@@ -186,6 +174,6 @@ def test_refusals_name_the_problem():
 
 
 if __name__ == "__main__":  # the interpreter run of test_kernel_in_the_interpreter
-    _interpreter_numpy_fix()
+    interpreter_numpy_fix()
     # float32 operands only: the interpreter's bf16 dot is wrong (checked compiled on CUDA instead)
     print(f"checked {check_kernel('cpu', torch.float32)} cases")

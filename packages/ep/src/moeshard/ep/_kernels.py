@@ -9,8 +9,9 @@
 - ``"compiled"``: the same functions through :func:`compile_rows_dynamic` (the gated activation both ways, the
   weighted combine and its two gradients, the copies' gradient sum); the row expansion stays an eager gather;
 - ``"triton"``: on CUDA tensors the triton kernels of ``moeshard.ep._triton`` (the gathers, SwiGLU's gated
-  activation both ways) and ``moeshard.ep._wgrad_triton`` (the weight gradients added into the gradient inside
-  the grouped GEMM), the compiled functions for everything else (CPU tensors, other activations).
+  activation both ways), ``moeshard.ep._wgrad_triton`` (the weight gradients added into the gradient inside
+  the grouped GEMM) and ``moeshard.ep._route_triton`` (the route as a counting sort), the compiled functions for
+  everything else (CPU tensors, other activations).
 
 All tiers compute the same thing (products and sums of the routing weights in float32).
 """
@@ -101,6 +102,15 @@ def weight_grad_into(a_NM: torch.Tensor, b_NK: torch.Tensor, offs_E: torch.Tenso
     out_EMK.add_(F.grouped_mm(a_NM.transpose(0, 1), b_NK, offs=offs_E))
 
 
+def route(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(order_N, inv_N, counts_E)``: the copies in expert order (stable), its inverse and the copies per expert,
+    by ``torch.sort`` (``moeshard.ep._permute``'s :func:`sort_by_expert` and :func:`inverse_permutation`)."""
+    from moeshard.ep._permute import inverse_permutation, sort_by_expert  # (it imports this module)
+
+    order_N, counts_E = sort_by_expert(topk_ids_TK, num_experts)
+    return order_N, inverse_permutation(order_N), counts_E
+
+
 def _combine_backward_of(sorted_output_grad: Callable, routing_weight_grad: Callable) -> Callable:
     def combine_backward(g_TD, y_sorted_ND, order_N, inv_N, w_TK, need_gy: bool, need_gw: bool):
         gy = sorted_output_grad(g_TD, order_N, w_TK, y_sorted_ND.dtype) if need_gy else None
@@ -148,6 +158,8 @@ class Kernels:
             None where not needed (``gw`` in float32).
         weight_grad_into: ``(a_NM, b_NK, offs_E, out_EMK) -> None``, ``out[e] += a[rows_e]^T @ b[rows_e]`` (the
             grouped_mm backend's weight gradients added into a gradient buffer, see ``ExpertPass.backward``).
+        route: ``(topk_ids_TK, num_experts) -> (order_N, inv_N, counts_E)``, the copies in expert order (stable),
+            its inverse and the copies per expert (int64, no host sync): by sort, or the triton counting sort.
     """
 
     tier: str
@@ -158,6 +170,7 @@ class Kernels:
     unsort_weighted_sum: Callable
     combine_backward: Callable
     weight_grad_into: Callable = weight_grad_into
+    route: Callable = route
 
 
 @functools.cache
@@ -200,12 +213,15 @@ def kernels_for(tier: str) -> Kernels:
 
 def _triton_kernels(other: Kernels) -> Kernels:
     try:
-        from moeshard.ep import _triton
+        from moeshard.ep import _route_triton, _triton
     except ImportError as e:
         raise ImportError(f"EPOptions(kernels='triton') needs triton on a machine with CUDA: {e}") from e
 
     def combine_backward(g_TD, y_sorted_ND, order_N, inv_N, w_TK, need_gy, need_gw):
         return _triton.combine_backward(g_TD, y_sorted_ND, inv_N, w_TK, need_gy, need_gw)
+
+    def route_on_gpu(topk_ids_TK, num_experts):
+        return (_route_triton.route if num_experts <= _route_triton.MAX_EXPERTS else route)(topk_ids_TK, num_experts)
 
     return Kernels(
         tier="triton",
@@ -218,6 +234,7 @@ def _triton_kernels(other: Kernels) -> Kernels:
         unsort_weighted_sum=_on_cuda(_triton.unsort_weighted_sum, other.unsort_weighted_sum),
         combine_backward=_on_cuda(combine_backward, other.combine_backward),
         weight_grad_into=_on_cuda(_wgrad_into_triton, other.weight_grad_into),
+        route=_on_cuda(route_on_gpu, other.route),
     )
 
 

@@ -22,7 +22,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from moeshard.ep._dispatch import LocalDispatch
 from moeshard.ep._plan import ParallelPlan
 
-__all__ = ["ToyExperts", "ToyMoE", "count_host_syncs", "reference_routed_experts", "toy_plan"]
+__all__ = [
+    "ToyExperts",
+    "ToyMoE",
+    "count_host_syncs",
+    "interpreter_numpy_fix",
+    "reference_routed_experts",
+    "toy_plan",
+]
 
 
 def reference_routed_experts(
@@ -150,3 +157,20 @@ def count_host_syncs() -> Iterator[Counter]:
             yield counts
     finally:
         torch.Tensor.tolist = original
+
+
+def interpreter_numpy_fix() -> None:
+    """Let triton 3.6's interpreter (``TRITON_INTERPRET=1``) take a runtime loop bound with numpy >= 2.4.
+
+    The interpreter turns a one-element array into a loop bound with ``int()``, which numpy 2.4 refuses for arrays
+    of one dimension; this patches the interpreter's tensor ``__index__`` to take the element. Call it once in the
+    process that runs the kernels interpreted, before the first launch."""
+    import triton.runtime.interpreter as ti
+
+    patch = ti._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    ti._patch_lang_tensor = patched

@@ -23,7 +23,7 @@ from torch.utils.hooks import RemovableHandle
 from moeshard.ep._kernels import activation_fn, kernels_for
 from moeshard.ep._mlp import WeightGradTarget
 from moeshard.ep._options import EPOptions
-from moeshard.ep._permute import combine, expand_rows, inverse_permutation, sort_by_expert
+from moeshard.ep._permute import combine, expand_rows
 
 __all__ = ["ExpertDispatch", "HostSyncHooks", "recompute_contexts"]
 
@@ -179,8 +179,7 @@ class ExpertDispatch:
         self._check(x_TD, topk_ids_TK, topk_weights_TK, w_gate_up_EXD, activation)
         K = topk_ids_TK.shape[1]
         # route: the copies in global expert order
-        order_N, counts_E = sort_by_expert(topk_ids_TK, self.num_experts)
-        inv_N = inverse_permutation(order_N)
+        order_N, inv_N, counts_E = self.kernels.route(topk_ids_TK, self.num_experts)
         x_sorted_ND = expand_rows(x_TD, order_N, inv_N, K, self.kernels)
         # dispatch → expert compute → back, in the same order
         y_sorted_ND = self.run_experts(x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, activation)
