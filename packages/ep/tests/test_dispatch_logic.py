@@ -1,5 +1,6 @@
 """The dispatch permutations without a process group: sort, inverse, regroup, expand, combine; and the sync count."""
 
+import pytest
 import torch
 
 from moeshard.ep import EPOptions, routed_experts
@@ -87,6 +88,33 @@ def test_expand_rows_and_combine_weights_in_float32():
     w_TK = torch.tensor([[0.5, 0.25], [1.0, 2.0]], dtype=torch.bfloat16)
     y_TD = combine(y_copy_ND[order_N], order_N, w_TK, inv_N, kernels)
     assert y_TD.dtype == torch.float32 and y_TD.flatten().tolist() == [1.0, 11.0]
+
+
+@pytest.mark.parametrize("tier", ["eager", "compiled"])
+def test_combine_rounds_once_to_the_callers_dtype(tier):
+    # the float32 sum rounded inside the kernel equals the float32 output cast afterwards, both ways: the gradient
+    # comes in bf16 and is read in float32 (exact), as the float32 output's cast backward would hand it over
+    kernels = kernels_for(tier)
+    g = torch.Generator().manual_seed(0)
+    T, K, E, D = 37, 4, 8, 24
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    order_N, _ = sort_by_expert(ids, E)
+    inv_N = inverse_permutation(order_N)
+    y = torch.randn(T * K, D, generator=g).to(torch.bfloat16)
+    w = torch.rand(T, K, generator=g)
+    gy_TD = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    grads = []
+    for fused in (False, True):
+        y_, w_ = y.clone().requires_grad_(), w.clone().requires_grad_()
+        if fused:
+            out = combine(y_, order_N, w_, inv_N, kernels, torch.bfloat16)
+        else:
+            out = combine(y_, order_N, w_, inv_N, kernels).to(torch.bfloat16)
+        assert out.dtype == torch.bfloat16
+        out.backward(gy_TD)
+        grads.append((out.detach(), y_.grad, w_.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
 
 
 def test_ep1_host_syncs():

@@ -75,11 +75,14 @@ def gather_sum(grad_ND: torch.Tensor, inv_N: torch.Tensor, K: int) -> torch.Tens
     return grad_ND.index_select(0, inv_N).view(-1, K, grad_ND.shape[-1]).sum(dim=1)
 
 
-def unsort_weighted_sum(y_sorted_ND: torch.Tensor, inv_N: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
-    """``Σ_k w[t, k] · y_sorted[inv[t*K+k]]`` in float32 (the un-sort gather folded into the weighted sum)."""
+def unsort_weighted_sum(
+    y_sorted_ND: torch.Tensor, inv_N: torch.Tensor, w_TK: torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``Σ_k w[t, k] · y_sorted[inv[t*K+k]]`` in float32 (the un-sort gather folded into the weighted sum), rounded
+    once to ``out_dtype``."""
     T, K = w_TK.shape
     y_TKD = y_sorted_ND.index_select(0, inv_N).view(T, K, y_sorted_ND.shape[-1])
-    return (y_TKD.float() * w_TK.float().unsqueeze(-1)).sum(dim=1)
+    return (y_TKD.float() * w_TK.float().unsqueeze(-1)).sum(dim=1).to(out_dtype)
 
 
 def sorted_output_grad(g_TD: torch.Tensor, order_N: torch.Tensor, w_TK: torch.Tensor, dtype: torch.dtype):
@@ -153,7 +156,8 @@ class Kernels:
         gated_backward: ``(activation, h_NX, grad_NF) -> grad_NX``.
         expand_rows: ``(x_TD, order_N, K) -> x_sorted_ND``.
         gather_sum: ``(grad_ND, inv_N, K) -> grad_TD`` (the backward of ``expand_rows``).
-        unsort_weighted_sum: ``(y_sorted_ND, inv_N, w_TK) -> y_TD`` in float32.
+        unsort_weighted_sum: ``(y_sorted_ND, inv_N, w_TK, out_dtype) -> y_TD``, summed in float32 and rounded
+            once to ``out_dtype`` (the caller's dtype: no separate cast pass after it, none back in backward).
         combine_backward: ``(g_TD, y_sorted_ND, order_N, inv_N, w_TK, need_gy, need_gw) -> (gy_ND, gw_TK)``, each
             None where not needed (``gw`` in float32).
         weight_grad_into: ``(a_NM, b_NK, offs_E, out_EMK) -> None``, ``out[e] += a[rows_e]^T @ b[rows_e]`` (the

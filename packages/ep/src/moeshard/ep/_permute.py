@@ -100,20 +100,22 @@ def expand_rows(x_TD: torch.Tensor, order_N: torch.Tensor, inv_N: torch.Tensor, 
 
 class _Combine(torch.autograd.Function):
     """``Σ_k w_tk · y_sorted[inv[t*K+k]]`` in float32, each direction one fused gather-and-arithmetic kernel
-    (compiled or triton kernels) instead of a permutation gather followed by the weighted sum."""
+    (compiled or triton kernels) instead of a permutation gather followed by the weighted sum. The output is
+    rounded once to the caller's dtype inside that kernel; its gradient comes in that dtype and the kernels read
+    it in float32 (bf16 to float32 is exact), so there is no cast pass either way."""
 
     @staticmethod
-    def forward(ctx, y_sorted_ND, w_TK, order_N, inv_N, kernels: Kernels):  # noqa: D102
+    def forward(ctx, y_sorted_ND, w_TK, order_N, inv_N, kernels: Kernels, out_dtype: torch.dtype):  # noqa: D102
         ctx.save_for_backward(y_sorted_ND, w_TK, order_N, inv_N)
         ctx.kernels = kernels
-        return kernels.unsort_weighted_sum(y_sorted_ND, inv_N, w_TK)
+        return kernels.unsort_weighted_sum(y_sorted_ND, inv_N, w_TK, out_dtype)
 
     @staticmethod
     def backward(ctx, g_TD):  # noqa: D102
         y_sorted_ND, w_TK, order_N, inv_N = ctx.saved_tensors
         need_gy, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gy, gw = ctx.kernels.combine_backward(g_TD.contiguous(), y_sorted_ND, order_N, inv_N, w_TK, need_gy, need_gw)
-        return gy, None if gw is None else gw.to(w_TK.dtype), None, None, None
+        return gy, None if gw is None else gw.to(w_TK.dtype), None, None, None, None
 
 
 def combine(
@@ -122,13 +124,14 @@ def combine(
     topk_weights_TK: torch.Tensor,
     inv_N: torch.Tensor,
     kernels: Kernels,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Un-sort the expert outputs and add each token's K copies, weighted, in float32.
 
     Returns:
-        ``y_TD`` in float32.
+        ``y_TD``, the float32 sum rounded once to ``out_dtype``.
     """
-    return _Combine.apply(y_sorted_ND, topk_weights_TK, order_N, inv_N, kernels)
+    return _Combine.apply(y_sorted_ND, topk_weights_TK, order_N, inv_N, kernels, out_dtype)
 
 
 class _PermuteRows(torch.autograd.Function):

@@ -183,12 +183,14 @@ def _check(rows: torch.Tensor, index: torch.Tensor, K: int) -> tuple[torch.Tenso
     return rows.contiguous(), index.contiguous()
 
 
-def unsort_weighted_sum(y_sorted_ND: torch.Tensor, inv_N: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
-    """``Σ_k w[t, k] · y_sorted[inv[t*K+k]]`` in float32, ``[T, D]``."""
+def unsort_weighted_sum(
+    y_sorted_ND: torch.Tensor, inv_N: torch.Tensor, w_TK: torch.Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``Σ_k w[t, k] · y_sorted[inv[t*K+k]]`` in float32, ``[T, D]``, stored in ``out_dtype`` (one rounding)."""
     T, K = w_TK.shape
     y_sorted_ND, inv_N = _check(y_sorted_ND, inv_N, K)
     D = y_sorted_ND.shape[1]
-    out = torch.empty((T, D), dtype=torch.float32, device=y_sorted_ND.device)
+    out = torch.empty((T, D), dtype=out_dtype, device=y_sorted_ND.device)
     if T and D:
         grid = (T, triton.cdiv(D, _BLOCK_D))
         _gather_sum_kernel[grid](y_sorted_ND, inv_N, w_TK.contiguous(), out, D, K=K, BLOCK_D=_BLOCK_D, WEIGHTED=True)

@@ -184,7 +184,7 @@ class ExpertDispatch:
         # dispatch → expert compute → back, in the same order
         y_sorted_ND = self.run_experts(x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, activation)
         # combine
-        return combine(y_sorted_ND, order_N, topk_weights_TK, inv_N, self.kernels).to(x_TD.dtype)
+        return combine(y_sorted_ND, order_N, topk_weights_TK, inv_N, self.kernels, x_TD.dtype)
 
     def run_experts(
         self,
