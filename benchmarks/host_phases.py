@@ -1,0 +1,126 @@
+"""Host time per function and phase of the training step, without a profiler and without a sync.
+
+A torchrun target that runs ``moeshard.train``'s CLI (``bench`` or ``train``) with a few functions of the step wrapped
+in ``time.perf_counter`` pairs: the decoder layer, the MoE block, its router, the EP dispatcher and its expert pass,
+the autograd Functions' backwards (the combine's backward is where a checkpointed layer's recompute runs) and
+``torch.autograd.backward``. Each call counts in the phase it ran in: ``fwd``, or ``bwd`` inside the autograd engine
+(backward, and full checkpointing's recompute). Python's garbage collector is timed too (``gc.callbacks``).
+
+At exit it prints, over the steps after the warm-up, the host milliseconds per step of ``train_step`` and of each
+function and phase (inclusive: the dispatcher's time holds its expert pass's). Where the host is ahead of the
+device, each figure is that code's own host cost; where the launch queue is full, a figure also holds the waits.
+
+    source benchmarks/gpu_env.sh
+    python3 -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/host_phases.py bench \\
+        --parallel.compile=true --parallel.ep.kernels=triton --train.micro_batch_size=1 \\
+        --parallel.activation_checkpointing=full --steps 10 --warmup 4
+
+Environment: ``HOST_PHASES_SKIP`` steps left out first (default 4, bench's warm-up), ``HOST_PHASES_STEPS`` steps
+counted (default 6); ``HOST_PHASES_CPP_WRAPPER=1`` compiles with Inductor's C++ wrapper
+(``torch._inductor.config.cpp_wrapper``); ``HOST_PHASES_SKIP_GUARDS=N`` sets
+``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` from step N on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import functools
+import gc
+import os
+import runpy
+import sys
+import time
+
+import torch
+
+_acc: dict[tuple[str, str], float] = collections.defaultdict(float)
+_gc = {"s": 0.0, "t0": 0.0}
+
+
+def _phase() -> str:
+    return "bwd" if torch._C._current_graph_task_id() != -1 else "fwd"
+
+
+def _wrap(owner, name: str, label: str, static: bool = False) -> None:
+    f = getattr(owner, name, None)
+    if f is None:  # an older tree without this function
+        return
+
+    @functools.wraps(f)
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            _acc[(label, _phase())] += time.perf_counter() - t0
+
+    setattr(owner, name, staticmethod(timed) if static else timed)
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc["t0"] = time.perf_counter()
+    else:
+        _gc["s"] += time.perf_counter() - _gc["t0"]
+
+
+def _install() -> list[tuple[float, dict]]:
+    from moeshard.ep import _mlp, _permute
+    from moeshard.ep._dispatch import _base, local
+    from moeshard.models.common import _causal_lm, _moe
+
+    _wrap(_causal_lm.DecoderLayer, "forward", "decoder layer")
+    _wrap(_moe.MoEBlock, "forward", "MoE block")
+    _wrap(_moe.TopKRouter, "forward", "router (top-k)")
+    _wrap(_moe.GroupLimitedRouter, "forward", "router (group-limited)")
+    _wrap(_base.ExpertDispatch, "__call__", "EP dispatcher")
+    _wrap(local.LocalDispatch, "run_experts", "expert pass (EP 1)")
+    _wrap(_mlp._ExpertMLP, "backward", "expert MLP backward", static=True)
+    _wrap(_permute._Combine, "backward", "combine backward (+ recompute)", static=True)
+    _wrap(_permute._ExpandRows, "backward", "row expansion backward", static=True)
+    _wrap(torch.autograd, "backward", "autograd.backward")
+    gc.callbacks.append(_on_gc)
+    if os.environ.get("HOST_PHASES_CPP_WRAPPER"):
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp_wrapper = True
+
+    import moeshard.train.run as run
+
+    inner, steps = run.train_step, []
+    skip_guards_from = os.environ.get("HOST_PHASES_SKIP_GUARDS")
+
+    def train_step(*args, **kwargs):
+        if skip_guards_from is not None and len(steps) == int(skip_guards_from):
+            torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        before, gc0, t0 = dict(_acc), _gc["s"], time.perf_counter()
+        out = inner(*args, **kwargs)
+        spent = {k: v - before.get(k, 0.0) for k, v in _acc.items()}
+        spent[("garbage collection", "any")] = _gc["s"] - gc0
+        steps.append((time.perf_counter() - t0, spent))
+        return out
+
+    run.train_step = train_step
+    return steps
+
+
+def _report(steps: list[tuple[float, dict]]) -> None:
+    skip, n = int(os.environ.get("HOST_PHASES_SKIP", "4")), int(os.environ.get("HOST_PHASES_STEPS", "6"))
+    use = steps[skip : skip + n]
+    if not use:
+        return
+    per_step = collections.defaultdict(float)
+    for _, spent in use:
+        for k, v in spent.items():
+            per_step[k] += v * 1e3 / len(use)
+    print(f"host: train_step {1e3 * sum(t for t, _ in use) / len(use):.1f} ms per step over {len(use)} steps")
+    for (label, phase), ms in sorted(per_step.items(), key=lambda kv: -kv[1]):
+        print(f"host: {label:<34} {phase}  {ms:8.1f} ms per step")
+
+
+if __name__ == "__main__":
+    _steps = _install()
+    atexit.register(_report, _steps)
+    sys.argv = ["moeshard.train", *sys.argv[1:]]
+    runpy.run_module("moeshard.train", run_name="__main__", alter_sys=True)
