@@ -41,7 +41,7 @@ from moeshard.models.common._layers import (
     document_causal_mask,
 )
 from moeshard.models.common._lm_loss import IGNORE_INDEX
-from moeshard.models.common._moe import Experts, routers
+from moeshard.models.common._moe import Experts, MoEBlock, routers
 
 __all__ = ["DecoderLayer", "DecoderModel", "MoECausalLM"]
 
@@ -67,15 +67,19 @@ class DecoderLayer(nn.Module):
         cos_BSDh: torch.Tensor,
         sin_BSDh: torch.Tensor,
         mask_B1SS: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer up to the MLP: ``(x + attn(input_norm(x)), post_attention_norm(of that))``.
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """The layer up to the routed experts: ``(x + attn(input_norm(x)), h = post_attention_norm(of that), the
+        MoE block's routing of h)``; the routing (``MoEBlock.route``: logits, weights, ids) is None for a dense MLP.
 
         A method of its own so that it can be compiled from outside as one graph (``parallelize`` replaces it on
-        the instance with ``torch.compile(layer.attention_half)``); the MLP after it is not compiled (MoE layers
-        sync with the host there).
+        the instance with ``torch.compile(layer.attention_half)``): the router runs inside it, fused with the
+        norm before it and launched with the attention's kernels, where eagerly it is half a dozen small kernels
+        and their autograd nodes per layer. The routed experts after it are not compiled (they sync with the host
+        under EP).
         """
         x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos_BSDh, sin_BSDh, mask_B1SS)
-        return x_BSD, self.post_attention_layernorm(x_BSD)
+        h_BSD = self.post_attention_layernorm(x_BSD)
+        return x_BSD, h_BSD, self.mlp.route(h_BSD) if isinstance(self.mlp, MoEBlock) else None
 
     def forward(
         self,
@@ -85,8 +89,8 @@ class DecoderLayer(nn.Module):
         mask_B1SS: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(x_BSD, router_logits_TE or None for a dense layer)``."""
-        x_BSD, h_BSD = self.attention_half(x_BSD, cos_BSDh, sin_BSDh, mask_B1SS)
-        out = self.mlp(h_BSD)
+        x_BSD, h_BSD, routing = self.attention_half(x_BSD, cos_BSDh, sin_BSDh, mask_B1SS)
+        out = self.mlp(h_BSD) if routing is None else self.mlp(h_BSD, routing)
         if isinstance(out, tuple):  # an MoE block: (y, router logits)
             y_BSD, logits_TE = out
             return x_BSD + y_BSD, logits_TE

@@ -248,10 +248,17 @@ class MoEBlock(nn.Module):
         if shared_experts is not None:
             self.shared_experts = shared_experts
 
-    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(y_BSD, router_logits_TE)`` with T = B·S."""
+    def route(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The router's ``(logits_TE, topk_weights_TK, topk_ids_TK)`` for the block's input, T = B·S."""
+        return self.gate(x_BSD.reshape(-1, x_BSD.shape[-1]))
+
+    def forward(
+        self, x_BSD: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(y_BSD, router_logits_TE)`` with T = B·S. ``routing``: :meth:`route`'s result for ``x_BSD`` when the
+        caller ran it already (the decoder layer does, inside its compiled attention half); None routes here."""
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        logits_TE, weights_TK, ids_TK = self.gate(x_TD)
+        logits_TE, weights_TK, ids_TK = self.route(x_BSD) if routing is None else routing
         y_BSD = self.experts(x_TD, ids_TK, weights_TK).view_as(x_BSD)
         if hasattr(self, "shared_experts"):
             y_BSD = y_BSD + self.shared_experts(x_BSD)

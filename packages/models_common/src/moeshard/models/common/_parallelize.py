@@ -54,7 +54,8 @@ class ParallelOptions:
         ep: the expert-parallel options (dispatch strategy, kernel tier, expert GEMM, SM carve-out) given to
             ``moeshard.ep.apply_ep``.
         compile: ``torch.compile`` each decoder layer's ``attention_half`` (norms, projections, RoPE, attention,
-            residual: one graph, shared by all layers; flex_attention for packed rows on CUDA runs inside it), the
+            residual and the MoE block's router: one graph, shared by all layers; flex_attention for packed rows
+            on CUDA runs inside it), the
             LM head's loss chunk (rows dynamic) and the cast-and-scale of the gradients of experts kept out of FSDP.
             False compiles nothing (packed rows then use the dense document mask). Every compile in the packages
             is decided here; a compile that fails raises.
@@ -221,8 +222,8 @@ def parallelize(
        instance attribute: FQNs and the state dict unchanged) and ``moeshard.ep.compile_rows_dynamic`` on the
        head's loss chunk. Nothing compiles until the first forward. The compiled region lies inside the layer's
        forward, so FSDP's hooks (after step 4) run outside it and it sees plain gathered parameters; under
-       checkpointing the recomputation runs the compiled graph again. The MoE half stays eager: it syncs with
-       the host (split sizes), where a graph would break anyway.
+       checkpointing the recomputation runs the compiled graph again. The routed experts stay eager: they sync
+       with the host (split sizes), where a graph would break anyway.
     4. **FSDP2** (``moeshard.fsdp_moe.shard_model``), bottom-up: experts on ``meshes.ep_fsdp`` (dim 1), then
        each unit and the root on ``meshes.fsdp``, with the mixed-precision policy of ``options.param_dtype``
        (the expert units' reduce-scatter in ``options.expert_reduce_dtype``). It is given the EP metadata step 1
