@@ -5,9 +5,10 @@
 ``route(ids_TK, E) -> (order_N, inv_N, counts_E)`` gives what ``sort_by_expert`` and ``inverse_permutation``
 give (``moeshard.ep._permute``): the same stable order, because a copy's place is its expert's first row, plus the
 copies of that expert in earlier blocks, plus those before it in its own block. The sort path runs about ten
-launches for this (a cast, the radix sort's passes, ``searchsorted``, ``diff``, the inverse's scatter) and costs
-the host ~0.4 ms per MoE layer, forward and again in a checkpointed layer's recompute; this is four launches
-(a zeroed histogram, count, scan, place) with no temporary but the histogram. Integer arithmetic only: the
+launches for this (a cast, the radix sort's passes, ``searchsorted``, ``diff``, the inverse's scatter), forward and
+again in a checkpointed layer's recompute; this is four launches (a zeroed histogram, count, scan, place) with no
+temporary but the histogram (one H200, 8 layers of 30B-A3B, micro-batch 4: the dispatchers' host time 15.2 -> 8.0 ms
+per step, ``benchmarks/NOTES.md``). Integer arithmetic only: the
 result equals the sort path's exactly. The kernels also run under triton's interpreter on CPU tensors (tests).
 """
 
