@@ -71,11 +71,8 @@ class DecoderLayer(nn.Module):
         """The layer up to the routed experts: ``(x + attn(input_norm(x)), h = post_attention_norm(of that), the
         MoE block's routing of h)``; the routing (``MoEBlock.route``: logits, weights, ids) is None for a dense MLP.
 
-        A method of its own so that it can be compiled from outside as one graph (``parallelize`` replaces it on
-        the instance with ``torch.compile(layer.attention_half)``): the router runs inside it, fused with the
-        norm before it and launched with the attention's kernels, where eagerly it is half a dozen small kernels
-        and their autograd nodes per layer. The routed experts after it are not compiled (they sync with the host
-        under EP).
+        Compiled from outside as one graph (``parallelize``: ``torch.compile(layer.attention_half)`` on the
+        instance), the router inside it; the routed experts after it stay eager (they sync with the host under EP).
         """
         x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos_BSDh, sin_BSDh, mask_B1SS)
         h_BSD = self.post_attention_layernorm(x_BSD)
