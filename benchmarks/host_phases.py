@@ -49,6 +49,8 @@ def _wrap(owner, name: str, label: str, static: bool = False) -> None:
 
     @functools.wraps(f)
     def timed(*args, **kwargs):
+        if torch.compiler.is_compiling():  # traced into a compiled graph (the router): no timer, no graph break
+            return f(*args, **kwargs)
         t0 = time.perf_counter()
         try:
             return f(*args, **kwargs)
