@@ -13,6 +13,7 @@ backward 6·2·(S/2)·(heads·head_dim) per token, the forward a third of it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +24,11 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 H, G, D = 32, 4, 128
 
 
-def _sdpa(backend: SDPBackend, gqa: bool):
+def _sdpa(backend: SDPBackend | None, gqa: bool):
+    """SDPA restricted to ``backend`` (None: SDPA's own choice), on GQA k and v or on k and v repeated to H heads."""
+
     def run(q, k, v):
-        with sdpa_kernel([backend]):
+        with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
             if gqa:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             rep = H // G
@@ -80,7 +83,7 @@ def main() -> None:
         dout = torch.randn(B, H, S, D, device=dev, dtype=torch.bfloat16)
         flops_fb = 6 * 2 * (S / 2) * H * D * B * S
         variants = {
-            "default (gqa)": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+            "default (gqa)": _sdpa(None, True),
             "flash (gqa)": _sdpa(SDPBackend.FLASH_ATTENTION, True),
             "cudnn (gqa)": _sdpa(SDPBackend.CUDNN_ATTENTION, True),
             "cudnn (kv repeated)": _sdpa(SDPBackend.CUDNN_ATTENTION, False),
