@@ -47,9 +47,13 @@ def _wrap(owner, name: str, label: str, static: bool = False) -> None:
     if f is None:  # an older tree without this function
         return
 
+    # Bound here, not looked up as globals while Dynamo traces: this script runs as ``__main__`` and runpy hands that
+    # name to moeshard.train, so a traced global lookup of this module fails ("module '__main__' has no attribute").
+    is_compiling = torch.compiler.is_compiling
+
     @functools.wraps(f)
     def timed(*args, **kwargs):
-        if torch.compiler.is_compiling():  # traced into a compiled graph (the router): no timer, no graph break
+        if is_compiling():  # traced into a compiled graph (the router): no timer, no graph break
             return f(*args, **kwargs)
         t0 = time.perf_counter()
         try:

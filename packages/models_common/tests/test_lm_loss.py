@@ -46,3 +46,23 @@ def test_backward_scaling_per_dtype():
     a, none, b = _scaled(g16, None, g32, factor=factor)
     assert none is None and a.dtype == torch.bfloat16 and b.dtype == torch.float32
     assert torch.equal(a, g16 * factor.bfloat16()) and torch.equal(b, g32 * factor)
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA"))]
+)
+def test_head_weight_gradient_in_bf16_is_the_float32_sum_of_chunks(device):
+    # The [V, D] float32 accumulator is written by the first chunk's GEMM and added to by the others' (on CUDA in
+    # the GEMM's epilogue, mm/addmm with out_dtype=float32): it equals the float32 sum of the chunks' products.
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(40, 32, generator=g).bfloat16().to(device).requires_grad_()
+    w = torch.randn(96, 32, generator=g).bfloat16().to(device).requires_grad_()
+    t = torch.randint(0, 96, (40,), generator=g).to(device)
+    linear_cross_entropy(h, w, t, chunk_size=16).backward()
+    probs = torch.softmax((h.detach() @ w.detach().t()).float(), -1)
+    grad_logits = ((probs - F.one_hot(t, 96).float()) / 40).bfloat16().float()  # ce_chunk rounds it to bf16
+    want = grad_logits.t() @ h.detach().float()
+    torch.testing.assert_close(w.grad.float(), want, rtol=2e-2, atol=2e-3)
+    empty = torch.zeros(0, 32, dtype=torch.bfloat16, device=device, requires_grad=True)
+    linear_cross_entropy(empty, w, torch.zeros(0, dtype=torch.long, device=device), num_items_in_batch=1).backward()
+    assert empty.grad.shape == (0, 32)

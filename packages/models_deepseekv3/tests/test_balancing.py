@@ -23,6 +23,9 @@ def test_counts_are_the_routers_selection_and_the_bias_moves_by_the_rule(hf_dir,
     for layer, ids_TK in enumerate(chosen):  # what the routers selected, padding left out
         want = torch.bincount(ids_TK[keep].flatten(), minlength=model.num_experts).float()
         assert torch.equal(counts[layer], want), layer
+    assert all(torch.equal(a, b) for a, b in zip(out.router_ids, chosen, strict=True))  # handed on as routed
+    handed = expert_counts(out.router_logits, 2, attention_mask_BS=mask, router_ids=out.router_ids)
+    assert torch.equal(handed, counts)
     # softmax top-k of the logits (Qwen3-MoE's rule) is another selection: the routers' own is what counts
     assert not torch.equal(expert_counts(out.router_logits, 2, attention_mask_BS=mask), counts)
 

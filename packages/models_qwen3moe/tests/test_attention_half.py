@@ -33,16 +33,17 @@ def test_attention_half_then_mlp_is_the_layer(padded):
         x_ref = x_BSD + layer.self_attn(layer.input_layernorm(x_BSD), cos, sin, mask)
         assert torch.equal(x_half, x_ref)
         assert torch.equal(h_half, layer.post_attention_layernorm(x_ref))
-        out, logits = layer(x_BSD, cos, sin, mask)
+        out, routed = layer(x_BSD, cos, sin, mask)
         if isinstance(layer.mlp, SparseMoeBlock):
             # the router runs in the attention half (compiled with it); the block routes alike without it
             for got, want in zip(routing, layer.mlp.gate(h_half.reshape(b * s, -1)), strict=True):
                 assert torch.equal(got, want)
             y, ref_logits = layer.mlp(h_half)
-            assert torch.equal(logits, ref_logits) and torch.equal(layer.mlp(h_half, routing)[0], y)
+            assert torch.equal(routed[0], ref_logits) and torch.equal(layer.mlp(h_half, routing)[0], y)
+            assert torch.equal(routed[1], routing[2])  # the layer hands on the selection it routed by
         else:
             y = layer.mlp(h_half)
-            assert logits is None and routing is None
+            assert routed is None and routing is None
         assert torch.equal(out, x_half + y)
 
 

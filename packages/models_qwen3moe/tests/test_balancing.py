@@ -3,10 +3,14 @@ frequencies, the z-loss and the aux-loss-free bias update (no process group)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from moeshard.models.qwen3moe import (
+    Balancing,
+    BalancingOptions,
     Qwen3MoeForCausalLM,
     TopKRouter,
     expert_counts,
@@ -54,6 +58,17 @@ def test_counts_follow_the_selection(model):
     mask = torch.ones(2, 12)
     mask[1, 6:] = 0
     assert torch.equal(expert_counts(out.router_logits, k, attention_mask_BS=mask).sum(-1), torch.full((2,), 18.0 * k))
+    # the model hands on the selection that routed the tokens: counted as it is, the same counts in one scatter
+    assert [t.shape for t in out.router_ids] == [(24, k)] * 2
+    for m in (None, mask):
+        handed = expert_counts(out.router_logits, k, attention_mask_BS=m, router_ids=out.router_ids)
+        assert torch.equal(handed, expert_counts(out.router_logits, k, attention_mask_BS=m))
+    # and that selection, not a new one from the logits, is what the balancing hooks count
+    swapped = SimpleNamespace(aux_loss=None, router_logits=out.router_logits, router_ids=out.router_ids[::-1])
+    balancing = Balancing(model, BalancingOptions(), device="cpu")
+    balancing.start_step(1)
+    balancing.micro_batch_loss(swapped)
+    assert torch.equal(balancing.end_step().expert_load, counts.flip(0))
     model.enable_router_bias()
     rs = routers(model)
     rs[0].bias[5] = 10.0

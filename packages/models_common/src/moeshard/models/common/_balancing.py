@@ -153,7 +153,9 @@ class Balancing:
         z) / num_micro_batches`` (the balancing losses are per-micro-batch means, averaged over the step).
 
         Args:
-            out: the model's output with ``output_router_logits=True`` (its ``aux_loss`` and ``router_logits``).
+            out: the model's output with ``output_router_logits=True`` (its ``aux_loss``, ``router_logits`` and, where
+                it has them, ``router_ids``: then the expert counts and the ``sequence`` scope use the selection
+                that routed the tokens, not a new one).
             attention_mask_BS: the micro-batch's mask (None unless padded): padding routes nowhere.
             rows: the micro-batch's rows B (its sequences); the ``sequence`` scope needs them, from here or from
                 ``attention_mask_BS`` (both given: they must agree); the other scopes ignore it.
@@ -167,15 +169,22 @@ class Balancing:
         z = zero
         if out.router_logits:
             global_scope = o.scope == "global_batch"
+            router_ids = getattr(out, "router_ids", None)  # the selection that routed the tokens, if handed on
             counts = expert_counts(
-                out.router_logits, self.top_k, attention_mask_BS=attention_mask_BS, routers=self.routers
+                out.router_logits,
+                self.top_k,
+                attention_mask_BS=attention_mask_BS,
+                routers=self.routers,
+                router_ids=router_ids,
             )
             running = self.counts.add(counts, all_reduce=global_scope)
             if global_scope:  # the expert frequencies of micro-batches 1..m of this step, all ranks
                 aux = global_balancing_loss(out.router_logits, running, self.top_k, attention_mask_BS)
             elif o.scope == "sequence":
                 b = sequence_rows(attention_mask_BS, rows)
-                aux = sequence_balancing_loss(out.router_logits, self.routers, self.top_k, b, attention_mask_BS)
+                aux = sequence_balancing_loss(
+                    out.router_logits, self.routers, self.top_k, b, attention_mask_BS, router_ids=router_ids
+                )
             if o.z_loss_coef:
                 z = router_z_loss(out.router_logits, attention_mask_BS)
         self._aux_sum += aux.detach().float() / self._n
@@ -216,19 +225,24 @@ def load_balancing_loss(
         top_k: experts per token.
         attention_mask_BS: 1 for tokens, 0 for padding, or None.
     """
-    device = router_logits[0].device if router_logits else torch.device("cpu")
-    tokens_per_expert_E = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    prob_per_expert_E = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    rows = torch.zeros((), dtype=torch.float32, device=device)
-    mask_T = None if attention_mask_BS is None else attention_mask_BS.reshape(-1).to(device, torch.float32)
-    for logits_TE in router_logits:
-        # Softmax in the logits' dtype (not forced to float32) to match transformers in bf16 too.
-        probs_TE = torch.softmax(logits_TE, dim=-1)
-        _, ids_TK = torch.topk(probs_TE, top_k, dim=-1)
-        weight_T = torch.ones(ids_TK.shape[0], dtype=torch.float32, device=device) if mask_T is None else mask_T
-        tokens_per_expert_E = tokens_per_expert_E.scatter_add(0, ids_TK.reshape(-1), weight_T.repeat_interleave(top_k))
-        prob_per_expert_E = prob_per_expert_E + (probs_TE.float() * weight_T[:, None]).sum(dim=0)
-        rows = rows + weight_T.sum()
+    if not router_logits:
+        return torch.zeros((), dtype=torch.float32)
+    device = router_logits[0].device
+    # All layers at once, as transformers concatenates them: one softmax, one top-k and one scatter per call
+    # instead of per layer (the layers' token counts and probabilities are summed over all their tokens anyway).
+    logits_NE = torch.cat([lg.to(device) for lg in router_logits]) if len(router_logits) > 1 else router_logits[0]
+    # Softmax in the logits' dtype (not forced to float32) to match transformers in bf16 too.
+    probs_NE = torch.softmax(logits_NE, dim=-1)
+    _, ids_NK = torch.topk(probs_NE, top_k, dim=-1)
+    if attention_mask_BS is None:
+        weight_N = torch.ones(ids_NK.shape[0], dtype=torch.float32, device=device)
+    else:
+        weight_N = attention_mask_BS.reshape(-1).to(device, torch.float32).repeat(len(router_logits))
+    tokens_per_expert_E = torch.zeros(num_experts, dtype=torch.float32, device=device).scatter_add_(
+        0, ids_NK.reshape(-1), weight_N.repeat_interleave(top_k)
+    )
+    prob_per_expert_E = (probs_NE.float() * weight_N[:, None]).sum(dim=0)
+    rows = weight_N.sum()
     return num_experts * torch.sum((tokens_per_expert_E / rows) * (prob_per_expert_E / rows))
 
 
@@ -239,14 +253,19 @@ def expert_counts(
     biases: list[torch.Tensor | None] | None = None,
     attention_mask_BS: torch.Tensor | None = None,
     routers: list[Router] | None = None,
+    router_ids: tuple[torch.Tensor, ...] | list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Tokens routed to each expert of each MoE layer: float32 ``[L, E]`` (each token counts once per selected
     expert; padding left out when ``attention_mask_BS`` is given). No host sync: sum it over micro-batches and
     all-reduce it over ranks for the global load of a step.
 
-    The selection: with ``routers`` (one per layer, :func:`routers`), each router's own (``select_ids``: its scores,
-    selection bias and groups, e.g. DeepSeek-V3's); else the softmax top-k of the logits plus ``biases`` (each
-    layer's selection bias or None), Qwen3-MoE's."""
+    The selection: ``router_ids`` (one ``[T, K]`` tensor per layer: the experts the routers selected as the tokens
+    were routed, the model output's ``router_ids``), counted as they are; else with ``routers`` (one per layer,
+    :func:`routers`), each router's own selected again (``select_ids``: its scores, selection bias and groups, e.g.
+    DeepSeek-V3's); else the softmax top-k of the logits plus ``biases`` (each layer's selection bias or None),
+    Qwen3-MoE's."""
+    if router_ids is not None:
+        return _count_ids(router_ids, router_logits[0].shape[-1], attention_mask_BS)
     rows = []
     for i, logits_TE in enumerate(router_logits):
         if routers is not None:
@@ -264,6 +283,23 @@ def expert_counts(
             )
         )
     return torch.stack(rows)
+
+
+def _count_ids(
+    ids: tuple[torch.Tensor, ...] | list[torch.Tensor], num_experts: int, attention_mask_BS: torch.Tensor | None
+) -> torch.Tensor:
+    """``[L, E]`` float32 counts of the layers' ``[T, K]`` expert ids in one scatter (layer l's ids offset by l·E)."""
+    ids_LTK = torch.stack(list(ids))
+    n_layers, device = ids_LTK.shape[0], ids_LTK.device
+    offsets_L11 = torch.arange(n_layers, device=device).view(-1, 1, 1) * num_experts
+    if attention_mask_BS is None:
+        weight_LTK = torch.ones(ids_LTK.shape, dtype=torch.float32, device=device)
+    else:
+        mask_1T1 = attention_mask_BS.reshape(1, -1, 1).to(device, torch.float32)
+        weight_LTK = mask_1T1.expand(ids_LTK.shape)
+    counts = torch.zeros(n_layers * num_experts, dtype=torch.float32, device=device)
+    counts.scatter_add_(0, (ids_LTK + offsets_L11).reshape(-1), weight_LTK.reshape(-1))
+    return counts.view(n_layers, num_experts)
 
 
 def global_balancing_loss(

@@ -51,6 +51,9 @@ class DecoderLayer(nn.Module):
 
     ``self_attn(x_BSD, cos, sin, mask) -> y_BSD``; ``mlp(h_BSD)`` returns ``y_BSD`` (dense) or
     ``(y_BSD, router_logits_TE)`` (MoE). Every family builds its layers from its own attention and MLP modules.
+    ``forward`` hands the router's selection on with its logits (``(logits_TE, topk_ids_TK)``), so that what
+    counts the experts' load (balancing, metrics) uses the selection that routed the tokens instead of selecting
+    again.
     """
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, layer_idx: int) -> None:
@@ -84,13 +87,13 @@ class DecoderLayer(nn.Module):
         cos_BSDh: torch.Tensor,
         sin_BSDh: torch.Tensor,
         mask_B1SS: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(x_BSD, router_logits_TE or None for a dense layer)``."""
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``(x_BSD, (router_logits_TE, topk_ids_TK))``; None in place of the pair for a dense layer."""
         x_BSD, h_BSD, routing = self.attention_half(x_BSD, cos_BSDh, sin_BSDh, mask_B1SS)
         out = self.mlp(h_BSD) if routing is None else self.mlp(h_BSD, routing)
         if isinstance(out, tuple):  # an MoE block: (y, router logits)
             y_BSD, logits_TE = out
-            return x_BSD + y_BSD, logits_TE
+            return x_BSD + y_BSD, (logits_TE, routing[2])
         return x_BSD + out, None
 
 
@@ -138,8 +141,9 @@ class DecoderModel(nn.Module):
         attention_mask_BS: torch.Tensor | None = None,
         position_ids_BS: torch.Tensor | None = None,
         document_ids_BS: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """``(hidden_BSD after the final norm, router logits of every MoE layer)``."""
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """``(hidden_BSD after the final norm, router logits of every MoE layer, the top-k expert ids each MoE
+        layer's router selected)``."""
         x_BSD = self.embed_tokens(input_ids_BS)
         s = input_ids_BS.shape[1]
         if position_ids_BS is None:
@@ -149,12 +153,13 @@ class DecoderModel(nn.Module):
             position_ids_BS = position_ids_BS[None]
         cos, sin = self.rotary_emb(position_ids_BS, x_BSD.dtype)
         mask = self._attention_mask(attention_mask_BS, document_ids_BS, s)
-        router_logits = []
+        router_logits, router_ids = [], []
         for layer in self.layers:
-            x_BSD, logits_TE = layer(x_BSD, cos, sin, mask)
-            if logits_TE is not None:
-                router_logits.append(logits_TE)
-        return self.norm(x_BSD), tuple(router_logits)
+            x_BSD, routed = layer(x_BSD, cos, sin, mask)
+            if routed is not None:
+                router_logits.append(routed[0])
+                router_ids.append(routed[1])
+        return self.norm(x_BSD), tuple(router_logits), tuple(router_ids)
 
     def _attention_mask(
         self, attention_mask_BS: torch.Tensor | None, document_ids_BS: torch.Tensor | None, s: int
@@ -245,7 +250,7 @@ class MoECausalLM(nn.Module):
         """
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        hidden_BSD, router_logits = self.model(input_ids, attention_mask, position_ids, document_ids)
+        hidden_BSD, router_logits, router_ids = self.model(input_ids, attention_mask, position_ids, document_ids)
         loss = logits_BSV = None
         if labels is not None and not return_logits:
             shift_labels_BS = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
@@ -270,6 +275,7 @@ class MoECausalLM(nn.Module):
             logits=logits_BSV,
             router_logits=router_logits if output_router_logits else None,
             lm_loss=lm_loss,
+            router_ids=router_ids if output_router_logits else None,
         )
 
     # ---- construction helpers --------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ class CausalLMOutput:
         logits: ``[B, S, V]`` in the model's dtype.
         router_logits: one ``[B·S, E]`` tensor per MoE layer when output, else None.
         lm_loss: the language-model loss alone, or None without labels.
+        router_ids: with ``router_logits``, one ``[B·S, K]`` tensor per MoE layer: the experts its router selected
+            for each token (bias and groups included), the selection the tokens were routed by.
     """
 
     loss: torch.Tensor | None
@@ -33,6 +35,7 @@ class CausalLMOutput:
     logits: torch.Tensor
     router_logits: tuple[torch.Tensor, ...] | None = None
     lm_loss: torch.Tensor | None = None
+    router_ids: tuple[torch.Tensor, ...] | None = None
 
 
 class LMHead(nn.Linear):

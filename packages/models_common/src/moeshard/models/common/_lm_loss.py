@@ -43,11 +43,17 @@ def ce_chunk(logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tuple[torch.Te
 ChunkLoss = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def _accumulate_mm(acc_fp32: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` in float32. On CUDA with 16-bit inputs the addition happens in the GEMM's epilogue
-    (``addmm`` with ``out_dtype=float32``), not as two more passes over the ``[V, D]`` accumulator."""
+def _accumulate_mm(acc_fp32: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``acc = a @ b`` (``first``) or ``acc += a @ b``, in float32. On CUDA with 16-bit inputs the product is written
+    in float32 by the GEMM's epilogue (``mm``/``addmm`` with ``out_dtype=float32``), the addition too: no pass over
+    the ``[V, D]`` accumulator besides the GEMM's, and none to zero it first."""
     if acc_fp32.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        torch.addmm(acc_fp32, a, b, out_dtype=torch.float32, out=acc_fp32)
+        if first:
+            torch.mm(a, b, out_dtype=torch.float32, out=acc_fp32)
+        else:
+            torch.addmm(acc_fp32, a, b, out_dtype=torch.float32, out=acc_fp32)
+    elif first:
+        acc_fp32.copy_(a @ b)
     else:
         acc_fp32 += (a @ b).float()
 
@@ -60,7 +66,10 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         N = h_ND.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h_ND = torch.empty_like(h_ND) if need_h else None
-        grad_w_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need_w else None
+        # Written by the first chunk's GEMM, accumulated by the others' (zeroed here only when there is no chunk).
+        grad_w_VD = torch.empty(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need_w else None
+        if need_w and N == 0:
+            grad_w_VD.zero_()
         loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
         for start in range(0, N, chunk):
             h_CD = h_ND[start : start + chunk]
@@ -70,7 +79,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             if need_h:
                 torch.mm(g_CV, w_VD, out=grad_h_ND[start : start + chunk])
             if need_w:
-                _accumulate_mm(grad_w_VD, g_CV.t(), h_CD)
+                _accumulate_mm(grad_w_VD, g_CV.t(), h_CD, first=start == 0)
         ctx.save_for_backward(grad_h_ND, None if grad_w_VD is None else grad_w_VD.to(w_VD.dtype))
         return loss
 

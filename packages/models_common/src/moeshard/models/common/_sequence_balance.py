@@ -18,6 +18,7 @@ def sequence_balancing_loss(
     top_k: int,
     rows: int,
     attention_mask_BS: torch.Tensor | None = None,
+    router_ids: tuple[torch.Tensor, ...] | list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """DeepSeek-V3's complementary sequence-wise balance loss (its report's section 2.1.2), float32, not multiplied
     by its coefficient: ``mean_l mean_b Σ_e f_lbe · P_lbe`` over the MoE layers ``l`` and the micro-batch's rows ``b``.
@@ -38,6 +39,8 @@ def sequence_balancing_loss(
         top_k: K, experts per token.
         rows: B.
         attention_mask_BS: 1 for tokens, 0 for padding, or None.
+        router_ids: one ``[B·S, K]`` tensor per MoE layer, the experts the routers selected as the tokens were
+            routed (the model output's ``router_ids``); None selects again (``select_ids``).
 
     Raises:
         ValueError: the logits' tokens do not split into ``rows`` rows, or the routers are not one per layer.
@@ -46,15 +49,18 @@ def sequence_balancing_loss(
         raise ValueError(f"{len(router_logits)} layers of router logits but {len(routers)} routers")
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}")
+    if router_ids is not None and len(router_ids) != len(router_logits):
+        raise ValueError(f"{len(router_logits)} layers of router logits but {len(router_ids)} of router ids")
     losses = []
-    for router, logits_TE in zip(routers, router_logits):
+    for i, (router, logits_TE) in enumerate(zip(routers, router_logits)):
         t, e = logits_TE.shape
         if t % rows:
             raise ValueError(f"router logits of {t} tokens do not split into {rows} rows")
         s = t // rows
         probs_BSE = router.affinities(logits_TE).view(rows, s, e)
         chosen_TE = torch.zeros(t, e, device=logits_TE.device, dtype=torch.float32)
-        chosen_BSE = chosen_TE.scatter_(1, router.select_ids(logits_TE), 1.0).view(rows, s, e)
+        ids_TK = router.select_ids(logits_TE) if router_ids is None else router_ids[i]
+        chosen_BSE = chosen_TE.scatter_(1, ids_TK, 1.0).view(rows, s, e)
         if attention_mask_BS is None:
             tokens_B = torch.full((rows,), float(s), device=logits_TE.device)
         else:
