@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One H200, one call: the issue-31 regimes of the 8-layer benchmark (30B-A3B geometry, EP 1, compile, triton tier,
+# 4 x 4096 tokens per step) on this checkout, and the same on an older tree (OLD, `git archive` of a commit that
+# speaks the same flags) for the regimes named in OLD_RUNS. JSON in $OUT; a table at the end.
+#   mkdir -p .bench_old && git archive <commit> packages apps | tar -x -C .bench_old
+#   RUNS="mb4 mb4_selective mb4_full mb2" OLD_RUNS="mb2" bash benchmarks/regimes_1gpu.sh
+set -u
+OLD=${OLD:-.bench_old}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+path_of() { ls -d "$1"/packages/*/src "$1"/apps/*/src | tr '\n' ':'; }
+flags() {  # the job's keys of one regime: mb<M>[_selective|_full]
+  local mb=${1%%_*} ac=none
+  case $1 in *_selective) ac=selective ;; *_full) ac=full ;; esac
+  echo "--parallel.compile=true --parallel.ep.kernels=triton --train.micro_batch_size=${mb#mb}" \
+    "--parallel.activation_checkpointing=$ac"
+}
+bench() {  # bench NAME TREE REGIME
+  PYTHONPATH="$(path_of "$2")" timeout "${T:-200}" python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+    -m moeshard.train bench --steps "${STEPS:-12}" --warmup "${WARMUP:-4}" $(flags "$3") --out "$OUT/$1.json" 2>&1 \
+    | grep -v "UserWarning\|warnings.warn\|_rng_tracker\|AVOID_RECORD\|_warn_once" > "/tmp/$1.log"
+  echo "$1: $(grep 'tok/s/GPU' "/tmp/$1.log" | tail -n 1)"
+  grep -q "tok/s/GPU" "/tmp/$1.log" || tail -n 15 "/tmp/$1.log"
+}
+for r in ${OLD_RUNS:-}; do bench "old_$r" "$OLD" "$r"; done
+for r in ${RUNS:-mb4 mb1}; do bench "new_$r" "$PWD" "$r"; done
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+print(f"{'run':<22}{'tokens/s/GPU':>13}{'step ms':>9}{'alloc':>7}{'reserved':>9}  losses")
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*mb*.json")):
+    d = json.loads(f.read_text())
+    print(f"{f.stem:<22}{d['tokens_per_s_per_gpu']:>13,.0f}{1000 * d['step_time_s_median']:>9.1f}"
+          f"{d.get('peak_allocated_gib') or 0:>7.1f}{d.get('peak_reserved_gib') or 0:>9.1f}"
+          f"  {[round(x, 4) for x in d.get('losses', [])[:5]]}")
+PY
