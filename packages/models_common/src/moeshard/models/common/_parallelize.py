@@ -56,7 +56,9 @@ class ParallelOptions:
         compile: ``torch.compile`` each decoder layer's ``attention_half`` (norms, projections, RoPE, attention,
             residual and the MoE block's router: one graph, shared by all layers; flex_attention for packed rows
             on CUDA runs inside it), the
-            LM head's loss chunk (rows dynamic) and the cast-and-scale of the gradients of experts kept out of FSDP.
+            LM head's loss chunk (rows dynamic; with the ``"triton"`` kernel tier of ``ep`` a Triton kernel instead,
+            two passes over the logits where the compiled chunk makes three) and the cast-and-scale of the
+            gradients of experts kept out of FSDP.
             False compiles nothing (packed rows then use the dense document mask). Every compile in the packages
             is decided here; a compile that fails raises.
         activation_checkpointing: what backward recomputes instead of keeping from forward: ``"none"``;
@@ -167,7 +169,13 @@ class ParallelOptions:
         reshard = "auto (True, False where the FSDP mesh has one rank)" if reshard is None else reshard
         return [
             f"ep: {self.ep_options().describe()}",
-            "compile: " + ("attention half of each decoder layer, loss chunk" if self.compile else "off"),
+            "compile: "
+            + (
+                "attention half of each decoder layer, loss chunk"
+                + (" (a triton kernel)" if self.ep.kernels == "triton" else "")
+                if self.compile
+                else "off"
+            ),
             "activation checkpointing: " + _CHECKPOINTING_LINES[self.activation_checkpointing].format(self),
             f"param dtype: {dtype}; master weights and gradient reduction float32"
             + ("" if self.expert_reduce_dtype == "float32" else ", the experts' reduce-scatter bfloat16 (ep_fsdp > 1)"),
@@ -220,7 +228,7 @@ def parallelize(
        step 1 (the experts' intermediates recomputed).
     3. **Compile**: ``layer.attention_half = torch.compile(layer.attention_half)`` on each decoder layer (an
        instance attribute: FQNs and the state dict unchanged) and ``moeshard.ep.compile_rows_dynamic`` on the
-       head's loss chunk. Nothing compiles until the first forward. The compiled region lies inside the layer's
+       head's loss chunk (with ``ep.kernels="triton"``, the head's Triton loss-chunk kernel). Nothing compiles until the first forward. The compiled region lies inside the layer's
        forward, so FSDP's hooks (after step 4) run outside it and it sees plain gathered parameters; under
        checkpointing the recomputation runs the compiled graph again. The routed experts stay eager: they sync
        with the host (split sizes), where a graph would break anyway.
@@ -263,7 +271,7 @@ def parallelize(
     if options.activation_checkpointing == "full":
         apply_activation_checkpointing(model)
     if options.compile:
-        _compile(model)
+        _compile(model, triton_loss=options.ep.kernels == "triton")
     reshard, expert_reshard = options.resharding(meshes.world_size)
     units = shard_model(
         model,
@@ -285,8 +293,9 @@ def parallelize(
     return Parallelized(units=units, schedule=schedule, ep_info=ep_info, options=options, keeps_gathered=keeps_gathered)
 
 
-def _compile(model: MoECausalLM) -> None:
-    """Step 3 of :func:`parallelize`: each layer's attention half and the head's loss chunk, compiled."""
+def _compile(model: MoECausalLM, triton_loss: bool) -> None:
+    """Step 3 of :func:`parallelize`: each layer's attention half and the head's loss chunk, compiled (or, with
+    ``triton_loss``, the loss chunk's Triton kernel: CPU tensors still take the eager function)."""
     from moeshard.ep import compile_rows_dynamic
 
     model.model.compiled_attention = True  # packed rows: flex_attention's fused kernel, compiled inside
@@ -294,7 +303,12 @@ def _compile(model: MoECausalLM) -> None:
         # At the call site, from outside (the bound method, compiled): every layer shares one graph.
         layer.attention_half = torch.compile(layer.attention_half)
     # The row count varies (the last chunk), the vocabulary width never does.
-    model.lm_head.chunk_loss = compile_rows_dynamic(model.lm_head.chunk_loss)
+    if triton_loss:
+        from moeshard.models.common._lm_loss_triton import ce_chunk_triton
+
+        model.lm_head.chunk_loss = ce_chunk_triton
+    else:
+        model.lm_head.chunk_loss = compile_rows_dynamic(model.lm_head.chunk_loss)
 
 
 def apply_activation_checkpointing(model: MoECausalLM) -> None:

@@ -1,0 +1,87 @@
+"""One chunk's cross-entropy and logit gradient as a Triton kernel: two passes over the logits instead of three.
+
+# C tokens of the chunk, V vocabulary
+
+:func:`ce_chunk` compiled by Inductor reads each ``[C, V]`` logit row three times (its maximum, the sum of
+exponentials, the gradient) and writes the gradient once. Here one program owns a row: the first pass keeps a
+running maximum and the sum of exponentials rescaled to it (online log-sum-exp), the second writes
+``softmax - one_hot``. The logits are read twice and the gradient written once: at V = 151,936 and C = 4,096, 3.7
+GB instead of 5.0 per chunk. Statistics in float32, as :func:`ce_chunk`; ``-100`` targets contribute nothing.
+The kernel also runs under triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the CPU
+tests check it; :func:`ce_chunk_triton` otherwise computes CPU tensors with :func:`ce_chunk`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from moeshard.models.common._lm_loss import IGNORE_INDEX, ce_chunk
+
+__all__ = ["ce_chunk_triton"]
+
+_BLOCK_V = 4096
+
+
+@triton.jit
+def _ce_kernel(
+    logits_ptr, targets_ptr, grad_ptr, loss_ptr, V, stride_l, stride_g, IGNORE: tl.constexpr, BLOCK_V: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = logits_ptr + row * stride_l
+    target = tl.load(targets_ptr + row)
+    valid = target != IGNORE
+    safe = tl.where(valid, target, 0)
+    # Pass 1: running maximum m and sum s of exp(x - m) over the row, one block at a time.
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.full([], 0.0, tl.float32)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    picked = tl.load(x_row + safe).to(tl.float32)
+    tl.store(loss_ptr + row, tl.where(valid, lse - picked, 0.0))
+    # Pass 2: d(loss)/d logits = softmax - one_hot(target), zero on an ignored row.
+    keep = tl.where(valid, 1.0, 0.0)
+    g_row = grad_ptr + row * stride_g
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        inside = offs < V
+        x = tl.load(x_row + offs, mask=inside, other=0.0).to(tl.float32)
+        g = (tl.exp(x - lse) - tl.where(offs == safe, 1.0, 0.0)) * keep
+        tl.store(g_row + offs, g.to(grad_ptr.dtype.element_ty), mask=inside)
+
+
+def ce_chunk_triton(logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ce_chunk`'s result (summed cross-entropy, gradient w.r.t. the logits in their dtype) by one Triton
+    kernel on CUDA (or under triton's interpreter); CPU tensors otherwise go through :func:`ce_chunk`."""
+    if not logits_CV.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return ce_chunk(logits_CV, targets_C)
+    if logits_CV.dim() != 2 or targets_C.shape != logits_CV.shape[:1]:
+        raise ValueError(
+            f"logits must be [C, V] and targets [C], got {tuple(logits_CV.shape)} and {tuple(targets_C.shape)}"
+        )
+    logits_CV = logits_CV if logits_CV.stride(-1) == 1 else logits_CV.contiguous()
+    c, v = logits_CV.shape
+    grad_CV = torch.empty((c, v), dtype=logits_CV.dtype, device=logits_CV.device)
+    loss_C = torch.empty(c, dtype=torch.float32, device=logits_CV.device)
+    if c:
+        _ce_kernel[(c,)](
+            logits_CV,
+            targets_C.contiguous(),
+            grad_CV,
+            loss_C,
+            v,
+            logits_CV.stride(0),
+            grad_CV.stride(0),
+            IGNORE=IGNORE_INDEX,
+            BLOCK_V=_BLOCK_V,
+            num_warps=8,
+        )
+    return loss_C.sum(), grad_CV

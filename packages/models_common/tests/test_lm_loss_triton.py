@@ -1,0 +1,90 @@
+"""The LM head's loss chunk as a Triton kernel (``ce_chunk_triton``) against :func:`ce_chunk`.
+
+On CPU it runs under triton's interpreter (a child process with ``TRITON_INTERPRET=1``); on a CUDA machine the same
+checks run compiled, plus the chunk at the model's vocabulary width.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moeshard.models.common import ce_chunk  # noqa: E402
+
+
+def check(device: str, dtype: torch.dtype, c: int, v: int) -> None:
+    from moeshard.models.common._lm_loss_triton import ce_chunk_triton
+
+    g = torch.Generator().manual_seed(c * 7 + v)
+    logits = (torch.randn(c, v, generator=g) * 4).to(device, dtype)
+    targets = torch.randint(0, v, (c,), generator=g).to(device)
+    targets[::3] = -100
+    loss, grad = ce_chunk_triton(logits, targets)
+    want_loss, want_grad = ce_chunk(logits, targets)
+    assert grad.dtype == dtype and grad.shape == (c, v)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-4)
+    tol = 0 if dtype == torch.float32 else 8e-3  # one bf16 rounding apart at most
+    torch.testing.assert_close(grad.float(), want_grad.float(), rtol=max(tol, 1e-5), atol=max(tol, 1e-6))
+    assert torch.all(grad[::3] == 0)  # ignored rows: no gradient
+    strided = torch.randn(c, v + 5, generator=g).to(device, dtype)[:, :v]  # a view with a row stride of its own
+    torch.testing.assert_close(
+        ce_chunk_triton(strided, targets)[0], ce_chunk(strided, targets)[0], rtol=1e-5, atol=1e-4
+    )
+    empty = ce_chunk_triton(torch.zeros(0, v, dtype=dtype, device=device), targets[:0])
+    assert empty[0].item() == 0 and empty[1].shape == (0, v)
+
+
+CASES = [(torch.float32, 5, 300), (torch.bfloat16, 7, 5000)]  # V: inside one block, over two with a partial one
+
+
+def test_matches_ce_chunk_in_the_interpreter():
+    # triton decides interpreted or compiled when it is first imported: a fresh process with TRITON_INTERPRET=1
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"checked {len(CASES)} cases" in run.stdout
+
+
+def test_cpu_tensors_take_the_eager_function():
+    from moeshard.models.common._lm_loss_triton import ce_chunk_triton
+
+    logits, targets = torch.randn(3, 11), torch.tensor([1, -100, 4])
+    for a, b in zip(ce_chunk_triton(logits, targets), ce_chunk(logits, targets)):
+        assert torch.equal(a, b)
+
+
+def test_parallelize_gives_the_head_the_kernel_with_the_triton_tier():
+    from types import SimpleNamespace
+
+    from moeshard.ep import EPOptions
+    from moeshard.models.common import LMHead, ParallelOptions
+    from moeshard.models.common._lm_loss_triton import ce_chunk_triton
+    from moeshard.models.common._parallelize import _compile
+
+    for triton_loss in (True, False):
+        model = SimpleNamespace(model=SimpleNamespace(layers=[], compiled_attention=False), lm_head=LMHead(8, 16))
+        _compile(model, triton_loss=triton_loss)  # step 3 of parallelize; nothing compiles before a call
+        assert (model.lm_head.chunk_loss is ce_chunk_triton) == triton_loss
+    lines = ParallelOptions(compile=True, ep=EPOptions(kernels="triton")).describe()
+    assert "compile: attention half of each decoder layer, loss chunk (a triton kernel)" in lines
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,c,v", [*CASES, (torch.bfloat16, 256, 151936)])
+def test_matches_ce_chunk_on_cuda(dtype, c, v):
+    check("cuda", dtype, c, v)
+
+
+if __name__ == "__main__":  # the interpreter run of test_matches_ce_chunk_in_the_interpreter
+    from moeshard.ep.testing import interpreter_numpy_fix
+
+    interpreter_numpy_fix()
+    for case in CASES:
+        check("cpu", *case)
+    print(f"checked {len(CASES)} cases")
