@@ -59,7 +59,7 @@ def test_cpu_tensors_take_the_eager_function():
         assert torch.equal(a, b)
 
 
-def test_parallelize_gives_the_head_the_kernel_with_the_triton_tier():
+def test_parallelize_gives_the_head_the_kernel_with_the_triton_tier_on_cuda(monkeypatch):
     from types import SimpleNamespace
 
     from moeshard.ep import EPOptions
@@ -67,12 +67,14 @@ def test_parallelize_gives_the_head_the_kernel_with_the_triton_tier():
     from moeshard.models.common._lm_loss_triton import ce_chunk_triton
     from moeshard.models.common._parallelize import _compile
 
-    for triton_loss in (True, False):
-        model = SimpleNamespace(model=SimpleNamespace(layers=[], compiled_attention=False), lm_head=LMHead(8, 16))
-        _compile(model, triton_loss=triton_loss)  # step 3 of parallelize; nothing compiles before a call
-        assert (model.lm_head.chunk_loss is ce_chunk_triton) == triton_loss
+    for cuda in (True, False):  # without CUDA the tier means the compiled function, as moeshard.ep's tier does
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        for kernels in ("triton", "compiled"):
+            model = SimpleNamespace(model=SimpleNamespace(layers=[], compiled_attention=False), lm_head=LMHead(8, 16))
+            _compile(model, kernels)  # step 3 of parallelize; nothing compiles before a call
+            assert (model.lm_head.chunk_loss is ce_chunk_triton) == (cuda and kernels == "triton")
     lines = ParallelOptions(compile=True, ep=EPOptions(kernels="triton")).describe()
-    assert "compile: attention half of each decoder layer, loss chunk (a triton kernel)" in lines
+    assert "compile: attention half of each decoder layer, loss chunk (a triton kernel on CUDA)" in lines
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

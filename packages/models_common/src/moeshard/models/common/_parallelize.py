@@ -56,8 +56,8 @@ class ParallelOptions:
         compile: ``torch.compile`` each decoder layer's ``attention_half`` (norms, projections, RoPE, attention,
             residual and the MoE block's router: one graph, shared by all layers; flex_attention for packed rows
             on CUDA runs inside it), the
-            LM head's loss chunk (rows dynamic; with the ``"triton"`` kernel tier of ``ep`` a Triton kernel instead,
-            two passes over the logits where the compiled chunk makes three) and the cast-and-scale of the
+            LM head's loss chunk (rows dynamic; with the ``"triton"`` kernel tier of ``ep`` on CUDA a Triton kernel
+            instead, two passes over the logits where the compiled chunk makes three) and the cast-and-scale of the
             gradients of experts kept out of FSDP.
             False compiles nothing (packed rows then use the dense document mask). Every compile in the packages
             is decided here; a compile that fails raises.
@@ -172,7 +172,7 @@ class ParallelOptions:
             "compile: "
             + (
                 "attention half of each decoder layer, loss chunk"
-                + (" (a triton kernel)" if self.ep.kernels == "triton" else "")
+                + (" (a triton kernel on CUDA)" if self.ep.kernels == "triton" else "")
                 if self.compile
                 else "off"
             ),
@@ -271,7 +271,7 @@ def parallelize(
     if options.activation_checkpointing == "full":
         apply_activation_checkpointing(model)
     if options.compile:
-        _compile(model, triton_loss=options.ep.kernels == "triton")
+        _compile(model, options.ep.kernels)
     reshard, expert_reshard = options.resharding(meshes.world_size)
     units = shard_model(
         model,
@@ -293,9 +293,13 @@ def parallelize(
     return Parallelized(units=units, schedule=schedule, ep_info=ep_info, options=options, keeps_gathered=keeps_gathered)
 
 
-def _compile(model: MoECausalLM, triton_loss: bool) -> None:
-    """Step 3 of :func:`parallelize`: each layer's attention half and the head's loss chunk, compiled (or, with
-    ``triton_loss``, the loss chunk's Triton kernel: CPU tensors still take the eager function)."""
+def _compile(model: MoECausalLM, kernels: str) -> None:
+    """Step 3 of :func:`parallelize`: each layer's attention half and the head's loss chunk, compiled; with the
+    ``"triton"`` kernel tier on a machine with CUDA, the loss chunk's Triton kernel instead (as ``moeshard.ep``'s
+    tier: without CUDA, the compiled function, and triton is not imported).
+
+    Raises:
+        ImportError: the ``"triton"`` tier on a machine with CUDA where triton cannot be imported."""
     from moeshard.ep import compile_rows_dynamic
 
     model.model.compiled_attention = True  # packed rows: flex_attention's fused kernel, compiled inside
@@ -303,9 +307,15 @@ def _compile(model: MoECausalLM, triton_loss: bool) -> None:
         # At the call site, from outside (the bound method, compiled): every layer shares one graph.
         layer.attention_half = torch.compile(layer.attention_half)
     # The row count varies (the last chunk), the vocabulary width never does.
-    if triton_loss:
-        from moeshard.models.common._lm_loss_triton import ce_chunk_triton
-
+    if kernels == "triton" and torch.cuda.is_available():
+        try:
+            from moeshard.models.common._lm_loss_triton import ce_chunk_triton
+        except ImportError as e:
+            raise ImportError(
+                "the 'triton' kernel tier (EPOptions(kernels='triton')) computes the LM head's loss chunk with a "
+                "triton kernel, but triton cannot be imported: install it (pip install triton) or use "
+                "kernels='compiled'"
+            ) from e
         model.lm_head.chunk_loss = ce_chunk_triton
     else:
         model.lm_head.chunk_loss = compile_rows_dynamic(model.lm_head.chunk_loss)
