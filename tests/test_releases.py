@@ -235,13 +235,14 @@ SMOKE = {
 # Distributions that bring transformers in (the model families and what they share; the app through them).
 TRANSFORMERS_USERS = {"moeshard-models-common", "moeshard-qwen3moe", "moeshard-deepseekv3", "moeshard-train"}
 # Chains of wheel sets (a name, or a name with an extra), one fresh environment each: every step's environment is
-# exactly its closure (the extras of a package's `test` extra are never installed).
+# exactly its closure (the extras of a package's `test` extra are never installed). The longest chain first: the
+# pool starts the chains in this order, and the others then fit beside it (last, it ran alone for a minute).
 CHAINS = [
+    ["moeshard-qwen3moe", "moeshard-qwen3moe[parallel]", "moeshard-train"],
     ["moeshard-meshes", "moeshard-ep", "moeshard-fsdp-moe", "moeshard-checkpoint"],
+    ["moeshard-models-common", "moeshard-deepseekv3"],
     ["moeshard-prefetch"],
     ["moeshard-data"],
-    ["moeshard-models-common", "moeshard-deepseekv3"],
-    ["moeshard-qwen3moe", "moeshard-qwen3moe[parallel]", "moeshard-train"],
 ]
 
 

@@ -2,8 +2,8 @@
 
 ``benchmarks/balancing.py`` (the README's figure) trains a tiny model whose routers send nearly every token to
 experts 0 and 1 for 100 steps, once without balancing and once per method (aux loss per micro-batch, aux loss over
-the global batch, aux-loss-free router bias); here the same run must end with a lower max/mean expert load for
-every method than without balancing.
+the global batch, aux-loss-free router bias); here the same runs, :data:`STEPS` long, must end with a lower
+max/mean expert load for every method than without balancing.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ def _benchmark():
 
 
 SCOPES = ("micro_batch", "global_batch")
+# Half the figure's 100: the last 10 steps' mean load is then 2.0 (aux micro_batch), 1.5 (aux global_batch) and 2.1
+# (router_bias) against 3.8 without balancing, each well under the 0.75 x 3.8 asserted; the runs cost half as much.
+STEPS = 50
 
 
 def _demo_and_one_steps(out: str, steps: int) -> dict:
@@ -36,14 +39,14 @@ def _demo_and_one_steps(out: str, steps: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    return run_distributed(_demo_and_one_steps, 1, str(tmp_path_factory.mktemp("balancing")), 100, timeout=600)[0]
+    return run_distributed(_demo_and_one_steps, 1, str(tmp_path_factory.mktemp("balancing")), STEPS, timeout=600)[0]
 
 
 def test_each_method_lowers_the_expert_load_of_a_skewed_router(runs, tmp_path):
     curves = runs["curves"]
     end = {name: sum(c[-10:]) / 10 for name, c in curves.items()}  # the mean of the last 10 steps
     print({name: round(v, 3) for name, v in end.items()})
-    assert all(len(c) == 100 for c in curves.values())
+    assert all(len(c) == STEPS for c in curves.values())
     assert all(c[0] > 3.0 for c in curves.values())  # skewed from the start: top-2 of 8 is at most 4
     assert end["none"] > 3.0  # without balancing it stays skewed
     for name in ("aux micro_batch", "aux global_batch", "router_bias"):

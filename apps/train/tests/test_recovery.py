@@ -287,8 +287,9 @@ def _run_both(*jobs: list[str], timeout: float = 240) -> list[subprocess.Complet
 
 @pytest.mark.slow
 def test_sigterm_to_torchrun_second_job_resume_and_a_rank_local_error(tmp_path):
-    out, ref = tmp_path / "run", tmp_path / "ref"
-    job = [*TINY, "--checkpoint.every_steps=3", "--checkpoint.keep_last=10"]
+    out, ref, damaged = tmp_path / "run", tmp_path / "ref", tmp_path / "damaged"
+    # timeout_s: above the time the first job's workers spend stopped below, on a slow machine too
+    job = [*TINY, "--checkpoint.every_steps=3", "--checkpoint.keep_last=10", "--train.timeout_s=600"]
     log_a = tmp_path / "a.log"
     with log_a.open("w") as f:
         a = _torchrun([*job, "--train.steps=200", f"--logging.output_dir={out}"], stdout=f, stderr=subprocess.STDOUT)
@@ -296,12 +297,25 @@ def test_sigterm_to_torchrun_second_job_resume_and_a_rank_local_error(tmp_path):
         deadline = time.monotonic() + 180
         while not ((out / "metrics.jsonl").is_file() and len(_steps(out)) >= 2) and time.monotonic() < deadline:
             time.sleep(0.1)
-        # A second job on the same output directory stops in one line; the first one runs on.
-        b = _run([*job, "--train.steps=200", f"--logging.output_dir={out}"])
+        # A second job on the same output directory stops in one line; the first one runs on. The first one's
+        # workers are stopped (alive, holding the lock) while the second one starts: running, they would take
+        # dozens of steps in its start-up, each of which the uninterrupted reference below would train again.
+        workers = [pid for rank in (0, 1) for pid in _process_tree(_worker_pid(a.pid, rank))]
+        assert len(workers) >= 2, log_a.read_text()[-3000:]
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            taken = len(_steps(out))
+            b = _run([*job, "--train.steps=200", f"--logging.output_dir={out}"])
+        finally:
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
         assert b.returncode == 1 and a.poll() is None, b.stdout[-3000:]
         assert len(_errors(b.stdout)) == 1, b.stdout[-3000:]
         holder = json.loads((out / "job.lock").read_text())
         assert f"is in use by another job (host {holder['host']}, pid {holder['pid']}" in _errors(b.stdout)[0]
+        while len(_steps(out)) <= taken and a.poll() is None and time.monotonic() < deadline + 60:
+            time.sleep(0.05)
         a.send_signal(signal.SIGTERM)  # to the launcher, which forwards it to every worker
         a.wait(timeout=120)
     finally:
@@ -312,29 +326,49 @@ def test_sigterm_to_torchrun_second_job_resume_and_a_rank_local_error(tmp_path):
     assert a.returncode == 1 and not _errors(log), log[-4000:]
     s = json.loads((out / "preempted.json").read_text())["step"]
     assert len(re.findall(rf"^stopped by SIGTERM after step {s}: ", log, re.M)) == 1, log[-4000:]
-    assert _steps(out) == list(range(1, s + 1)) and s < 200
+    assert _steps(out) == list(range(1, s + 1)) and taken < s < 200  # it ran on after the second job
     assert (out / f"checkpoints/step_{s:08d}/COMPLETE").is_file() and not (out / "job.lock").exists()
 
-    # The resume and the uninterrupted reference side by side (two jobs: their start-ups overlap).
-    res, uninterrupted = _run_both(
+    # A file only rank 1 reads, damaged (same size), in a copy of the run: its resume runs beside the resume and
+    # the uninterrupted reference (three independent jobs: their start-ups overlap).
+    shutil.copytree(out, damaged)
+    rank_file = damaged / f"checkpoints/step_{s:08d}/rank_00001.pt"
+    rank_file.write_bytes(b"x" * rank_file.stat().st_size)
+    res, uninterrupted, broken = _run_both(
         [*job, f"--train.steps={s + 2}", f"--logging.output_dir={out}"],
         [*job, f"--train.steps={s + 2}", f"--logging.output_dir={ref}"],
+        [*job, f"--train.steps={s + 1}", f"--logging.output_dir={damaged}"],
     )
     assert res.returncode == 0 and f"resumed from {out}/checkpoints/step_{s:08d} at step {s}" in res.stdout
     assert uninterrupted.returncode == 0, uninterrupted.stdout[-3000:]
     assert _steps(out) == list(range(1, s + 3))
     assert _losses(out) == pytest.approx(_losses(ref), rel=1e-6)
 
-    # A file only rank 1 reads, damaged (same size): rank 1 says so in one line, rank 0 (lost its peer) is silent.
-    rank_file = out / f"checkpoints/step_{s + 2:08d}/rank_00001.pt"
-    rank_file.write_bytes(b"x" * rank_file.stat().st_size)
-    res = _run([*job, f"--train.steps={s + 3}", f"--logging.output_dir={out}"])
-    assert res.returncode == 1
-    assert _errors(res.stdout) == [
-        f"moeshard-train: error (rank 1): checkpoint {out}/checkpoints/step_{s + 2:08d}: rank_00001.pt is unreadable "
+    # The damaged rank file: rank 1 says so in one line, rank 0 (lost its peer) is silent.
+    assert broken.returncode == 1
+    assert _errors(broken.stdout) == [
+        f"moeshard-train: error (rank 1): checkpoint {damaged}/checkpoints/step_{s:08d}: rank_00001.pt is unreadable "
         "(UnpicklingError: weights_only refused it: Unsupported operand 120); its files may be damaged: resume an older checkpoint with "
         "checkpoint.resume=<folder>"
-    ], res.stdout[-4000:]
+    ], broken.stdout[-4000:]
+
+
+def _process_tree(pid: int | None) -> list[int]:
+    """``pid`` and every process below it, parents first (Linux ``/proc``); [] for None."""
+    if pid is None:
+        return []
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        parents.setdefault(parent, []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop(0))
+        todo += parents.get(tree[-1], [])
+    return tree
 
 
 def _worker_pid(launcher: int, rank: int) -> int | None:
