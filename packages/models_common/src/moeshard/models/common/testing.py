@@ -111,11 +111,12 @@ def padded_batch(vocab: int = 512, seed: int = 7):
 
 
 def _parallel_step(model_class, path, ids_RBS, options):
-    """One rank: parallelize the meta model (EP 2), load the checkpoint, forward and backward this rank's rows."""
+    """One rank: parallelize the meta model (EP 2), load the checkpoint, forward and backward this rank's rows; the
+    expert counts of the selection its MoE layers handed on (checked here against the routers selecting again)."""
     import torch.distributed as dist
 
     from moeshard.meshes import build_meshes
-    from moeshard.models.common import load_hf_config, load_hf_weights, parallelize
+    from moeshard.models.common import expert_counts, load_hf_config, load_hf_weights, parallelize, routers
 
     rank, world = dist.get_rank(), dist.get_world_size()
     meshes = build_meshes(ep_size=2, device_type="cpu")
@@ -127,11 +128,15 @@ def _parallel_step(model_class, path, ids_RBS, options):
     # This rank's share of the global mean (FSDP averages over ranks): its summed loss / (N_global / world).
     n_global = ids_RBS.shape[0] * ids_RBS.shape[1] * (ids_RBS.shape[2] - 1)
     ids = ids_RBS[rank]
-    loss = model(ids, labels=ids, num_items_in_batch=n_global / world, output_router_logits=False).loss
+    out = model(ids, labels=ids, num_items_in_batch=n_global / world, output_router_logits=True)
+    loss = out.lm_loss  # the LM loss alone: what the reference's is compared with
     loss.backward()
+    k = model.config.num_experts_per_tok
+    counts_LE = expert_counts(out.router_logits, k, router_ids=out.router_ids)
+    assert torch.equal(counts_LE, expert_counts(out.router_logits, k, routers=routers(model))), rank
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     experts = {fqn: (m.expert_start, m.expert_end) for fqn, m in par.ep_info.params.items()}
-    return loss.detach(), grads, experts
+    return loss.detach(), grads, experts, counts_LE
 
 
 def check_two_nodes_of_two(
@@ -139,9 +144,10 @@ def check_two_nodes_of_two(
 ) -> None:
     """4 gloo processes as 2 nodes x 2 ranks at EP 2 x ep_fsdp 2 (``parallelize(options)`` of ``model_class`` loaded
     from ``path``) against ``reference`` (a model of the same checkpoint, e.g. transformers') in one process on the
-    global batch: the loss (1e-5) and every gradient (1e-4 relative), each rank's experts against their slice.
-    ``reference_kwargs`` go to the reference's call (its LM loss alone is compared). Raises ``AssertionError`` on a
-    difference."""
+    global batch: the loss (1e-5) and every gradient (1e-4 relative), each rank's experts against their slice; and,
+    where the reference returns router logits, the expert counts of the selections the ranks' layers handed on
+    (``router_ids``), summed over the ranks, against the softmax top-k of the reference's logits. ``reference_kwargs``
+    go to the reference's call (its LM loss alone is compared). Raises ``AssertionError`` on a difference."""
     from moeshard.meshes.testing import run_distributed
 
     ids_RBS = torch.randint(1, reference.config.vocab_size, (4, 2, 10), generator=torch.Generator().manual_seed(3))
@@ -150,8 +156,15 @@ def check_two_nodes_of_two(
     ref_loss.backward()
     ref_grads = {name: p.grad for name, p in reference.named_parameters()}
     results = run_distributed(_parallel_step, 4, model_class, path, ids_RBS, options, ranks_per_node=2)
-    torch.testing.assert_close(sum(loss for loss, _, _ in results) / 4, ref_loss, rtol=0, atol=1e-5)
-    for _, grads, experts in results:
+    torch.testing.assert_close(sum(r[0] for r in results) / 4, ref_loss, rtol=0, atol=1e-5)
+    with torch.no_grad():
+        ref_router_logits = getattr(reference(input_ids=all_ids, output_router_logits=True), "router_logits", None)
+    if ref_router_logits:
+        from moeshard.models.common import expert_counts
+
+        want_LE = expert_counts(ref_router_logits, reference.config.num_experts_per_tok)
+        assert torch.equal(sum(r[3] for r in results), want_LE), "the handed-on selections differ from the reference's"
+    for _, grads, experts, _ in results:
         assert grads.keys() == ref_grads.keys()
         for name, grad in grads.items():
             expected = ref_grads[name]
