@@ -19,13 +19,14 @@ from moeshard.models.common import ce_chunk  # noqa: E402
 
 
 def check(device: str, dtype: torch.dtype, c: int, v: int) -> None:
-    from moeshard.models.common._lm_loss_triton import ce_chunk_triton
+    # the kernel itself, on CUDA or in the interpreter on CPU (ce_chunk_triton sends CPU tensors to ce_chunk)
+    from moeshard.models.common._lm_loss_triton import launch
 
     g = torch.Generator().manual_seed(c * 7 + v)
     logits = (torch.randn(c, v, generator=g) * 4).to(device, dtype)
     targets = torch.randint(0, v, (c,), generator=g).to(device)
     targets[::3] = -100
-    loss, grad = ce_chunk_triton(logits, targets)
+    loss, grad = launch(logits, targets)
     want_loss, want_grad = ce_chunk(logits, targets)
     assert grad.dtype == dtype and grad.shape == (c, v)
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-4)
@@ -33,10 +34,8 @@ def check(device: str, dtype: torch.dtype, c: int, v: int) -> None:
     torch.testing.assert_close(grad.float(), want_grad.float(), rtol=max(tol, 1e-5), atol=max(tol, 1e-6))
     assert torch.all(grad[::3] == 0)  # ignored rows: no gradient
     strided = torch.randn(c, v + 5, generator=g).to(device, dtype)[:, :v]  # a view with a row stride of its own
-    torch.testing.assert_close(
-        ce_chunk_triton(strided, targets)[0], ce_chunk(strided, targets)[0], rtol=1e-5, atol=1e-4
-    )
-    empty = ce_chunk_triton(torch.zeros(0, v, dtype=dtype, device=device), targets[:0])
+    torch.testing.assert_close(launch(strided, targets)[0], ce_chunk(strided, targets)[0], rtol=1e-5, atol=1e-4)
+    empty = launch(torch.zeros(0, v, dtype=dtype, device=device), targets[:0])
     assert empty[0].item() == 0 and empty[1].shape == (0, v)
 
 
@@ -80,7 +79,11 @@ def test_parallelize_gives_the_head_the_kernel_with_the_triton_tier_on_cuda(monk
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,c,v", [*CASES, (torch.bfloat16, 256, 151936)])
 def test_matches_ce_chunk_on_cuda(dtype, c, v):
+    from moeshard.models.common._lm_loss_triton import ce_chunk_triton, launch
+
     check("cuda", dtype, c, v)
+    logits, targets = torch.randn(3, v, device="cuda").to(dtype), torch.tensor([1, -100, 2], device="cuda")
+    assert torch.equal(ce_chunk_triton(logits, targets)[1], launch(logits, targets)[1])  # CUDA tensors: the kernel
 
 
 if __name__ == "__main__":  # the interpreter run of test_matches_ce_chunk_in_the_interpreter

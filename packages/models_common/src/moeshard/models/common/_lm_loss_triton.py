@@ -8,13 +8,11 @@ program owns a row: the first pass keeps a
 running maximum and the sum of exponentials rescaled to it (online log-sum-exp), the second writes
 ``softmax - one_hot``. The logits are read twice and the gradient written once: at V = 151,936 and C = 4,096, 3.7
 GB instead of 5.0 per chunk. Statistics in float32, as :func:`ce_chunk`; ``-100`` targets contribute nothing.
-The kernel also runs under triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the CPU
-tests check it; :func:`ce_chunk_triton` otherwise computes CPU tensors with :func:`ce_chunk`.
+:func:`launch` also runs under triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the CPU
+tests check it; :func:`ce_chunk_triton` computes CPU tensors with :func:`ce_chunk`.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -61,9 +59,12 @@ def _ce_kernel(
 
 def ce_chunk_triton(logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`ce_chunk`'s result (summed cross-entropy, gradient w.r.t. the logits in their dtype) by one Triton
-    kernel on CUDA (or under triton's interpreter); CPU tensors otherwise go through :func:`ce_chunk`."""
-    if not logits_CV.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        return ce_chunk(logits_CV, targets_C)
+    kernel for CUDA tensors (:func:`launch`); CPU tensors go through :func:`ce_chunk`."""
+    return launch(logits_CV, targets_C) if logits_CV.is_cuda else ce_chunk(logits_CV, targets_C)
+
+
+def launch(logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on ``logits_CV`` wherever it is (CUDA, or CPU under triton's interpreter, as the tests run it)."""
     if logits_CV.dim() != 2 or targets_C.shape != logits_CV.shape[:1]:
         raise ValueError(
             f"logits must be [C, V] and targets [C], got {tuple(logits_CV.shape)} and {tuple(targets_C.shape)}"
