@@ -51,9 +51,6 @@ class DecoderLayer(nn.Module):
 
     ``self_attn(x_BSD, cos, sin, mask) -> y_BSD``; ``mlp(h_BSD)`` returns ``y_BSD`` (dense) or
     ``(y_BSD, router_logits_TE)`` (MoE). Every family builds its layers from its own attention and MLP modules.
-    ``forward`` hands the router's selection on with its logits (``(logits_TE, topk_ids_TK)``), so that what
-    counts the experts' load (balancing, metrics) uses the selection that routed the tokens instead of selecting
-    again.
     """
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, layer_idx: int) -> None:
@@ -88,7 +85,7 @@ class DecoderLayer(nn.Module):
         sin_BSDh: torch.Tensor,
         mask_B1SS: torch.Tensor | None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """``(x_BSD, (router_logits_TE, topk_ids_TK))``; None in place of the pair for a dense layer."""
+        """``(x_BSD, (router_logits_TE, topk_ids_TK) or None for a dense layer)``: the ids that routed the tokens."""
         x_BSD, h_BSD, routing = self.attention_half(x_BSD, cos_BSDh, sin_BSDh, mask_B1SS)
         out = self.mlp(h_BSD) if routing is None else self.mlp(h_BSD, routing)
         if isinstance(out, tuple):  # an MoE block: (y, router logits)
@@ -142,8 +139,7 @@ class DecoderModel(nn.Module):
         position_ids_BS: torch.Tensor | None = None,
         document_ids_BS: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """``(hidden_BSD after the final norm, router logits of every MoE layer, the top-k expert ids each MoE
-        layer's router selected)``."""
+        """``(hidden_BSD after the final norm, each MoE layer's router logits, each one's selected expert ids)``."""
         x_BSD = self.embed_tokens(input_ids_BS)
         s = input_ids_BS.shape[1]
         if position_ids_BS is None:
@@ -153,13 +149,12 @@ class DecoderModel(nn.Module):
             position_ids_BS = position_ids_BS[None]
         cos, sin = self.rotary_emb(position_ids_BS, x_BSD.dtype)
         mask = self._attention_mask(attention_mask_BS, document_ids_BS, s)
-        router_logits, router_ids = [], []
+        routed = []  # each MoE layer's (router logits, selected expert ids)
         for layer in self.layers:
-            x_BSD, routed = layer(x_BSD, cos, sin, mask)
-            if routed is not None:
-                router_logits.append(routed[0])
-                router_ids.append(routed[1])
-        return self.norm(x_BSD), tuple(router_logits), tuple(router_ids)
+            x_BSD, pair = layer(x_BSD, cos, sin, mask)
+            routed += [] if pair is None else [pair]
+        router_logits, router_ids = (tuple(t) for t in zip(*routed)) if routed else ((), ())
+        return self.norm(x_BSD), router_logits, router_ids
 
     def _attention_mask(
         self, attention_mask_BS: torch.Tensor | None, document_ids_BS: torch.Tensor | None, s: int
