@@ -36,6 +36,7 @@ from moeshard.models.common._layers import (
     DenseMLP,
     RMSNorm,
     RotaryEmbedding,
+    TokenEmbedding,
     build_attention_mask,
     document_block_mask,
     document_causal_mask,
@@ -108,7 +109,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.embed_tokens = TokenEmbedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(self.build_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)

@@ -44,10 +44,13 @@ class LMHead(nn.Linear):
     gather its weight in both cases; its parameter name stays ``lm_head.weight``.
 
     ``chunk_loss`` is the function of one chunk's loss and logit gradient (``ce_chunk``); setting it on
-    an instance (``parallelize`` sets a compiled version) changes that head only.
+    an instance (``parallelize`` sets a compiled version) changes that head only. ``grad_target`` (None, or the
+    head's ``moeshard.fsdp_moe.reduced_grad_target``, which ``parallelize`` sets) takes the weight's float32
+    gradient from the loss path (see :func:`linear_cross_entropy`).
     """
 
     chunk_loss = staticmethod(ce_chunk)
+    grad_target = None
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__(hidden_size, vocab_size, bias=False)
@@ -66,6 +69,7 @@ class LMHead(nn.Linear):
             targets_BS.reshape(-1),
             num_items_in_batch,
             chunk_loss=self.chunk_loss,
+            grad_target=self.grad_target,
         )
 
 

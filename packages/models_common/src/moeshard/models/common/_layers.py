@@ -1,5 +1,5 @@
-"""Dense building blocks every family shares: RMSNorm, RoPE (the config's scaling), the attention masks and the
-attention call under them, and the dense SwiGLU MLP.
+"""Dense building blocks every family shares: the token embedding, RMSNorm, RoPE (the config's scaling), the
+attention masks and the attention call under them, and the dense SwiGLU MLP.
 
 Each block computes exactly what transformers computes for Qwen3-MoE and DeepSeek-V3 (same dtype casts, same
 order), so a checkpoint gives the same numbers in both. Legend: B batch, S sequence, H query heads, G key/value
@@ -19,6 +19,7 @@ __all__ = [
     "DenseMLP",
     "RMSNorm",
     "RotaryEmbedding",
+    "TokenEmbedding",
     "apply_rotary",
     "attend",
     "build_attention_mask",
@@ -26,6 +27,48 @@ __all__ = [
     "document_causal_mask",
     "rms_norm",
 ]
+
+
+class _EmbeddingIntoTarget(torch.autograd.Function):
+    """``F.embedding``; backward adds the rows' float32 gradients into the weight's gradient target."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None, target) -> torch.Tensor:  # noqa: D102
+        ctx.save_for_backward(ids)
+        ctx.padding_idx, ctx.target = padding_idx, target
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        (ids,) = ctx.saved_tensors
+        ids_N = ids.reshape(-1)
+        rows_ND = grad.reshape(ids_N.shape[0], -1).to(ctx.target.dtype)
+        if ctx.padding_idx is not None:  # as the embedding's own backward: the padding row gets no gradient
+            rows_ND = torch.where((ids_N == ctx.padding_idx)[:, None], 0.0, rows_ND)
+        # Sort-based on CUDA: repeated tokens summed in a fixed order (deterministic), in float32.
+        ctx.target.zeros_if_none().index_put_((ids_N,), rows_ND, accumulate=True)
+        return None, None, None, None
+
+
+class TokenEmbedding(nn.Embedding):
+    """``nn.Embedding`` (same parameter, same numbers forward) whose weight gradient can go to a float32 target.
+
+    ``grad_target`` (None, or the embedding's ``moeshard.fsdp_moe.reduced_grad_target``, which ``parallelize``
+    sets) is asked in each forward with grad: where it answers a holder, backward adds the ``B·S`` rows' gradients
+    in float32 into it (FSDP2 reduces them as its own float32 gradient) instead of autograd's dense ``[V, D]``
+    gradient in the weight's dtype, which FSDP2 would then cast or add in float32 (two passes over ``[V, D]`` per
+    micro-batch).
+    """
+
+    grad_target = None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        target = None
+        if self.grad_target is not None and torch.is_grad_enabled() and self.weight.requires_grad:
+            target = self.grad_target(self.weight)
+        if target is None or self.max_norm is not None or self.scale_grad_by_freq or self.sparse:
+            return super().forward(input)
+        return _EmbeddingIntoTarget.apply(input, self.weight, self.padding_idx, target)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -16,6 +16,7 @@ can replace it (``parallelize`` does that on the model's head) without a global 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -61,7 +62,13 @@ def _accumulate_mm(acc_fp32: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fir
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(  # noqa: D102
-        ctx, h_ND: torch.Tensor, w_VD: torch.Tensor, targets_N: torch.Tensor, chunk: int, chunk_loss: ChunkLoss
+        ctx,
+        h_ND: torch.Tensor,
+        w_VD: torch.Tensor,
+        targets_N: torch.Tensor,
+        chunk: int,
+        chunk_loss: ChunkLoss,
+        grad_target: Callable[[torch.Tensor], Any] | None,
     ) -> torch.Tensor:
         N = h_ND.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -80,13 +87,29 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 torch.mm(g_CV, w_VD, out=grad_h_ND[start : start + chunk])
             if need_w:
                 _accumulate_mm(grad_w_VD, g_CV.t(), h_CD, first=start == 0)
-        ctx.save_for_backward(grad_h_ND, None if grad_w_VD is None else grad_w_VD.to(w_VD.dtype))
+        # Where the weight's owner takes its gradient in float32 (FSDP2's reduce dtype), the float32 sum is kept for
+        # backward and handed over there, scaled; otherwise it is rounded to the weight's dtype here.
+        target = grad_target(w_VD) if need_w and grad_target is not None else None
+        if target is not None and target.dtype != grad_w_VD.dtype:
+            target = None
+        ctx.target, ctx.grad_w_fp32 = target, grad_w_VD if target is not None else None
+        keep_w = None if grad_w_VD is None or target is not None else grad_w_VD.to(w_VD.dtype)
+        ctx.save_for_backward(grad_h_ND, keep_w)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):  # noqa: D102
         grad_h_ND, grad_w_VD = ctx.saved_tensors
-        return *_scaled(grad_h_ND, grad_w_VD, factor=grad_loss), None, None, None
+        if ctx.target is not None:
+            grad_w_fp32, ctx.grad_w_fp32 = ctx.grad_w_fp32, None
+            if grad_w_fp32 is None:
+                raise RuntimeError(
+                    "backward through the LM head's chunked loss ran twice: its weight gradient was handed to its "
+                    "owner the first time (run backward once per forward, or use a head without a gradient target)"
+                )
+            torch._foreach_mul_([grad_w_fp32], grad_loss.to(grad_w_fp32.dtype))
+            ctx.target.add_(grad_w_fp32)
+        return *_scaled(grad_h_ND, grad_w_VD, factor=grad_loss), None, None, None, None
 
 
 def _scaled(*grads: torch.Tensor | None, factor: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -114,6 +137,7 @@ def linear_cross_entropy(
     num_items_in_batch: int | torch.Tensor | None = None,
     chunk_size: int = 4096,
     chunk_loss: ChunkLoss = ce_chunk,
+    grad_target: Callable[[torch.Tensor], Any] | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``h @ w.T`` against ``targets`` (-100 ignored), chunked; never holds all logits.
 
@@ -125,13 +149,17 @@ def linear_cross_entropy(
         chunk_size: tokens per chunk (fp32 logits of one chunk: ``chunk_size × V × 4`` bytes).
         chunk_loss: ``(logits_CV, targets_C) -> (summed loss, d loss / d logits_CV)`` of one chunk; default
             :func:`ce_chunk` (a compiled version of it fuses its passes over the logits).
+        grad_target: ``target(w_VD) -> ReducedGrad | None`` (``moeshard.fsdp_moe.reduced_grad_target`` of the head's
+            FSDP unit): where it answers a float32 holder, the weight's float32 gradient sum is scaled in backward
+            and added there (FSDP2 reduces it as its own float32 gradient) and autograd gets none for ``w_VD``; it
+            is never rounded to the weight's dtype. None (or an answer of None): the gradient goes to autograd.
 
     Returns:
         The scalar loss in float32.
     """
     if h_ND.dim() != 2 or targets_N.shape != h_ND.shape[:1]:
         raise ValueError(f"h must be [N, D] and targets [N], got {tuple(h_ND.shape)} and {tuple(targets_N.shape)}")
-    total = _LinearCrossEntropySum.apply(h_ND, w_VD, targets_N.to(h_ND.device), chunk_size, chunk_loss)
+    total = _LinearCrossEntropySum.apply(h_ND, w_VD, targets_N.to(h_ND.device), chunk_size, chunk_loss, grad_target)
     if num_items_in_batch is None:
         return total / (targets_N != IGNORE_INDEX).sum().clamp_min(1).to(total.device)
     if torch.is_tensor(num_items_in_batch):

@@ -283,6 +283,7 @@ def parallelize(
         expert_reduce_dtype=getattr(torch, options.expert_reduce_dtype),
         expert_reshard_after_forward=expert_reshard,
     )
+    _hand_over_float32_grads(model)
     schedule = None
     if options.prefetch_depth > 0:
         schedule = build_schedule(units.stages, depth=options.prefetch_depth)
@@ -291,6 +292,20 @@ def parallelize(
             prefetch_forward_at_host_sync(schedule, ep_info.add_host_sync_hook)
     keeps_gathered = not reshard and (meshes.ep_fsdp_size == 1 or not expert_reshard)
     return Parallelized(units=units, schedule=schedule, ep_info=ep_info, options=options, keeps_gathered=keeps_gathered)
+
+
+def _hand_over_float32_grads(model: MoECausalLM) -> None:
+    """The embedding's and the head's weight gradients go to their FSDP units in float32 (the units'
+    ``reduced_grad_target``; inert where FSDP2 reduces in the compute dtype): the head's float32 sum is never
+    rounded to bfloat16, the embedding adds its rows instead of a dense ``[V, D]`` gradient, and FSDP2 casts or adds
+    neither (see ``moeshard.fsdp_moe.reduced_grad_target``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from moeshard.fsdp_moe import reduced_grad_target
+
+    for module in (model.model.embed_tokens, model.lm_head):
+        if isinstance(module, FSDPModule) and hasattr(module, "grad_target"):
+            module.grad_target = reduced_grad_target(module)
 
 
 def _compile(model: MoECausalLM, kernels: str) -> None:

@@ -1,0 +1,113 @@
+"""Gradients handed to FSDP2 in its reduce dtype by the module that computes them: :func:`reduced_grad_target`.
+
+With FSDP2's mixed precision (compute in bfloat16, ``reduce_dtype=float32``) autograd writes each backward's
+gradient of an unsharded parameter in bfloat16. FSDP2 then casts it to float32, or, between micro-batches that do
+not reduce (``set_requires_gradient_sync(False)``), adds it into the float32 gradient it holds for the parameter
+(one unvectorised mixed-dtype pass per parameter and micro-batch), and reduce-scatters the float32 sum. A module
+that can produce its weight's gradient in float32 itself hands it over here instead, as FSDP2's own held gradient:
+
+- the LM head accumulates its weight gradient in float32 inside its GEMMs (``moeshard.models.common``): it gives
+  that tensor, scaled, rather than a bfloat16 copy of it;
+- the embedding adds its few rows into the held gradient, where autograd would write a dense ``[V, D]`` bfloat16
+  gradient for FSDP2 to add.
+
+FSDP2 reduces the held gradient exactly as one it accumulated itself: the same reduce-scatter, divide factor and
+``.grad``, with one rounding less (the bfloat16 one) and two passes over ``[V, D]`` less per micro-batch.
+
+The held gradient is FSDP2's ``FSDPParam.unsharded_accumulated_grad``, a private attribute (torch 2.11-2.13 read
+it in the same way: held until the next reducing backward, then reduce-scattered and cleared). Everything here is
+inert where FSDP2 would not hold one: no reduce dtype, a reduce dtype equal to the compute dtype (float32 on CPU by
+default), a DTensor (tensor-parallel) unsharded parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+__all__ = ["ReducedGrad", "ReducedGradTarget", "reduced_grad_target"]
+
+
+class ReducedGrad:
+    """The gradient FSDP2 holds, in its reduce dtype, for one unsharded parameter until it reduces it.
+
+    Attributes:
+        dtype: the reduce dtype (float32).
+        shape: the unsharded parameter's shape.
+    """
+
+    def __init__(self, fsdp_param: Any) -> None:
+        self._param = fsdp_param
+        self.dtype: torch.dtype = fsdp_param.reduce_dtype
+        self.shape = fsdp_param._unsharded_param.shape
+
+    def held(self) -> torch.Tensor | None:
+        """The gradient held so far (this step's earlier backwards since the last reduce), or None."""
+        return self._param.unsharded_accumulated_grad
+
+    def add_(self, grad: torch.Tensor) -> None:
+        """Add ``grad`` (the reduce dtype and the parameter's shape) to the held gradient; where none is held,
+        ``grad`` becomes it, without a copy (the caller gives it up)."""
+        self._check(grad)
+        held = self.held()
+        if held is None:
+            self._param.unsharded_accumulated_grad = grad
+        else:
+            held.add_(grad)
+
+    def zeros_if_none(self) -> torch.Tensor:
+        """The held gradient, a new zero one first where none is held (for callers that add into parts of it)."""
+        held = self.held()
+        if held is None:
+            held = torch.zeros(self.shape, dtype=self.dtype, device=self._param._unsharded_param.device)
+            self._param.unsharded_accumulated_grad = held
+        return held
+
+    def _check(self, grad: torch.Tensor) -> None:
+        if grad.dtype != self.dtype or grad.shape != self.shape or not grad.is_contiguous():
+            raise ValueError(
+                f"a handed-over gradient must be a contiguous {self.dtype} tensor of shape {tuple(self.shape)} "
+                f"(the unsharded parameter's), got {grad.dtype} {tuple(grad.shape)}"
+            )
+
+
+ReducedGradTarget = Callable[[torch.Tensor], "ReducedGrad | None"]
+"""``target(weight) -> ReducedGrad | None``, asked with the tensor a module's forward received as its weight (the
+unsharded parameter): where to put that weight's gradient in the reduce dtype (the module's backward then returns
+no gradient for it), or None for a gradient returned to autograd as usual."""
+
+
+def reduced_grad_target(module: nn.Module) -> ReducedGradTarget:
+    """The :data:`ReducedGradTarget` of ``module``'s own FSDP2 parameters (``module`` is an ``FSDPModule``).
+
+    Answers None for a weight that is not one of the unit's unsharded parameters, or where FSDP2 would not hold a
+    gradient of another dtype (module docstring). A module holding one sets it as an attribute and asks it in each
+    forward (the answer depends on the weight it receives, so models without FSDP are unchanged).
+
+    Raises:
+        TypeError: ``module`` is not an FSDP unit (``fully_shard`` it first).
+    """
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"{type(module).__name__} is not an FSDP unit: fully_shard it before asking for its target")
+    state = module._get_fsdp_state()
+
+    def target(weight: torch.Tensor) -> ReducedGrad | None:
+        groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.13: one group per mesh of the unit
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                if getattr(fsdp_param, "_unsharded_param", None) is not weight:
+                    continue
+                reduce_dtype = fsdp_param.reduce_dtype
+                if reduce_dtype is None or reduce_dtype == weight.dtype or fsdp_param.is_dtensor:
+                    return None
+                return ReducedGrad(fsdp_param)
+        return None
+
+    return target

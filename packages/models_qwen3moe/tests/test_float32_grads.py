@@ -1,0 +1,93 @@
+"""The embedding's and the LM head's weight gradients handed to FSDP2 in float32 (``parallelize`` sets their
+``grad_target`` to ``moeshard.fsdp_moe.reduced_grad_target``), 4 gloo processes as 2 nodes x 2 (EP 2 x ep_fsdp 2),
+bfloat16 compute with float32 reduction, two micro-batches, FSDP2 reducing every micro-batch or only the last:
+
+- the two gradients are handed over in every backward (autograd never writes them in bfloat16);
+- they equal those of autograd's path (the same run with the targets removed) to one bfloat16 rounding, and every
+  other gradient and the losses are bit for bit the same;
+- with float32 compute (the CPU default) the targets answer None: nothing is handed over.
+"""
+
+import pytest
+import torch
+
+from moeshard.meshes.testing import run_distributed
+
+HANDED = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _variant(path, ids_BS, param_dtype: str, handed: bool, sync_every: bool):
+    from moeshard.meshes import build_meshes
+    from moeshard.models.common import ParallelOptions, load_hf_config, load_hf_weights, parallelize
+    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
+
+    meshes = build_meshes(ep_size=2, device_type="cpu")
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(load_hf_config(path, Qwen3MoeForCausalLM.hf_format))
+    par = parallelize(model, meshes, ParallelOptions(param_dtype=param_dtype))
+    model.to_empty(device="cpu")
+    load_hf_weights(model, path, ep_info=par.ep_info)
+    answers = {name: 0 for name in HANDED}
+    for name, module in zip(HANDED, (model.model.embed_tokens, model.lm_head)):
+        target = module.grad_target
+        assert target is not None, name
+
+        def counted(weight, target=target, name=name):
+            answer = target(weight)
+            answers[name] += answer is not None
+            return answer
+
+        module.grad_target = counted if handed else None
+    n = 4 * ids_BS.numel()  # the global token count: 4 ranks alike (FSDP averages over ranks)
+    losses = []
+    micro = ids_BS.chunk(2)
+    for m, ids in enumerate(micro):
+        model.set_requires_gradient_sync(sync_every or m == len(micro) - 1)
+        loss = model(ids, labels=ids, num_items_in_batch=n / 4, return_logits=False).lm_loss
+        loss.backward()
+        losses.append(loss.detach())
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    return torch.stack(losses), grads, answers
+
+
+def _rank(path, ids_RBS):
+    import torch.distributed as dist
+
+    ids = ids_RBS[dist.get_rank()]
+    runs = {
+        (handed, every): _variant(path, ids, "bfloat16", handed, every)
+        for handed in (True, False)
+        for every in (True, False)
+    }
+    runs["float32"] = _variant(path, ids, "float32", True, False)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(hf_dir):
+    ids_RBS = torch.randint(1, 512, (4, 4, 12), generator=torch.Generator().manual_seed(5))
+    ids_RBS[:, 0, :3] = 0  # the padding token: its embedding row gets no gradient
+    return run_distributed(_rank, 4, hf_dir, ids_RBS, ranks_per_node=2)[0]
+
+
+@pytest.mark.parametrize("every", [True, False], ids=["sync_every_micro_batch", "sync_last_micro_batch"])
+def test_handed_over_in_float32(runs, every):
+    losses, grads, answers = runs[(True, every)]
+    plain_losses, plain_grads, plain_answers = runs[(False, every)]
+    assert answers == {name: 2 for name in HANDED}  # both weights, both micro-batches
+    assert plain_answers == {name: 0 for name in HANDED}
+    assert torch.equal(losses, plain_losses)
+    assert grads.keys() == plain_grads.keys()
+    for name, grad in grads.items():
+        if name not in HANDED:
+            assert torch.equal(grad, plain_grads[name]), name
+            continue
+        assert grad.dtype == torch.float32
+        rel = float((grad - plain_grads[name]).abs().max() / plain_grads[name].abs().max())
+        assert rel < 2**-7, (name, rel)  # one bfloat16 rounding of each micro-batch's gradient, on autograd's path
+    assert torch.equal(grads["model.embed_tokens.weight"][0], torch.zeros_like(grads["model.embed_tokens.weight"][0]))
+
+
+def test_nothing_handed_over_in_float32_compute(runs):
+    _, _, answers = runs["float32"]
+    assert answers == {name: 0 for name in HANDED}
