@@ -23,10 +23,21 @@ from moeshard.ep.testing import interpreter_numpy_fix
 
 
 def check_kernel(device: str, dtype: torch.dtype) -> int:
-    """``grouped_weight_grad`` against float64, both modes; returns the number of cases checked."""
-    from moeshard.ep._wgrad_triton import CONFIGS, grouped_weight_grad
+    """``grouped_weight_grad`` against float64, both modes, both kernels (pointers; TMA where the device has it);
+    returns the number of cases checked."""
+    from moeshard.ep._wgrad_triton import CONFIGS, TMA_CONFIGS, _tma_capable, grouped_weight_grad
 
-    CONFIGS.setdefault("test", {"BLOCK_M": 16, "BLOCK_K": 16, "BLOCK_R": 16, "num_warps": 4, "num_stages": 2})
+    test = {"BLOCK_M": 16, "BLOCK_K": 16, "BLOCK_R": 16, "num_warps": 4, "num_stages": 2}
+    CONFIGS.setdefault("test", test)
+    TMA_CONFIGS.setdefault("test", test)
+    kernels = [False, True] if _tma_capable(torch.device(device)) else [False]
+    cases = 0
+    for tma in kernels:
+        cases += _check_kernel(device, dtype, grouped_weight_grad, tma)
+    return cases
+
+
+def _check_kernel(device, dtype, grouped_weight_grad, tma: bool) -> int:
     g = torch.Generator().manual_seed(0)
     cases = 0
     for counts, M, K in (([0, 37, 5, 20], 40, 24), ([16, 16, 0], 32, 16)):
@@ -38,15 +49,15 @@ def check_kernel(device: str, dtype: torch.dtype) -> int:
         old = torch.randn(len(counts), M, K, generator=g)
         dev = [t.to(device=device, dtype=dtype) for t in (a, b)]
         out = torch.full((len(counts), M, K), float("nan"), device=device, dtype=dtype)  # every element written
-        grouped_weight_grad(*dev, offs.to(device), out, accumulate=False, config="test")
+        grouped_weight_grad(*dev, offs.to(device), out, accumulate=False, config="test", tma=tma)
         acc = old.to(device=device, dtype=dtype)
         want_acc = acc.double().cpu() + 0.5 * ref
-        grouped_weight_grad(*dev, offs.to(device), acc, accumulate=True, alpha=0.5, config="test")
+        grouped_weight_grad(*dev, offs.to(device), acc, accumulate=True, alpha=0.5, config="test", tma=tma)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         for got, want in ((out, ref), (acc, want_acc)):
             got = got.double().cpu()
             assert not got.isnan().any()
-            assert (got - want).norm() / want.norm() < tol, ((got - want).norm() / want.norm()).item()
+            assert (got - want).norm() / want.norm() < tol, (tma, ((got - want).norm() / want.norm()).item())
         empty = counts.index(0)
         assert torch.equal(out[empty].cpu(), torch.zeros(M, K, dtype=dtype))
         assert torch.equal(acc[empty].cpu(), old[empty].to(dtype))  # an expert without rows keeps its gradient
@@ -55,6 +66,12 @@ def check_kernel(device: str, dtype: torch.dtype) -> int:
         grouped_weight_grad(
             torch.zeros(4, 3), torch.zeros(4, 2), torch.tensor([4]), torch.zeros(1, 2, 3), accumulate=True
         )
+    if tma:  # 12-byte rows: TMA cannot read them, and a forced TMA kernel says so
+        with pytest.raises(ValueError, match="TMA needs"):
+            rows = torch.zeros(4, 3, device=device, dtype=dtype)
+            grouped_weight_grad(
+                rows, rows, torch.tensor([4], device=device), torch.zeros(1, 3, 3), accumulate=True, tma=True
+            )
     return cases
 
 
@@ -63,14 +80,14 @@ def test_kernel_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}  # decided when triton is first imported: a fresh process
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "checked 2 cases" in run.stdout
+    assert "checked 4 cases" in run.stdout  # both kernels
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_on_cuda(dtype):
     pytest.importorskip("triton")
-    assert check_kernel("cuda", dtype) == 2
+    assert check_kernel("cuda", dtype) == 4
 
 
 def _weights(E, D, F, device, dtype, seed=0):
