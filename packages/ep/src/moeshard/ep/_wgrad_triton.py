@@ -52,6 +52,17 @@ FEW_ROWS = 384
 
 
 @triton.jit
+def _tile(offs_ptr, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's expert, its tile's first row and column of ``out[e]``, the expert's rows ``[start, end)``."""
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    end = tl.load(offs_ptr + e).to(tl.int32)
+    start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)).to(tl.int32), 0)
+    return e, (pid // tiles_k) * BLOCK_M, (pid % tiles_k) * BLOCK_K, start, end
+
+
+@triton.jit
 def _wgrad_kernel(
     a_ptr,
     b_ptr,
@@ -68,16 +79,10 @@ def _wgrad_kernel(
     ACCUMULATE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    e = tl.program_id(1)
-    tiles_k = tl.cdiv(K, BLOCK_K)
-    pm = pid // tiles_k
-    pk = pid % tiles_k
-    end = tl.load(offs_ptr + e).to(tl.int64)
-    start = tl.load(offs_ptr + tl.maximum(e - 1, 0)).to(tl.int64)
-    start = tl.where(e > 0, start, 0)
-    rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+    e, m0, k0, start, end = _tile(offs_ptr, K, BLOCK_M, BLOCK_K)
+    start, end = start.to(tl.int64), end.to(tl.int64)
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rk = k0 + tl.arange(0, BLOCK_K)
     mask_m = rm < M
     mask_k = rk < K
     acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
@@ -112,13 +117,7 @@ def _wgrad_kernel_tma(
     ACCUMULATE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    e = tl.program_id(1)
-    tiles_k = tl.cdiv(K, BLOCK_K)
-    m0 = (pid // tiles_k) * BLOCK_M
-    k0 = (pid % tiles_k) * BLOCK_K
-    end = tl.load(offs_ptr + e).to(tl.int32)
-    start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)).to(tl.int32), 0)
+    e, m0, k0, start, end = _tile(offs_ptr, K, BLOCK_M, BLOCK_K)
     n = end - start
     # The expert's rows as tensors of their own: TMA zero-fills rows >= n (an expert without rows: 1, never read).
     a_desc = tl.make_tensor_descriptor(
