@@ -6,9 +6,9 @@ not reduce (``set_requires_gradient_sync(False)``), adds it into the float32 gra
 (one unvectorised mixed-dtype pass per parameter and micro-batch), and reduce-scatters the float32 sum. A module
 that can produce its weight's gradient in float32 itself hands it over here instead, as FSDP2's own held gradient:
 
-- the LM head accumulates its weight gradient in float32 inside its GEMMs (``moeshard.models.common``): it gives
-  that tensor, scaled, rather than a bfloat16 copy of it;
-- the embedding adds its few rows into the held gradient, where autograd would write a dense ``[V, D]`` bfloat16
+- an LM head that accumulates its weight gradient in float32 inside its GEMMs gives that tensor, scaled, rather
+  than a bfloat16 copy of it;
+- an embedding adds its few rows into the held gradient, where autograd would write a dense ``[V, D]`` bfloat16
   gradient for FSDP2 to add.
 
 FSDP2 reduces the held gradient exactly as one it accumulated itself: the same reduce-scatter, divide factor and
