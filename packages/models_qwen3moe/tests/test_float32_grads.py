@@ -38,12 +38,12 @@ def _variant(path, ids_BS, param_dtype: str, handed: bool, sync_every: bool):
             return answer
 
         module.grad_target = counted if handed else None
-    n = 4 * ids_BS.numel()  # the global token count: 4 ranks alike (FSDP averages over ranks)
+    share = ids_BS.numel()  # this rank's share of the global mean: N_global / 4 (FSDP averages over the 4 ranks)
     losses = []
     micro = ids_BS.chunk(2)
     for m, ids in enumerate(micro):
         model.set_requires_gradient_sync(sync_every or m == len(micro) - 1)
-        loss = model(ids, labels=ids, num_items_in_batch=n / 4, return_logits=False).lm_loss
+        loss = model(ids, labels=ids, num_items_in_batch=share, return_logits=False).lm_loss
         loss.backward()
         losses.append(loss.detach())
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}

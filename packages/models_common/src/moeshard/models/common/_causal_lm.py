@@ -287,13 +287,11 @@ class MoECausalLM(nn.Module):
         """
         std = self.config.initializer_range
         for module in self.modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
-                if module.bias is not None:
+                if isinstance(module, nn.Linear) and module.bias is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
-                if module.padding_idx is not None:
+                if isinstance(module, nn.Embedding) and module.padding_idx is not None:
                     _zero_row(module.weight, module.padding_idx)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()

@@ -45,7 +45,7 @@ class _EmbeddingIntoTarget(torch.autograd.Function):
         rows_ND = grad.reshape(ids_N.shape[0], -1).to(ctx.target.dtype)
         if ctx.padding_idx is not None:  # as the embedding's own backward: the padding row gets no gradient
             rows_ND = torch.where((ids_N == ctx.padding_idx)[:, None], 0.0, rows_ND)
-        # Sort-based on CUDA: repeated tokens summed in a fixed order (deterministic), in float32.
+        # Repeated tokens summed in float32 (on CUDA by a sort of the ids, as the embedding's own backward).
         ctx.target.zeros_if_none().index_put_((ids_N,), rows_ND, accumulate=True)
         return None, None, None, None
 
@@ -55,7 +55,7 @@ class TokenEmbedding(nn.Embedding):
 
     ``grad_target`` (None, or the embedding's ``moeshard.fsdp_moe.reduced_grad_target``, which ``parallelize``
     sets) is asked in each forward with grad: where it answers a holder, backward adds the ``B·S`` rows' gradients
-    in float32 into it (FSDP2 reduces them as its own float32 gradient) instead of autograd's dense ``[V, D]``
+    in float32 into it (``index_put_`` with accumulation) (FSDP2 reduces them as its own float32 gradient) instead of autograd's dense ``[V, D]``
     gradient in the weight's dtype, which FSDP2 would then cast or add in float32 (two passes over ``[V, D]`` per
     micro-batch).
     """
