@@ -18,7 +18,10 @@ device, each figure is that code's own host cost; where the launch queue is full
 Environment: ``HOST_PHASES_SKIP`` steps left out first (default 4, bench's warm-up), ``HOST_PHASES_STEPS`` steps
 counted (default 6); ``HOST_PHASES_CPP_WRAPPER=1`` compiles with Inductor's C++ wrapper
 (``torch._inductor.config.cpp_wrapper``); ``HOST_PHASES_SKIP_GUARDS=N`` sets
-``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` from step N on.
+``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` from step N on; ``HOST_PHASES_SAMPLE=1`` also samples
+every thread's Python stack each 0.5 ms over the counted steps (``sys._current_frames``, the GIL's switch interval
+set to 0.5 ms) and prints, per thread, the functions by inclusive and by self share of the samples: a function's
+self share holds the C++ it calls (aten ops, launches), which torch runs with the GIL released.
 """
 
 from __future__ import annotations
@@ -30,11 +33,46 @@ import gc
 import os
 import runpy
 import sys
+import threading
 import time
 
 import torch
 
 _acc: dict[tuple[str, str], float] = collections.defaultdict(float)
+_sampling = {"on": False, "n": collections.Counter()}
+_incl: dict[tuple[str, str], int] = collections.defaultdict(int)
+_self: dict[tuple[str, str], int] = collections.defaultdict(int)
+
+
+def _where(frame) -> str:
+    code = frame.f_code
+    path = code.co_filename
+    short = "/".join(path.split("/")[-2:])
+    return f"{short}:{code.co_name}"
+
+
+def _sampler() -> None:
+    me = threading.get_ident()
+    names = {}
+    while True:
+        time.sleep(0.0005)
+        if not _sampling["on"]:
+            continue
+        for tid, frame in sys._current_frames().items():
+            if tid == me:
+                continue
+            if tid not in names:
+                names[tid] = "main" if tid == threading.main_thread().ident else f"thread {len(names)}"
+            thread = names[tid]
+            _sampling["n"][thread] += 1
+            _self[(thread, _where(frame))] += 1
+            seen = set()
+            while frame is not None:
+                w = _where(frame)
+                if w not in seen:
+                    seen.add(w)
+                    _incl[(thread, w)] += 1
+                frame = frame.f_back
 _gc = {"s": 0.0, "t0": 0.0}
 
 
@@ -97,7 +135,14 @@ def _install() -> list[tuple[float, dict]]:
     inner, steps = run.train_step, []
     skip_guards_from = os.environ.get("HOST_PHASES_SKIP_GUARDS")
 
+    sample = bool(os.environ.get("HOST_PHASES_SAMPLE"))
+    skip = int(os.environ.get("HOST_PHASES_SKIP", "4"))
+    if sample:
+        sys.setswitchinterval(0.0005)
+        threading.Thread(target=_sampler, daemon=True).start()
+
     def train_step(*args, **kwargs):
+        _sampling["on"] = sample and len(steps) >= skip
         if skip_guards_from is not None and len(steps) == int(skip_guards_from):
             torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
         before, gc0, t0 = dict(_acc), _gc["s"], time.perf_counter()
@@ -105,6 +150,7 @@ def _install() -> list[tuple[float, dict]]:
         spent = {k: v - before.get(k, 0.0) for k, v in _acc.items()}
         spent[("garbage collection", "any")] = _gc["s"] - gc0
         steps.append((time.perf_counter() - t0, spent))
+        _sampling["on"] = False
         return out
 
     run.train_step = train_step
@@ -123,6 +169,15 @@ def _report(steps: list[tuple[float, dict]]) -> None:
     print(f"host: train_step {1e3 * sum(t for t, _ in use) / len(use):.1f} ms per step over {len(use)} steps")
     for (label, phase), ms in sorted(per_step.items(), key=lambda kv: -kv[1]):
         print(f"host: {label:<34} {phase}  {ms:8.1f} ms per step")
+    top = int(os.environ.get("HOST_PHASES_TOP", "30"))
+    for thread, total in _sampling["n"].most_common():
+        if total < 50:
+            continue
+        for kind, table in (("inclusive", _incl), ("self", _self)):
+            rows = sorted(((c, w) for (t, w), c in table.items() if t == thread), reverse=True)[:top]
+            print(f"sampled {thread}, {total} samples, by {kind} share:")
+            for c, w in rows:
+                print(f"  {100 * c / total:5.1f}%  {w}")
 
 
 if __name__ == "__main__":

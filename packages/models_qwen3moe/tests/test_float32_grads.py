@@ -5,7 +5,9 @@ bfloat16 compute with float32 reduction, two micro-batches, FSDP2 reducing every
 - the two gradients are handed over in every backward (autograd never writes them in bfloat16);
 - they equal those of autograd's path (the same run with the targets removed) to one bfloat16 rounding, and every
   other gradient and the losses are bit for bit the same;
-- with float32 compute (the CPU default) the targets answer None: nothing is handed over.
+- with float32 compute (the CPU default) the targets answer None: nothing is handed over;
+- the loss's float32 divisor (``num_items_in_batch`` as a tensor, as the trainer passes it) reaches the model
+  unrounded: FSDP2's forward-input cast, which would round it to bfloat16, is off.
 """
 
 import pytest
@@ -47,7 +49,15 @@ def _variant(path, ids_BS, param_dtype: str, handed: bool, sync_every: bool):
         loss.backward()
         losses.append(loss.detach())
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-    return torch.stack(losses), grads, answers
+    asked = dict(answers)  # the training passes' answers (the head asks in its forward, which the checks below run)
+    with torch.no_grad():  # a divisor bfloat16 cannot hold: 48 * (1 + 2**-8) = 48.1875 rounds to 48.25
+        divisor = torch.tensor(share * (1 + 2**-8), dtype=torch.float32)
+        by_int, by_tensor = (
+            model(ids_BS, labels=ids_BS, num_items_in_batch=n, return_logits=False).lm_loss.float()
+            for n in (share, divisor)
+        )
+    divisor_ratio = float(by_int / by_tensor)  # (1 + 2**-8) when the divisor arrives unrounded
+    return torch.stack(losses), grads, asked, divisor_ratio
 
 
 def _rank(path, ids_RBS):
@@ -72,8 +82,8 @@ def runs(hf_dir):
 
 @pytest.mark.parametrize("every", [True, False], ids=["sync_every_micro_batch", "sync_last_micro_batch"])
 def test_handed_over_in_float32(runs, every):
-    losses, grads, answers = runs[(True, every)]
-    plain_losses, plain_grads, plain_answers = runs[(False, every)]
+    losses, grads, answers, _ = runs[(True, every)]
+    plain_losses, plain_grads, plain_answers, _ = runs[(False, every)]
     assert answers == {name: 2 for name in HANDED}  # both weights, both micro-batches
     assert plain_answers == {name: 0 for name in HANDED}
     assert torch.equal(losses, plain_losses)
@@ -89,5 +99,10 @@ def test_handed_over_in_float32(runs, every):
 
 
 def test_nothing_handed_over_in_float32_compute(runs):
-    _, _, answers = runs["float32"]
+    _, _, answers, _ = runs["float32"]
     assert answers == {name: 0 for name in HANDED}
+
+
+def test_loss_divisor_reaches_the_model_in_float32(runs):
+    _, _, _, ratio = runs[(True, False)]
+    assert abs(ratio - (1 + 2**-8)) < 1e-6, ratio  # rounded to bfloat16 (48.25) it is 0.13% off

@@ -124,10 +124,14 @@ def _mesh_name(module: FSDPModule) -> str:
 
 
 def default_mp_policy(device_type: str) -> MixedPrecisionPolicy:
-    """bf16 parameters with fp32 gradient reduction on GPU; plain fp32 elsewhere (CPU tests, reference runs)."""
+    """bf16 parameters with fp32 gradient reduction on GPU; plain fp32 elsewhere (CPU tests, reference runs).
+
+    Forward inputs are not cast (``cast_forward_inputs=False``): FSDP2's cast would round every floating-point
+    argument of the root's forward to bf16, the loss's float32 divisor (``num_items_in_batch``) among them (16,383
+    tokens become 16,384), and the models compute in their parameters' dtype from the embedding on anyway."""
     if device_type == "cuda":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    return MixedPrecisionPolicy(cast_forward_inputs=False)
 
 
 def get_sharding_info(model: nn.Module) -> ShardingInfo | None:

@@ -377,5 +377,8 @@ def _mp_policy(param_dtype: str, device_type: str) -> MixedPrecisionPolicy:
 
     if param_dtype == "auto":
         return default_mp_policy(device_type)
-    # An explicit dtype is the compute dtype; master weights and gradient reduction stay float32.
-    return MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32)
+    # An explicit dtype is the compute dtype; master weights and gradient reduction stay float32; inputs are not
+    # cast (the loss's float32 divisor would be rounded, see default_mp_policy).
+    return MixedPrecisionPolicy(
+        param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
