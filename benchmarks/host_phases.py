@@ -17,7 +17,8 @@ device, each figure is that code's own host cost; where the launch queue is full
 
 Environment: ``HOST_PHASES_SKIP`` steps left out first (default 4, bench's warm-up), ``HOST_PHASES_STEPS`` steps
 counted (default 6); ``HOST_PHASES_CPP_WRAPPER=1`` compiles with Inductor's C++ wrapper
-(``torch._inductor.config.cpp_wrapper``); ``HOST_PHASES_SKIP_GUARDS=N`` sets
+(``torch._inductor.config.cpp_wrapper``), ``HOST_PHASES_COMBO_KERNELS=1`` with Inductor's combo kernels (independent
+kernels of a graph fused horizontally into fewer launches); ``HOST_PHASES_SKIP_GUARDS=N`` sets
 ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` from step N on; ``HOST_PHASES_SAMPLE=1`` also samples
 every thread's Python stack each 0.5 ms over the counted steps (``sys._current_frames``, the GIL's switch interval
 set to 0.5 ms) and prints, per thread, the functions by inclusive and by self share of the samples: a function's
@@ -73,6 +74,8 @@ def _sampler() -> None:
                     seen.add(w)
                     _incl[(thread, w)] += 1
                 frame = frame.f_back
+
+
 _gc = {"s": 0.0, "t0": 0.0}
 
 
@@ -129,6 +132,10 @@ def _install() -> list[tuple[float, dict]]:
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp_wrapper = True
+    if os.environ.get("HOST_PHASES_COMBO_KERNELS"):
+        import torch._inductor.config as inductor_config
+
+        inductor_config.combo_kernels = True
 
     import moeshard.train.run as run
 

@@ -12,7 +12,6 @@ Host times are those of a profiled run (recording CPU ops slows the host), so re
 from __future__ import annotations
 
 import argparse
-import bisect
 import gzip
 import json
 import statistics

@@ -185,7 +185,10 @@ def test_plan_at_world_16(tiny_hf_config, monkeypatch, ep, which):
         (_, shard_kwargs), *more = shard_calls
         assert not more
         dtype = {"auto": None, "bfloat16": torch.bfloat16}[options.param_dtype]
-        expected_mp = MixedPrecisionPolicy() if dtype is None else MixedPrecisionPolicy(dtype, torch.float32)
+        # no input cast: it would round the loss's float32 divisor to the compute dtype
+        expected_mp = MixedPrecisionPolicy(
+            param_dtype=dtype, reduce_dtype=dtype and torch.float32, cast_forward_inputs=False
+        )
         assert shard_kwargs == {
             "ep_info": par.ep_info,  # what apply_ep returned, handed on: shard_model never applies EP itself
             "compile": options.compile,

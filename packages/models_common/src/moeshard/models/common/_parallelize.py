@@ -315,9 +315,9 @@ def _compile(model: MoECausalLM, kernels: str) -> None:
 
     Raises:
         ImportError: the ``"triton"`` tier on a machine with CUDA where triton cannot be imported."""
-    from moeshard.ep import compile_rows_dynamic
-
     import torch._inductor.config as inductor_config
+
+    from moeshard.ep import compile_rows_dynamic
 
     model.model.compiled_attention = True  # packed rows: flex_attention's fused kernel, compiled inside
     # Inductor's checks of each input's sizes, strides and alignment at every call, forward and backward: host time
