@@ -2,6 +2,7 @@
 
     source benchmarks/gpu_env.sh && python3 benchmarks/wgrad_tma.py
     TRITON_INTERPRET=1 python3 benchmarks/wgrad_tma.py --cpu-check   # logic only, tiny shapes, no GPU
+    python3 benchmarks/wgrad_tma.py --only shipped,tma_pers            # some variants only (label prefixes)
 
 ``out[e] += a[rows_e]^T @ b[rows_e]`` (bf16, float32 sums) with the row tiles of ``a`` and ``b`` read by TMA:
 
@@ -11,7 +12,11 @@
 - ``tma_dev``: descriptors made on the device per expert (``tl.make_tensor_descriptor`` at the expert's first row,
   shape = its row count), so the hardware zero-fills the tail and no iteration is masked.
 
-Each with the old gradient tile read and the sum written through a 3-d ``[E, M, K]`` descriptor (``tma`` out) or
+- ``tma_pers``: persistent, the shipped kernel's device descriptors (the output's too) in a loop over tiles by a
+  fixed number of programs per SM, with ``tl.range(..., flatten=True)`` (``flat``) or without: whether pipelining
+  the tile loop and the row loop as one hides the epilogue of the short row loops.
+
+Each of the first two with the old gradient tile read and the sum written through a 3-d ``[E, M, K]`` descriptor (``tma`` out) or
 through pointers (``ptr`` out), and with ``tl.range(..., warp_specialize=True)`` on the row loop (``ws``: Triton's
 docs give it for Blackwell only; on sm_90 the loop goes to Triton's Hopper pass, which may fail to compile it or
 leave it as it is: the table says which, from the compiled TTGIR).
@@ -62,6 +67,16 @@ SWEEP = (
     (128, 128, 32, 4, 4, True, True),
     (128, 128, 64, 4, 3, True, True),
 )
+# persistent: (BLOCK_M, BLOCK_K, BLOCK_R, num_warps, num_stages, programs per SM, flatten)
+PERS_SWEEP = (
+    (128, 128, 32, 4, 4, 1, True),
+    (128, 128, 32, 4, 4, 2, True),
+    (128, 128, 32, 4, 3, 2, True),
+    (128, 128, 64, 4, 3, 2, True),
+    (128, 256, 32, 8, 3, 1, True),
+    (128, 128, 32, 4, 4, 2, False),
+)
+CPU_PERS_SWEEP = ((32, 32, 16, 4, 2, 1, True), (32, 32, 16, 4, 2, 1, False))
 CPU_SWEEP = (
     (32, 32, 16, 4, 2, True, False),
     (32, 32, 16, 4, 2, False, False),
@@ -174,6 +189,53 @@ def _tma_dev(
     _add_into(acc, out_desc, out_ptr, e, m0, k0, M, K, BLOCK_M, BLOCK_K, TMA_OUT)
 
 
+@triton.jit
+def _tma_pers(
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    offs_ptr,
+    E,
+    M,
+    K,
+    stride_a,
+    stride_b,
+    PROGS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    FLATTEN: tl.constexpr,
+):
+    """Persistent: ``PROGS`` programs walk the tiles (expert-major, so a wave shares an expert's rows in L2); with
+    ``FLATTEN`` the row loop and the tile loop are pipelined as one, so the next tile's first loads overlap this
+    tile's epilogue (the short row loops at 256-512 rows per expert leave the epilogue exposed otherwise)."""
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    per_e = tl.cdiv(M, BLOCK_M) * tiles_k
+    for tile in tl.range(tl.program_id(0), per_e * E, PROGS, flatten=FLATTEN):
+        e = tile // per_e
+        t = tile % per_e
+        m0 = (t // tiles_k) * BLOCK_M
+        k0 = (t % tiles_k) * BLOCK_K
+        start, end = _expert_rows(offs_ptr, e)
+        n = end - start
+        a_desc = tl.make_tensor_descriptor(
+            a_ptr + start.to(tl.int64) * stride_a, shape=[tl.maximum(n, 1), M], strides=[stride_a, 1],
+            block_shape=[BLOCK_R, BLOCK_M],
+        )  # fmt: skip
+        b_desc = tl.make_tensor_descriptor(
+            b_ptr + start.to(tl.int64) * stride_b, shape=[tl.maximum(n, 1), K], strides=[stride_b, 1],
+            block_shape=[BLOCK_R, BLOCK_K],
+        )  # fmt: skip
+        o_desc = tl.make_tensor_descriptor(
+            out_ptr + e.to(tl.int64) * M * K, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
+        )
+        acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for r in range(0, n, BLOCK_R):
+            acc = tl.dot(tl.trans(a_desc.load([r, m0])), b_desc.load([r, k0]), acc)
+        acc += o_desc.load([m0, k0]).to(tl.float32)
+        o_desc.store([m0, k0], acc.to(o_desc.dtype))
+
+
 def _run_tma(variant, cfg, a, b, offs, out):
     """One launch of ``variant`` ("tma_host" / "tma_dev") adding into ``out``; returns the compiled kernel."""
     bm, bk, br, warps, stages, tma_out, ws = cfg
@@ -191,6 +253,17 @@ def _run_tma(variant, cfg, a, b, offs, out):
         b_desc = TensorDescriptor.from_tensor(b, [br, bk])
         return _tma_host[grid](a_desc, b_desc, out_desc, out, offs, M, K, **kw)
     return _tma_dev[grid](a, b, out_desc, out, offs, M, K, a.stride(0), b.stride(0), **kw)
+
+
+def _run_pers(cfg, a, b, offs, out):
+    bm, bk, br, warps, stages, per_sm, flatten = cfg
+    n_exp, M, K = out.shape
+    sms = torch.cuda.get_device_properties(out.device).multi_processor_count if out.is_cuda else 4
+    progs = sms * per_sm
+    return _tma_pers[(progs,)](
+        a, b, out, offs, n_exp, M, K, a.stride(0), b.stride(0), PROGS=progs, BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br,
+        FLATTEN=flatten, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
 
 
 def _label(variant, cfg):
@@ -211,9 +284,13 @@ def _ws_note(kernel) -> str:
     return "ws applied" if "ttg.warp_specialize" in ttgir else "ws not applied (no partitions in TTGIR)"
 
 
-def _variants(a, b, offs, sweep):
+def _variants(a, b, offs, sweep, pers_sweep=PERS_SWEEP):
     """Label -> ``fn(out)`` adding ``a[rows_e]^T @ b[rows_e]`` into ``out`` (returning a kernel or None)."""
     runs = {}
+    for cfg in pers_sweep:
+        bm, bk, br, warps, stages, per_sm, flatten = cfg
+        label = f"tma_pers {bm}x{bk}x{br} w{warps} s{stages} x{per_sm}{' flat' if flatten else ''}"
+        runs[label] = functools.partial(_run_pers, cfg, a, b, offs)
     for name in ("few_rows", "many_rows"):
         runs[f"shipped {name}"] = functools.partial(_shipped, a, b, offs, config=name)
     for variant in ("tma_host", "tma_dev"):
@@ -264,7 +341,7 @@ def cpu_check() -> None:
     old = torch.randn(len(counts), M, K)
     want = old.float() + _reference(a, b, offs)
     failed = []
-    for label, fn in _variants(a, b, offs, CPU_SWEEP).items():
+    for label, fn in _variants(a, b, offs, CPU_SWEEP, CPU_PERS_SWEEP).items():
         o = old.clone()
         fn(o)
         ok, err = _check(o, want)
@@ -327,7 +404,7 @@ def _bench(fn):
     return triton.testing.do_bench(fn, warmup=20, rep=80, return_mode="median")
 
 
-def _time_shape(tokens, wname, M, K, dev, best, failed) -> None:
+def _time_shape(tokens, wname, M, K, dev, best, failed, only=()) -> None:
     """Print one line per variant at one shape; keep the fastest correct tile of each variant in ``best``."""
     rows = tokens * TOPK // E
     N = tokens * TOPK
@@ -351,6 +428,8 @@ def _time_shape(tokens, wname, M, K, dev, best, failed) -> None:
     g = old.clone()
     row("grouped_mm + add", f"{_bench(lambda: g.add_(gmm())):7.3f}")
     for label, fn in _variants(a, b, offs, SWEEP).items():
+        if only and not label.startswith(only):
+            continue
         if label in failed:  # did not compile at an earlier shape: the same compile again would fail the same way
             row(label, failed[label])
             continue
@@ -380,6 +459,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu-check", action="store_true", help="check every variant on tiny shapes, interpreted")
     p.add_argument("--tokens", default="4096,8192", help="tokens per micro-batch (x8 / 128 = rows per expert)")
+    p.add_argument("--only", default="", help="comma-separated label prefixes of the variants to time (default all)")
     args = p.parse_args()
     if args.cpu_check:
         cpu_check()
@@ -395,7 +475,7 @@ def main() -> None:
     print(f"{'rows':>5} {'weight':>7} {'variant':<44} {'ms':>7} {'rel err':>8}")
     for tokens in map(int, args.tokens.split(",")):
         for wname, (M, K) in SHAPES.items():
-            _time_shape(tokens, wname, M, K, dev, best, failed)
+            _time_shape(tokens, wname, M, K, dev, best, failed, tuple(filter(None, args.only.split(","))))
     print(f"\nbest tile per variant\n{'rows':>5} {'weight':>7} {'variant':<12} {'ms':>7}  tile")
     for (rows, wname, fam), (label, ms) in best.items():
         print(f"{rows:>5} {wname:>7} {fam:<12} {ms:7.3f}  {label}")
