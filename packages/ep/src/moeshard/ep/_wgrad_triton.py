@@ -18,9 +18,8 @@ Runs under triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors too, whi
 On Hopper and later (``tma=None`` picks it for 16-bit CUDA tensors with 16-byte aligned rows) the rows are read by
 TMA through descriptors made on the device for each expert (its first row, its row count: the hardware zero-fills
 past the expert's last row, so no block is masked), and the old gradient tile is read and the sum written through a
-descriptor of ``out[e]``, also made on the device (no host descriptor to build and bind per launch): on one H200 at
-256 rows per expert 0.69 against 0.81 ms (gate/up) and 0.34 against 0.41 ms (down) per launch
-(``benchmarks/wgrad_tma.py``). Device descriptors need a scratch allocation per launch, which
+descriptor of ``out``: on one H200 at 256 rows per expert 0.69 against 0.81 ms (gate/up) and 0.34 against 0.41 ms
+(down) per launch (``benchmarks/wgrad_tma.py``). Device descriptors need a scratch allocation per launch, which
 triton asks of the allocator of the calling context: the launch runs in a copy of the caller's context with a torch
 allocator set, so the caller's own setting is neither needed nor changed.
 """
@@ -105,7 +104,7 @@ def _wgrad_kernel(
 def _wgrad_kernel_tma(
     a_ptr,
     b_ptr,
-    out_ptr,
+    out_desc,
     offs_ptr,
     M,
     K,
@@ -129,16 +128,13 @@ def _wgrad_kernel_tma(
         b_ptr + start.to(tl.int64) * stride_b, shape=[tl.maximum(n, 1), K], strides=[stride_b, 1],
         block_shape=[BLOCK_R, BLOCK_K],
     )  # fmt: skip
-    out_desc = tl.make_tensor_descriptor(
-        out_ptr + e.to(tl.int64) * M * K, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K]
-    )
     acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     for r in range(0, n, BLOCK_R):
         acc = tl.dot(tl.trans(a_desc.load([r, m0])), b_desc.load([r, k0]), acc, input_precision=PRECISION)
     acc = acc * alpha
     if ACCUMULATE:
-        acc += out_desc.load([m0, k0]).to(tl.float32)
-    out_desc.store([m0, k0], acc.to(out_desc.dtype))
+        acc += out_desc.load([e, m0, k0]).reshape(BLOCK_M, BLOCK_K).to(tl.float32)
+    out_desc.store([e, m0, k0], acc.to(out_desc.dtype).reshape(1, BLOCK_M, BLOCK_K))
 
 
 def _allocate_on(device: torch.device, size: int, alignment: int, stream) -> torch.Tensor:
@@ -160,14 +156,17 @@ def _tma_aligned(*tensors: torch.Tensor) -> bool:
 
 
 def _launch_tma(a_NM, b_NK, offs_E, out_EMK, accumulate: bool, alpha: float, cfg: dict, precision: str) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     E, M, K = out_EMK.shape
+    out_desc = TensorDescriptor.from_tensor(out_EMK, [1, cfg["BLOCK_M"], cfg["BLOCK_K"]])
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(K, cfg["BLOCK_K"]), E)
     # In the copied context this runs in (see the module docstring).
     triton.set_allocator(functools.partial(_allocate_on, a_NM.device))
     _wgrad_kernel_tma[grid](
         a_NM,
         b_NK,
-        out_EMK,
+        out_desc,
         offs_E,
         M,
         K,
