@@ -24,14 +24,10 @@ def load(path: str) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("trace")
-    p.add_argument("--top", type=int, default=20)
-    p.add_argument("--min-gap-ms", type=float, default=0.3)
-    args = p.parse_args()
-    ev = [e for e in load(args.trace) if e.get("ph") == "X"]
-    gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+def parts(ev: list[dict]) -> tuple[list[dict], dict, list[dict], dict]:
+    """Of a trace's complete events: the GPU events, the launch calls by correlation id, the compute stream's
+    kernels in time order (the stream with the most non-NCCL kernel time) and each host thread's top-level CPU ops."""
+    gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("dur", 0) > 0]
     launches = {
         e["args"]["correlation"]: e
         for e in ev
@@ -41,12 +37,10 @@ def main() -> None:
     for e in gpu:
         by_stream[(e["pid"], e["tid"])].append(e)
     compute = max(by_stream, key=lambda k: sum(x["dur"] for x in by_stream[k] if "nccl" not in x["name"].lower()))
-    comm = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu if "nccl" in e["name"].lower())
-    ks = sorted(by_stream[compute], key=lambda e: e["ts"])
-    cpu = [e for e in ev if e.get("cat") in ("cpu_op", "user_annotation")]
     by_thread = defaultdict(list)
-    for e in cpu:
-        by_thread[e["tid"]].append(e)
+    for e in ev:
+        if e.get("cat") in ("cpu_op", "user_annotation"):
+            by_thread[e["tid"]].append(e)
     top_level = {}
     for tid, ops in by_thread.items():
         ops.sort(key=lambda e: (e["ts"], -e["dur"]))
@@ -56,6 +50,18 @@ def main() -> None:
                 out.append(e)
                 end = e["ts"] + e["dur"]
         top_level[tid] = out
+    return gpu, launches, sorted(by_stream[compute], key=lambda e: e["ts"]), top_level
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("trace")
+    p.add_argument("--top", type=int, default=20)
+    p.add_argument("--min-gap-ms", type=float, default=0.3)
+    args = p.parse_args()
+    ev = [e for e in load(args.trace) if e.get("ph") == "X"]
+    gpu, launches, ks, top_level = parts(ev)
+    comm = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu if "nccl" in e["name"].lower())
 
     def comm_overlap(s: float, t: float) -> float:
         return sum(max(0.0, min(t, b) - max(s, a)) for a, b in comm if a < t and b > s)

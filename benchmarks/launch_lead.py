@@ -12,10 +12,10 @@ Host times are those of a profiled run (recording CPU ops slows the host), so re
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import statistics
 from collections import defaultdict
+
+from host_gaps import load, parts  # this script's folder is on the path when it runs
 
 
 def main() -> None:
@@ -24,36 +24,8 @@ def main() -> None:
     p.add_argument("--window-ms", type=float, default=10.0)
     p.add_argument("--ops", type=int, default=3, help="host ops named per window")
     args = p.parse_args()
-    opener = gzip.open if args.trace.endswith(".gz") else open
-    with opener(args.trace, "rt") as f:
-        data = json.load(f)
-    ev = [e for e in (data["traceEvents"] if isinstance(data, dict) else data) if e.get("ph") == "X"]
-    gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("dur", 0) > 0]
-    launches = {
-        e["args"]["correlation"]: e
-        for e in ev
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
-    }
-    by_stream = defaultdict(list)
-    for e in gpu:
-        by_stream[e["tid"]].append(e)
-    compute = max(by_stream, key=lambda k: sum(x["dur"] for x in by_stream[k] if "nccl" not in x["name"].lower()))
-    ks = sorted(by_stream[compute], key=lambda e: e["ts"])
+    _, launches, ks, top = parts([e for e in load(args.trace) if e.get("ph") == "X"])
     t0, t1 = ks[0]["ts"], ks[-1]["ts"] + ks[-1]["dur"]
-    # top-level CPU ops per thread
-    threads = defaultdict(list)
-    for e in ev:
-        if e.get("cat") in ("cpu_op", "user_annotation"):
-            threads[e["tid"]].append(e)
-    top = {}
-    for tid, ops in threads.items():
-        ops.sort(key=lambda e: (e["ts"], -e["dur"]))
-        out, end = [], float("-inf")
-        for e in ops:
-            if e["ts"] >= end:
-                out.append(e)
-                end = e["ts"] + e["dur"]
-        top[tid] = out
     w = args.window_ms * 1e3
     n = int((t1 - t0) // w) + 1
     busy, leads, count, host = [0.0] * n, [[] for _ in range(n)], [0] * n, [defaultdict(float) for _ in range(n)]
