@@ -17,7 +17,9 @@ benchmarks DeepSeek-V3.
 
 Steps run back to back, as a training loop runs them (no synchronisation between steps; the losses are read
 after the last one) and each step's time is the device's, from CUDA events recorded at consecutive step starts:
-the host prepares a step while the device still runs the previous one. ``--isolated-steps`` times every step
+the host prepares a step while the device still runs the previous one. Back to back it also reports the host's
+own time in ``train_step`` (median; without ``--check-finite``, whose read waits for the device): as long as the
+step, the host sets the pace; well under it, the device does. ``--isolated-steps`` times every step
 alone instead (synchronise and barrier before it, synchronise after it, host clock), so each step also pays
 the host's start-up latency before its first kernel.
 
@@ -85,23 +87,23 @@ def main(argv: list[str]) -> int:
     if args.data and args.preload:
         with real_batches(args, job, world, mb) as loader:
             data = [micro for _, micro in loader]  # the same rows, all made before the timed loop
-        times, syncs, step_stats = timed_steps(args, job, data, device, back_to_back, saves)
+        times, syncs, step_stats, host = timed_steps(args, job, data, device, back_to_back, saves)
     elif args.data:
         # Real rows through the training job's loader: prepared in a background thread while the steps run.
         with real_batches(args, job, world, mb) as loader:
-            times, syncs, step_stats = timed_steps(
+            times, syncs, step_stats, host = timed_steps(
                 args, job, (micro for _, micro in loader), device, back_to_back, saves
             )
     else:
         # Made before the timed loop (a training loop's data loader prepares them in the background).
         data = [batches() for _ in range(args.steps)]
-        times, syncs, step_stats = timed_steps(args, job, data, device, back_to_back, saves)
+        times, syncs, step_stats, host = timed_steps(args, job, data, device, back_to_back, saves)
     if saves is not None:
         saves.finish()
     losses = [stats.read().loss for stats in step_stats]  # read after the timed steps
     if (args.profile or args.trace) and device.type == "cuda":
         profile_step(args, job, batches)
-    result = _result(args, job, device, world, mb, back_to_back, times, syncs, losses)
+    result = _result(args, job, device, world, mb, back_to_back, times, syncs, losses, host)
     if saves is not None:
         result.update(save_cost(args, times, saves))
     if dist.get_rank() == 0:
@@ -241,6 +243,7 @@ def _result(
     times: list[float],
     syncs: list[int],
     losses: list[float],
+    host: list[float],
 ) -> dict:
     """The figures ``--out`` holds (benchmarks/table.sh and benchmarks/compare.sh read these keys)."""
     step_s = statistics.median(times)
@@ -283,6 +286,8 @@ def _result(
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None,
         "syncs_per_step": statistics.median(syncs) if syncs else None,
+        # train_step's own host time (back to back: nothing in it waits for the device; ~ the step: host-paced)
+        "host_time_s_median": statistics.median(host) if host and back_to_back and not args.check_finite else None,
         "moe_layers": layers,
         "losses": losses,
         "torch": torch.__version__,
@@ -300,6 +305,7 @@ def _report(result: dict, out: str | None, isolated: bool) -> None:
         f"(min {1000 * min(times):.1f}, max {1000 * max(times):.1f}) | {r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU | "
         f"MFU {100 * r['mfu']:.1f}% | peak alloc {r['peak_allocated_gib'] or 0:.1f} GiB "
         f"reserved {r['peak_reserved_gib'] or 0:.1f} GiB | syncs/step {r['syncs_per_step']}"
+        + (f" | host {1000 * r['host_time_s_median']:.1f} ms" if r.get("host_time_s_median") is not None else "")
     )
     if "save_cost_s_median" in r:
         cost = r["save_cost_s_median"]

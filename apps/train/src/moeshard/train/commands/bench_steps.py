@@ -190,9 +190,10 @@ def timed_steps(
     device: torch.device,
     back_to_back: bool,
     saves: Saves | None = None,
-) -> tuple[list[float], list[int], list[StepStats]]:
-    """Run the ``--steps`` steps; return the times and device→host sync counts of the steps after warm-up and
-    every step's ``StepStats`` (not yet read).
+) -> tuple[list[float], list[int], list[StepStats], list[float]]:
+    """Run the ``--steps`` steps; return the times, device→host sync counts and host times of ``train_step`` (the
+    host's own work where nothing waits for the device: a host time as long as the step means the host sets its
+    pace) of the steps after warm-up, and every step's ``StepStats`` (not yet read).
 
     Back to back: CUDA events at consecutive step starts, one synchronisation after the last step. Otherwise
     (``--isolated-steps``, or on CPU): synchronise and barrier before each step, synchronise after it, host clock.
@@ -206,7 +207,7 @@ def timed_steps(
         if saves is not None:
             saves.before_update(stats)
 
-    times, syncs, step_stats, marks = [], [], [], []
+    times, syncs, step_stats, marks, host = [], [], [], [], []
     if back_to_back:
         torch.cuda.synchronize()
         dist.barrier()
@@ -229,6 +230,7 @@ def timed_steps(
                 marks.append(_mark())
             t0 = time.perf_counter()
             stats = train_step(job, micro, before_update=before_update)
+            host.append(time.perf_counter() - t0)
             if count:
                 torch.cuda.set_sync_debug_mode("default")
             if saves is not None:
@@ -247,7 +249,7 @@ def timed_steps(
         marks.append(_mark())
         torch.cuda.synchronize()
         times = [a.elapsed_time(b) / 1000 for a, b in zip(marks, marks[1:])]
-    return times[args.warmup :], syncs, step_stats
+    return times[args.warmup :], syncs, step_stats, host[args.warmup :]
 
 
 def _print_sync_sites(found: list[list[str]]) -> None:
