@@ -67,6 +67,11 @@ def main() -> None:
     w1g, w2g = w1.clone().requires_grad_(), w2.clone().requires_grad_()
     xg = xs.clone().requires_grad_()
 
+    # FSDP2's reduce-scatter input for one attention unit at world 1: its float32 gradients, one chunk
+    shapes = [(4096, D), (512, D), (512, D), (D, 4096), (128,), (128,), (D,), (D,), (E, D)]
+    unit_grads = [torch.randn(s, device=dev) for s in shapes]
+    rs_input = torch.empty(sum(g.numel() for g in unit_grads), device=dev)
+
     def mlp_fwd_bwd():
         out = grouped_expert_mlp(xg, counts, w1g, w2g, kernels="triton")
         out.backward(y)
@@ -91,6 +96,9 @@ def main() -> None:
             h, xs, offs, gw1, accumulate=True, tma=False
         ),
         "expert MLP forward + backward (autograd)": mlp_fwd_bwd,
+        "torch._chunk_cat, one attention unit's 9 float32 gradients": lambda: torch._chunk_cat(
+            unit_grads, dim=0, num_chunks=1, out=rs_input.view(1, -1)
+        ),
     }
     print(f"host us per call, {T} tokens x top-{K}, {E} experts, D {D}, F {Fd}, {args.calls} calls each")
     for name, fn in pieces.items():

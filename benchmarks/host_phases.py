@@ -2,7 +2,7 @@
 
 A torchrun target that runs ``moeshard.train``'s CLI (``bench`` or ``train``) with a few functions of the step wrapped
 in ``time.perf_counter`` pairs: the decoder layer, the MoE block, its router, the EP dispatcher and its expert pass,
-the autograd Functions' backwards (the combine's backward is where a checkpointed layer's recompute runs) and
+FSDP2's pre-forward and post-backward of each unit and its root's end of backward, the autograd Functions' backwards (the combine's backward is where a checkpointed layer's recompute runs) and
 ``torch.autograd.backward``. Each call counts in the phase it ran in: ``fwd``, or ``bwd`` inside the autograd engine
 (backward, and full checkpointing's recompute). Python's garbage collector is timed too (``gc.callbacks``).
 
@@ -127,6 +127,11 @@ def _install() -> list[tuple[float, dict]]:
     _wrap(_permute._Combine, "backward", "combine backward (+ recompute)", static=True)
     _wrap(_permute._ExpandRows, "backward", "row expansion backward", static=True)
     _wrap(torch.autograd, "backward", "autograd.backward")
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group, _fsdp_state
+
+    _wrap(_fsdp_param_group.FSDPParamGroup, "pre_forward", "FSDP2 pre-forward (a unit)")
+    _wrap(_fsdp_param_group.FSDPParamGroup, "post_backward", "FSDP2 post-backward (a unit)")
+    _wrap(_fsdp_state.FSDPState, "_root_post_backward_final_callback", "FSDP2 root's end of backward")
     gc.callbacks.append(_on_gc)
     if os.environ.get("HOST_PHASES_CPP_WRAPPER"):
         import torch._inductor.config as inductor_config
