@@ -315,17 +315,12 @@ def _compile(model: MoECausalLM, kernels: str) -> None:
 
     Raises:
         ImportError: the ``"triton"`` tier on a machine with CUDA where triton cannot be imported."""
-    import torch._inductor.config as inductor_config
-
     from moeshard.ep import compile_rows_dynamic
 
     model.model.compiled_attention = True  # packed rows: flex_attention's fused kernel, compiled inside
-    # Inductor's checks of each input's sizes, strides and alignment at every call, forward and backward: host time
-    # at every layer call, and redundant where Dynamo's guards already check the same on entry.
-    options = {k: False for k in ("size_asserts", "alignment_asserts") if hasattr(inductor_config, k)}
     for layer in model.model.layers:
         # At the call site, from outside (the bound method, compiled): every layer shares one graph.
-        layer.attention_half = torch.compile(layer.attention_half, options=options)
+        layer.attention_half = torch.compile(layer.attention_half)
     # The row count varies (the last chunk), the vocabulary width never does.
     if kernels == "triton" and torch.cuda.is_available():
         try:
