@@ -55,9 +55,9 @@ class TokenEmbedding(nn.Embedding):
 
     ``grad_target`` (None, or the embedding's ``moeshard.fsdp_moe.reduced_grad_target``, which ``parallelize``
     sets) is asked in each forward with grad: where it answers a holder, backward adds the ``B·S`` rows' gradients
-    in float32 into it (``index_put_`` with accumulation) (FSDP2 reduces them as its own float32 gradient) instead of autograd's dense ``[V, D]``
-    gradient in the weight's dtype, which FSDP2 would then cast or add in float32 (two passes over ``[V, D]`` per
-    micro-batch).
+    into it in float32 (``index_put_`` with accumulation; FSDP2 reduces them as its own float32 gradient) instead
+    of autograd's dense ``[V, D]`` gradient in the weight's dtype, which FSDP2 would then cast or add in float32
+    (two passes over ``[V, D]`` per micro-batch).
     """
 
     grad_target = None
