@@ -2,9 +2,10 @@
 
 A torchrun target that runs ``moeshard.train``'s CLI (``bench`` or ``train``) with a few functions of the step wrapped
 in ``time.perf_counter`` pairs: the decoder layer, the MoE block, its router, the EP dispatcher and its expert pass,
-FSDP2's pre-forward and post-backward of each unit and its root's end of backward, the autograd Functions' backwards (the combine's backward is where a checkpointed layer's recompute runs) and
-``torch.autograd.backward``. Each call counts in the phase it ran in: ``fwd``, or ``bwd`` inside the autograd engine
-(backward, and full checkpointing's recompute). Python's garbage collector is timed too (``gc.callbacks``).
+FSDP2's pre-forward and post-backward of each unit and its root's end of backward, the autograd Functions'
+backwards (the combine's backward is where a checkpointed layer's recompute runs) and ``torch.autograd.backward``.
+Each call counts in the phase it ran in: ``fwd``, or ``bwd`` inside the autograd engine (backward, and full
+checkpointing's recompute). Python's garbage collector is timed too (``gc.callbacks``).
 
 At exit it prints, over the steps after the warm-up, the host milliseconds per step of ``train_step`` and of each
 function and phase (inclusive: the dispatcher's time holds its expert pass's). Where the host is ahead of the
@@ -133,14 +134,10 @@ def _install() -> list[tuple[float, dict]]:
     _wrap(_fsdp_param_group.FSDPParamGroup, "post_backward", "FSDP2 post-backward (a unit)")
     _wrap(_fsdp_state.FSDPState, "_root_post_backward_final_callback", "FSDP2 root's end of backward")
     gc.callbacks.append(_on_gc)
-    if os.environ.get("HOST_PHASES_CPP_WRAPPER"):
-        import torch._inductor.config as inductor_config
+    import torch._inductor.config as inductor_config
 
-        inductor_config.cpp_wrapper = True
-    if os.environ.get("HOST_PHASES_COMBO_KERNELS"):
-        import torch._inductor.config as inductor_config
-
-        inductor_config.combo_kernels = True
+    inductor_config.cpp_wrapper = bool(os.environ.get("HOST_PHASES_CPP_WRAPPER")) or inductor_config.cpp_wrapper
+    inductor_config.combo_kernels = bool(os.environ.get("HOST_PHASES_COMBO_KERNELS")) or inductor_config.combo_kernels
 
     import moeshard.train.run as run
 
