@@ -20,10 +20,12 @@ Environment: ``HOST_PHASES_SKIP`` steps left out first (default 4, bench's warm-
 counted (default 6); ``HOST_PHASES_CPP_WRAPPER=1`` compiles with Inductor's C++ wrapper
 (``torch._inductor.config.cpp_wrapper``), ``HOST_PHASES_COMBO_KERNELS=1`` with Inductor's combo kernels (independent
 kernels of a graph fused horizontally into fewer launches); ``HOST_PHASES_SKIP_GUARDS=N`` sets
-``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` from step N on; ``HOST_PHASES_SAMPLE=1`` also samples
-every thread's Python stack each 0.5 ms over the counted steps (``sys._current_frames``, the GIL's switch interval
-set to 0.5 ms) and prints, per thread, the functions by inclusive and by self share of the samples: a function's
-self share holds the C++ it calls (aten ops, launches), which torch runs with the GIL released.
+``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` from step N on; ``HOST_PHASES_CUDAGRAPHS=1`` compiles
+the attention halves as CUDA graphs (``benchmarks/cudagraph_probe.py``, with its ``CG_*`` variables);
+``HOST_PHASES_SAMPLE=1`` also samples every thread's Python stack each 0.5 ms over the counted steps
+(``sys._current_frames``, the GIL's switch interval set to 0.5 ms) and prints, per thread, the functions by inclusive
+and by self share of the samples: a function's self share holds the C++ it calls (aten ops, launches), which torch
+runs with the GIL released.
 """
 
 from __future__ import annotations
@@ -138,6 +140,11 @@ def _install() -> list[tuple[float, dict]]:
 
     inductor_config.cpp_wrapper = bool(os.environ.get("HOST_PHASES_CPP_WRAPPER")) or inductor_config.cpp_wrapper
     inductor_config.combo_kernels = bool(os.environ.get("HOST_PHASES_COMBO_KERNELS")) or inductor_config.combo_kernels
+
+    if os.environ.get("HOST_PHASES_CUDAGRAPHS"):  # benchmarks/cudagraph_probe.py's change, this script's directory
+        import cudagraph_probe
+
+        cudagraph_probe._install()
 
     import moeshard.train.run as run
 
