@@ -1,6 +1,10 @@
 """Where a profiled step's GPU time goes, from a Chrome trace (``moeshard-train bench --trace step.json.gz``).
 
-    python3 benchmarks/trace_summary.py step.json.gz [--top 40]
+    python3 benchmarks/trace_summary.py step.json.gz [--top 40] [--skip-ms 300]
+
+``--skip-ms`` leaves out the kernels that start in the trace's first milliseconds: with ``bench --trace-steps N``
+(N steps back to back), about one step's length leaves out the first step, which starts from an empty launch queue,
+and the figures are then those of the N - 1 steady steps together.
 
 Prints: the step's GPU span; per stream, the busy time (union of its kernels); the compute stream's idle time
 split into "waiting while a collective runs" (exposed communication) and "nothing runs at all" (launch gaps,
@@ -91,6 +95,7 @@ def main() -> None:
     p.add_argument("trace")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--window-ms", type=float, default=10.0, help="the compute stream's idle time per window")
+    p.add_argument("--skip-ms", type=float, default=0.0, help="leave out the kernels that start this early")
     args = p.parse_args()
     opener = gzip.open if args.trace.endswith(".gz") else open
     with opener(args.trace, "rt") as f:
@@ -100,8 +105,13 @@ def main() -> None:
         for e in events
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("dur", 0) > 0
     ]
+    if kernels and args.skip_ms > 0:
+        start = min(k["ts"] for k in kernels) + 1e3 * args.skip_ms
+        kernels = [k for k in kernels if k["ts"] >= start]
     if not kernels:
-        raise SystemExit("no GPU kernels in the trace")
+        raise SystemExit(
+            "no GPU kernels in the trace" + (f" after its first {args.skip_ms} ms" if args.skip_ms else "")
+        )
     by_stream: dict[object, list[dict]] = defaultdict(list)
     for k in kernels:
         by_stream[(k.get("pid"), k.get("tid"))].append(k)

@@ -69,6 +69,16 @@ def test_help_lists_every_command_and_an_unknown_one_is_named(capsys):
     assert "did you mean plan?" in _error(capsys, ["plna"], code=2)
 
 
+def test_bench_profiles_steps_back_to_back_and_refuses_none(capsys):
+    from moeshard.train.commands.bench import _parse_args
+
+    assert _parse_args([])[0].trace_steps == 1
+    assert _parse_args(["--trace-steps", "3"])[0].trace_steps == 3
+    with pytest.raises(SystemExit):
+        _parse_args(["--trace-steps", "0"])
+    assert "--trace-steps must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_config_show_explains_every_key(capsys, tmp_path):
     rows = describe_keys(JobConfig())
     assert [key for key, _, _, meaning in rows if not meaning] == []  # every key has its one line

@@ -206,12 +206,22 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--profile", default=None, help="write the torch.profiler kernel table of one step here")
     p.add_argument("--trace", default=None, help="write rank 0's Chrome trace of the profiled step here (.json.gz)")
     p.add_argument(
+        "--trace-steps",
+        type=int,
+        default=1,
+        metavar="N",
+        help="profile N steps back to back (default 1); the first starts from an empty launch queue, the later ones "
+        "show the steady state (benchmarks/trace_summary.py --skip-ms leaves the first out)",
+    )
+    p.add_argument(
         "--trace-gpu-only",
         action="store_true",
         help="profile GPU activity only: no host-side op records, so the host runs at nearly its unprofiled speed "
         "and host-bound stretches show as they are",
     )
     args, rest = p.parse_known_args(argv)
+    if args.trace_steps < 1:
+        p.error(f"--trace-steps must be at least 1, got {args.trace_steps}")
     overrides = []
     for item in rest:
         flag = item.split("=", 1)[0]

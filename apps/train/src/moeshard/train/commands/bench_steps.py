@@ -262,14 +262,21 @@ def _print_sync_sites(found: list[list[str]]) -> None:
 
 
 def profile_step(args: argparse.Namespace, job: Job, batches: Callable[[], list[Batch]]) -> None:
-    """Profile one more step (CUDA only); rank 0 writes ``--trace`` and ``--profile`` and prints the kernel table."""
+    """Profile ``--trace-steps`` more steps (CUDA only), back to back as the timed ones (one synchronisation, after
+    the last); rank 0 writes ``--trace`` and ``--profile`` and prints the kernel table.
+
+    The first profiled step starts from an empty launch queue (the timed loop synchronised at its end): its first
+    forward has none of the lead that the previous step's optimizer gives a back-to-back step, so where the host is
+    near the device's pace, the steps after it are the ones that show the steady state."""
     from torch.profiler import ProfilerActivity, profile
 
     from moeshard.train.run import train_step
 
     activities = [ProfilerActivity.CUDA] if args.trace_gpu_only else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    micro = [batches() for _ in range(args.trace_steps)]  # made first, as the timed loop's
     with profile(activities=activities) as prof:
-        train_step(job, batches())
+        for m in micro:
+            train_step(job, m)
         torch.cuda.synchronize()
     if dist.get_rank() == 0 and args.trace:
         prof.export_chrome_trace(args.trace)
