@@ -26,12 +26,4 @@ if [ -n "${HOST_PHASES:-}" ]; then
   timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/host_phases.py bench $F \
     --train.micro_batch_size=1 --steps 10 --warmup 4 2>&1 | grep "^host:" | head -40
 fi
-python3 - "$OUT" <<'PY'
-import json, pathlib, sys
-print(f"{'run':<16}{'tokens/s/GPU':>13}{'step ms':>9}{'host ms':>9}{'alloc':>7}{'reserved':>9}  losses")
-for f in sorted(pathlib.Path(sys.argv[1]).glob("*mb*.json")):
-    d = json.loads(f.read_text())
-    print(f"{f.stem:<16}{d['tokens_per_s_per_gpu']:>13,.0f}{1000 * d['step_time_s_median']:>9.1f}"
-          f"{1000 * (d.get('host_time_s_median') or 0):>9.1f}{d.get('peak_allocated_gib') or 0:>7.1f}"
-          f"{d.get('peak_reserved_gib') or 0:>9.1f}  {[round(x, 4) for x in d.get('losses', [])[:6]]}")
-PY
+python3 "$(dirname "${BASH_SOURCE[0]}")/bench_table.py" "$OUT"

@@ -23,12 +23,4 @@ bench() {  # bench NAME TREE REGIME
 }
 for r in ${OLD_RUNS:-}; do bench "old_$r" "$OLD" "$r"; done
 for r in ${RUNS:-mb4 mb1}; do bench "new_$r" "$PWD" "$r"; done
-python3 - "$OUT" <<'PY'
-import json, pathlib, sys
-print(f"{'run':<22}{'tokens/s/GPU':>13}{'step ms':>9}{'alloc':>7}{'reserved':>9}  losses")
-for f in sorted(pathlib.Path(sys.argv[1]).glob("*mb*.json")):
-    d = json.loads(f.read_text())
-    print(f"{f.stem:<22}{d['tokens_per_s_per_gpu']:>13,.0f}{1000 * d['step_time_s_median']:>9.1f}"
-          f"{d.get('peak_allocated_gib') or 0:>7.1f}{d.get('peak_reserved_gib') or 0:>9.1f}"
-          f"  {[round(x, 4) for x in d.get('losses', [])[:5]]}")
-PY
+python3 "$(dirname "${BASH_SOURCE[0]}")/bench_table.py" "$OUT"
