@@ -203,8 +203,8 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--checkpoint-dir", default="bench_checkpoints", help="where --checkpoint-every saves (removed at the end)"
     )
     p.add_argument("--out", default=None)
-    p.add_argument("--profile", default=None, help="write the torch.profiler kernel table of one step here")
-    p.add_argument("--trace", default=None, help="write rank 0's Chrome trace of the profiled step here (.json.gz)")
+    p.add_argument("--profile", default=None, help="write the torch.profiler kernel table of the profiled steps here")
+    p.add_argument("--trace", default=None, help="write rank 0's Chrome trace of the profiled steps here (.json.gz)")
     p.add_argument(
         "--trace-steps",
         type=int,
