@@ -12,6 +12,8 @@
 - ``tma_dev``: descriptors made on the device per expert (``tl.make_tensor_descriptor`` at the expert's first row,
   shape = its row count), so the hardware zero-fills the tail and no iteration is masked.
 
+- ``tma_early``: ``tma_dev`` with the old gradient tile read before the row loop (by pointers, used after it, or as
+  the accumulator's first value), so that its latency overlaps the loop's GEMMs rather than follow them;
 - ``tma_pers``: persistent, the shipped kernel's device descriptors (the output's too) in a loop over tiles by a
   fixed number of programs per SM, with ``tl.range(..., flatten=True)`` (``flat``) or without: whether pipelining
   the tile loop and the row loop as one hides the epilogue of the short row loops.
@@ -77,6 +79,18 @@ PERS_SWEEP = (
     (128, 128, 32, 4, 4, 2, False),
 )
 CPU_PERS_SWEEP = ((32, 32, 16, 4, 2, 1, True), (32, 32, 16, 4, 2, 1, False))
+# the old gradient tile read before the row loop: (BLOCK_M, BLOCK_K, BLOCK_R, num_warps, num_stages, how)
+EARLY_SWEEP = (
+    (128, 128, 32, 4, 4, "ptr"),
+    (128, 128, 32, 4, 3, "ptr"),
+    (128, 128, 64, 4, 3, "ptr"),
+    (128, 128, 32, 8, 4, "ptr"),
+    (128, 128, 32, 4, 4, "init"),
+    (128, 128, 32, 4, 3, "init"),
+    (128, 128, 64, 8, 3, "init"),
+    (128, 256, 32, 8, 3, "init"),
+)
+CPU_EARLY_SWEEP = ((32, 32, 16, 4, 2, "ptr"), (32, 32, 16, 4, 2, "init"))
 CPU_SWEEP = (
     (32, 32, 16, 4, 2, True, False),
     (32, 32, 16, 4, 2, False, False),
@@ -236,6 +250,67 @@ def _tma_pers(
         o_desc.store([m0, k0], acc.to(o_desc.dtype))
 
 
+@triton.jit
+def _tma_early(
+    a_ptr,
+    b_ptr,
+    out_desc,
+    out_ptr,
+    offs_ptr,
+    M,
+    K,
+    stride_a,
+    stride_b,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    INIT: tl.constexpr,
+):
+    """``tma_dev`` with the old gradient tile read before the row loop, so its latency overlaps the loop's GEMMs:
+    by pointers into registers that the loop does not touch (``ptr``: an ordinary load only waits where its value
+    is used, after the loop), or by the output descriptor as the accumulator's starting value (``init``)."""
+    pid = tl.program_id(0)
+    e = tl.program_id(1)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    m0 = (pid // tiles_k) * BLOCK_M
+    k0 = (pid % tiles_k) * BLOCK_K
+    start, end = _expert_rows(offs_ptr, e)
+    n = end - start
+    a_desc = tl.make_tensor_descriptor(
+        a_ptr + start.to(tl.int64) * stride_a, shape=[tl.maximum(n, 1), M], strides=[stride_a, 1],
+        block_shape=[BLOCK_R, BLOCK_M],
+    )  # fmt: skip
+    b_desc = tl.make_tensor_descriptor(
+        b_ptr + start.to(tl.int64) * stride_b, shape=[tl.maximum(n, 1), K], strides=[stride_b, 1],
+        block_shape=[BLOCK_R, BLOCK_K],
+    )  # fmt: skip
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rk = k0 + tl.arange(0, BLOCK_K)
+    ptr = out_ptr + e.to(tl.int64) * M * K + rm[:, None] * K + rk[None, :]
+    mask = (rm < M)[:, None] & (rk < K)[None, :]
+    if INIT:
+        acc = out_desc.load([e, m0, k0]).reshape(BLOCK_M, BLOCK_K).to(tl.float32)
+    else:
+        old = tl.load(ptr, mask=mask, other=0.0)
+        acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for r in range(0, n, BLOCK_R):
+        acc = tl.dot(tl.trans(a_desc.load([r, m0])), b_desc.load([r, k0]), acc)
+    if not INIT:
+        acc += old.to(tl.float32)
+    out_desc.store([e, m0, k0], acc.to(out_desc.dtype).reshape(1, BLOCK_M, BLOCK_K))
+
+
+def _run_early(cfg, a, b, offs, out):
+    bm, bk, br, warps, stages, how = cfg
+    n_exp, M, K = out.shape
+    out_desc = TensorDescriptor.from_tensor(out, [1, bm, bk])
+    grid = (triton.cdiv(M, bm) * triton.cdiv(K, bk), n_exp)
+    return _tma_early[grid](
+        a, b, out_desc, out, offs, M, K, a.stride(0), b.stride(0), BLOCK_M=bm, BLOCK_K=bk, BLOCK_R=br,
+        INIT=how == "init", num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
 def _run_tma(variant, cfg, a, b, offs, out):
     """One launch of ``variant`` ("tma_host" / "tma_dev") adding into ``out``; returns the compiled kernel."""
     bm, bk, br, warps, stages, tma_out, ws = cfg
@@ -284,9 +359,12 @@ def _ws_note(kernel) -> str:
     return "ws applied" if "ttg.warp_specialize" in ttgir else "ws not applied (no partitions in TTGIR)"
 
 
-def _variants(a, b, offs, sweep, pers_sweep=PERS_SWEEP):
+def _variants(a, b, offs, sweep, pers_sweep=PERS_SWEEP, early_sweep=EARLY_SWEEP):
     """Label -> ``fn(out)`` adding ``a[rows_e]^T @ b[rows_e]`` into ``out`` (returning a kernel or None)."""
     runs = {}
+    for cfg in early_sweep:
+        bm, bk, br, warps, stages, how = cfg
+        runs[f"tma_early {bm}x{bk}x{br} w{warps} s{stages} {how}"] = functools.partial(_run_early, cfg, a, b, offs)
     for cfg in pers_sweep:
         bm, bk, br, warps, stages, per_sm, flatten = cfg
         label = f"tma_pers {bm}x{bk}x{br} w{warps} s{stages} x{per_sm}{' flat' if flatten else ''}"
@@ -341,7 +419,7 @@ def cpu_check() -> None:
     old = torch.randn(len(counts), M, K)
     want = old.float() + _reference(a, b, offs)
     failed = []
-    for label, fn in _variants(a, b, offs, CPU_SWEEP, CPU_PERS_SWEEP).items():
+    for label, fn in _variants(a, b, offs, CPU_SWEEP, CPU_PERS_SWEEP, CPU_EARLY_SWEEP).items():
         o = old.clone()
         fn(o)
         ok, err = _check(o, want)
