@@ -26,7 +26,12 @@ from moeshard.fsdp_moe._clip import clip_grad_norm_, get_total_norm
 from moeshard.fsdp_moe._local_adamw import LocalExpertAdamW
 from moeshard.fsdp_moe._loss import num_items_for_global_mean
 from moeshard.fsdp_moe._optim import OptimizersContainer, build_optimizer
-from moeshard.fsdp_moe._reduced_grad import ReducedGrad, ReducedGradTarget, reduced_grad_target
+from moeshard.fsdp_moe._reduced_grad import (
+    ReducedGrad,
+    ReducedGradTarget,
+    grouped_grad_accumulation,
+    reduced_grad_target,
+)
 from moeshard.fsdp_moe._shard import (
     FSDPUnits,
     ShardingInfo,
@@ -53,6 +58,7 @@ __all__ = [
     "get_total_norm",
     "load_checkpoint",
     "num_items_for_global_mean",
+    "grouped_grad_accumulation",
     "reduced_grad_target",
     "save_checkpoint",
     "set_state_dict",

@@ -1,5 +1,6 @@
 """Triton kernels of :class:`~moeshard.fsdp_moe.LocalExpertAdamW` (CUDA; see ``_local_adamw``): the AdamW pass,
-and the sum of squares of compute-dtype gradients for the clipping norm.
+and the sum of squares of compute-dtype gradients for the clipping norm; and the float32 accumulation of a unit's
+compute-dtype gradients (:func:`add_into_float32`, see ``_reduced_grad.grouped_grad_accumulation``).
 
 The update:
 per element, the gradient read in its stored dtype (the compute dtype as autograd left it in ``param.grad``, or
@@ -17,10 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["adamw_update", "sum_of_squares"]
+__all__ = ["add_into_float32", "adamw_update", "sum_of_squares"]
 
 _BLOCK = 2048
 _NORM_BLOCK = 8192
+_ADD_BLOCK = 4096
 
 
 @triton.jit
@@ -158,3 +160,56 @@ def sum_of_squares(tensors: list[torch.Tensor], factors: list[float], mults: lis
             )
         at += b
     return partial.sum()
+
+
+@triton.jit
+def _add_into_float32_kernel(table_ptr, n_tensors, HALF: tl.constexpr, T_POW2: tl.constexpr, BLOCK: tl.constexpr):
+    # table (int64): destination addresses, source addresses, element counts, each tensor's first block
+    pid = tl.program_id(0).to(tl.int64)
+    idx = tl.arange(0, T_POW2)
+    first = tl.load(table_ptr + 3 * n_tensors + idx, mask=idx < n_tensors, other=2**62)
+    i = tl.sum((first <= pid).to(tl.int32), axis=0) - 1
+    dst = tl.load(table_ptr + i).to(tl.pointer_type(tl.float32))
+    if HALF:
+        src = tl.load(table_ptr + n_tensors + i).to(tl.pointer_type(tl.float16))
+    else:
+        src = tl.load(table_ptr + n_tensors + i).to(tl.pointer_type(tl.bfloat16))
+    n = tl.load(table_ptr + 2 * n_tensors + i)
+    offs = (pid - tl.load(table_ptr + 3 * n_tensors + i)) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    acc = tl.load(dst + offs, mask=inside)
+    tl.store(dst + offs, acc + tl.load(src + offs, mask=inside).to(tl.float32), mask=inside)
+
+
+def add_into_float32(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dst += src`` for each pair (float32 ``dst``, bfloat16 or float16 ``src`` of its shape, both contiguous, one
+    device): one vectorised kernel per source dtype over all pairs. Torch adds a 16-bit tensor into a float32 one
+    with an unvectorised mixed-dtype kernel, one launch per tensor. The tensors' addresses go to the device in one
+    small table (a non-blocking copy from pinned memory on CUDA)."""
+    by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for d, s in zip(dsts, srcs, strict=True):
+        ok = d.dtype == torch.float32 and s.dtype in (torch.bfloat16, torch.float16) and d.shape == s.shape
+        if not (ok and d.is_contiguous() and s.is_contiguous() and d.device == s.device == dsts[0].device):
+            raise ValueError(
+                f"add_into_float32 adds contiguous 16-bit tensors into float32 ones of their shape on one device, got "
+                f"{s.dtype} {tuple(s.shape)} into {d.dtype} {tuple(d.shape)}"
+            )
+        if d.numel():
+            by_dtype.setdefault(s.dtype, []).append((d, s))
+    for dtype, pairs in by_dtype.items():
+        blocks = [triton.cdiv(d.numel(), _ADD_BLOCK) for d, _ in pairs]
+        firsts = [sum(blocks[:i]) for i in range(len(blocks))]
+        rows = [[d.data_ptr() for d, _ in pairs], [s.data_ptr() for _, s in pairs], [d.numel() for d, _ in pairs]]
+        device = pairs[0][0].device
+        table = torch.tensor(
+            [*rows[0], *rows[1], *rows[2], *firsts], dtype=torch.int64, pin_memory=device.type == "cuda"
+        )
+        table = table.to(device, non_blocking=True)
+        _add_into_float32_kernel[(sum(blocks),)](
+            table,
+            len(pairs),
+            HALF=dtype == torch.float16,
+            T_POW2=triton.next_power_of_2(len(pairs)),
+            BLOCK=_ADD_BLOCK,
+            num_warps=8,
+        )

@@ -298,14 +298,17 @@ def _hand_over_float32_grads(model: MoECausalLM) -> None:
     """The embedding's and the head's weight gradients go to their FSDP units in float32 (the units'
     ``reduced_grad_target``; inert where FSDP2 reduces in the compute dtype): the head's float32 sum is never
     rounded to bfloat16, the embedding adds its rows instead of a dense ``[V, D]`` gradient, and FSDP2 casts or adds
-    neither (see ``moeshard.fsdp_moe.reduced_grad_target``)."""
+    neither (see ``moeshard.fsdp_moe.reduced_grad_target``). The other units' gradients, which FSDP2 accumulates
+    in float32 between micro-batches that do not reduce, are added in one vectorised pass per unit
+    (``moeshard.fsdp_moe.grouped_grad_accumulation``)."""
     from torch.distributed.fsdp import FSDPModule
 
-    from moeshard.fsdp_moe import reduced_grad_target
+    from moeshard.fsdp_moe import grouped_grad_accumulation, reduced_grad_target
 
     for module in (model.model.embed_tokens, model.lm_head):
         if isinstance(module, FSDPModule) and hasattr(module, "grad_target"):
             module.grad_target = reduced_grad_target(module)
+    grouped_grad_accumulation(model)
 
 
 def _compile(model: MoECausalLM, kernels: str) -> None:

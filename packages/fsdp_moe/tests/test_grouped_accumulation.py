@@ -1,0 +1,82 @@
+"""``grouped_grad_accumulation``: FSDP2's float32 accumulation of bfloat16 gradients over micro-batches, done by one
+Triton kernel per unit, gives FSDP2's own sums bit for bit (2 gloo ranks, triton interpreted on CPU; on
+CUDA checked by the benchmark's losses, ``benchmarks/NOTES.md``); and the kernel itself on odd shapes and both 16-bit
+dtypes (interpreted, and compiled on CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from moeshard.meshes.testing import run_distributed
+
+pytest.importorskip("triton")
+
+
+def check_kernel(device: str) -> None:
+    from moeshard.fsdp_moe._triton import add_into_float32
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(5000,), (3, 7), (0,), (4096,), (2, 4097)]
+    dsts = [torch.randn(s, generator=g).to(device) for s in shapes]
+    dtypes = [torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float16, torch.bfloat16]
+    srcs = [torch.randn(s, generator=g).to(device, dt) for s, dt in zip(shapes, dtypes)]
+    want = [d + s.float() for d, s in zip(dsts, srcs)]
+    add_into_float32(dsts, srcs)
+    for got, w in zip(dsts, want):
+        assert torch.equal(got, w)
+    with pytest.raises(ValueError, match="16-bit tensors into float32"):
+        add_into_float32([dsts[0]], [srcs[1]])
+
+
+def _run(install: bool):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from moeshard.fsdp_moe import _triton, grouped_grad_accumulation
+
+    rank = dist.get_rank()
+    if install and rank == 0:
+        check_kernel("cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mp_policy=mp)
+    calls = []
+    if install:
+        assert grouped_grad_accumulation(model) == 2  # the two layers' units (the root holds no parameters)
+        assert grouped_grad_accumulation(model) == 0  # already set up
+        add = _triton.add_into_float32
+        _triton.add_into_float32 = lambda d, s: (calls.append(len(d)), add(d, s))[1]
+    g = torch.Generator().manual_seed(rank + 1)
+    xs = [torch.randn(4, 16, generator=g) for _ in range(3)]
+    try:
+        for m, x in enumerate(xs):
+            model.set_requires_gradient_sync(m == len(xs) - 1)
+            model(x).float().pow(2).mean().backward()
+    finally:
+        if install:
+            _triton.add_into_float32 = add
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    return grads, calls
+
+
+def test_same_sums_as_fsdp2_in_the_interpreter():
+    env = {"TRITON_INTERPRET": "1"}  # decided when triton is first imported: the ranks are fresh processes
+    plain = run_distributed(_run, 2, False, env=env)
+    grouped = run_distributed(_run, 2, True, env=env)
+    for (want, _), (got, calls) in zip(plain, grouped):
+        # the 2nd and 3rd backward of each of the two units: one launch for its weight and bias each time
+        assert calls == [2, 2, 2, 2], calls
+        assert want.keys() == got.keys()
+        for name in want:
+            assert want[name].dtype == torch.float32
+            assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_on_cuda():
+    check_kernel("cuda")
