@@ -1,7 +1,7 @@
 """``grouped_grad_accumulation``: FSDP2's float32 accumulation of bfloat16 gradients over micro-batches, done by one
 Triton kernel per unit, gives FSDP2's own sums bit for bit (2 gloo ranks, triton interpreted on CPU; on
 CUDA checked by the benchmark's losses, ``benchmarks/NOTES.md``); and the kernel itself on odd shapes and both 16-bit
-dtypes (interpreted, and compiled on CUDA)."""
+dtypes, and ``scaled_add_`` (interpreted, and compiled on CUDA)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,25 @@ def check_kernel(device: str) -> None:
         assert torch.equal(got, w)
     with pytest.raises(ValueError, match="16-bit tensors into float32"):
         add_into_float32([dsts[0]], [srcs[1]])
+    check_scaled_add(device)
+
+
+def check_scaled_add(device: str) -> None:
+    """``scaled_add_`` (``ReducedGrad.add_`` with a scale, into a held CUDA gradient) against the two eager passes
+    it replaces, with a partial last block."""
+    from moeshard.fsdp_moe._triton import scaled_add_
+
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 4096, 5000):
+        acc, grad = torch.randn(n, 3, generator=g).to(device), torch.randn(n, 3, generator=g).to(device)
+        factor = torch.tensor([0.37], device=device)
+        want = acc + grad * factor
+        assert scaled_add_(acc, grad, factor) is acc
+        torch.testing.assert_close(acc, want, rtol=1e-6, atol=1e-7)  # one rounding apart at most (a fused multiply-add)
+    with pytest.raises(ValueError, match="float32 acc and g of one shape"):
+        scaled_add_(acc.bfloat16(), grad, factor)
+    with pytest.raises(ValueError, match="contiguous"):
+        scaled_add_(acc[:, :2], grad[:, :2], factor)
 
 
 def _run(install: bool):
@@ -47,8 +66,8 @@ def _run(install: bool):
     fully_shard(model, mp_policy=mp)
     calls = []
     if install:
-        assert grouped_grad_accumulation(model) == 2  # the two layers' units (the root holds no parameters)
-        assert grouped_grad_accumulation(model) == 0  # already set up
+        assert grouped_grad_accumulation(model, interpreted=True) == 2  # the two layers' units (the root has none)
+        assert grouped_grad_accumulation(model, interpreted=True) == 0  # already set up
         add = _triton.add_into_float32
         _triton.add_into_float32 = lambda d, s: (calls.append(len(d)), add(d, s))[1]
     g = torch.Generator().manual_seed(rank + 1)
@@ -66,6 +85,7 @@ def _run(install: bool):
 
 def test_same_sums_as_fsdp2_in_the_interpreter():
     env = {"TRITON_INTERPRET": "1"}  # decided when triton is first imported: the ranks are fresh processes
+    # (without interpreted=True the CPU units are left to FSDP2: the call list would be empty and this would fail)
     plain = run_distributed(_run, 2, False, env=env)
     grouped = run_distributed(_run, 2, True, env=env)
     for (want, _), (got, calls) in zip(plain, grouped):

@@ -25,7 +25,6 @@ default), a DTensor (tensor-parallel) unsharded parameter.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -53,11 +52,20 @@ class ReducedGrad:
         """The gradient held so far (this step's earlier backwards since the last reduce), or None."""
         return self._param.unsharded_accumulated_grad
 
-    def add_(self, grad: torch.Tensor) -> None:
-        """Add ``grad`` (the reduce dtype and the parameter's shape) to the held gradient; where none is held,
-        ``grad`` becomes it, without a copy (the caller gives it up)."""
+    def add_(self, grad: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Add ``grad`` (the reduce dtype and the parameter's shape), times the one-element tensor ``scale`` if
+        given, to the held gradient; where none is held, ``grad`` (scaled in place) becomes it, without a copy (the
+        caller gives it up). A scaled add into a held CUDA gradient is one pass (``_triton.scaled_add_``: read both,
+        write one); eager torch would take two (the vectorised ``_foreach_mul_``, then the add)."""
         self._check(grad)
         held = self.held()
+        if scale is not None and held is not None and held.is_cuda and _triton_importable():
+            from moeshard.fsdp_moe import _triton
+
+            _triton.scaled_add_(held, grad, scale.to(held.dtype))
+            return
+        if scale is not None:
+            torch._foreach_mul_([grad], scale.to(grad.dtype))
         if held is None:
             self._param.unsharded_accumulated_grad = grad
         else:
@@ -94,7 +102,7 @@ def _param_groups(module: FSDPModule) -> list[Any]:
     return list(groups)
 
 
-def grouped_grad_accumulation(module: nn.Module) -> int:
+def grouped_grad_accumulation(module: nn.Module, *, interpreted: bool = False) -> int:
     """Every FSDP unit in ``module`` adds its parameters' compute-dtype gradients into the float32 ones FSDP2 holds
     between micro-batches in one vectorised pass per unit; returns the number of units' parameter groups set up.
 
@@ -106,38 +114,38 @@ def grouped_grad_accumulation(module: nn.Module) -> int:
     float32 sums) and clears the bfloat16 gradients it added, so FSDP2 finds nothing left to add and goes on as it
     would (its reduce, where this backward reduces, takes the held sums).
 
-    Applies to CUDA tensors (CPU ones where triton runs interpreted, as the tests run it), 16-bit gradients and a
-    float32 held gradient of the same shape; any other parameter is left to FSDP2 as before. Setting up a unit
-    twice is a no-op.
+    Applies to CUDA tensors (and CPU ones with ``interpreted=True``: the caller runs triton's interpreter,
+    ``TRITON_INTERPRET=1`` before triton is first imported, as the tests do), 16-bit gradients and a float32 held
+    gradient of the same shape; any other parameter is left to FSDP2 as before. Setting up a unit twice is a no-op.
     """
     count = 0
     for unit in module.modules():
         if not isinstance(unit, FSDPModule):
             continue
         for group in _param_groups(unit):
-            if getattr(group, "_moeshard_grouped_accumulation", False):
+            if getattr(group.post_backward, "accumulates_first", False):
                 continue
-            group.post_backward = _accumulating_first(group, group.post_backward)
-            group._moeshard_grouped_accumulation = True
+            group.post_backward = _accumulating_first(group, group.post_backward, interpreted)
             count += 1
     return count
 
 
-def _accumulating_first(group: Any, post_backward: Callable) -> Callable:
+def _accumulating_first(group: Any, post_backward: Callable, interpreted: bool) -> Callable:
     def call(*args: Any, **kwargs: Any) -> Any:
-        _accumulate(group.fsdp_params)
+        _accumulate(group.fsdp_params, interpreted)
         return post_backward(*args, **kwargs)
 
+    call.accumulates_first = True  # type: ignore[attr-defined]
     return call
 
 
-def _accumulate(fsdp_params: list[Any]) -> None:
+def _accumulate(fsdp_params: list[Any], interpreted: bool) -> None:
     dsts, srcs, params = [], [], []
     for fsdp_param in fsdp_params:
         held = getattr(fsdp_param, "unsharded_accumulated_grad", None)
         param = getattr(fsdp_param, "_unsharded_param", None)
         grad = None if param is None else param.grad
-        if held is None or grad is None or not _runs_kernels(held):
+        if held is None or grad is None or not (held.is_cuda or (interpreted and held.device.type == "cpu")):
             continue
         if held.dtype != torch.float32 or grad.dtype not in (torch.bfloat16, torch.float16):
             continue
@@ -148,19 +156,13 @@ def _accumulate(fsdp_params: list[Any]) -> None:
         dsts.append(held)
         srcs.append(grad)
         params.append(param)
-    if not dsts:
+    if not dsts or not _triton_importable():
         return
     from moeshard.fsdp_moe import _triton
 
     _triton.add_into_float32(dsts, srcs)
     for param in params:
         param.grad = None
-
-
-def _runs_kernels(t: torch.Tensor) -> bool:
-    if t.is_cuda:
-        return _triton_importable()
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and _triton_importable()
 
 
 @functools.cache

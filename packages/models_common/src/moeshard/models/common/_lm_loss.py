@@ -107,27 +107,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                     "backward through the LM head's chunked loss ran twice: its weight gradient was handed to its "
                     "owner the first time (run backward once per forward, or use a head without a gradient target)"
                 )
-            _hand_over_scaled(ctx.target, grad_w_fp32, grad_loss.to(grad_w_fp32.dtype))
+            ctx.target.add_(grad_w_fp32, scale=grad_loss)  # scaled and added in one pass where one is held
         return *_scaled(grad_h_ND, grad_w_VD, factor=grad_loss), None, None, None, None
-
-
-def _hand_over_scaled(target: Any, grad_fp32: torch.Tensor, factor: torch.Tensor) -> None:
-    """``grad_fp32 * factor`` added to the gradient ``target`` holds (or handed over as it, where none is held yet).
-
-    On CUDA a held gradient gets the product in one pass (``scaled_add_``: read both, write one); otherwise the
-    gradient is scaled in place (``_foreach_mul_``, vectorised) and added (two passes, and the only way on the first
-    micro-batch, whose product becomes the held gradient)."""
-    held = target.held()
-    if held is not None and held.is_cuda and held.is_contiguous() and held.dtype == grad_fp32.dtype:
-        try:
-            from moeshard.models.common._lm_loss_triton import scaled_add_
-        except ImportError:  # no triton on this platform: the two passes below
-            pass
-        else:
-            scaled_add_(held, grad_fp32, factor)
-            return
-    torch._foreach_mul_([grad_fp32], factor)
-    target.add_(grad_fp32)
 
 
 def _scaled(*grads: torch.Tensor | None, factor: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from moeshard.models.common._lm_loss import IGNORE_INDEX, ce_chunk
 
-__all__ = ["ce_chunk_triton", "scaled_add_"]
+__all__ = ["ce_chunk_triton"]
 
 _BLOCK_V = 4096
 
@@ -55,39 +55,6 @@ def _ce_kernel(
         x = tl.load(x_row + offs, mask=inside, other=0.0).to(tl.float32)
         g = (tl.exp(x - lse) - tl.where(offs == safe, 1.0, 0.0)) * keep
         tl.store(g_row + offs, g.to(grad_ptr.dtype.element_ty), mask=inside)
-
-
-@triton.jit
-def _scaled_add_kernel(acc_ptr, g_ptr, factor_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < n
-    factor = tl.load(factor_ptr).to(tl.float32)
-    acc = tl.load(acc_ptr + offs, mask=inside)
-    g = tl.load(g_ptr + offs, mask=inside)
-    tl.store(acc_ptr + offs, acc + g * factor, mask=inside)
-
-
-def scaled_add_(acc: torch.Tensor, g: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """``acc += g * factor`` in one pass (float32 ``acc`` and ``g`` of one shape, contiguous; ``factor`` a
-    one-element tensor read on the device): the LM head's float32 weight gradient added, scaled, to the one its
-    owner holds from earlier micro-batches. Eager torch needs two passes for it (``g *= factor`` vectorised, then
-    the add; ``addcmul`` with a one-element device tensor broadcasts and is not vectorised): 6.2 against 3.7 GB per
-    micro-batch at the ``[V, D]`` head of Qwen3-30B-A3B. Runs on CUDA tensors, or on CPU ones under triton's
-    interpreter (the tests)."""
-    if acc.dtype != torch.float32 or g.dtype != torch.float32 or acc.shape != g.shape or factor.numel() != 1:
-        raise ValueError(
-            f"scaled_add_ needs float32 acc and g of one shape and a one-element factor, got {acc.dtype} "
-            f"{tuple(acc.shape)}, {g.dtype} {tuple(g.shape)} and {factor.numel()} factor elements"
-        )
-    if not (acc.is_contiguous() and g.is_contiguous()):
-        raise ValueError("scaled_add_ needs contiguous acc and g")
-    n = acc.numel()
-    if n:
-        _scaled_add_kernel[(triton.cdiv(n, _BLOCK_ADD),)](acc, g, factor, n, BLOCK=_BLOCK_ADD, num_warps=8)
-    return acc
-
-
-_BLOCK_ADD = 4096
 
 
 def ce_chunk_triton(logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
