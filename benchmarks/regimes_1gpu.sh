@@ -4,19 +4,21 @@
 # speaks the same flags) for the regimes named in OLD_RUNS. JSON in $OUT; a table at the end.
 #   mkdir -p .bench_old && git archive <commit> packages apps | tar -x -C .bench_old
 #   RUNS="mb4 mb4_selective mb4_full mb2" OLD_RUNS="mb2" bash benchmarks/regimes_1gpu.sh
+# EXTRA: more job keys for every run, e.g. the expert shapes one GPU of EP 8 runs (16 local experts, ~2,048 rows
+# each at micro-batch 1): EXTRA="--model.overrides.num_experts=16" (the all-to-all is not modelled).
 set -u
 OLD=${OLD:-.bench_old}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 path_of() { ls -d "$1"/packages/*/src "$1"/apps/*/src | tr '\n' ':'; }
-flags() {  # the job's keys of one regime: mb<M>[_selective|_full]
-  local mb=${1%%_*} ac=none
-  case $1 in *_selective) ac=selective ;; *_full) ac=full ;; esac
+flags() {  # the job's keys of one regime: mb<M>[_selective|_full|_documents] (documents: packed, mean DOC_MEAN tokens)
+  local mb=${1%%_*} ac=none docs=
+  case $1 in *_selective) ac=selective ;; *_full) ac=full ;; *_documents) docs="--documents ${DOC_MEAN:-1024}" ;; esac
   echo "--parallel.compile=true --parallel.ep.kernels=triton --train.micro_batch_size=${mb#mb}" \
-    "--parallel.activation_checkpointing=$ac"
+    "--parallel.activation_checkpointing=$ac $docs"
 }
 bench() {  # bench NAME TREE REGIME
   PYTHONPATH="$(path_of "$2")" timeout "${T:-200}" python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
-    -m moeshard.train bench --steps "${STEPS:-12}" --warmup "${WARMUP:-4}" $(flags "$3") --out "$OUT/$1.json" 2>&1 \
+    -m moeshard.train bench --steps "${STEPS:-12}" --warmup "${WARMUP:-4}" $(flags "$3") ${EXTRA:-} --out "$OUT/$1.json" 2>&1 \
     | grep -v "UserWarning\|warnings.warn\|_rng_tracker\|AVOID_RECORD\|_warn_once" > "/tmp/$1.log"
   echo "$1: $(grep 'tok/s/GPU' "/tmp/$1.log" | tail -n 1)"
   grep -q "tok/s/GPU" "/tmp/$1.log" || tail -n 15 "/tmp/$1.log"

@@ -83,22 +83,46 @@ def _memory(*overrides: str, nproc: int = 2):
     return report.memory, report.comm
 
 
+def _numel(*overrides: str) -> int:
+    """Elements of the model ``_memory`` plans (built on meta)."""
+    from moeshard.train.config import load_config, resolve_model_config
+    from moeshard.train.families import family_of
+
+    keys = ["model.preset=qwen3-30b-a3b", "model.overrides.num_hidden_layers=2", *overrides]
+    mcfg = resolve_model_config(load_config(None, keys))
+    with torch.device("meta"):
+        return sum(p.numel() for p in family_of(mcfg).model_class(mcfg).parameters())
+
+
 def test_plan_memory_follows_the_policies():
-    """What ``plan`` counts: experts under the fused update keep bf16 gradients; gradients of earlier micro-batches
-    sit beside the last one's activations; ``selective`` drops 3F (``mlp``) or F (``activation``) bf16 elements
-    per routed copy and layer and repeats no exchange, ``full`` keeps one hidden state per layer and does."""
+    """What ``plan`` counts: experts under the fused update keep bf16 gradients; the loss head holds its float32
+    ``[V, D]`` weight gradient and one chunk's bf16 logits and their gradient at the forward's end, when no
+    reduce buffer is alive; gradients of earlier micro-batches sit beside the last one's activations; ``selective``
+    drops 3F (``mlp``) or F (``activation``) bf16 elements per routed copy and layer and repeats no exchange,
+    ``full`` keeps one hidden state per layer and does."""
     base, comm = _memory()
     experts = 2 * 128 // 2 * 3 * 2048 * 768  # 2 layers, 64 local experts: kept out of FSDP at EP 2 of 2 ranks
     unfused, _ = _memory("train.fuse_local_experts=false")
     assert unfused.grads - base.grads == 2 * experts  # float32 against bfloat16
+    vocab, d = 151936, 2048
+    assert base.loss_head == 4 * vocab * d + 2 * 4096 * vocab * 2  # a chunk of 4,096 of the 16,384 tokens
+    assert base.reduce_buffers > 0  # the largest stage's float32 gradients (its local experts reduce nothing)
+    saved = base.activations + base.loss_head
     assert base.micro_batches == 1 and base.total == base.params + base.optimizer + base.unsharded + max(
-        base.activations, base.grads
+        saved, base.grads + base.reduce_buffers
     )
     accumulating, _ = _memory("train.micro_batch_size=2")
     assert accumulating.micro_batches == 2 and accumulating.activations * 2 == base.activations
+    assert accumulating.loss_head == base.loss_head  # the same chunk
     assert accumulating.total == (
-        base.params + base.optimizer + base.unsharded + accumulating.activations + accumulating.grads
+        base.params
+        + base.optimizer
+        + base.unsharded
+        + accumulating.grads
+        + max(accumulating.activations + accumulating.loss_head, accumulating.reduce_buffers)
     )
+    short, _ = _memory("data.seq_len=1024", "train.micro_batch_size=2")  # 2,048 tokens: a chunk of them only
+    assert short.loss_head == 4 * vocab * d + 2 * 2048 * vocab * 2
     once, once_comm = _memory("train.micro_batch_size=2", "train.gradient_sync=last_micro_batch")
     assert once.held_grads > 0 and once.total == accumulating.total + once.held_grads
     _, accumulating_comm = _memory("train.micro_batch_size=2")
@@ -127,16 +151,19 @@ def test_plan_counts_the_expert_units_options():
     experts = 2 * 128 * 3 * 2048 * 768  # 2 layers' experts, gathered whole on each rank (one micro-batch)
     ag, rs = ("all_gather", "intra-node"), ("reduce_scatter", "intra-node")
     kept, kept_comm = _memory(ep1, "parallel.expert_reshard_after_forward=false")
-    assert kept.unsharded - base.unsharded == 2 * experts  # bf16 copies
     assert comm[ag] - kept_comm[ag] == pytest.approx(experts)  # 2 bytes x 1/2 sent, once instead of twice
     assert {k: v for k, v in kept_comm.items() if k != ag} == {k: v for k, v in comm.items() if k != ag}
-    # The same with every unit kept gathered (parallel.reshard_after_forward, which the experts follow by default).
+    # With every unit kept gathered (parallel.reshard_after_forward, which the experts follow by default), every
+    # unit's bf16 copy lives through the step: the whole model, at EP 1, on each rank.
     followed, followed_comm = _memory(ep1, "parallel.reshard_after_forward=false")
-    assert followed.unsharded == kept.unsharded and followed_comm[ag] < kept_comm[ag]
+    assert followed.unsharded == 2 * _numel(ep1) and followed_comm[ag] < kept_comm[ag]
+    # Keeping the experts' bf16 copies costs memory, at most what keeping every unit's costs: each is counted
+    # once, not again among the stages in flight.
+    assert base.unsharded < kept.unsharded <= followed.unsharded
     bf16, bf16_comm = _memory(ep1, "parallel.expert_reduce_dtype=bfloat16")
     assert comm[rs] - bf16_comm[rs] == pytest.approx(experts)  # 4 -> 2 bytes x 1/2 sent
     assert {k: v for k, v in bf16_comm.items() if k != rs} == {k: v for k, v in comm.items() if k != rs}
-    assert base.unsharded - bf16.unsharded == experts  # one layer's expert reduce buffers, 4 -> 2 bytes
+    assert base.reduce_buffers - bf16.reduce_buffers == experts  # one layer's expert reduce buffers, 4 -> 2 bytes
     once = ("train.micro_batch_size=2", "train.gradient_sync=last_micro_batch")
     held, held_bf16 = _memory(ep1, *once)[0], _memory(ep1, *once, "parallel.expert_reduce_dtype=bfloat16")[0]
     # the unsharded gradients beyond the shard already counted: (n - 1) / n of them, a half at ep_fsdp 2

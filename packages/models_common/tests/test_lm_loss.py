@@ -66,3 +66,27 @@ def test_head_weight_gradient_in_bf16_is_the_float32_sum_of_chunks(device):
     empty = torch.zeros(0, 32, dtype=torch.bfloat16, device=device, requires_grad=True)
     linear_cross_entropy(empty, w, torch.zeros(0, dtype=torch.long, device=device), num_items_in_batch=1).backward()
     assert empty.grad.shape == (0, 32)
+
+
+def test_a_chunk_gradient_is_freed_before_the_next_chunk_logits():
+    # While a chunk's loss is computed, only its logits and its gradient are alive (plan counts two [C, V] buffers,
+    # LOSS_CHUNK_TOKENS): the previous chunk's gradient is dropped before the next chunk's logits are made.
+    import weakref
+
+    from moeshard.models.common import LOSS_CHUNK_TOKENS, ce_chunk
+
+    assert LOSS_CHUNK_TOKENS == 4096  # the head's chunk, which plan's loss-head term counts
+    previous: list[weakref.ref] = []
+
+    def chunk_loss(logits_CV, targets_C):
+        assert all(ref() is None for ref in previous), "an earlier chunk's gradient is still alive"
+        loss, grad_CV = ce_chunk(logits_CV, targets_C)
+        previous.append(weakref.ref(grad_CV))
+        return loss, grad_CV
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(20, 8, generator=g, requires_grad=True)
+    w = torch.randn(30, 8, generator=g, requires_grad=True)
+    t = torch.randint(0, 30, (20,), generator=g)
+    linear_cross_entropy(h, w, t, chunk_size=6, chunk_loss=chunk_loss).backward()
+    assert len(previous) == 4

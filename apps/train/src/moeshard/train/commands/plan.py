@@ -33,19 +33,23 @@ class MemoryEstimate:
     activations: int
     micro_batches: int = 1
     held_grads: int = 0
+    loss_head: int = 0
+    reduce_buffers: int = 0
 
     @property
     def total(self) -> int:
-        """The peak. With one micro-batch per step, saved activations are all alive when backward starts and the
-        gradients all exist when it ends, so the two do not add up; with several, the gradients of the earlier
-        micro-batches are alive beside the last one's activations, and with ``train.gradient_sync:
-        last_micro_batch`` also FSDP's unsharded float32 gradients (``held_grads``). (One H200, 8 layers, EP 1,
-        4 x 4096 tokens per step: within +1% to +4% of the measured peak allocated at micro-batch 4 / 2 / 1, with
-        and without full checkpointing; see benchmarks/NOTES.md.)"""
+        """The peak. The forward's end holds the saved activations and the loss head's (``loss_head``); backward
+        holds the gradients and, where a stage's gradients are reduced, its reduce buffers (``reduce_buffers``).
+        With one micro-batch per step the two do not add up: the activations are freed as the gradients appear.
+        With several, the gradients of the earlier micro-batches are alive beside the last one's activations, and
+        with ``train.gradient_sync: last_micro_batch`` also FSDP's unsharded float32 gradients (``held_grads``).
+        (One H200, 8 layers, EP 1, 4 x 4096 tokens per step, 128 and 16 experts: within 2% of the measured peak
+        allocated at micro-batch 4, 2 and 1 and with selective and full checkpointing; see benchmarks/NOTES.md.)"""
+        saved = self.activations + self.loss_head
+        base = self.params + self.optimizer + self.unsharded
         if self.micro_batches > 1:
-            held = self.activations + self.grads + self.held_grads
-            return self.params + self.optimizer + self.unsharded + held
-        return self.params + self.optimizer + self.unsharded + max(self.activations, self.grads)
+            return base + self.grads + self.held_grads + max(saved, self.reduce_buffers)
+        return base + max(saved, self.grads + self.reduce_buffers)
 
 
 def _size(n: float) -> str:
@@ -78,15 +82,17 @@ def activation_bytes_per_token(
     Without activation checkpointing every layer keeps its activations; with ``full``, each layer keeps only its
     input and one layer at a time is recomputed in backward; with ``selective`` every layer keeps its activations
     but the routed copies' gated activation (``activation``: ``F`` elements per copy) or also their gate/up output
-    (``mlp``: ``3F``). The loss head is chunked (the trainer never holds the ``[tokens, vocab]`` logits): it keeps
-    the hidden states and their gradient.
+    (``mlp``: ``3F``). A routed copy keeps ``2D + 3F``: its rows into the experts and out of them (for the combine's
+    weight gradient), the gate/up output and the gated activation. The loss head is chunked (the trainer never
+    holds the ``[tokens, vocab]`` logits): per token it keeps the hidden states and their gradient (its
+    ``[V, D]`` weight gradient and one chunk's logits are :func:`loss_head_bytes`).
     """
     from moeshard.train.families import family_of, routed_experts
 
     d, e, k, f = config.hidden_size, routed_experts(config), config.num_experts_per_tok, config.moe_intermediate_size
     attn_elems, mlp_elems = family_of(config).activations_per_token(config)  # the family's attention, shared experts
     attn = compute_bytes * (4 * d + attn_elems) + 4 * config.num_attention_heads  # norms, projections, sdpa out + lse
-    moe = compute_bytes * (2 * d + k * (2 * d + 4 * f) + mlp_elems) + 4 * (2 * e + 3 * k)  # dispatch ... router
+    moe = compute_bytes * (2 * d + k * (2 * d + 3 * f) + mlp_elems) + 4 * (2 * e + 3 * k)  # dispatch ... router
     if activation_checkpointing == "selective":
         moe -= compute_bytes * k * (f if selective_recompute == "activation" else 3 * f)
     head = 2 * d * compute_bytes
@@ -94,6 +100,17 @@ def activation_bytes_per_token(
     if activation_checkpointing == "full":
         return layers * d * compute_bytes + (attn + moe) + head
     return layers * (attn + moe) + head
+
+
+def loss_head_bytes(config: Any, compute_bytes: int, tokens: int) -> int:
+    """What the chunked loss head (``moeshard.models.common.linear_cross_entropy``) holds at the forward's end
+    beyond the per-token activations: the ``[V, D]`` weight gradient it computes in forward and keeps for backward
+    (float32: it is handed to FSDP2's float32 gradient, or kept in float32 compute), and one chunk's logits and
+    their gradient (``2 x chunk x V`` in the compute dtype) while the last chunk's loss is computed."""
+    from moeshard.models.common import LOSS_CHUNK_TOKENS
+
+    v, d = config.vocab_size, config.hidden_size
+    return 4 * v * d + 2 * min(LOSS_CHUNK_TOKENS, tokens) * v * compute_bytes
 
 
 @dataclass(frozen=True)
@@ -144,7 +161,7 @@ def plan_report(
 
     world = nnodes * nproc_per_node
     mcfg = resolve_model_config(cfg)
-    _, expert_reshard = parallel_options(cfg).resharding(world)
+    reshard, expert_reshard = parallel_options(cfg).resharding(world)
     expert_reduce_bytes = _expert_grad_bytes(cfg)
     gpu = cfg.parallel.param_dtype != "float32"
     compute_bytes = 2 if gpu else 4
@@ -175,19 +192,23 @@ def plan_report(
         u = _unit_figures(units, meshes, cfg, expert_reshard, expert_reduce_bytes)
     mb = micro_batch_size or cfg.train.micro_batch_size
     tokens = mb * cfg.data.seq_len
-    depth = cfg.parallel.prefetch_depth
     t, opts = cfg.train, parallel.options  # the options as ParallelOptions reads them (true: full)
     est = MemoryEstimate(
         params=4 * local_numel,
         grads=4 * (local_numel - u.fused_numel) + compute_bytes * u.fused_numel,
         optimizer=8 * local_numel,
-        unsharded=compute_bytes * (u.largest_unit * (1 + depth) + u.kept_numel) + u.reduce_buffers,
+        # Where no unit reshards after forward (one rank, or parallel.reshard_after_forward false with the experts
+        # following), every unit's compute copy lives through the step; else the stages in flight at once (one and
+        # those prefetched after it), beside those kept from forward to backward.
+        unsharded=compute_bytes * (u.all_numel if not reshard and u.experts_kept else u.in_flight + u.kept_numel),
+        reduce_buffers=u.reduce_buffers,
         activations=activation_bytes_per_token(
             mcfg, compute_bytes, opts.activation_checkpointing, opts.selective_recompute
         )
         * tokens,
         micro_batches=max(1, t.global_batch_size // world // mb),
         held_grads=u.held_grads if gradient_sync(t, world) == "last_micro_batch" else 0,
+        loss_head=loss_head_bytes(mcfg, compute_bytes, tokens),
     )
     if table:
         lines.append("")
@@ -214,6 +235,8 @@ def _memory_lines(
     )
     for k in ("params", "grads", "optimizer", "unsharded", "activations"):
         lines.append(f"  {k:12s} {_size(getattr(est, k))}")
+    lines.append(f"  {'loss head':12s} {_size(est.loss_head)}  ([V, D] float32 weight gradient, one chunk's logits)")
+    lines.append(f"  {'reduce bufs':12s} {_size(est.reduce_buffers)}  (the largest stage's, in backward)")
     if est.held_grads and est.micro_batches > 1:
         dtype = "fp32" if expert_reduce_bytes == 4 else "fp32, experts' bf16"
         lines.append(
@@ -240,10 +263,12 @@ def _parameter_rows(model: torch.nn.Module, info: Any, lines: list[str] | None) 
 
 
 class _UnitFigures(NamedTuple):
-    largest_unit: int  # elements of the largest stage gathered at once
+    in_flight: int  # elements gathered at once beyond the kept units: a stage and the ones prefetched after it
     reduce_buffers: int  # bytes of the largest stage's gradient reduce buffers
     once_numel: int  # gathered once per micro-batch (the root and the head)
     kept_numel: int  # unsharded from forward to backward
+    all_numel: int  # every unit's and every local expert's elements, unsharded
+    experts_kept: bool  # the experts' compute copies live from forward to backward
     fused_numel: int  # experts updated by the fused pass (compute-dtype gradients)
     held_grads: int  # bytes of unsharded gradients held with gradient_sync last_micro_batch
 
@@ -257,13 +282,27 @@ def _unit_figures(
     all_units = {id(m) for stage in units.stages for _, m in stage.modules} | {id(units.root)}
     skip = all_units | {id(m) for m in local_experts.values()}
 
-    def stage_numel(stage: Any) -> int:
-        # A stage's local experts count as if gathered with it: their compute-dtype copies are made in its
-        # forward (the same figure as when they were FSDP units).
-        gathered = sum(_managed_numel(m, skip) for _, m in stage.modules)
-        return gathered + sum(_managed_numel(local_experts[e], skip) for e in stage.local_experts)
+    head = units.stages[-1].modules[0][1]
+    # Gathered once per micro-batch (never resharded after forward): the root and the head (see shard_model).
+    once_numel = _managed_numel(units.root, skip) + _managed_numel(head, skip)
+    # Unsharded from forward to backward: the root and the head (see shard_model), and the experts when ep_fsdp
+    # has one rank (their compute-dtype copies, saved for backward) or they are not resharded after forward
+    # (parallel.expert_reshard_after_forward); these live through the whole step.
+    experts_kept = meshes.ep_fsdp_size == 1 or not expert_reshard
+    kept = [units.root, head] + ([m for _, m in units.experts] if experts_kept else [])
+    kept += list(local_experts.values())
+    kept_numel = sum(_managed_numel(m, skip) for m in kept)
+    all_numel = sum(_managed_numel(m, skip) for _, m in units) + sum(
+        _managed_numel(m, skip) for m in local_experts.values()
+    )
 
-    largest_unit = max(stage_numel(stage) for stage in units.stages)
+    def stage_numel(stage: Any) -> int:
+        # What a stage gathers beyond the kept units (counted once, above); its local experts are kept.
+        return sum(_managed_numel(m, skip) for _, m in stage.modules if not any(m is k for k in kept))
+
+    gathered = [stage_numel(stage) for stage in units.stages]
+    depth = cfg.parallel.prefetch_depth
+    in_flight = max(sum(gathered[i : i + 1 + depth]) for i in range(len(gathered)))
     # Bytes per element of the gradients FSDP reduces (and holds unsharded): float32, the expert units' in
     # parallel.expert_reduce_dtype.
     expert_units = {id(m) for _, m in units.experts}
@@ -272,20 +311,10 @@ def _unit_figures(
         return _managed_numel(unit, skip) * (expert_reduce_bytes if id(unit) in expert_units else 4)
 
     def stage_grad_bytes(stage: Any) -> int:
-        local = sum(_managed_numel(local_experts[e], skip) for e in stage.local_experts)
-        return sum(grad_bytes(m) for _, m in stage.modules) + 4 * local
+        # (local experts reduce nothing: their gradients stay where backward adds them)
+        return sum(grad_bytes(m) for _, m in stage.modules)
 
     reduce_buffers = max(stage_grad_bytes(stage) for stage in units.stages)  # the largest stage's, in backward
-    head = units.stages[-1].modules[0][1]
-    # Gathered once per micro-batch (never resharded after forward): the root and the head (see shard_model).
-    once_numel = _managed_numel(units.root, skip) + _managed_numel(head, skip)
-    # Unsharded from forward to backward: the head (see shard_model), and the experts when ep_fsdp has one
-    # rank (their compute-dtype copies, saved for backward) or they are not resharded after forward
-    # (parallel.expert_reshard_after_forward); these live through the whole step.
-    experts_kept = meshes.ep_fsdp_size == 1 or not expert_reshard
-    kept = [head] + ([m for _, m in units.experts] if experts_kept else [])
-    kept += list(local_experts.values())
-    kept_numel = sum(_managed_numel(m, skip) for m in kept)
     # Experts outside FSDP updated by the fused pass keep their gradients in the compute dtype.
     fused_numel = sum(p.numel() for m in local_experts.values() for p in m.parameters())
     fused_numel = fused_numel if cfg.train.fuse_local_experts else 0
@@ -298,7 +327,9 @@ def _unit_figures(
         return meshes.ep_fsdp_size if id(unit) in expert_units else meshes.world_size
 
     held_grads = sum(grad_bytes(m) * (shards(m) - 1) // shards(m) for _, m in units)
-    return _UnitFigures(largest_unit, reduce_buffers, once_numel, kept_numel, fused_numel, held_grads)
+    return _UnitFigures(
+        in_flight, reduce_buffers, once_numel, kept_numel, all_numel, experts_kept, fused_numel, held_grads
+    )
 
 
 def _expert_grad_bytes(cfg: JobConfig) -> int:

@@ -68,7 +68,7 @@ from moeshard.models.common._layers import (
     document_causal_mask,
     rms_norm,
 )
-from moeshard.models.common._lm_loss import IGNORE_INDEX, ce_chunk, linear_cross_entropy
+from moeshard.models.common._lm_loss import IGNORE_INDEX, LOSS_CHUNK_TOKENS, ce_chunk, linear_cross_entropy
 from moeshard.models.common._moe import (
     SCORING_FUNCS,
     Experts,
@@ -91,6 +91,7 @@ __all__ = [
     "EXPERT_LAYOUTS",
     "IGNORE_INDEX",
     "INDEX_NAME",
+    "LOSS_CHUNK_TOKENS",
     "SCOPES",
     "SCORING_FUNCS",
     "Balancing",

@@ -22,6 +22,9 @@ import torch
 
 IGNORE_INDEX = -100
 """Label value that the loss ignores (padding, prompts), as in transformers and ``torch.nn.CrossEntropyLoss``."""
+LOSS_CHUNK_TOKENS = 4096
+"""Tokens per chunk of :func:`linear_cross_entropy` by default (the LM head's): while a chunk's loss is computed its
+logits and their gradient are alive, ``2 x chunk x V`` elements in the compute dtype."""
 
 
 def ce_chunk(logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +90,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 torch.mm(g_CV, w_VD, out=grad_h_ND[start : start + chunk])
             if need_w:
                 _accumulate_mm(grad_w_VD, g_CV.t(), h_CD, first=start == 0)
+            # Dropped before the next chunk's logits exist: else three [C, V] buffers are alive at once (the next
+            # chunk's logits and both chunks' gradients), one more than a chunk needs.
+            del g_CV
         # Where the weight's owner takes its gradient in float32 (FSDP2's reduce dtype), the float32 sum is kept for
         # backward and handed over there, scaled; otherwise it is rounded to the weight's dtype here.
         target = grad_target(w_VD) if need_w and grad_target is not None else None
@@ -134,7 +140,7 @@ def linear_cross_entropy(
     w_VD: torch.Tensor,
     targets_N: torch.Tensor,
     num_items_in_batch: int | torch.Tensor | None = None,
-    chunk_size: int = 4096,
+    chunk_size: int = LOSS_CHUNK_TOKENS,
     chunk_loss: ChunkLoss = ce_chunk,
     grad_target: Callable[[torch.Tensor], Any] | None = None,
 ) -> torch.Tensor:
