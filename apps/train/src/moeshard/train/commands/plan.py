@@ -292,13 +292,14 @@ def _unit_figures(
     kept = [units.root, head] + ([m for _, m in units.experts] if experts_kept else [])
     kept += list(local_experts.values())
     kept_numel = sum(_managed_numel(m, skip) for m in kept)
+    kept_ids = {id(m) for m in kept}
     all_numel = sum(_managed_numel(m, skip) for _, m in units) + sum(
         _managed_numel(m, skip) for m in local_experts.values()
     )
 
     def stage_numel(stage: Any) -> int:
         # What a stage gathers beyond the kept units (counted once, above); its local experts are kept.
-        return sum(_managed_numel(m, skip) for _, m in stage.modules if not any(m is k for k in kept))
+        return sum(_managed_numel(m, skip) for _, m in stage.modules if id(m) not in kept_ids)
 
     gathered = [stage_numel(stage) for stage in units.stages]
     depth = cfg.parallel.prefetch_depth
