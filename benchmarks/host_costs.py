@@ -50,7 +50,7 @@ def main() -> None:
     T, K, E, D, Fd = args.tokens, 8, 128, 2048, 768
     N = T * K
     ids = torch.stack([torch.randperm(E, device=dev)[:K] for _ in range(T)]).to(torch.int64)
-    w = torch.rand(T, K, device=dev).softmax(-1)
+    s = torch.rand(T * K, device=dev)
     x = torch.randn(T, D, device=dev, dtype=bf)
     order, inv, counts = _route_triton.route(ids, E)
     offs = counts.cumsum(0).to(torch.int32)
@@ -58,7 +58,6 @@ def main() -> None:
     h = torch.randn(N, 2 * Fd, device=dev, dtype=bf)
     a = _triton.gated(h)
     y = torch.randn(N, D, device=dev, dtype=bf)
-    g = torch.randn(T, D, device=dev, dtype=bf)
     w1 = torch.randn(E, 2 * Fd, D, device=dev, dtype=bf) * 0.02
     w2 = torch.randn(E, D, Fd, device=dev, dtype=bf) * 0.02
     gw1 = torch.zeros_like(w1)
@@ -88,8 +87,8 @@ def main() -> None:
         "expand_rows (triton)": lambda: _triton.expand_rows(x, order, K),
         "gated SwiGLU (triton)": lambda: _triton.gated(h),
         "SwiGLU backward (triton)": lambda: _triton.silu_gated_backward(h, a),
-        "unsort_weighted_sum (triton)": lambda: _triton.unsort_weighted_sum(y, inv, w, bf),
-        "combine_backward (triton)": lambda: _triton.combine_backward(g, y, inv, w, True, True),
+        "weighted SwiGLU (triton)": lambda: _triton.silu_weighted_gated(h, s),
+        "weighted SwiGLU backward (triton)": lambda: _triton.silu_weighted_gated_backward(h, a, s, False),
         "gather_sum (triton)": lambda: _triton.gather_sum(y, inv, K),
         "weight grad, TMA kernel, accumulating": lambda: grouped_weight_grad(h, xs, offs, gw1, accumulate=True),
         "weight grad, pointer kernel, accumulating": lambda: grouped_weight_grad(

@@ -127,7 +127,7 @@ def _install() -> list[tuple[float, dict]]:
     _wrap(_base.ExpertDispatch, "__call__", "EP dispatcher")
     _wrap(local.LocalDispatch, "run_experts", "expert pass (EP 1)")
     _wrap(_mlp._ExpertMLP, "backward", "expert MLP backward", static=True)
-    _wrap(_permute._Combine, "backward", "combine backward (+ recompute)", static=True)
+    _wrap(_permute._SumCopies, "backward", "combine backward (+ recompute)", static=True)
     _wrap(_permute._ExpandRows, "backward", "row expansion backward", static=True)
     _wrap(torch.autograd, "backward", "autograd.backward")
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group, _fsdp_state

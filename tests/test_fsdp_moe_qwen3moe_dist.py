@@ -15,6 +15,11 @@ from moeshard.meshes.testing import run_distributed
 
 STEPS, LR, MAX_NORM, B, S, VOCAB = 3, 3e-3, 0.3, 8, 12, 512
 TOL = 1e-5  # relative: per entry against the tensor's largest entry (gradients), in norm (parameters)
+# The gradients of steps 1 and 2, in norm: they start from parameters that differ by float32 rounding amplified by
+# Adam (see _close_norm). The routed experts apply the routing weight before the down projection (transformers
+# after it), another float32 rounding: step 0's gradients stay within 1e-6 entry by entry, while step 2's largest
+# difference in norm went from 0.6e-5 to 1.4e-5 with it.
+TOL_LATER = 3e-5
 # eps 1e-6 rather than 1e-8 damps the effect described in _close_norm, which later steps' gradients inherit.
 ADAM = dict(lr=LR, weight_decay=0.1, eps=1e-6)
 
@@ -175,13 +180,13 @@ def _close(a, b, what):
     torch.testing.assert_close(a, b, rtol=TOL, atol=TOL * float(b.abs().max()), msg=lambda m: f"{what}: {m}")
 
 
-def _close_norm(a, b, what):
+def _close_norm(a, b, what, tol=TOL):
     # Adam's first step on an entry is about lr * sign(grad): where a gradient entry is tiny (a cancellation,
     # ~1e-6 of the tensor's largest), float32 rounding of another summation order changes that one entry's step
     # by up to ~lr * 1e-3. Parameters are therefore compared in norm; gradients entry by entry.
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     err = float((a - b).norm() / b.norm())
-    assert err <= TOL, f"{what}: relative error in norm {err:.2e} > {TOL}"
+    assert err <= tol, f"{what}: relative error in norm {err:.2e} > {tol}"
 
 
 def _compare(steps, ref, what):
@@ -194,8 +199,10 @@ def _compare(steps, ref, what):
         for k in rg:
             # Step 0 entry by entry; later steps start from parameters that already differ by float32 rounding
             # amplified by Adam (see _close_norm), so their gradients are compared in norm.
-            check = _close if i == 0 else _close_norm
-            check(torch.from_numpy(grads[k]), rg[k], f"{what} step {i} gradient of {k}")
+            if i == 0:
+                _close(torch.from_numpy(grads[k]), rg[k], f"{what} step {i} gradient of {k}")
+            else:
+                _close_norm(torch.from_numpy(grads[k]), rg[k], f"{what} step {i} gradient of {k}", TOL_LATER)
             _close_norm(torch.from_numpy(params[k]), rp[k], f"{what} step {i} parameter {k}")
 
 

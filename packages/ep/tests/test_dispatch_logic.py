@@ -13,6 +13,7 @@ from moeshard.ep._permute import (
     permute_rows,
     regroup_by_local_expert,
     sort_by_expert,
+    sorted_weights,
 )
 from moeshard.ep.testing import count_host_syncs
 
@@ -74,7 +75,7 @@ def test_permute_rows_backward_is_the_inverse_gather():
     assert torch.equal(x.grad[perm], g)
 
 
-def test_expand_rows_and_combine_weights_in_float32():
+def test_expand_rows_sorted_weights_and_combine():
     kernels = kernels_for("eager")
     ids_TK = torch.tensor([[1, 0], [0, 1]])
     order_N, _ = sort_by_expert(ids_TK, num_experts=2)
@@ -84,37 +85,36 @@ def test_expand_rows_and_combine_weights_in_float32():
     assert x_sorted.flatten().tolist() == [10.0, 20.0, 10.0, 20.0]  # expert 0: tokens 0, 1; expert 1: tokens 0, 1
     x_sorted.sum().backward()
     assert x_TD.grad.flatten().tolist() == [2.0, 2.0]  # each token's K copies added
-    y_copy_ND = torch.tensor([[1.0], [2.0], [3.0], [4.0]])  # outputs in copy order t*K+k
-    w_TK = torch.tensor([[0.5, 0.25], [1.0, 2.0]], dtype=torch.bfloat16)
-    y_TD = combine(y_copy_ND[order_N], order_N, w_TK, inv_N, kernels)
-    assert y_TD.dtype == torch.float32 and y_TD.flatten().tolist() == [1.0, 11.0]
+    # each copy's routing weight in the same order, in float32, its gradient back in the weights' place
+    w_TK = torch.tensor([[0.5, 0.25], [1.0, 2.0]], dtype=torch.bfloat16, requires_grad=True)
+    w_sorted = sorted_weights(w_TK, order_N)
+    assert w_sorted.dtype == torch.float32 and w_sorted.tolist() == [0.25, 1.0, 0.5, 2.0]
+    (w_sorted * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum().backward()
+    assert w_TK.grad.tolist() == [[3.0, 1.0], [2.0, 4.0]]
+    # the combine un-sorts and adds each token's copies (weighted by the expert pass already)
+    y_copy_ND = torch.tensor([[1.0], [2.0], [3.0], [4.0]], requires_grad=True)  # outputs in copy order t*K+k
+    y_TD = combine(y_copy_ND[order_N], order_N, inv_N, 2, kernels)
+    assert y_TD.flatten().tolist() == [3.0, 7.0]
+    y_TD.backward(torch.tensor([[5.0], [6.0]]))
+    assert y_copy_ND.grad.flatten().tolist() == [5.0, 5.0, 6.0, 6.0]  # each copy gets its token's gradient
 
 
 @pytest.mark.parametrize("tier", ["eager", "compiled"])
-def test_combine_rounds_once_to_the_callers_dtype(tier):
-    # the float32 sum rounded inside the kernel equals the float32 output cast afterwards, both ways: the gradient
-    # comes in bf16 and is read in float32 (exact), as the float32 output's cast backward would hand it over
+def test_combine_sums_in_float32_and_rounds_once(tier):
+    # bf16 copies added in float32 and rounded once to the caller's dtype; each copy's gradient is its token's
     kernels = kernels_for(tier)
     g = torch.Generator().manual_seed(0)
     T, K, E, D = 37, 4, 8, 24
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     order_N, _ = sort_by_expert(ids, E)
     inv_N = inverse_permutation(order_N)
-    y = torch.randn(T * K, D, generator=g).to(torch.bfloat16)
-    w = torch.rand(T, K, generator=g)
+    y = torch.randn(T * K, D, generator=g).to(torch.bfloat16).requires_grad_()
     gy_TD = torch.randn(T, D, generator=g).to(torch.bfloat16)
-    grads = []
-    for fused in (False, True):
-        y_, w_ = y.clone().requires_grad_(), w.clone().requires_grad_()
-        if fused:
-            out = combine(y_, order_N, w_, inv_N, kernels, torch.bfloat16)
-        else:
-            out = combine(y_, order_N, w_, inv_N, kernels).to(torch.bfloat16)
-        assert out.dtype == torch.bfloat16
-        out.backward(gy_TD)
-        grads.append((out.detach(), y_.grad, w_.grad))
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
+    out = combine(y, order_N, inv_N, K, kernels)
+    want = y.detach().float()[inv_N].view(T, K, D).sum(dim=1).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    out.backward(gy_TD)
+    assert torch.equal(y.grad, gy_TD[order_N // K])
 
 
 def test_ep1_host_syncs():

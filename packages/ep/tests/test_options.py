@@ -46,7 +46,7 @@ def test_frozen_and_described():
 def test_kernel_tiers_are_built_once_and_never_change():
     eager = k.kernels_for("eager")
     assert k.kernels_for("eager") is eager  # cached per tier
-    assert (eager.tier, eager.gated, eager.unsort_weighted_sum) == ("eager", k.gated, k.unsort_weighted_sum)
+    assert (eager.tier, eager.gated, eager.weighted_gated) == ("eager", k.gated, k.weighted_gated)
     compiled = k.kernels_for("compiled")
     assert compiled.gated.__wrapped__ is k.gated and compiled.expand_rows is k.expand_rows
     with pytest.raises(dataclasses.FrozenInstanceError):

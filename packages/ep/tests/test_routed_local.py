@@ -125,39 +125,52 @@ def test_functional_form_is_the_dispatcher():
 
 @pytest.mark.parametrize("gemm", ["loop", "grouped_mm"])
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_expert_pass_backward_equals_autograd(gemm, activation):
-    """The hand-written expert-MLP backward (used by every strategy) is autograd's through the plain ops."""
+@pytest.mark.parametrize("weighted", [False, True])
+def test_expert_pass_backward_equals_autograd(gemm, activation, weighted):
+    """The hand-written expert-MLP backward (used by every strategy) is autograd's through the plain ops, with and
+    without routing weights applied to the rows (their gradient included)."""
     g = torch.Generator().manual_seed(3)
     counts = [5, 0, 3, 8]  # an expert without rows too
     x = torch.randn(sum(counts), 16, generator=g)
     w1 = torch.randn(4, 16, 16, generator=g) / 4
     w2 = torch.randn(4, 16, 8, generator=g) / 3
+    s = torch.rand(sum(counts), generator=g) if weighted else None
     gy = torch.randn(sum(counts), 16, generator=g)
     leaves = [t.clone().requires_grad_(True) for t in (x, w1, w2)]
-    y_ref = _autograd_mlp(*leaves, counts, activation)
+    s_leaf = None if s is None else s.clone().requires_grad_(True)
+    y_ref = _autograd_mlp(*leaves, counts, activation, s_leaf)
     y_ref.backward(gy)
     run = ExpertPass(torch.tensor(counts), counts, activation, gemm, kernels_for("eager"))
-    y, saved = run.forward(x, w1, w2)
-    gx, gw1, gw2 = run.backward(gy, saved, w1, w2, need_x=True, need_w=True)
+    y, saved = run.forward(x, w1, w2, s)
+    gx, gw1, gw2, gs = run.backward(gy, saved, w1, w2, need_x=True, need_w=True)
     torch.testing.assert_close(y, y_ref.detach(), rtol=1e-6, atol=1e-6)
     for got, leaf in zip((gx, gw1, gw2), leaves):
         torch.testing.assert_close(got, leaf.grad, rtol=1e-5, atol=1e-6)
+    if weighted:
+        torch.testing.assert_close(gs, s_leaf.grad, rtol=1e-5, atol=1e-6)
+    else:
+        assert gs is None
     # grouped_expert_mlp is the same pass under autograd
     leaves2 = [t.clone().requires_grad_(True) for t in (x, w1, w2)]
-    y2 = grouped_expert_mlp(*leaves2[:1], torch.tensor(counts), *leaves2[1:], activation=activation, gemm=gemm)
+    s2 = None if s is None else s.clone().requires_grad_(True)
+    y2 = grouped_expert_mlp(
+        leaves2[0], torch.tensor(counts), *leaves2[1:], activation=activation, gemm=gemm, row_weights=s2
+    )
     y2.backward(gy)
     assert torch.equal(y2.detach(), y)
     for got, leaf in zip((gx, gw1, gw2), leaves2):
         assert torch.equal(got, leaf.grad)
+    assert s2 is None or torch.equal(gs, s2.grad)
 
 
-def _autograd_mlp(x, w1, w2, counts, activation):
+def _autograd_mlp(x, w1, w2, counts, activation, s=None):
     from moeshard.ep import ACTIVATIONS
 
     outs, start = [], 0
     for e, n in enumerate(counts):
         gate, up = (x[start : start + n] @ w1[e].T).chunk(2, dim=-1)
-        outs.append((ACTIVATIONS[activation](gate) * up) @ w2[e].T)
+        a = ACTIVATIONS[activation](gate) * up
+        outs.append((a if s is None else a * s[start : start + n, None]) @ w2[e].T)
         start += n
     return torch.cat(outs)
 
@@ -174,7 +187,8 @@ def test_weight_gradients_only_where_asked():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_recompute_is_bit_identical_and_saves_less(gemm, dtype):
     """EPOptions.recompute: the same outputs and gradients bit for bit, and only what it says stays saved
-    (x; x and the gate/up output; or all three), counted with saved-tensor hooks over a whole routed layer."""
+    (x; x and the gate/up output; or all three), counted with saved-tensor hooks over a whole routed layer: the
+    expert outputs are never kept (the routing weights' gradient comes from the activation)."""
     x, ids, w_TK, w1, w2 = _problem(T=16, K=2, D=24, E=4, F=8, dtype=dtype)
     got, saved = {}, {}
     for recompute in ("none", "activation", "mlp"):
@@ -193,10 +207,10 @@ def test_recompute_is_bit_identical_and_saves_less(gemm, dtype):
         for a, b in zip(got["none"], got[recompute]):
             assert torch.equal(a, b), recompute
     widths = {r: [w for w, _ in saved[r]] for r in saved}
-    # x and the expert outputs [N, D]; the gate/up output h [N, 2F]; the gated activation a [N, F]
-    assert widths["none"] == [8, 16, 24, 24], widths
-    assert widths["activation"] == [16, 24, 24], widths
-    assert widths["mlp"] == [24, 24], widths
+    # x [N, D]; the gate/up output h [N, 2F]; the gated activation a [N, F]
+    assert widths["none"] == [8, 16, 24], widths
+    assert widths["activation"] == [16, 24], widths
+    assert widths["mlp"] == [24], widths
 
 
 def test_recompute_is_validated():

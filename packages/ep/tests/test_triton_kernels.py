@@ -42,25 +42,19 @@ def check_kernels(device: str, dtype: torch.dtype, D: int) -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(T, D, generator=g).to(device, dtype)
     y = torch.randn(T * K, D, generator=g).to(device, dtype)
-    w = torch.rand(T, K, generator=g).to(device, dtype)
-    gt = torch.randn(T, D, generator=g).to(device)
     ulp = 0 if dtype == torch.float32 else 1e-2
 
     assert torch.equal(tk.expand_rows(x, order, K), x[order // K])
-    torch.testing.assert_close(tk.unsort_weighted_sum(y, inv, w), k.unsort_weighted_sum(y, inv, w))
-    # the output rounded once in the kernel: as the float32 output cast by torch (round to nearest even) on the
-    # GPU; triton's interpreter rounds by truncation, so on CPU within one bf16 ulp
-    rounded, cast = tk.unsort_weighted_sum(y, inv, w, dtype), tk.unsort_weighted_sum(y, inv, w).to(dtype)
-    if device == "cuda":
-        assert torch.equal(rounded, cast)
-    torch.testing.assert_close(rounded.float(), cast.float(), rtol=ulp, atol=ulp)
+    # a token's copies added in float32 and rounded once (the combine, and the copies' gradient sum): as the float32
+    # sum cast by torch (round to nearest even) on the GPU; triton's interpreter rounds by truncation, so on CPU
+    # within one bf16 ulp
     got = tk.gather_sum(y, inv, K)
     assert got.dtype == dtype
+    want = y.float()[inv].view(T, K, D).sum(dim=1)
+    if device == "cuda":
+        assert torch.equal(got, want.to(dtype))
+    torch.testing.assert_close(got.float(), want, rtol=ulp, atol=ulp * 4)
     torch.testing.assert_close(got.float(), k.gather_sum(y, inv, K).float(), rtol=ulp, atol=ulp * 4)
-    gy, gw = tk.combine_backward(gt, y, inv, w, True, True)
-    assert gy.dtype == dtype and gw.dtype == torch.float32
-    torch.testing.assert_close(gy, k.sorted_output_grad(gt, order, w, dtype), rtol=ulp, atol=ulp)
-    torch.testing.assert_close(gw, k.routing_weight_grad(gt, y, inv, K), rtol=1e-5, atol=1e-4)
     # SwiGLU's gated activation (h = [gate | up], width 2D) and its gradient; float32 arithmetic, one rounding
     h = torch.randn(T * K, 2 * D, generator=g).to(device, dtype)
     ga = torch.randn(T * K, D, generator=g).to(device, dtype)
@@ -79,11 +73,6 @@ def check_kernels(device: str, dtype: torch.dtype, D: int) -> None:
     assert tk.gated(hr2).grad_fn is not None  # recorded: through the Function (the plain expert path)
     got = torch.autograd.grad(tk.gated(hr2), hr2, ga)[0]
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
-    # each gradient alone is the same as both together
-    only_gy, none = tk.combine_backward(gt, y, inv, w, True, False)
-    assert none is None and torch.equal(only_gy, gy)
-    none, only_gw = tk.combine_backward(gt, y, inv, w, False, True)
-    assert none is None and torch.equal(only_gw, gw)
 
 
 def check_bad_shapes() -> None:
@@ -132,6 +121,52 @@ def check_route(device: str) -> int:
     return cases
 
 
+def check_weighted_gated(device: str) -> int:
+    """``silu_weighted_gated`` and its backward against autograd through ``s[:, None] * silu(gate) * up`` in float64."""
+    tk = _triton_module()
+    g = torch.Generator().manual_seed(3)
+    cases = 0
+    # N: not a multiple of the rows per program, one row, none; F: a power of two, a partial chunk (12), several
+    # chunks with a partial last one (600: chunks of 128), several full chunks (768: chunks of 256)
+    for dtype in (torch.float32, torch.bfloat16):
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding, within an ulp (the interpreter truncates)
+        for N, F in [(37, 12), (21, 8), (1, 16), (0, 12), (5, 600), (3, 768)]:
+            h = torch.randn(N, 2 * F, generator=g).to(device, dtype)
+            s = torch.rand(N, generator=g).to(device)
+            grad = torch.randn(N, F, generator=g).to(device, dtype)
+            hr, sr = h.double().requires_grad_(), s.double().requires_grad_()
+            gate, up = hr.chunk(2, dim=-1)
+            want_a = sr[:, None] * torch.nn.functional.silu(gate) * up
+            want_gh, want_gs = torch.autograd.grad(want_a, (hr, sr), grad.double())
+
+            a = tk.silu_weighted_gated(h, s)
+            assert a.dtype == dtype and a.shape == (N, F)
+            torch.testing.assert_close(a.double(), want_a.detach(), rtol=tol, atol=1e-5)
+            gh, gs, a2 = tk.silu_weighted_gated_backward(h, grad, s, True)
+            assert gh.dtype == dtype and gh.shape == (N, 2 * F) and gs.dtype == torch.float32 and gs.shape == (N,)
+            torch.testing.assert_close(gh.double(), want_gh, rtol=tol, atol=1e-5)
+            # the row sum in float32 of the same (rounded) inputs: float32 accuracy, whatever h's dtype
+            torch.testing.assert_close(gs.double(), want_gs, rtol=1e-5, atol=1e-5)
+            assert torch.equal(a2, a)  # the forward's output recomputed: the same bits
+            # without a: the same gradients
+            gh3, gs3, none = tk.silu_weighted_gated_backward(h, grad.t().contiguous().t(), s, False)
+            assert none is None and torch.equal(gh3, gh) and torch.equal(gs3, gs)
+            cases += 1
+    return cases
+
+
+def check_weighted_bad_shapes() -> None:
+    tk = _triton_module()
+    with pytest.raises(ValueError, match="2F"):
+        tk.silu_weighted_gated(torch.zeros(6, 5), torch.zeros(6))
+    with pytest.raises(ValueError, match="weights"):
+        tk.silu_weighted_gated(torch.zeros(6, 4), torch.zeros(6, 1))
+    with pytest.raises(ValueError, match="weights"):
+        tk.silu_weighted_gated_backward(torch.zeros(6, 4), torch.zeros(6, 2), torch.zeros(5), True)
+    with pytest.raises(ValueError, match="grad has shape"):
+        tk.silu_weighted_gated_backward(torch.zeros(6, 4), torch.zeros(6, 4), torch.zeros(6), False)
+
+
 CASES = [(dtype, D) for dtype in (torch.float32, torch.bfloat16) for D in (200, 1536)]  # D: a partial block, several
 
 
@@ -141,6 +176,20 @@ def test_kernels_match_eager_in_the_interpreter():
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "checked 4 cases, 8 routes" in run.stdout
+
+
+def test_silu_weighted_gated_in_the_interpreter():
+    # a process of its own (TRITON_INTERPRET=1 before triton's import), apart from the other kernels' checks
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, __file__, "weighted"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "checked 12 weighted cases" in run.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_silu_weighted_gated_on_cuda():
+    assert check_weighted_gated("cuda") == 12
+    check_weighted_bad_shapes()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -158,7 +207,7 @@ def test_route_matches_sort_on_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels replace the compiled ones on CUDA only")
 def test_triton_tier_on_cuda():
     triton, compiled = k.kernels_for("triton"), k.kernels_for("compiled")
-    assert triton.tier == "triton" and triton.combine_backward.__wrapped__ is compiled.combine_backward
+    assert triton.tier == "triton" and triton.weighted_gated.__wrapped__ is compiled.weighted_gated
     assert triton.gated.__wrapped__ is compiled.gated and triton.expand_rows.__wrapped__ is k.expand_rows
     assert triton.route.__wrapped__ is k.route
 
@@ -185,7 +234,11 @@ def test_routed_experts_with_triton_kernels_match_compiled(gemm):
         torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-2 * scale, msg=lambda m, n=name: f"{n}: {m}")
 
 
-if __name__ == "__main__":  # the interpreter run of test_kernels_match_eager_in_the_interpreter
+if __name__ == "__main__" and sys.argv[1:] == ["weighted"]:  # test_silu_weighted_gated_in_the_interpreter
+    interpreter_numpy_fix()
+    check_weighted_bad_shapes()
+    print(f"checked {check_weighted_gated('cpu')} weighted cases")
+elif __name__ == "__main__":  # the interpreter run of test_kernels_match_eager_in_the_interpreter
     interpreter_numpy_fix()
     for dtype, D in CASES:
         check_kernels("cpu", dtype, D)

@@ -108,10 +108,10 @@ def test_checkpointing_policies():
     for options in (ParallelOptions(), ParallelOptions(activation_checkpointing="full")):
         assert options.ep_options() == options.ep
     selective = ParallelOptions(ep=EPOptions(gemm="loop"), activation_checkpointing="selective")
-    assert selective.ep_options() == EPOptions(gemm="loop", recompute="mlp")
-    lines = ParallelOptions(activation_checkpointing="selective", selective_recompute="activation").describe()
-    assert "activation checkpointing: selective (the routed experts recompute: activation)" in lines
-    assert lines[0].endswith("recompute=activation")
+    assert selective.ep_options() == EPOptions(gemm="loop", recompute="activation")
+    lines = ParallelOptions(activation_checkpointing="selective", selective_recompute="mlp").describe()
+    assert "activation checkpointing: selective (the routed experts recompute: mlp)" in lines
+    assert lines[0].endswith("recompute=mlp")
     with pytest.raises(ValueError, match=r"ParallelOptions.ep has recompute='mlp': set activation_checkpointing="):
         ParallelOptions(ep=EPOptions(recompute="mlp"))
 

@@ -6,10 +6,10 @@
 :func:`kernels_for` returns the :class:`Kernels` of a tier, built once per process and never changed:
 
 - ``"eager"``: the torch functions below;
-- ``"compiled"``: the same functions through :func:`compile_rows_dynamic` (the gated activation both ways, the
-  weighted combine and its two gradients, the copies' gradient sum); the row expansion stays an eager gather;
+- ``"compiled"``: the same functions through :func:`compile_rows_dynamic` (the gated activation both ways, plain
+  and weighted by the routing weights, the copies' sum); the row expansion stays an eager gather;
 - ``"triton"``: on CUDA tensors the triton kernels of ``moeshard.ep._triton`` (the gathers, SwiGLU's gated
-  activation both ways), ``moeshard.ep._wgrad_triton`` (the weight gradients added into the gradient inside
+  activation both ways, plain and weighted), ``moeshard.ep._wgrad_triton`` (the weight gradients added into the gradient inside
   the grouped GEMM) and ``moeshard.ep._route_triton`` (the route as a counting sort), the compiled functions for
   everything else (CPU tensors, other activations).
 
@@ -65,6 +65,34 @@ def gated_backward(activation: str, h_NX: torch.Tensor, grad_NF: torch.Tensor) -
     return torch.cat([d_gate, grad_NF * ACTIVATIONS[activation](gate_NF)], dim=-1)
 
 
+def weighted_gated(activation: str, h_NX: torch.Tensor, s_N: torch.Tensor) -> torch.Tensor:
+    """``s · act(gate) · up`` for ``h = [gate | up]`` and a float32 weight per row: the routing weight applied to
+    the expert's activation, before its down projection (float32 arithmetic, rounded once to h's dtype)."""
+    gate_NF, up_NF = h_NX.float().chunk(2, dim=-1)
+    return (ACTIVATIONS[activation](gate_NF) * up_NF * s_N.float().unsqueeze(-1)).to(h_NX.dtype)
+
+
+def weighted_gated_backward(
+    activation: str, h_NX: torch.Tensor, grad_NF: torch.Tensor, s_N: torch.Tensor, need_a: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(grad h, grad s, a | None)`` of :func:`weighted_gated`: ``grad s[n] = Σ_f grad[n, f] · act(gate) · up``
+    (float32), ``grad h`` the gated activation's gradient at ``s · grad`` (h's dtype), and with ``need_a`` the
+    forward's output again (for a caller that did not keep it). Float32 arithmetic throughout."""
+    gate_NF, up_NF = h_NX.float().chunk(2, dim=-1)
+    g_NF, s_N1 = grad_NF.float(), s_N.float().unsqueeze(-1)
+    act_NF = ACTIVATIONS[activation](gate_NF)
+    gated_NF = act_NF * up_NF
+    gs_NF = g_NF * s_N1
+    if activation == "silu":
+        d_gate = torch.ops.aten.silu_backward(gs_NF * up_NF, gate_NF)
+    else:
+        approximate = "tanh" if activation == "gelu_tanh" else "none"
+        d_gate = torch.ops.aten.gelu_backward(gs_NF * up_NF, gate_NF, approximate=approximate)
+    grad_h = torch.cat([d_gate, gs_NF * act_NF], dim=-1).to(h_NX.dtype)
+    a_NF = (gated_NF * s_N1).to(h_NX.dtype) if need_a else None
+    return grad_h, (g_NF * gated_NF).sum(dim=-1), a_NF
+
+
 def expand_rows(x_TD: torch.Tensor, order_N: torch.Tensor, K: int) -> torch.Tensor:
     """``x[order // K]``: each token's row once per routed copy, in expert order."""
     return x_TD.index_select(0, torch.div(order_N, K, rounding_mode="floor"))
@@ -73,30 +101,6 @@ def expand_rows(x_TD: torch.Tensor, order_N: torch.Tensor, K: int) -> torch.Tens
 def gather_sum(grad_ND: torch.Tensor, inv_N: torch.Tensor, K: int) -> torch.Tensor:
     """``Σ_k grad[inv[t*K+k]]``: back to copy order, then each token's K adjacent copies summed."""
     return grad_ND.index_select(0, inv_N).view(-1, K, grad_ND.shape[-1]).sum(dim=1)
-
-
-def unsort_weighted_sum(
-    y_sorted_ND: torch.Tensor, inv_N: torch.Tensor, w_TK: torch.Tensor, out_dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """``Σ_k w[t, k] · y_sorted[inv[t*K+k]]`` in float32 (the un-sort gather folded into the weighted sum), rounded
-    once to ``out_dtype``."""
-    T, K = w_TK.shape
-    y_TKD = y_sorted_ND.index_select(0, inv_N).view(T, K, y_sorted_ND.shape[-1])
-    return (y_TKD.float() * w_TK.float().unsqueeze(-1)).sum(dim=1).to(out_dtype)
-
-
-def sorted_output_grad(g_TD: torch.Tensor, order_N: torch.Tensor, w_TK: torch.Tensor, dtype: torch.dtype):
-    """Gradient of :func:`unsort_weighted_sum` w.r.t. ``y_sorted``: the copy's weight times its token's gradient."""
-    K = w_TK.shape[1]
-    w_N = w_TK.reshape(-1).float().index_select(0, order_N)
-    return (g_TD.index_select(0, torch.div(order_N, K, rounding_mode="floor")) * w_N.unsqueeze(-1)).to(dtype)
-
-
-def routing_weight_grad(g_TD: torch.Tensor, y_sorted_ND: torch.Tensor, inv_N: torch.Tensor, K: int):
-    """Gradient of :func:`unsort_weighted_sum` w.r.t. ``w``, in float32."""
-    T = g_TD.shape[0]
-    y_TKD = y_sorted_ND.index_select(0, inv_N).view(T, K, y_sorted_ND.shape[-1])
-    return (y_TKD.float() * g_TD.float().unsqueeze(1)).sum(dim=-1)
 
 
 def weight_grad_into(a_NM: torch.Tensor, b_NK: torch.Tensor, offs_E: torch.Tensor, out_EMK: torch.Tensor) -> None:
@@ -112,15 +116,6 @@ def route(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
 
     order_N, counts_E = sort_by_expert(topk_ids_TK, num_experts)
     return order_N, inverse_permutation(order_N), counts_E
-
-
-def _combine_backward_of(sorted_output_grad: Callable, routing_weight_grad: Callable) -> Callable:
-    def combine_backward(g_TD, y_sorted_ND, order_N, inv_N, w_TK, need_gy: bool, need_gw: bool):
-        gy = sorted_output_grad(g_TD, order_N, w_TK, y_sorted_ND.dtype) if need_gy else None
-        gw = routing_weight_grad(g_TD, y_sorted_ND, inv_N, w_TK.shape[1]) if need_gw else None
-        return gy, gw
-
-    return combine_backward
 
 
 def compile_rows_dynamic(fn: Callable) -> Callable:
@@ -156,10 +151,9 @@ class Kernels:
         gated_backward: ``(activation, h_NX, grad_NF) -> grad_NX``.
         expand_rows: ``(x_TD, order_N, K) -> x_sorted_ND``.
         gather_sum: ``(grad_ND, inv_N, K) -> grad_TD`` (the backward of ``expand_rows``).
-        unsort_weighted_sum: ``(y_sorted_ND, inv_N, w_TK, out_dtype) -> y_TD``, summed in float32 and rounded
-            once to ``out_dtype`` (the caller's dtype: no separate cast pass after it, none back in backward).
-        combine_backward: ``(g_TD, y_sorted_ND, order_N, inv_N, w_TK, need_gy, need_gw) -> (gy_ND, gw_TK)``, each
-            None where not needed (``gw`` in float32).
+        weighted_gated: ``(activation, h_NX, s_N) -> a_NF``, the gated activation times each row's routing weight.
+        weighted_gated_backward: ``(activation, h_NX, grad_NF, s_N, need_a) -> (grad_NX, grad_s_N, a_NF | None)``
+            (``grad_s`` in float32; ``a``, the forward's output again, only with ``need_a``).
         weight_grad_into: ``(a_NM, b_NK, offs_E, out_EMK) -> None``, ``out[e] += a[rows_e]^T @ b[rows_e]`` (the
             grouped_mm backend's weight gradients added into a gradient buffer, see ``ExpertPass.backward``).
         route: ``(topk_ids_TK, num_experts) -> (order_N, inv_N, counts_E)``, the copies in expert order (stable),
@@ -171,8 +165,8 @@ class Kernels:
     gated_backward: Callable
     expand_rows: Callable
     gather_sum: Callable
-    unsort_weighted_sum: Callable
-    combine_backward: Callable
+    weighted_gated: Callable
+    weighted_gated_backward: Callable
     weight_grad_into: Callable = weight_grad_into
     route: Callable = route
 
@@ -194,8 +188,8 @@ def kernels_for(tier: str) -> Kernels:
             gated_backward=gated_backward,
             expand_rows=expand_rows,
             gather_sum=gather_sum,
-            unsort_weighted_sum=unsort_weighted_sum,
-            combine_backward=_combine_backward_of(sorted_output_grad, routing_weight_grad),
+            weighted_gated=weighted_gated,
+            weighted_gated_backward=weighted_gated_backward,
         )
     if tier == "compiled":
         return Kernels(
@@ -204,10 +198,8 @@ def kernels_for(tier: str) -> Kernels:
             gated_backward=compile_rows_dynamic(gated_backward),
             expand_rows=expand_rows,  # one gather: nothing to fuse
             gather_sum=compile_rows_dynamic(gather_sum),
-            unsort_weighted_sum=compile_rows_dynamic(unsort_weighted_sum),
-            combine_backward=_combine_backward_of(
-                compile_rows_dynamic(sorted_output_grad), compile_rows_dynamic(routing_weight_grad)
-            ),
+            weighted_gated=compile_rows_dynamic(weighted_gated),
+            weighted_gated_backward=compile_rows_dynamic(weighted_gated_backward),
         )
     compiled = kernels_for("compiled")
     if not torch.cuda.is_available():  # no CUDA tensors: the compiled kernels throughout
@@ -221,9 +213,6 @@ def _triton_kernels(other: Kernels) -> Kernels:
     except ImportError as e:
         raise ImportError(f"EPOptions(kernels='triton') needs triton on a machine with CUDA: {e}") from e
 
-    def combine_backward(g_TD, y_sorted_ND, order_N, inv_N, w_TK, need_gy, need_gw):
-        return _triton.combine_backward(g_TD, y_sorted_ND, inv_N, w_TK, need_gy, need_gw)
-
     def route_on_gpu(topk_ids_TK, num_experts):
         return (_route_triton.route if num_experts <= _route_triton.MAX_EXPERTS else route)(topk_ids_TK, num_experts)
 
@@ -235,8 +224,11 @@ def _triton_kernels(other: Kernels) -> Kernels:
         gated_backward=_silu_on_cuda(lambda activation, h, g: _triton.silu_gated_backward(h, g), other.gated_backward),
         expand_rows=_on_cuda(_triton.expand_rows, other.expand_rows),
         gather_sum=_on_cuda(_triton.gather_sum, other.gather_sum),
-        unsort_weighted_sum=_on_cuda(_triton.unsort_weighted_sum, other.unsort_weighted_sum),
-        combine_backward=_on_cuda(combine_backward, other.combine_backward),
+        weighted_gated=_silu_on_cuda(lambda activation, h, s: _triton.silu_weighted_gated(h, s), other.weighted_gated),
+        weighted_gated_backward=_silu_on_cuda(
+            lambda activation, h, g, s, need_a: _triton.silu_weighted_gated_backward(h, g, s, need_a),
+            other.weighted_gated_backward,
+        ),
         weight_grad_into=_on_cuda(_wgrad_into_triton, other.weight_grad_into),
         route=_on_cuda(route_on_gpu, other.route),
     )

@@ -14,6 +14,11 @@ callers that want autograd. Two GEMM backends that agree within dtype tolerance:
 ``"auto"`` picks ``grouped_mm`` on CUDA for bf16/fp16 on compute capability >= 9.0 (where it is fast and
 tested), the loop elsewhere (on CPU, torch's grouped_mm needs 16-byte aligned strides and has no float64).
 
+**Routing weights applied in the pass.** Given each row's routing weight (``row_weights``, float32), the pass
+scales the gated activation by it before the down projection, ``y_n = down(w_n · act(gate x_n) · up x_n)``, and
+backward returns the weights' gradient ``Σ_f grad_a · act(gate) · up`` from the activation's backward kernel: the
+dispatchers' combine then only adds each token's copies, and nothing of the outputs is kept for that gradient.
+
 **Weight gradients into a buffer.** A :data:`WeightGradTarget` (``target(weight) -> buffer | None``), given by the
 owner of the weights' gradients (``EPInfo.accumulate_weight_grads``), lets backward add the weight gradients into
 the gradient that is already there (gradient accumulation's later micro-batches) instead of returning a new tensor
@@ -29,7 +34,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from moeshard.ep._kernels import Kernels, activation_fn, gated, gated_backward, kernels_for
+from moeshard.ep._kernels import Kernels, activation_fn, gated, kernels_for, weighted_gated
 from moeshard.ep._options import GEMMS, RECOMPUTES
 
 __all__ = ["ExpertPass", "WeightGradTarget", "grouped_expert_mlp", "resolve_gemm"]
@@ -38,6 +43,9 @@ WeightGradTarget = Callable[[torch.Tensor], "torch.Tensor | None"]
 """``target(weight) -> buffer | None``, asked in backward for each expert weight (the tensor the forward received):
 a contiguous tensor of the weight's shape and dtype holding its gradient so far, into which backward adds this
 pass's gradient (and then returns none for that weight), or None for a gradient returned to autograd as usual."""
+
+
+_EAGER = kernels_for("eager")  # the loop backend's pointwise functions
 
 
 @functools.cache
@@ -97,16 +105,20 @@ class ExpertPass:
         self.offs = offsets
         self.recompute = recompute
 
-    def forward(self, x_ND, w_gate_up, w_down):
-        """``(y_ND, saved)``: the output and the tensors :meth:`backward` takes back."""
+    def forward(self, x_ND, w_gate_up, w_down, s_N=None):
+        """``(y_ND, saved)``: the output and the tensors :meth:`backward` takes back.
+
+        ``s_N``: each row's routing weight (float32) or None. With it the output rows come out weighted,
+        ``y_n = s_n · down(act(gate x_n) · up x_n)``: the weight scales the gated activation before the down
+        projection, so nothing of the output is needed for its gradient (it comes from the activation)."""
         h_NX = self._gate_up(x_ND, w_gate_up)
-        a_NF = self._gated(h_NX)
+        a_NF = self._gated(h_NX, s_N)
         if self.gemm == "grouped_mm":
             y_ND = F.grouped_mm(a_NF, w_down.transpose(-2, -1), offs=self.offs)
         else:
             y_ND = torch.cat([a_NF[s : s + n] @ w_down[e].transpose(0, 1) for e, (s, n) in enumerate(self._spans())])
-        saved = {"none": (x_ND, h_NX, a_NF), "activation": (x_ND, h_NX), "mlp": (x_ND,)}[self.recompute]
-        return y_ND, saved
+        kept = {"none": (x_ND, h_NX, a_NF), "activation": (x_ND, h_NX), "mlp": (x_ND,)}[self.recompute]
+        return y_ND, (s_N, *kept)
 
     def _gate_up(self, x_ND, w_gate_up):
         """``h_NX``: each expert's gate/up GEMM on its rows."""
@@ -117,18 +129,24 @@ class ExpertPass:
         hs = [x_ND[s : s + n] @ w_gate_up[e].transpose(0, 1) for e, (s, n) in enumerate(self._spans())]
         return torch.cat(hs) if hs else x_ND.new_zeros((0, w_gate_up.shape[1]))
 
-    def _gated(self, h_NX):
-        """``a_NF``: the gated activation of the gate/up output (the kernel tier's with grouped_mm)."""
+    def _gated(self, h_NX, s_N):
+        """``a_NF``: the gated activation of the gate/up output, times ``s_N`` where given (the kernel tier's with
+        grouped_mm, the eager functions with the loop)."""
         if self.gemm == "grouped_mm":
-            return self.kernels.gated(self.activation, h_NX).contiguous()
-        return gated(self.activation, h_NX)
+            k = self.kernels
+            a_NF = k.gated(self.activation, h_NX) if s_N is None else k.weighted_gated(self.activation, h_NX, s_N)
+            return a_NF.contiguous()
+        return gated(self.activation, h_NX) if s_N is None else weighted_gated(self.activation, h_NX, s_N)
 
-    def _restore(self, saved, w_gate_up):
-        """``(x_ND, h_NX, a_NF)`` from what forward kept, recomputing the rest as forward computed it."""
-        x_ND, *kept = saved
-        h_NX = kept[0] if kept else self._gate_up(x_ND, w_gate_up)
-        a_NF = kept[1] if len(kept) > 1 else self._gated(h_NX)
-        return x_ND, h_NX, a_NF
+    def _gated_backward(self, h_NX, ga_NF, s_N, need_a: bool):
+        """``(grad h, grad s | None, a | None)``: the gated activation's gradients, and with ``need_a`` its output
+        again (recomputed for the down projection's weight gradient when forward did not keep it)."""
+        k = self.kernels if self.gemm == "grouped_mm" else _EAGER
+        if s_N is not None:
+            gh_NX, gs_N, a_NF = k.weighted_gated_backward(self.activation, h_NX, ga_NF, s_N, need_a)
+            return gh_NX.contiguous(), gs_N, a_NF
+        a_NF = k.gated(self.activation, h_NX).contiguous() if need_a else None
+        return k.gated_backward(self.activation, h_NX, ga_NF).contiguous(), None, a_NF
 
     def _spans(self):
         start = 0
@@ -137,38 +155,47 @@ class ExpertPass:
             start += n
 
     def backward(self, grad_ND, saved, w_gate_up, w_down, need_x: bool, need_w: bool, into=(None, None)):
-        """``(grad x, grad w_gate_up, grad w_down)``; None where not needed. Every expert's weight gradient is
-        produced (zeros for an expert without rows), so every rank reduces the same set of gradients.
+        """``(grad x, grad w_gate_up, grad w_down, grad s)``; None where not needed (``grad s``: where forward had no
+        routing weights). Every expert's weight gradient is produced (zeros for an expert without rows), so every
+        rank reduces the same set of gradients.
 
         ``into``: a buffer per weight (gate/up, down) or None: a weight with a buffer gets this pass's gradient
         added into it (see :data:`WeightGradTarget`) and None in the returned tuple."""
-        x_ND, h_NX, a_NF = self._restore(saved, w_gate_up)
+        s_N, x_ND, *kept = saved
+        h_NX = kept[0] if kept else self._gate_up(x_ND, w_gate_up)
+        a_kept = kept[1] if len(kept) > 1 else None
+        need_a = need_w and a_kept is None
         grad_ND = grad_ND.contiguous()
         gx = gw1 = gw2 = None
         if self.gemm == "grouped_mm":
             ga_NF = F.grouped_mm(grad_ND, w_down, offs=self.offs)
+            gh_NX, gs_N, a_NF = self._gated_backward(h_NX, ga_NF, s_N, need_a)
             if need_w:
-                gw2 = self._weight_grad(grad_ND, a_NF, into[1])
-            gh_NX = self.kernels.gated_backward(self.activation, h_NX, ga_NF).contiguous()
+                gw2 = self._weight_grad(grad_ND, a_kept if a_NF is None else a_NF, into[1])
             if need_x:
                 gx = F.grouped_mm(gh_NX, w_gate_up, offs=self.offs)
             if need_w:
                 gw1 = self._weight_grad(gh_NX, x_ND, into[0])
-            return gx, gw1, gw2
-        gxs, gw1s, gw2s = [], [], []
+            return gx, gw1, gw2, gs_N
+        gxs, gw1s, gw2s, gss = [], [], [], []
         for e, (s, n) in enumerate(self._spans()):
             g_nD = grad_ND[s : s + n]
             ga_nF = g_nD @ w_down[e]
-            gh_nX = gated_backward(self.activation, h_NX[s : s + n], ga_nF)
+            s_n = None if s_N is None else s_N[s : s + n]
+            gh_nX, gs_n, a_nF = self._gated_backward(h_NX[s : s + n], ga_nF, s_n, need_a)
+            a_nF = a_kept[s : s + n] if a_nF is None and a_kept is not None else a_nF
             gxs.append(gh_nX @ w_gate_up[e])
-            gw2s.append(g_nD.transpose(0, 1) @ a_NF[s : s + n])
-            gw1s.append(gh_nX.transpose(0, 1) @ x_ND[s : s + n])
+            if need_w:
+                gw2s.append(g_nD.transpose(0, 1) @ a_nF)
+                gw1s.append(gh_nX.transpose(0, 1) @ x_ND[s : s + n])
+            gss.append(gs_n)
         if need_x:
             gx = torch.cat(gxs) if gxs else grad_ND.new_zeros((0, w_gate_up.shape[-1]))
         if need_w:
             gw1, gw2 = torch.stack(gw1s), torch.stack(gw2s)
             gw1, gw2 = add_into(gw1, into[0]), add_into(gw2, into[1])
-        return gx, gw1, gw2
+        gs_N = None if s_N is None else (torch.cat(gss) if gss else s_N.new_zeros(0))
+        return gx, gw1, gw2, gs_N
 
     def _weight_grad(self, a_NM, b_NK, into):
         """Each expert's ``a[rows]^T @ b[rows]`` (grouped_mm backend): a new tensor, or added into ``into`` (None)."""
@@ -196,8 +223,8 @@ class _ExpertMLP(torch.autograd.Function):
     """:class:`ExpertPass` under autograd."""
 
     @staticmethod
-    def forward(ctx, x_ND, w_gate_up, w_down, run: ExpertPass, target: WeightGradTarget | None):  # noqa: D102
-        y_ND, saved = run.forward(x_ND, w_gate_up, w_down)
+    def forward(ctx, x_ND, s_N, w_gate_up, w_down, run: ExpertPass, target: WeightGradTarget | None):  # noqa: D102
+        y_ND, saved = run.forward(x_ND, w_gate_up, w_down, s_N)
         ctx.run, ctx.target = run, target
         ctx.save_for_backward(w_gate_up, w_down, *saved)
         return y_ND
@@ -205,10 +232,10 @@ class _ExpertMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ND):  # noqa: D102
         w_gate_up, w_down, *saved = ctx.saved_tensors
-        need_x, need_w1, need_w2 = ctx.needs_input_grad[:3]
+        need_x, need_s, need_w1, need_w2 = ctx.needs_input_grad[:4]
         into = weight_grad_buffers(ctx.target, w_gate_up, w_down, need_w1, need_w2)
-        gx, gw1, gw2 = ctx.run.backward(grad_ND, saved, w_gate_up, w_down, need_x, need_w1 or need_w2, into)
-        return gx, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None
+        gx, gw1, gw2, gs = ctx.run.backward(grad_ND, saved, w_gate_up, w_down, need_x, need_w1 or need_w2, into)
+        return gx, gs if need_s else None, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None
 
 
 def grouped_expert_mlp(
@@ -223,6 +250,7 @@ def grouped_expert_mlp(
     kernels: str = "eager",
     recompute: str = "none",
     weight_grads: WeightGradTarget | None = None,
+    row_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run each local expert's gated MLP on its rows: ``down_e(act(gate_e x) * up_e x)`` (SwiGLU with silu).
 
@@ -241,6 +269,9 @@ def grouped_expert_mlp(
             (see :class:`~moeshard.ep.EPOptions`).
         weight_grads: where backward adds the weight gradients instead of returning them (see
             :data:`WeightGradTarget`); None: returned to autograd.
+        row_weights: ``[N]``, each row's routing weight, or None. With them the rows come out weighted,
+            ``y_n = w_n · down(act(gate x_n) · up x_n)`` (the weight applied, in float32, to the gated activation
+            before the down projection), and the weights get their gradient.
 
     Returns:
         ``y_ND`` in the rows' order. Every expert's weights get a gradient, zeros for an expert without rows.
@@ -276,4 +307,6 @@ def grouped_expert_mlp(
             raise ValueError(f"counts_E sums to {sum(counts)} but x has {x_ND.shape[0]} rows")
         counts_t = counts_E if isinstance(counts_E, torch.Tensor) else None
         run = ExpertPass(counts_t, counts, activation, backend, tier, recompute=recompute)
-    return _ExpertMLP.apply(x_ND, w_gate_up, w_down, run, weight_grads)
+    if row_weights is not None and row_weights.shape != (x_ND.shape[0],):
+        raise ValueError(f"row_weights must be [N] = [{x_ND.shape[0]}], one per row, got {tuple(row_weights.shape)}")
+    return _ExpertMLP.apply(x_ND, row_weights, w_gate_up, w_down, run, weight_grads)

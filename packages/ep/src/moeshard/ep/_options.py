@@ -36,11 +36,11 @@ class EPOptions:
             (``"overlapped"`` on CUDA only); 0 turns the carve-out off.
         recompute: what the expert MLP recomputes in backward instead of keeping it from forward (selective
             activation checkpointing inside the experts; results are bit-identical): ``"none"`` keeps the expert
-            input, the gate/up GEMM output and the gated activation; ``"activation"`` keeps the first two and
-            recomputes the gated activation (one pointwise kernel; frees ``F`` elements per routed copy);
-            ``"mlp"`` keeps only the expert input and recomputes the gate/up GEMM and the activation (one more
-            grouped GEMM per layer in backward; frees ``3F`` elements per routed copy, about a fifth of a
-            Qwen3-30B-A3B layer's saved activations).
+            input, the gate/up GEMM output and the gated activation (``D + 3F`` elements per routed copy; the
+            outputs are never kept); ``"activation"`` keeps the first two and recomputes the gated activation
+            inside the activation's backward kernel (frees ``F`` elements per routed copy, for an extra write of
+            them); ``"mlp"`` keeps only the expert input and recomputes the gate/up GEMM and the activation (one
+            more grouped GEMM per layer in backward; frees ``3F`` elements per routed copy).
     """
 
     dispatch: Literal["overlapped", "all_to_all"] = "overlapped"

@@ -21,6 +21,7 @@ __all__ = [
     "permute_rows",
     "regroup_by_local_expert",
     "sort_by_expert",
+    "sorted_weights",
 ]
 
 
@@ -98,40 +99,43 @@ def expand_rows(x_TD: torch.Tensor, order_N: torch.Tensor, inv_N: torch.Tensor, 
     return _ExpandRows.apply(x_TD, order_N, inv_N, K, kernels)
 
 
-class _Combine(torch.autograd.Function):
-    """``Σ_k w_tk · y_sorted[inv[t*K+k]]`` in float32, each direction one fused gather-and-arithmetic kernel
-    (compiled or triton kernels) instead of a permutation gather followed by the weighted sum. The output is
-    rounded once to the caller's dtype inside that kernel; its gradient comes in that dtype and the kernels read
-    it in float32 (bf16 to float32 is exact), so there is no cast pass either way."""
+def sorted_weights(topk_weights_TK: torch.Tensor, order_N: torch.Tensor) -> torch.Tensor:
+    """``w_sorted[n] = w[order[n]]`` in float32 under autograd: each routed copy's weight, in the copies' (expert)
+    order, for the expert pass that applies it (see :class:`ExpertPass`)."""
+    return topk_weights_TK.reshape(-1).float().index_select(0, order_N)
+
+
+class _SumCopies(torch.autograd.Function):
+    """``Σ_k y_sorted[inv[t*K+k]]``: each token's K copies (weighted by the expert pass already) un-sorted and added
+    in float32, rounded once; backward hands each copy its token's gradient (the row expansion). The adjoint of
+    :class:`_ExpandRows`, and like it nothing of the copies is kept: only the order."""
 
     @staticmethod
-    def forward(ctx, y_sorted_ND, w_TK, order_N, inv_N, kernels: Kernels, out_dtype: torch.dtype):  # noqa: D102
-        ctx.save_for_backward(y_sorted_ND, w_TK, order_N, inv_N)
-        ctx.kernels = kernels
-        return kernels.unsort_weighted_sum(y_sorted_ND, inv_N, w_TK, out_dtype)
+    def forward(ctx, y_sorted_ND, order_N, inv_N, K: int, kernels: Kernels, out_dtype: torch.dtype):  # noqa: D102
+        ctx.save_for_backward(order_N)
+        ctx.K, ctx.kernels, ctx.dtype = K, kernels, y_sorted_ND.dtype
+        return kernels.gather_sum(y_sorted_ND.contiguous(), inv_N, K).to(out_dtype)
 
     @staticmethod
     def backward(ctx, g_TD):  # noqa: D102
-        y_sorted_ND, w_TK, order_N, inv_N = ctx.saved_tensors
-        need_gy, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gy, gw = ctx.kernels.combine_backward(g_TD.contiguous(), y_sorted_ND, order_N, inv_N, w_TK, need_gy, need_gw)
-        return gy, None if gw is None else gw.to(w_TK.dtype), None, None, None, None
+        (order_N,) = ctx.saved_tensors
+        return ctx.kernels.expand_rows(g_TD.to(ctx.dtype).contiguous(), order_N, ctx.K), None, None, None, None, None
 
 
 def combine(
     y_sorted_ND: torch.Tensor,
     order_N: torch.Tensor,
-    topk_weights_TK: torch.Tensor,
     inv_N: torch.Tensor,
+    K: int,
     kernels: Kernels,
-    out_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Un-sort the expert outputs and add each token's K copies, weighted, in float32.
+    """Un-sort the expert outputs (already weighted by the expert pass) and add each token's K copies in float32.
 
     Returns:
-        ``y_TD``, the float32 sum rounded once to ``out_dtype``.
+        ``y_TD``, the float32 sum rounded once to ``out_dtype`` (None: the outputs' dtype).
     """
-    return _Combine.apply(y_sorted_ND, topk_weights_TK, order_N, inv_N, kernels, out_dtype)
+    return _SumCopies.apply(y_sorted_ND, order_N, inv_N, K, kernels, out_dtype or y_sorted_ND.dtype)
 
 
 class _PermuteRows(torch.autograd.Function):

@@ -2,7 +2,7 @@
 
 # T tokens, K top-k, D hidden, N = T*K routed copies in expert order; inv[t*K+k] is the row of token t's k-th copy
 
-Compiled (Inductor) versions of these ops index each element through the permutation: one index load per
+Compiled (Inductor) versions of the gathers index each element through the permutation: one index load per
 element read. Here a program owns a token (and a block of D): it loads its K row indices once and then whole
 rows, vectorised. Same arithmetic as the eager functions in ``moeshard.ep._kernels`` (products and sums in
 float32). The kernel tier ``"triton"`` (``EPOptions(kernels="triton")``, see ``_kernels.kernels_for``) uses them
@@ -12,6 +12,8 @@ for CUDA tensors; everything else keeps the compiled kernels. The kernels also r
 SwiGLU's gated activation (``silu(gate) * up``) and its gradient are here too, as plain elementwise kernels in
 float32: one launch, where a compiled kernel's call costs several times the host time (guards, the compiled
 graph's wrapper), three times per layer right after the split-size sync, where the device waits for the host.
+The weighted one (``s[n] · silu(gate) · up``, a per-row weight such as the routing weight) is elementwise too; its
+backward is row-tiled, as ``grad s`` is a sum over each row.
 """
 
 from __future__ import annotations
@@ -22,23 +24,21 @@ import triton.language as tl
 
 __all__ = [
     "SiluGated",
-    "combine_backward",
     "expand_rows",
     "gated",
     "gather_sum",
     "silu_gated",
     "silu_gated_backward",
-    "unsort_weighted_sum",
+    "silu_weighted_gated",
+    "silu_weighted_gated_backward",
 ]
 
 _BLOCK_D = 1024
 
 
 @triton.jit
-def _gather_sum_kernel(
-    src_ptr, inv_ptr, w_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr
-):
-    # out[t] = Σ_k (w[t, k] ·) src[inv[t*K+k]], accumulated in float32
+def _gather_sum_kernel(src_ptr, inv_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr):
+    # out[t] = Σ_k src[inv[t*K+k]], accumulated in float32, rounded once
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -46,8 +46,6 @@ def _gather_sum_kernel(
     for k in tl.static_range(K):
         n = tl.load(inv_ptr + t * K + k).to(tl.int64)
         row = tl.load(src_ptr + n * D + offs, mask=mask, other=0.0).to(tl.float32)
-        if WEIGHTED:
-            row = row * tl.load(w_ptr + t * K + k).to(tl.float32)
         acc += row
     tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -59,42 +57,6 @@ def _expand_rows_kernel(x_ptr, order_ptr, out_ptr, D: tl.constexpr, K: tl.conste
     mask = offs < D
     t = tl.load(order_ptr + n).to(tl.int64) // K
     tl.store(out_ptr + n * D + offs, tl.load(x_ptr + t * D + offs, mask=mask), mask=mask)
-
-
-@triton.jit
-def _combine_backward_kernel(
-    g_ptr,
-    y_ptr,
-    inv_ptr,
-    w_ptr,
-    gy_ptr,
-    gw_ptr,
-    D: tl.constexpr,
-    K: tl.constexpr,
-    K_POW2: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NEED_GY: tl.constexpr,
-    NEED_GW: tl.constexpr,
-):
-    # gy[inv[t*K+k]] = g[t] * w[t, k] (a permutation write: every row once, no atomics);
-    # gw[t, k] = <y[inv[t*K+k]], g[t]>. The token's gradient row is read once per block of D.
-    t = tl.program_id(0).to(tl.int64)
-    ks = tl.arange(0, K_POW2)
-    dots = tl.zeros([K_POW2], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs = d0 + tl.arange(0, BLOCK_D)
-        mask = offs < D
-        g = tl.load(g_ptr + t * D + offs, mask=mask, other=0.0).to(tl.float32)
-        for k in tl.static_range(K):
-            n = tl.load(inv_ptr + t * K + k).to(tl.int64)
-            if NEED_GY:
-                w = tl.load(w_ptr + t * K + k).to(tl.float32)
-                tl.store(gy_ptr + n * D + offs, (g * w).to(gy_ptr.dtype.element_ty), mask=mask)
-            if NEED_GW:
-                y = tl.load(y_ptr + n * D + offs, mask=mask, other=0.0).to(tl.float32)
-                dots += tl.where(ks == k, tl.sum(y * g, axis=0), 0.0)
-    if NEED_GW:
-        tl.store(gw_ptr + t * K + ks, dots, mask=ks < K)
 
 
 @triton.jit
@@ -120,6 +82,58 @@ def _silu_gated_backward_kernel(h_ptr, g_ptr, out_ptr, total, F: tl.constexpr, B
     sig = tl.sigmoid(x)
     tl.store(out_ptr + src, (dy * u * sig * (1.0 + x * (1.0 - sig))).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out_ptr + src + F, (dy * x * sig).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_weighted_gated_kernel(h_ptr, s_ptr, out_ptr, total, F: tl.constexpr, BLOCK: tl.constexpr):
+    # out[n, f] = s[n] · silu(h[n, f]) · h[n, F + f], in float32, rounded once
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < total
+    n = i // F
+    src = n * (2 * F) + i % F
+    g = tl.load(h_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + src + F, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, (s * (g * tl.sigmoid(g) * u)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_weighted_gated_backward_kernel(
+    h_ptr,
+    g_ptr,
+    s_ptr,
+    gh_ptr,
+    gs_ptr,
+    a_ptr,
+    N,
+    F: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    NEED_A: tl.constexpr,
+):
+    # act = silu(gate)·up; gs[n] = Σ_f grad·act; gh[n] = [g·up·silu'(gate) | g·silu(gate)] with g = grad·s[n]
+    # (float32, not rounded); a = s[n]·act (the forward's output) if NEED_A. A program owns BLOCK_R rows.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < N
+    s = tl.load(s_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    dots = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        cols = f0 + tl.arange(0, BLOCK_F)
+        mask = rmask[:, None] & (cols < F)[None, :]
+        i = rows[:, None] * F + cols[None, :]
+        src = rows[:, None] * (2 * F) + cols[None, :]
+        x = tl.load(h_ptr + src, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_ptr + src + F, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(g_ptr + i, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(x)
+        act = x * sig * u
+        dots += tl.sum(dy * act, axis=1)
+        gs = dy * s
+        tl.store(gh_ptr + src, (gs * u * sig * (1.0 + x * (1.0 - sig))).to(gh_ptr.dtype.element_ty), mask=mask)
+        tl.store(gh_ptr + src + F, (gs * x * sig).to(gh_ptr.dtype.element_ty), mask=mask)
+        if NEED_A:
+            tl.store(a_ptr + i, (s * act).to(a_ptr.dtype.element_ty), mask=mask)
+    tl.store(gs_ptr + rows, dots, mask=rmask)
 
 
 _BLOCK_EW = 2048
@@ -153,6 +167,67 @@ def silu_gated_backward(h_NX: torch.Tensor, grad_NF: torch.Tensor) -> torch.Tens
     return out
 
 
+def _check_weights(s_N: torch.Tensor, N: int) -> torch.Tensor:
+    if s_N.shape != (N,):
+        raise ValueError(f"expected per-row weights s of shape {(N,)}, got shape {tuple(s_N.shape)}")
+    return s_N.contiguous()
+
+
+def silu_weighted_gated(h_NX: torch.Tensor, s_N: torch.Tensor) -> torch.Tensor:
+    """``s[:, None] * silu(gate) * up`` for ``h = [gate | up]`` (``[N, 2F]`` → ``[N, F]``), float32, one rounding."""
+    h_NX, F = _check_gated(h_NX)
+    s_N = _check_weights(s_N, h_NX.shape[0])
+    out = torch.empty((h_NX.shape[0], F), dtype=h_NX.dtype, device=h_NX.device)
+    if out.numel():
+        grid = (triton.cdiv(out.numel(), _BLOCK_EW),)
+        _silu_weighted_gated_kernel[grid](h_NX, s_N, out, out.numel(), F=F, BLOCK=_BLOCK_EW)
+    return out
+
+
+def _block_f(F: int) -> int:
+    # the chunk of F a row-tiled program takes per step: a power of two up to 512, the least padding (F = 768: 256)
+    if F <= 512:
+        return triton.next_power_of_2(F)
+    return min((512, 256, 128), key=lambda b: triton.cdiv(F, b) * b)
+
+
+def silu_weighted_gated_backward(
+    h_NX: torch.Tensor, grad_NF: torch.Tensor, s_N: torch.Tensor, need_a: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The gradients of :func:`silu_weighted_gated` in one pass: ``(grad h, grad s, a)``.
+
+    ``grad h`` ``[N, 2F]`` in h's dtype (``grad · s`` kept in float32); ``grad s[n] = Σ_f grad · silu(gate) · up``
+    in float32; ``a`` the forward's output, recomputed (the same bits), if ``need_a``, else None.
+    """
+    h_NX, F = _check_gated(h_NX)
+    N = h_NX.shape[0]
+    if grad_NF.shape != (N, F):
+        raise ValueError(f"grad has shape {tuple(grad_NF.shape)}, expected {(N, F)}")
+    s_N = _check_weights(s_N, N)
+    grad_h = torch.empty_like(h_NX)
+    a = torch.empty((N, F), dtype=h_NX.dtype, device=h_NX.device) if need_a else None
+    if not (N and F):
+        return grad_h, torch.zeros(N, dtype=torch.float32, device=h_NX.device), a
+    grad_s = torch.empty(N, dtype=torch.float32, device=h_NX.device)
+    block_f = _block_f(F)
+    block_r = max(4, min(16, 4096 // block_f))
+    _silu_weighted_gated_backward_kernel[(triton.cdiv(N, block_r),)](
+        h_NX,
+        grad_NF.contiguous(),
+        s_N,
+        grad_h,
+        grad_s,
+        a if need_a else grad_h,
+        N,
+        F=F,
+        BLOCK_R=block_r,
+        BLOCK_F=block_f,
+        NEED_A=need_a,
+        num_warps=8 if block_r * block_f >= 4096 else 4,
+    )
+    return grad_h, grad_s, a
+
+
 class SiluGated(torch.autograd.Function):
     """:func:`silu_gated` under autograd (backward: :func:`silu_gated_backward`)."""
 
@@ -183,20 +258,6 @@ def _check(rows: torch.Tensor, index: torch.Tensor, K: int) -> tuple[torch.Tenso
     return rows.contiguous(), index.contiguous()
 
 
-def unsort_weighted_sum(
-    y_sorted_ND: torch.Tensor, inv_N: torch.Tensor, w_TK: torch.Tensor, out_dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """``Σ_k w[t, k] · y_sorted[inv[t*K+k]]`` in float32, ``[T, D]``, stored in ``out_dtype`` (one rounding)."""
-    T, K = w_TK.shape
-    y_sorted_ND, inv_N = _check(y_sorted_ND, inv_N, K)
-    D = y_sorted_ND.shape[1]
-    out = torch.empty((T, D), dtype=out_dtype, device=y_sorted_ND.device)
-    if T and D:
-        grid = (T, triton.cdiv(D, _BLOCK_D))
-        _gather_sum_kernel[grid](y_sorted_ND, inv_N, w_TK.contiguous(), out, D, K=K, BLOCK_D=_BLOCK_D, WEIGHTED=True)
-    return out
-
-
 def gather_sum(grad_ND: torch.Tensor, inv_N: torch.Tensor, K: int) -> torch.Tensor:
     """``Σ_k grad[inv[t*K+k]]`` (float32 sum, grad's dtype), ``[T, D]``."""
     grad_ND, inv_N = _check(grad_ND, inv_N, K)
@@ -204,7 +265,7 @@ def gather_sum(grad_ND: torch.Tensor, inv_N: torch.Tensor, K: int) -> torch.Tens
     out = torch.empty((T, D), dtype=grad_ND.dtype, device=grad_ND.device)
     if T and D:
         grid = (T, triton.cdiv(D, _BLOCK_D))
-        _gather_sum_kernel[grid](grad_ND, inv_N, grad_ND, out, D, K=K, BLOCK_D=_BLOCK_D, WEIGHTED=False)
+        _gather_sum_kernel[grid](grad_ND, inv_N, out, D, K=K, BLOCK_D=_BLOCK_D)
     return out
 
 
@@ -216,42 +277,3 @@ def expand_rows(x_TD: torch.Tensor, order_N: torch.Tensor, K: int) -> torch.Tens
     if N and D:
         _expand_rows_kernel[(N, triton.cdiv(D, _BLOCK_D))](x_TD, order_N, out, D, K=K, BLOCK_D=_BLOCK_D)
     return out
-
-
-def combine_backward(
-    g_TD: torch.Tensor,
-    y_sorted_ND: torch.Tensor,
-    inv_N: torch.Tensor,
-    w_TK: torch.Tensor,
-    need_gy: bool,
-    need_gw: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Both gradients of :func:`unsort_weighted_sum` in one pass: ``(grad y_sorted, grad w)``.
-
-    ``grad y_sorted[inv[t*K+k]] = g[t] · w[t, k]`` in y's dtype; ``grad w[t, k] = <y_sorted[inv[t*K+k]], g[t]>``
-    in float32 (products in float32).
-    """
-    T, K = w_TK.shape
-    y_sorted_ND, inv_N = _check(y_sorted_ND, inv_N, K)
-    g_TD = g_TD.contiguous()
-    D = y_sorted_ND.shape[1]
-    gy = torch.empty_like(y_sorted_ND) if need_gy else None
-    gw = torch.empty((T, K), dtype=torch.float32, device=g_TD.device) if need_gw else None
-    if T and D and (need_gy or need_gw):
-        block = min(triton.next_power_of_2(D), 4096)
-        _combine_backward_kernel[(T,)](
-            g_TD,
-            y_sorted_ND,
-            inv_N,
-            w_TK.contiguous(),
-            gy if need_gy else g_TD,
-            gw if need_gw else g_TD,
-            D,
-            K=K,
-            K_POW2=triton.next_power_of_2(K),
-            BLOCK_D=block,
-            NEED_GY=need_gy,
-            NEED_GW=need_gw,
-            num_warps=8,
-        )
-    return gy, gw

@@ -75,15 +75,15 @@ def _local(p: Any) -> torch.Size:
 
 
 def activation_bytes_per_token(
-    config: Any, compute_bytes: int, activation_checkpointing: str = "none", selective_recompute: str = "mlp"
+    config: Any, compute_bytes: int, activation_checkpointing: str = "none", selective_recompute: str = "activation"
 ) -> int:
     """Saved activations per token of one training micro-batch, all layers + the loss head.
 
     Without activation checkpointing every layer keeps its activations; with ``full``, each layer keeps only its
     input and one layer at a time is recomputed in backward; with ``selective`` every layer keeps its activations
     but the routed copies' gated activation (``activation``: ``F`` elements per copy) or also their gate/up output
-    (``mlp``: ``3F``). A routed copy keeps ``2D + 3F``: its rows into the experts and out of them (for the combine's
-    weight gradient), the gate/up output and the gated activation. The loss head is chunked (the trainer never
+    (``mlp``: ``3F``). A routed copy keeps ``D + 3F``: its row into the experts, the gate/up output and the gated
+    activation (the expert pass applies the routing weight, so nothing of its output is kept for that gradient). The loss head is chunked (the trainer never
     holds the ``[tokens, vocab]`` logits): per token it keeps the hidden states and their gradient (its
     ``[V, D]`` weight gradient and one chunk's logits are :func:`loss_head_bytes`).
     """
@@ -92,7 +92,7 @@ def activation_bytes_per_token(
     d, e, k, f = config.hidden_size, routed_experts(config), config.num_experts_per_tok, config.moe_intermediate_size
     attn_elems, mlp_elems = family_of(config).activations_per_token(config)  # the family's attention, shared experts
     attn = compute_bytes * (4 * d + attn_elems) + 4 * config.num_attention_heads  # norms, projections, sdpa out + lse
-    moe = compute_bytes * (2 * d + k * (2 * d + 3 * f) + mlp_elems) + 4 * (2 * e + 3 * k)  # dispatch ... router
+    moe = compute_bytes * (2 * d + k * (d + 3 * f) + mlp_elems) + 4 * (2 * e + 3 * k)  # dispatch ... router
     if activation_checkpointing == "selective":
         moe -= compute_bytes * k * (f if selective_recompute == "activation" else 3 * f)
     head = 2 * d * compute_bytes

@@ -4,8 +4,11 @@
 # P EP size
 
 Every strategy shares the two ends, written once here: **route** sorts the N routed copies by global expert
-(stably) and expands each token's row into its K copies in that order; **combine** un-sorts the expert outputs
-and adds each token's K copies weighted, in float32. Expert ``g`` lives on EP rank ``g // El`` as local expert
+(stably) and expands each token's row into its K copies in that order, each copy with its routing weight;
+**combine** un-sorts the expert outputs and adds each token's K copies, in float32. The routing weights are
+applied by the expert pass itself, to the gated activation before the down projection (the same product, a
+different place for the bf16 rounding): so backward gets their gradient from the activation, and the layer keeps
+no copy of the expert outputs for it (``D`` elements per routed copy). Expert ``g`` lives on EP rank ``g // El`` as local expert
 ``g % El``, so copies sorted by global expert are also grouped by destination rank. In between, a strategy's
 :meth:`ExpertDispatch.run_experts` takes the sorted copies to their experts, wherever they live, and brings
 the outputs back in the same order.
@@ -23,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from moeshard.ep._kernels import activation_fn, kernels_for
 from moeshard.ep._mlp import WeightGradTarget
 from moeshard.ep._options import EPOptions
-from moeshard.ep._permute import combine, expand_rows
+from moeshard.ep._permute import combine, expand_rows, sorted_weights
 
 __all__ = ["ExpertDispatch", "HostSyncHooks", "recompute_contexts"]
 
@@ -181,23 +184,27 @@ class ExpertDispatch:
         # route: the copies in global expert order
         order_N, inv_N, counts_E = self.kernels.route(topk_ids_TK, self.num_experts)
         x_sorted_ND = expand_rows(x_TD, order_N, inv_N, K, self.kernels)
-        # dispatch → expert compute → back, in the same order
-        y_sorted_ND = self.run_experts(x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, activation)
+        w_sorted_N = sorted_weights(topk_weights_TK, order_N)
+        # dispatch → expert compute (weighted) → back, in the same order
+        y_sorted_ND = self.run_experts(x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation)
         # combine
-        return combine(y_sorted_ND, order_N, topk_weights_TK, inv_N, self.kernels, x_TD.dtype)
+        return combine(y_sorted_ND, order_N, inv_N, K, self.kernels, x_TD.dtype)
 
     def run_experts(
         self,
         x_sorted_ND: torch.Tensor,
+        w_sorted_N: torch.Tensor,
         counts_E: torch.Tensor,
         w_gate_up_EXD: torch.Tensor,
         w_down_EDF: torch.Tensor,
         activation: str,
     ) -> torch.Tensor:
-        """Every routed copy through its expert; returns the outputs in the copies' order.
+        """Every routed copy through its expert; returns the outputs, weighted, in the copies' order.
 
         Args:
             x_sorted_ND: the copies sorted by global expert (so grouped by destination rank, then local expert).
+            w_sorted_N: each copy's routing weight (float32), applied by the expert pass (``row_weights`` of
+                :func:`~moeshard.ep.grouped_expert_mlp`): it travels with its copy and its gradient comes home.
             counts_E: copies per global expert (device tensor).
             w_gate_up_EXD, w_down_EDF: this rank's experts.
             activation: a name of ``ACTIVATIONS``.

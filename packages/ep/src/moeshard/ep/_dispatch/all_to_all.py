@@ -11,8 +11,8 @@ destination rank, then by local expert there):
    source sends to each of its local experts;
 2. the layer's one device→host sync: one ``.tolist()`` of the sent and received counts gives the split sizes
    (the collectives need host ints) and the per-expert row counts of the loop backend;
-3. send the copies (every copy, also those for this rank's own experts, which it sends to itself); they arrive
-   in (source rank, local expert) order;
+3. send the copies and their routing weights (every copy, also those for this rank's own experts, which it sends
+   to itself); they arrive in (source rank, local expert) order;
 4. regroup them by local expert (one permutation gather), run the expert MLP, undo the regrouping;
 5. send the outputs home with the reverse exchange; they arrive in the order the copies left.
 
@@ -59,7 +59,7 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 class AllToAllDispatch(ExpertDispatch):
     """The routed experts of one MoE layer over an EP group of 2+ ranks, with plain all-to-alls (no overlap)."""
 
-    def run_experts(self, x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, activation) -> torch.Tensor:
+    def run_experts(self, x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation) -> torch.Tensor:
         """The copies to their experts' ranks and back (see :meth:`ExpertDispatch.run_experts`)."""
         P, El = self.ep_size, w_gate_up_EXD.shape[0]
         # 1. counts: recv_counts_E[r * El + e] = copies rank r sends to local expert e here
@@ -73,11 +73,13 @@ class AllToAllDispatch(ExpertDispatch):
         rows_per_expert = [sum(recv[r * El + e] for r in range(P)) for e in range(El)]
         # 3. the copies to their ranks, in (source rank, local expert) order
         x_recv_RD = all_to_all(x_sorted_ND, out_splits, in_splits, self.group)
+        w_recv_R = all_to_all(w_sorted_N, out_splits, in_splits, self.group)
         # 4. grouped by local expert through the experts, and back to (source rank, local expert) order
         recv_counts_PEl = recv_counts_E.view(P, El)
         perm_R = regroup_by_local_expert(recv_counts_PEl, sum(out_splits))
         inv_R = None if perm_R is None else inverse_permutation(perm_R)
         x_in_RD = x_recv_RD if perm_R is None else permute_rows(x_recv_RD, perm_R, inv_R)
+        w_in_R = w_recv_R if perm_R is None else permute_rows(w_recv_R, perm_R, inv_R)
         y_out_RD = grouped_expert_mlp(
             x_in_RD,
             recv_counts_PEl.sum(0),
@@ -89,6 +91,7 @@ class AllToAllDispatch(ExpertDispatch):
             kernels=self.options.kernels,
             recompute=self.options.recompute,
             weight_grads=self.weight_grads,
+            row_weights=w_in_R,
         )
         y_recv_RD = y_out_RD if perm_R is None else permute_rows(y_out_RD, inv_R, perm_R)
         # 5. the outputs home, in the order the copies left

@@ -1,7 +1,7 @@
 """EP size 1: every expert is local, nothing travels.
 
 Flow: sort the N = T*K token copies by expert (stable), one expert-MLP pass over them (grouped GEMM or the
-per-expert loop), un-sort and add each token's K copies, weighted, in float32. No device→host sync with the
+per-expert loop) that applies their routing weights, un-sort and add each token's K copies in float32. No device→host sync with the
 grouped_mm backend; the loop backend reads the per-expert counts on the host (one ``.tolist()``). The host-sync
 hooks never run here (there is no exchange to size).
 """
@@ -21,7 +21,7 @@ class LocalDispatch(ExpertDispatch):
 
     distributed = False
 
-    def run_experts(self, x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, activation) -> torch.Tensor:
+    def run_experts(self, x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation) -> torch.Tensor:
         """The copies through the local experts' MLP (see :meth:`ExpertDispatch.run_experts`)."""
         return grouped_expert_mlp(
             x_sorted_ND,
@@ -33,6 +33,7 @@ class LocalDispatch(ExpertDispatch):
             kernels=self.options.kernels,
             recompute=self.options.recompute,
             weight_grads=self.weight_grads,
+            row_weights=w_sorted_N,
         )
 
     def _check_expert_count(self, El: int) -> None:

@@ -11,10 +11,10 @@ rank, then by local expert there):
    without the split sizes (the three expert passes' row counts and GEMM offsets): after the sync the device
    idles until the host launches again, so host work left there delays the layer;
 2. the layer's one device→host sync: one ``.tolist()`` of the sent and received counts;
-3. (:class:`_OverlappedExperts`) post the sends/receives of the remote copies (one batch of point-to-point ops)
-   and run half A of the own copies' experts meanwhile; run the received copies; post their outputs home and
-   run half B meanwhile. Backward mirrors it: the output gradients of remote copies travel during half A's
-   backward, the input gradients go home during half B's.
+3. (:class:`_OverlappedExperts`) post the sends/receives of the remote copies and their routing weights (one
+   batch of point-to-point ops) and run half A of the own copies' experts meanwhile; run the received copies;
+   post their outputs home and run half B meanwhile. Backward mirrors it: the output gradients of remote copies
+   travel during half A's backward, the input and routing-weight gradients go home during half B's.
 
 The received copies come in source-rank order, each source's rows grouped by local expert; with several
 sources one permutation gather groups them by local expert (and one takes the outputs back), while the rows of
@@ -39,7 +39,7 @@ __all__ = ["OverlappedDispatch"]
 class OverlappedDispatch(ExpertDispatch):
     """The routed experts of one MoE layer over an EP group of 2+ ranks, exchanges overlapped with own work."""
 
-    def run_experts(self, x_sorted_ND, counts_E, w_gate_up_EXD, w_down_EDF, activation) -> torch.Tensor:
+    def run_experts(self, x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation) -> torch.Tensor:
         """The copies to their experts' ranks and back (see :meth:`ExpertDispatch.run_experts`)."""
         P, El, me = self.ep_size, w_gate_up_EXD.shape[0], self.ep_rank
         recv_counts_E = torch.empty_like(counts_E)
@@ -54,7 +54,7 @@ class OverlappedDispatch(ExpertDispatch):
         host = self.host_sizes(counts_E, recv_counts_E)  # replayed in a checkpoint recompute
         gemm = resolve_gemm(self.options.gemm, x_sorted_ND, w_gate_up_EXD)
         ex = _Exchange(self, El, host[: P * El], host[P * El :], sources_SEl, device_counts, offsets, gemm, activation)
-        return _OverlappedExperts.apply(x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex, self.weight_grads)
+        return _OverlappedExperts.apply(x_sorted_ND, w_sorted_N, w_gate_up_EXD, w_down_EDF, ex, self.weight_grads)
 
 
 class _Exchange:
@@ -88,10 +88,13 @@ class _Exchange:
         perm = regroup_by_local_expert(sources_SEl, self.rows_in)  # None for one source
         self.perm = None if perm is None else (perm, inverse_permutation(perm))
 
-    def start(self, src: torch.Tensor, src_slices, dst: torch.Tensor, dst_slices) -> list:
-        """Post the sends of ``src``'s slices and the receives into ``dst``'s slices; returns the works."""
-        ops = [dist.P2POp(dist.isend, src[s : s + n], peer, self.group) for peer, s, n in src_slices if n]
-        ops += [dist.P2POp(dist.irecv, dst[s : s + n], peer, self.group) for peer, s, n in dst_slices if n]
+    def start(self, pairs, src_slices, dst_slices) -> list:
+        """Post, for each ``(src, dst)`` of ``pairs`` (tensors sliced along dim 0 alike), the sends of ``src``'s
+        slices and the receives into ``dst``'s slices, all in one batch; returns the works."""
+        ops = []
+        for src, dst in pairs:
+            ops += [dist.P2POp(dist.isend, src[s : s + n], peer, self.group) for peer, s, n in src_slices if n]
+            ops += [dist.P2POp(dist.irecv, dst[s : s + n], peer, self.group) for peer, s, n in dst_slices if n]
         return dist.batch_isend_irecv(ops) if ops else []
 
     def carveout(self, device: torch.device, busy: bool) -> _Carveout:
@@ -152,7 +155,7 @@ class _OverlappedExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_sorted_ND, w_gate_up_EXD, w_down_EDF, ex: _Exchange, target):  # noqa: D102
+    def forward(ctx, x_sorted_ND, w_sorted_N, w_gate_up_EXD, w_down_EDF, ex: _Exchange, target):  # noqa: D102
         N, D = x_sorted_ND.shape
         El = w_gate_up_EXD.shape[0]
         half_a, half_b = _LocalHalf(ex, 0, El // 2, 0), _LocalHalf(ex, El // 2, El, 2)
@@ -165,19 +168,21 @@ class _OverlappedExperts(torch.autograd.Function):
             if part.experts.start == part.experts.stop:
                 return None, ()
             sl = part.experts
-            return part.run.forward(x_sorted_ND[part.rows], w_gate_up_EXD[sl], w_down_EDF[sl])
+            return part.run.forward(x_sorted_ND[part.rows], w_gate_up_EXD[sl], w_down_EDF[sl], w_sorted_N[part.rows])
 
         recv_MD = x_sorted_ND.new_empty((ex.rows_in, D))
-        works = ex.start(x_sorted_ND, ex.send, recv_MD, ex.recv)
+        recv_M = w_sorted_N.new_empty(ex.rows_in)
+        works = ex.start(((x_sorted_ND, recv_MD), (w_sorted_N, recv_M)), ex.send, ex.recv)
         with ex.carveout(dev, bool(works)):
             y_a, saved_a = local(half_a)
         _wait(works)
         x_in = recv_MD if ex.perm is None else recv_MD.index_select(0, ex.perm[0])
-        y_rem, saved_r = remote.forward(x_in, w_gate_up_EXD, w_down_EDF)
+        w_in = recv_M if ex.perm is None else recv_M.index_select(0, ex.perm[0])
+        y_rem, saved_r = remote.forward(x_in, w_gate_up_EXD, w_down_EDF, w_in)
         if ex.perm is not None:
             y_rem = y_rem.index_select(0, ex.perm[1])
         y_sorted_ND = x_sorted_ND.new_empty((N, D))
-        works = ex.start(y_rem, ex.recv, y_sorted_ND, ex.send)
+        works = ex.start(((y_rem, y_sorted_ND),), ex.recv, ex.send)
         with ex.carveout(dev, bool(works)):
             y_b, saved_b = local(half_b)
         for part, y in ((half_a, y_a), (half_b, y_b)):
@@ -196,44 +201,49 @@ class _OverlappedExperts(torch.autograd.Function):
         w1, w2, *saved = ctx.saved_tensors
         na, nr, _ = ctx.sizes
         saved_a, saved_r, saved_b = saved[:na], saved[na : na + nr], saved[na + nr :]
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        need_x, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_w = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         # An expert's gradient has two parts here (its own copies' half and the received copies): they are summed
         # first and added into the target's buffer once, in the order autograd's accumulation adds them (bf16 sums
         # in another order differ where the parts nearly cancel).
-        into = weight_grad_buffers(ctx.target, w1, w2, ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+        into = weight_grad_buffers(ctx.target, w1, w2, ctx.needs_input_grad[2], ctx.needs_input_grad[3])
         grad_ND = grad_ND.contiguous()
         N, D = grad_ND.shape
         dev = grad_ND.device
 
         def local(part, saved_part):
             if not saved_part:
-                return None, None, None
+                return None, None, None, None
             sl = part.experts
             return part.run.backward(grad_ND[part.rows], saved_part, w1[sl], w2[sl], need_x, need_w)
 
         grad_in_MD = grad_ND.new_empty((ex.rows_in, D))
-        works = ex.start(grad_ND, ex.send, grad_in_MD, ex.recv)
+        works = ex.start(((grad_ND, grad_in_MD),), ex.send, ex.recv)
         with ex.carveout(dev, bool(works)):
-            gx_a, gw1_a, gw2_a = local(half_a, saved_a)
+            gx_a, gw1_a, gw2_a, gs_a = local(half_a, saved_a)
         _wait(works)
         g_rem = grad_in_MD if ex.perm is None else grad_in_MD.index_select(0, ex.perm[0])
-        gx_rem, gw1, gw2 = remote.backward(g_rem, saved_r, w1, w2, need_x, need_w)
-        gx = None
-        works = []
+        gx_rem, gw1, gw2, gs_rem = remote.backward(g_rem, saved_r, w1, w2, need_x, need_w)
+        # the remote copies' input and routing-weight gradients go home, in one batch
+        home, gx, gs = [], None, None
         if need_x:
-            if ex.perm is not None:
-                gx_rem = gx_rem.index_select(0, ex.perm[1])
             gx = grad_ND.new_empty((N, D))
-            works = ex.start(gx_rem, ex.recv, gx, ex.send)
+            home.append((gx_rem if ex.perm is None else gx_rem.index_select(0, ex.perm[1]), gx))
+        if need_s:
+            gs = torch.empty(N, dtype=torch.float32, device=dev)
+            home.append((gs_rem if ex.perm is None else gs_rem.index_select(0, ex.perm[1]), gs))
+        works = ex.start(home, ex.recv, ex.send) if home else []
         with ex.carveout(dev, bool(works)):
-            gx_b, gw1_b, gw2_b = local(half_b, saved_b)
-        if gx is not None:
-            for part, g in ((half_a, gx_a), (half_b, gx_b)):
-                if g is not None:
-                    gx[part.rows].copy_(g)
+            gx_b, gw1_b, gw2_b, gs_b = local(half_b, saved_b)
+        for full, parts in ((gx, (gx_a, gx_b)), (gs, (gs_a, gs_b))):
+            if full is not None:
+                for part, g in zip((half_a, half_b), parts):
+                    if g is not None:
+                        full[part.rows].copy_(g)
         for part, g1, g2 in ((half_a, gw1_a, gw2_a), (half_b, gw1_b, gw2_b)):
             _add_slice(gw1, g1, part.experts)
             _add_slice(gw2, g2, part.experts)
         gw1, gw2 = add_into(gw1, into[0]), add_into(gw2, into[1])
         _wait(works)
-        return gx, gw1 if ctx.needs_input_grad[1] else None, gw2 if ctx.needs_input_grad[2] else None, None, None
+        need_w1, need_w2 = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        return gx, gs, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None
