@@ -8,12 +8,12 @@ from moeshard.ep._kernels import kernels_for
 from moeshard.ep._permute import (
     combine,
     expand_rows,
+    expand_rows_and_weights,
     inverse_permutation,
     narrow_keys,
     permute_rows,
     regroup_by_local_expert,
     sort_by_expert,
-    sorted_weights,
 )
 from moeshard.ep.testing import count_host_syncs
 
@@ -85,12 +85,17 @@ def test_expand_rows_sorted_weights_and_combine():
     assert x_sorted.flatten().tolist() == [10.0, 20.0, 10.0, 20.0]  # expert 0: tokens 0, 1; expert 1: tokens 0, 1
     x_sorted.sum().backward()
     assert x_TD.grad.flatten().tolist() == [2.0, 2.0]  # each token's K copies added
-    # each copy's routing weight in the same order, in float32, its gradient back in the weights' place
+    # with each copy's routing weight in the same order, in float32, its gradient back in the weights' place
     w_TK = torch.tensor([[0.5, 0.25], [1.0, 2.0]], dtype=torch.bfloat16, requires_grad=True)
-    w_sorted = sorted_weights(w_TK, order_N)
+    x2_TD = x_TD.detach().clone().requires_grad_(True)
+    x_sorted2, w_sorted = expand_rows_and_weights(x2_TD, w_TK, order_N, inv_N, 2, kernels)
+    assert torch.equal(x_sorted2, x_sorted)
     assert w_sorted.dtype == torch.float32 and w_sorted.tolist() == [0.25, 1.0, 0.5, 2.0]
-    (w_sorted * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum().backward()
-    assert w_TK.grad.tolist() == [[3.0, 1.0], [2.0, 4.0]]
+    (w_sorted * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum().backward(retain_graph=True)
+    assert w_TK.grad.dtype == torch.bfloat16 and w_TK.grad.tolist() == [[3.0, 1.0], [2.0, 4.0]]
+    assert x2_TD.grad is None  # only the weights were used
+    (x_sorted2.sum() + w_sorted.sum()).backward()
+    assert x2_TD.grad.flatten().tolist() == [2.0, 2.0]
     # the combine un-sorts and adds each token's copies (weighted by the expert pass already)
     y_copy_ND = torch.tensor([[1.0], [2.0], [3.0], [4.0]], requires_grad=True)  # outputs in copy order t*K+k
     y_TD = combine(y_copy_ND[order_N], order_N, inv_N, 2, kernels)

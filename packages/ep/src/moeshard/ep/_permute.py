@@ -16,12 +16,12 @@ from moeshard.ep._kernels import Kernels
 __all__ = [
     "combine",
     "expand_rows",
+    "expand_rows_and_weights",
     "inverse_permutation",
     "narrow_keys",
     "permute_rows",
     "regroup_by_local_expert",
     "sort_by_expert",
-    "sorted_weights",
 ]
 
 
@@ -78,31 +78,45 @@ def regroup_by_local_expert(recv_counts_SEl: torch.Tensor, num_rows: int) -> tor
 
 
 class _ExpandRows(torch.autograd.Function):
-    """``x_TD[order_N // K]``: each token copied K times, in expert order; backward adds the K copies' grads."""
+    """``x_TD[order_N // K]``: each token copied K times, in expert order, and (with ``w_TK``) each copy's routing
+    weight ``w[order_N]`` in float32; backward adds the K copies' grads and gathers the weights' back. One
+    autograd node for both (the MoE layer's host time is on the critical path at small micro-batches)."""
 
     @staticmethod
-    def forward(ctx, x_TD, order_N, inv_N, K: int, kernels: Kernels):  # noqa: D102
+    def forward(ctx, x_TD, w_TK, order_N, inv_N, K: int, kernels: Kernels):  # noqa: D102
         ctx.save_for_backward(inv_N)
+        ctx.set_materialize_grads(False)  # an output without a gradient gets no pass over zeros
         ctx.K, ctx.kernels = K, kernels
-        return kernels.expand_rows(x_TD, order_N, K)
+        ctx.w_meta = None if w_TK is None else (w_TK.shape, w_TK.dtype)
+        w_sorted_N = None if w_TK is None else w_TK.reshape(-1).index_select(0, order_N).float()
+        return kernels.expand_rows(x_TD, order_N, K), w_sorted_N
 
     @staticmethod
-    def backward(ctx, grad_ND):  # noqa: D102
+    def backward(ctx, grad_ND, grad_w_N):  # noqa: D102
         (inv_N,) = ctx.saved_tensors
         # back to copy order t*K+k, then the K copies of token t are adjacent: a sum, no scatter.
-        return ctx.kernels.gather_sum(grad_ND.contiguous(), inv_N, ctx.K), None, None, None, None
+        gx = None
+        if ctx.needs_input_grad[0] and grad_ND is not None:
+            gx = ctx.kernels.gather_sum(grad_ND.contiguous(), inv_N, ctx.K)
+        gw = None
+        if ctx.needs_input_grad[1] and grad_w_N is not None:
+            shape, dtype = ctx.w_meta
+            gw = grad_w_N.index_select(0, inv_N).view(shape).to(dtype)  # copy t*K+k's gradient, a gather
+        return gx, gw, None, None, None, None
 
 
 def expand_rows(x_TD: torch.Tensor, order_N: torch.Tensor, inv_N: torch.Tensor, K: int, kernels: Kernels):
     """``x_sorted_ND = x_TD[order_N // K]`` under autograd (see :func:`sort_by_expert`); ``inv_N`` is the inverse
     of ``order_N``, used by the backward."""
-    return _ExpandRows.apply(x_TD, order_N, inv_N, K, kernels)
+    return _ExpandRows.apply(x_TD, None, order_N, inv_N, K, kernels)[0]
 
 
-def sorted_weights(topk_weights_TK: torch.Tensor, order_N: torch.Tensor) -> torch.Tensor:
-    """``w_sorted[n] = w[order[n]]`` in float32 under autograd: each routed copy's weight, in the copies' (expert)
-    order, for the expert pass that applies it (see :class:`ExpertPass`)."""
-    return topk_weights_TK.reshape(-1).float().index_select(0, order_N)
+def expand_rows_and_weights(
+    x_TD: torch.Tensor, topk_weights_TK: torch.Tensor, order_N: torch.Tensor, inv_N: torch.Tensor, K: int, kernels
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_sorted_ND, w_sorted_N)``: :func:`expand_rows` and each copy's routing weight ``w[order_N]`` in float32,
+    in the copies' (expert) order, for the expert pass that applies it (see ``ExpertPass``), under autograd."""
+    return _ExpandRows.apply(x_TD, topk_weights_TK, order_N, inv_N, K, kernels)
 
 
 class _SumCopies(torch.autograd.Function):

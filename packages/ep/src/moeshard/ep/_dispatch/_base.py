@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from moeshard.ep._kernels import activation_fn, kernels_for
 from moeshard.ep._mlp import WeightGradTarget
 from moeshard.ep._options import EPOptions
-from moeshard.ep._permute import combine, expand_rows, sorted_weights
+from moeshard.ep._permute import combine, expand_rows_and_weights
 
 __all__ = ["ExpertDispatch", "HostSyncHooks", "recompute_contexts"]
 
@@ -183,8 +183,7 @@ class ExpertDispatch:
         K = topk_ids_TK.shape[1]
         # route: the copies in global expert order
         order_N, inv_N, counts_E = self.kernels.route(topk_ids_TK, self.num_experts)
-        x_sorted_ND = expand_rows(x_TD, order_N, inv_N, K, self.kernels)
-        w_sorted_N = sorted_weights(topk_weights_TK, order_N)
+        x_sorted_ND, w_sorted_N = expand_rows_and_weights(x_TD, topk_weights_TK, order_N, inv_N, K, self.kernels)
         # dispatch → expert compute (weighted) → back, in the same order
         y_sorted_ND = self.run_experts(x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation)
         # combine
