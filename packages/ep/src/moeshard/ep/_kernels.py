@@ -9,9 +9,9 @@
 - ``"compiled"``: the same functions through :func:`compile_rows_dynamic` (the gated activation both ways, plain
   and weighted by the routing weights, the copies' sum); the row expansion stays an eager gather;
 - ``"triton"``: on CUDA tensors the triton kernels of ``moeshard.ep._triton`` (the gathers, SwiGLU's gated
-  activation both ways, plain and weighted), ``moeshard.ep._wgrad_triton`` (the weight gradients added into the gradient inside
-  the grouped GEMM) and ``moeshard.ep._route_triton`` (the route as a counting sort), the compiled functions for
-  everything else (CPU tensors, other activations).
+  activation both ways, plain and weighted), ``moeshard.ep._wgrad_triton`` (the weight gradients added into the
+  gradient inside the grouped GEMM) and ``moeshard.ep._route_triton`` (the route as a counting sort), the compiled
+  functions for everything else (CPU tensors, other activations).
 
 All tiers compute the same thing (products and sums of the routing weights in float32).
 """

@@ -8,10 +8,10 @@ Every strategy shares the two ends, written once here: **route** sorts the N rou
 **combine** un-sorts the expert outputs and adds each token's K copies, in float32. The routing weights are
 applied by the expert pass itself, to the gated activation before the down projection (the same product, a
 different place for the bf16 rounding): so backward gets their gradient from the activation, and the layer keeps
-no copy of the expert outputs for it (``D`` elements per routed copy). Expert ``g`` lives on EP rank ``g // El`` as local expert
-``g % El``, so copies sorted by global expert are also grouped by destination rank. In between, a strategy's
-:meth:`ExpertDispatch.run_experts` takes the sorted copies to their experts, wherever they live, and brings
-the outputs back in the same order.
+no copy of the expert outputs for it (``D`` elements per routed copy). Expert ``g`` lives on EP rank ``g // El``
+as local expert ``g % El``, so copies sorted by global expert are also grouped by destination rank. In between, a
+strategy's :meth:`ExpertDispatch.run_experts` takes the sorted copies (and their weights) to their experts,
+wherever they live, and brings the outputs back in the same order.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """EP size 1: every expert is local, nothing travels.
 
 Flow: sort the N = T*K token copies by expert (stable), one expert-MLP pass over them (grouped GEMM or the
-per-expert loop) that applies their routing weights, un-sort and add each token's K copies in float32. No device→host sync with the
-grouped_mm backend; the loop backend reads the per-expert counts on the host (one ``.tolist()``). The host-sync
-hooks never run here (there is no exchange to size).
+per-expert loop) that applies their routing weights, un-sort and add each token's K copies in float32. No
+device→host sync with the grouped_mm backend; the loop backend reads the per-expert counts on the host (one
+``.tolist()``). The host-sync hooks never run here (there is no exchange to size).
 """
 
 from __future__ import annotations
