@@ -175,15 +175,7 @@ def test_kernels_match_eager_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "checked 4 cases, 8 routes" in run.stdout
-
-
-def test_silu_weighted_gated_in_the_interpreter():
-    # a process of its own (TRITON_INTERPRET=1 before triton's import), apart from the other kernels' checks
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, __file__, "weighted"], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "checked 12 weighted cases" in run.stdout
+    assert "checked 4 cases, 8 routes, 12 weighted cases" in run.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -234,14 +226,11 @@ def test_routed_experts_with_triton_kernels_match_compiled(gemm):
         torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-2 * scale, msg=lambda m, n=name: f"{n}: {m}")
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["weighted"]:  # test_silu_weighted_gated_in_the_interpreter
-    interpreter_numpy_fix()
-    check_weighted_bad_shapes()
-    print(f"checked {check_weighted_gated('cpu')} weighted cases")
-elif __name__ == "__main__":  # the interpreter run of test_kernels_match_eager_in_the_interpreter
+if __name__ == "__main__":  # the interpreter run of test_kernels_match_eager_in_the_interpreter
     interpreter_numpy_fix()
     for dtype, D in CASES:
         check_kernels("cpu", dtype, D)
     check_bad_shapes()
     routes = check_route("cpu")
-    print(f"checked {len(CASES)} cases, {routes} routes")
+    check_weighted_bad_shapes()
+    print(f"checked {len(CASES)} cases, {routes} routes, {check_weighted_gated('cpu')} weighted cases")

@@ -171,7 +171,7 @@ class ExpertPass:
             ga_NF = F.grouped_mm(grad_ND, w_down, offs=self.offs)
             gh_NX, gs_N, a_NF = self._gated_backward(h_NX, ga_NF, s_N, need_a)
             if need_w:
-                gw2 = self._weight_grad(grad_ND, a_kept if a_NF is None else a_NF, into[1])
+                gw2 = self._weight_grad(grad_ND, a_NF if a_kept is None else a_kept, into[1])
             if need_x:
                 gx = F.grouped_mm(gh_NX, w_gate_up, offs=self.offs)
             if need_w:
@@ -183,10 +183,9 @@ class ExpertPass:
             ga_nF = g_nD @ w_down[e]
             s_n = None if s_N is None else s_N[s : s + n]
             gh_nX, gs_n, a_nF = self._gated_backward(h_NX[s : s + n], ga_nF, s_n, need_a)
-            a_nF = a_kept[s : s + n] if a_nF is None and a_kept is not None else a_nF
             gxs.append(gh_nX @ w_gate_up[e])
             if need_w:
-                gw2s.append(g_nD.transpose(0, 1) @ a_nF)
+                gw2s.append(g_nD.transpose(0, 1) @ (a_nF if a_kept is None else a_kept[s : s + n]))
                 gw1s.append(gh_nX.transpose(0, 1) @ x_ND[s : s + n])
             gss.append(gs_n)
         if need_x:
