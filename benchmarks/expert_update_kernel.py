@@ -1,11 +1,13 @@
 """The local experts' fused AdamW update against torch's fused AdamW on one H200 (bandwidth of each pass).
 
-    python3 benchmarks/expert_update_kernel.py [--numel 100_000_000]
+    python3 benchmarks/expert_update_kernel.py [--numel 100_000_000] [--sweep]
 
 Per parameter the fused update reads the bf16 gradient, the float32 master and both moments and writes the master,
 the moments and the bf16 compute copy (30 bytes); the unfused path costs the forward's cast (6), the gradient's
 cast-and-scale into float32 (6), the clip norm's read (4) and torch's fused AdamW with the clip's grad_scale
-(32: it writes the clipped gradient back). Prints the time and bandwidth of each.
+(32: it writes the clipped gradient back). Prints the time and bandwidth of each; also the one-pass update of a
+float32 parameter with a float32 gradient (``OnePassAdamW``, 28 B/param) and a device-to-device copy for the
+ceiling. ``--sweep``: the update's kernel at other block sizes and warp counts (the shipped ones: 2048, 8 warps).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ def timed(fn, reps: int = 10) -> float:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--numel", type=int, default=100_000_000)
-    n = p.parse_args().numel
+    p.add_argument("--sweep", action="store_true")
+    args = p.parse_args()
+    n = args.numel
     dev = "cuda"
     param, m, v = (torch.randn(n, device=dev) for _ in range(3))
     v.abs_()
@@ -67,6 +71,11 @@ def main() -> None:
             ),
             32,
         ),
+        "one-pass update, fp32 gradient (OnePassAdamW, 28 B/param)": (
+            lambda: _triton.adamw_update(param, g32, m, v, None, 1.0, gs, None, **kw),
+            28,
+        ),
+        "device-to-device copy, fp32 (8 B/param)": (lambda: m.copy_(v), 8),
         "forward cast fp32 -> bf16 (6 B/param)": (lambda: copy.copy_(param), 6),
         "gradient cast-and-scale bf16 -> fp32 (6 B/param)": (lambda: torch.mul(g16, 0.5, out=g32), 6),
         "clip norm of the fp32 gradient (4 B/param)": (lambda: torch._foreach_norm([g32], 2.0), 4),
@@ -76,6 +85,39 @@ def main() -> None:
     for name, (fn, nbytes) in rows.items():
         ms = timed(fn)
         print(f"{name:52s} {ms:7.3f} ms  {nbytes * n / ms / 1e9:6.2f} TB/s")
+    if args.sweep:
+        sweep(param, g16, g32, m, v, copy, gs, kw)
+
+
+def sweep(param, g16, g32, m, v, copy, gs, kw) -> None:
+    """The update's kernel launched as ``adamw_update`` launches it, at other blocks and warp counts."""
+    import triton
+
+    n = param.numel()
+    scalars = dict(
+        decay=kw["decay"],
+        beta2=kw["beta2"],
+        one_minus_beta1=1 - kw["beta1"],
+        one_minus_beta2=1 - kw["beta2"],
+        step_size=kw["step_size"],
+        bias_correction2_sqrt=kw["bias_correction2_sqrt"],
+        eps=kw["eps"],
+    )
+    for label, grad, out, nbytes in (("bf16 grad + bf16 copy", g16, copy, 30), ("fp32 grad", g32, None, 28)):
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16):
+
+                def run(block=block, warps=warps, grad=grad, out=out):
+                    _triton._adamw_kernel[(triton.cdiv(n, block),)](
+                        param, grad, m, v, out if out is not None else param, gs, param, n, 0.5,
+                        *scalars.values(), HAS_COPY=out is not None, HAS_MULT=True, HAS_GS=False, BLOCK=block,
+                        num_warps=warps,
+                    )  # fmt: skip
+
+                ms = timed(run)
+                print(
+                    f"sweep {label:22s} BLOCK {block:5d} warps {warps:2d} {ms:7.3f} ms  {nbytes * n / ms / 1e9:6.2f} TB/s"
+                )
 
 
 if __name__ == "__main__":

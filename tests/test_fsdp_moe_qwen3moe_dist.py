@@ -167,9 +167,12 @@ def _ep2x2(path):
 def _other_layouts(path):
     out = {}
     for ep, fuse in ((4, True), (4, False), (1, True)):
-        # torch's fused AdamW across the two meshes, the clip coefficient as its grad_scale (a plain scalar tensor
-        # beside DTensors of two meshes); EP 4 x 1 fused: the local experts' LocalExpertAdamW beside it.
-        meshes, model, _, opt = _build(path, ep, fused=True, fuse_local_experts=fuse)
+        # EP 4: torch's fused AdamW across the two meshes, the clip coefficient as its grad_scale (a plain scalar
+        # tensor beside DTensors of two meshes); EP 4 x 1 fused: the local experts' LocalExpertAdamW beside it.
+        # EP 1 x ep_fsdp 4: build_optimizer's default, OnePassAdamW over both meshes (the experts' Shard(1) pieces
+        # are not contiguous), the coefficient as its grad_mult.
+        fused = {"fused": True} if ep == 4 else {}
+        meshes, model, _, opt = _build(path, ep, fuse_local_experts=fuse, **fused)
         out[(ep, fuse)] = _train(meshes, model, opt)
     return out
 
@@ -252,9 +255,10 @@ def test_ep4_and_ep_fsdp4_match_transformers(ranks, reference):
     out = ranks[0]["others"]
     _compare(out[(4, True)], reference, "EP 4 x ep_fsdp 1, LocalExpertAdamW")
     _compare(out[(4, False)], reference, "EP 4 x ep_fsdp 1, torch's AdamW")
-    _compare(out[(1, True)], reference, "EP 1 x ep_fsdp 4")
+    _compare(out[(1, True)], reference, "EP 1 x ep_fsdp 4, OnePassAdamW")
     assert out[(4, True)][0][4]["kinds"] == ["LocalExpertAdamW", "AdamW"]
-    assert out[(4, False)][0][4]["kinds"] == out[(1, True)][0][4]["kinds"] == ["AdamW"]
+    assert out[(4, False)][0][4]["kinds"] == ["AdamW"]
+    assert out[(1, True)][0][4]["kinds"] == ["OnePassAdamW"]
 
 
 # ---- the router aux loss --------------------------------------------------------------------------------------

@@ -22,7 +22,9 @@ def _batch(seed):
 
 
 def _build(ep_size, seed, lr, wrap=False, fuse=None):
-    """``fuse`` None: torch's AdamW as is; True / False: ``build_optimizer(..., fuse_local_experts=fuse)``."""
+    """``fuse`` None: torch's AdamW as is; True: ``build_optimizer``'s default (LocalExpertAdamW beside OnePassAdamW);
+    False: ``build_optimizer(..., fuse_local_experts=False, fused=False)`` (torch's for-loop AdamW alone), so the
+    checkpoints also move between OnePassAdamW and torch's AdamW."""
     from moeshard.ep import apply_ep
     from moeshard.fsdp_moe import shard_model
     from moeshard.meshes import build_meshes
@@ -41,7 +43,8 @@ def _build(ep_size, seed, lr, wrap=False, fuse=None):
         return meshes, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     from moeshard.fsdp_moe import build_optimizer
 
-    return meshes, model, build_optimizer(model, lr=lr, weight_decay=0.1, fuse_local_experts=fuse)
+    torch_adamw = {} if fuse else {"fused": False}
+    return meshes, model, build_optimizer(model, lr=lr, weight_decay=0.1, fuse_local_experts=fuse, **torch_adamw)
 
 
 def _step(model, opt, meshes, seed):
@@ -164,7 +167,7 @@ def _load_fused_on_two(path):
 
 def test_checkpoints_move_between_fused_and_unfused_expert_updates(tmp_path):
     out = run_distributed(_fused_then_unfused, 4, str(tmp_path), ranks_per_node=2)[0]
-    assert out["saving"] == ["LocalExpertAdamW", "AdamW"]
+    assert out["saving"] == ["LocalExpertAdamW", "OnePassAdamW"]
     # The file holds what torch's AdamW over float32 experts holds: the masters under the parameters' names.
     meta = FileSystemReader(str(tmp_path / "fused")).read_metadata().state_dict_metadata
     assert tuple(meta["model.layers.0.experts.gate_up_proj"].size) == (8, 16, 16)
@@ -174,11 +177,11 @@ def test_checkpoints_move_between_fused_and_unfused_expert_updates(tmp_path):
     assert expert_keys == ["exp_avg", "exp_avg_sq", "step"]
     for ep, fuse in ((2, False), (1, False), (4, False), (4, True)):
         what = f"EP {ep} x {4 // ep} {'fused' if fuse else 'unfused'}"
-        assert out[f"kinds {ep} {fuse}"] == (["LocalExpertAdamW", "AdamW"] if fuse else ["AdamW"]), what
+        assert out[f"kinds {ep} {fuse}"] == (["LocalExpertAdamW", "OnePassAdamW"] if fuse else ["AdamW"]), what
         _same(out[f"loaded {ep} {fuse}"], out["saved"], f"{what} loading the fused checkpoint")
         _same(out[f"next {ep} {fuse}"], out["after"], f"{what}: step after load", exact=False)
     _same(out["loaded fused"], out["saved unfused"], "EP 4 x 1 fused loading EP 2 x 2 unfused")
     _same(out["next fused"], out["after unfused"], "EP 4 x 1 fused: step after load", exact=False)
     kinds, snap = run_distributed(_load_fused_on_two, 2, str(tmp_path / "fused"))[0]
-    assert kinds == ["LocalExpertAdamW", "AdamW"]
+    assert kinds == ["LocalExpertAdamW", "OnePassAdamW"]
     _same(snap, out["saved"], "world 2, EP 2 x 1 fused")

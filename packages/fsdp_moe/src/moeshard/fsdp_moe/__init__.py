@@ -3,8 +3,8 @@
 Experts are sharded on dim 0 by EP and on dim 1 by FSDP2 over ``ep_fsdp``; everything else on dim 0 over all
 ranks. Gradients of both kinds equal single-process gradients of the global batch; AdamW, clipping and DCP
 checkpoints work across the two meshes. Where ``ep_fsdp`` has one rank the experts stay out of FSDP and
-:class:`LocalExpertAdamW` updates them in one fused pass, beside torch's AdamW, in one
-:class:`OptimizersContainer`. Example (under torchrun)::
+:class:`LocalExpertAdamW` updates them in one fused pass, beside :class:`OnePassAdamW` (torch's AdamW with a
+one-pass CUDA update) for the rest, in one :class:`OptimizersContainer`. Example (under torchrun)::
 
     from moeshard.ep import apply_ep
     from moeshard.fsdp_moe import build_optimizer, num_items_for_global_mean, save_checkpoint, shard_model
@@ -25,6 +25,7 @@ checkpoints work across the two meshes. Where ``ep_fsdp`` has one rank the exper
 from moeshard.fsdp_moe._clip import clip_grad_norm_, get_total_norm
 from moeshard.fsdp_moe._local_adamw import LocalExpertAdamW
 from moeshard.fsdp_moe._loss import num_items_for_global_mean
+from moeshard.fsdp_moe._one_pass_adamw import OnePassAdamW
 from moeshard.fsdp_moe._optim import OptimizersContainer, build_optimizer
 from moeshard.fsdp_moe._reduced_grad import (
     ReducedGrad,
@@ -45,6 +46,7 @@ from moeshard.fsdp_moe._state_dict import get_state_dict, load_checkpoint, save_
 __all__ = [
     "FSDPUnits",
     "LocalExpertAdamW",
+    "OnePassAdamW",
     "OptimizersContainer",
     "ReducedGrad",
     "ReducedGradTarget",

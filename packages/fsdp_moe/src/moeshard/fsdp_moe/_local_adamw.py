@@ -71,28 +71,30 @@ def local_expert_params(model: nn.Module) -> dict[int, tuple[nn.Parameter, Local
     return out
 
 
-def _check_group(group: dict[str, Any], where: str) -> None:
+def _check_group(group: dict[str, Any], where: str, owner: str = "LocalExpertAdamW") -> None:
+    """Refuse what the one-pass update does not implement (``owner``: the optimizer's name, for the message)."""
     on = [k for k in _UNSUPPORTED if group.get(k)]
     if on:
         raise ValueError(
-            f"LocalExpertAdamW: {where} sets {', '.join(on)}, which its fused update does not implement; turn "
-            "them off, or build the optimizer with fuse_local_experts=False (torch's AdamW)"
+            f"{owner}: {where} sets {', '.join(on)}, which its one-pass update does not implement; turn them off, "
+            "or use torch's AdamW (build_optimizer: fuse_local_experts=False for the experts, fused=True or False "
+            "for the rest)"
         )
     if not group.get("decoupled_weight_decay", True) and group.get("weight_decay"):
         raise ValueError(
-            f"LocalExpertAdamW: {where} asks for L2 weight decay (decoupled_weight_decay=False); the fused update is "
+            f"{owner}: {where} asks for L2 weight decay (decoupled_weight_decay=False); the one-pass update is "
             "AdamW's (decoupled weight decay)"
         )
     for key in ("lr", "betas", "eps", "weight_decay"):
         values = group[key] if key == "betas" else (group[key],)
         if any(isinstance(v, torch.Tensor) for v in values):
-            raise ValueError(f"LocalExpertAdamW: {where} has a tensor {key}; give it as a float")
+            raise ValueError(f"{owner}: {where} has a tensor {key}; give it as a float")
     beta1, beta2 = group["betas"]
     if not (
         group["lr"] >= 0 and group["eps"] >= 0 and group["weight_decay"] >= 0 and 0 <= beta1 < 1 and 0 <= beta2 < 1
     ):
         raise ValueError(
-            f"LocalExpertAdamW: {where} has an invalid hyper-parameter (lr {group['lr']}, betas {group['betas']}, "
+            f"{owner}: {where} has an invalid hyper-parameter (lr {group['lr']}, betas {group['betas']}, "
             f"eps {group['eps']}, weight_decay {group['weight_decay']}); lr, eps, weight_decay >= 0, betas in [0, 1)"
         )
 
@@ -364,11 +366,13 @@ def _adamw_update(
     step: int,
 ) -> None:
     """One AdamW step of ``master`` (float32, in place) from ``grad * grad_factor * grad_mult``; ``out`` (the
-    compute-dtype parameter, or None) receives the new master, cast."""
+    compute-dtype parameter, or None) receives the new master, cast. The triton pass on CUDA where the tensors are
+    contiguous, torch's for-loop AdamW's tensor operations otherwise."""
     bias_correction1 = 1 - beta1**step
     step_size = lr / bias_correction1
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    if master.is_cuda and _triton_available():
+    contiguous = master.is_contiguous() and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous()
+    if master.is_cuda and contiguous and (out is None or out.is_contiguous()) and _triton_available():
         from moeshard.fsdp_moe import _triton
 
         _triton.adamw_update(

@@ -1,4 +1,5 @@
-"""Several optimizers as one: torch's AdamW for most parameters, :class:`LocalExpertAdamW` for the local experts.
+"""Several optimizers as one: :class:`OnePassAdamW` (or torch's AdamW) for the parameters FSDP2 manages,
+:class:`LocalExpertAdamW` for the local experts.
 
 :class:`OptimizersContainer` is a ``torch.optim.Optimizer`` whose ``param_groups`` are its children's group dicts
 (so an LR scheduler drives all of them), with one ``step()``, ``zero_grad()``, ``state_dict()`` /
@@ -7,10 +8,10 @@
 - ``clip_grad_norm_`` asks each child for its gradients' local norms (``param.grad`` of torch's optimizers, split
   by mesh as ``moeshard.fsdp_moe.get_total_norm`` does; :meth:`LocalExpertAdamW.grad_norms` for the local
   experts), reduces them in one all-reduce (a device tensor, no host sync) and applies the coefficient: in place
-  for torch's for-loop / foreach optimizers; for torch's fused Adam / AdamW and for LocalExpertAdamW it is kept
-  and applied inside the next ``step()`` (``grad_scale`` of torch's fused kernel; ``grad_mult`` of the fused
-  expert update), which saves a pass over the gradients. Until that step those gradients hold their unclipped
-  values (torch's fused kernel stores the clipped ones back as it steps).
+  for torch's for-loop / foreach optimizers; for torch's fused Adam / AdamW, OnePassAdamW and LocalExpertAdamW it
+  is kept and applied inside the next ``step()`` (``grad_scale`` of torch's fused kernel; ``grad_mult`` of the
+  one-pass updates), which saves a pass over the gradients. Until that step those gradients hold their unclipped
+  values (torch's fused kernel stores the clipped ones back as it steps; the one-pass updates leave them).
 - The kept coefficient belongs to the gradients it was computed from: gradients must not change between
   ``clip_grad_norm_`` and ``step()`` (nothing checks it). ``zero_grad()`` drops it; a second clip before the step
   sees the first one applied, as an in-place clip would.
@@ -36,12 +37,18 @@ from moeshard.fsdp_moe._norm import (
     reduce_norms,
     split_grads,
 )
+from moeshard.fsdp_moe._one_pass_adamw import OnePassAdamW
 
 __all__ = ["OptimizersContainer", "build_optimizer"]
 
 
 def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _takes_grad_mult(optimizer: torch.optim.Optimizer) -> bool:
+    """Ours: ``step(grad_mult=coef)`` multiplies every gradient by the clip coefficient as it reads it."""
+    return isinstance(optimizer, LocalExpertAdamW | OnePassAdamW)
 
 
 def _applies_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
@@ -145,7 +152,7 @@ class OptimizersContainer(torch.optim.Optimizer):
         """Clip every child's gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` in one process.
 
         The coefficient ``min(1, max_norm / (total_norm + 1e-6))`` is applied in place, or kept for the next
-        ``step()`` where a child applies it as it reads the gradients (torch's fused Adam / AdamW,
+        ``step()`` where a child applies it as it reads the gradients (torch's fused Adam / AdamW, OnePassAdamW,
         LocalExpertAdamW): gradients must not change between this call and ``step()``.
 
         Args:
@@ -165,7 +172,7 @@ class OptimizersContainer(torch.optim.Optimizer):
             )
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for i, opt in enumerate(self.optimizers):
-            if isinstance(opt, LocalExpertAdamW) or _applies_grad_scale(opt):
+            if _takes_grad_mult(opt) or _applies_grad_scale(opt):
                 if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
                     raise ValueError(
                         f"OptimizersContainer.clip_grad_norm_: the {type(opt).__name__} has a grad_scale or "
@@ -193,7 +200,7 @@ class OptimizersContainer(torch.optim.Optimizer):
                 loss = closure()
         coefs, self._clip_coefs = self._clip_coefs, [None] * len(self.optimizers)
         for opt, coef in zip(self.optimizers, coefs, strict=True):
-            if isinstance(opt, LocalExpertAdamW):
+            if _takes_grad_mult(opt):
                 opt.step(grad_mult=coef)
             elif coef is not None:
                 _step_with_grad_scale(opt, coef)
@@ -281,14 +288,17 @@ def build_optimizer(
     Args:
         model: the sharded model.
         lr, betas, eps, weight_decay: AdamW's hyper-parameters, for every parameter.
-        fused: torch's fused AdamW (True) or its for-loop / foreach implementation (False); None: fused where the
-            parameters are on CUDA, the for-loop on CPU.
+        fused: for the parameters FSDP2 manages: torch's fused AdamW (True), its for-loop / foreach
+            implementation (False), or None: :class:`OnePassAdamW` (one triton pass per parameter on CUDA, the
+            clip coefficient read in it; torch's for-loop arithmetic elsewhere) where they are all float32, else
+            torch's fused AdamW on CUDA and its for-loop on CPU.
         fuse_local_experts: update the experts kept out of FSDP (``ep_fsdp`` of one rank) with
             :class:`LocalExpertAdamW` (the float32 masters in its state, their parameters in the compute dtype);
             False, or no such experts: torch's AdamW steps every parameter.
 
     Returns:
-        ``OptimizersContainer([LocalExpertAdamW, AdamW])``, or ``OptimizersContainer([AdamW])``.
+        ``OptimizersContainer([LocalExpertAdamW, OnePassAdamW])``, or ``OptimizersContainer([OnePassAdamW])`` (or
+        torch's ``AdamW`` in the place of ``OnePassAdamW``, by ``fused``).
     """
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("build_optimizer: the model is on the meta device; materialise and load its weights first")
@@ -298,7 +308,9 @@ def build_optimizer(
         children.append(LocalExpertAdamW(model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
     taken = {id(p) for o in children for g in o.param_groups for p in g["params"]}
     rest = [p for p in model.parameters() if id(p) not in taken]
-    if rest:
+    if rest and fused is None and all(p.dtype == torch.float32 for p in rest):
+        children.append(OnePassAdamW(rest, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+    elif rest:
         if fused is None:
             fused = all(p.device.type == "cuda" for p in rest)
         children.append(

@@ -21,7 +21,7 @@ import triton.language as tl
 
 __all__ = ["add_into_float32", "adamw_update", "scaled_add_", "sum_of_squares"]
 
-_BLOCK = 2048
+_BLOCK = 1024  # 4.4 / 4.1 TB/s on an H200 (bf16 / fp32 gradients), 2048: 4.1 / 3.9 (expert_update_kernel.py)
 _NORM_BLOCK = 8192
 _ADD_BLOCK = 4096
 
