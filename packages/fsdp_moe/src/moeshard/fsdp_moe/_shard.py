@@ -230,7 +230,10 @@ def _divide_factors(module: FSDPModule, meshes: ParallelMeshes, mesh_size: int) 
     # Expert: the EP all-to-all backward already summed, on the rank holding an expert, the gradients from the
     # tokens of all ep ranks; the reduce-scatter over ep_fsdp then sums over the remaining W/ep ranks. The sum
     # covers all W ranks once, so the divisor is W too, not the ep_fsdp size FSDP would use by default.
-    module.set_gradient_divide_factor(float(meshes.world_size))
+    # At W = 1 FSDP2's default (no factor) is the same and copies the gradients as they are; with a factor of 1 it
+    # copies them through a division by 1 (one more pass over every float32 gradient).
+    if meshes.world_size > 1:
+        module.set_gradient_divide_factor(float(meshes.world_size))
     # gloo has no PREMUL_SUM (FSDP's way to apply a custom factor): reduce with SUM and scale separately. Only
     # where a collective runs: with a mesh of size 1, FSDP2 divides in its copy and would divide again after.
     # (Experts kept out of FSDP on a one-rank ep_fsdp mesh apply the same factor W in their cast's backward.)
