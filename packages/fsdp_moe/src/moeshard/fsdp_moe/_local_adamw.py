@@ -255,7 +255,7 @@ class LocalExpertAdamW(torch.optim.Optimizer):
                 loss = closure()
         for i, group in enumerate(self.param_groups):
             _check_group(group, f"parameter group {i}")
-            beta1, beta2 = group["betas"]
+            hyper = hyper_parameters(group)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -271,12 +271,8 @@ class LocalExpertAdamW(torch.optim.Optimizer):
                     _local(p) if p.dtype != master.dtype else None,
                     grad_factor=self.grad_factor(p),
                     grad_mult=grad_mult,
-                    lr=float(group["lr"]),
-                    beta1=float(beta1),
-                    beta2=float(beta2),
-                    eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
                     step=int(step_t.item()),
+                    **hyper,
                 )
         return loss
 
@@ -336,6 +332,18 @@ class LocalExpertAdamW(torch.optim.Optimizer):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def hyper_parameters(group: dict[str, Any]) -> dict[str, float]:
+    """A parameter group's AdamW hyper-parameters as :func:`_adamw_update` takes them (floats)."""
+    beta1, beta2 = group["betas"]
+    return {
+        "lr": float(group["lr"]),
+        "beta1": float(beta1),
+        "beta2": float(beta2),
+        "eps": float(group["eps"]),
+        "weight_decay": float(group["weight_decay"]),
+    }
 
 
 def _copy_into(dst: torch.Tensor, src: Any, what: str) -> None:

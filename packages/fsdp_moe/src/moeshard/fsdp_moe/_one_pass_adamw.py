@@ -19,9 +19,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from moeshard.fsdp_moe._local_adamw import _adamw_update, _check_group
+from moeshard.fsdp_moe._local_adamw import _adamw_update, _check_group, _local, hyper_parameters
 
 __all__ = ["OnePassAdamW"]
 
@@ -53,10 +52,6 @@ def _same_layout(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if _layout(grad) != _layout(param):
         grad = torch.empty_like(param, dtype=grad.dtype).copy_(grad)
     return _flat(param), _flat(grad), _flat(exp_avg), _flat(exp_avg_sq)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class OnePassAdamW(torch.optim.AdamW):
@@ -118,7 +113,7 @@ class OnePassAdamW(torch.optim.AdamW):
                 loss = closure()
         for i, group in enumerate(self.param_groups):
             _check_group(group, f"parameter group {i}", type(self).__name__)
-            beta1, beta2 = group["betas"]
+            hyper = hyper_parameters(group)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -134,12 +129,8 @@ class OnePassAdamW(torch.optim.AdamW):
                     None,
                     grad_factor=1.0,
                     grad_mult=grad_mult,
-                    lr=float(group["lr"]),
-                    beta1=float(beta1),
-                    beta2=float(beta2),
-                    eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
                     step=int(state["step"].item()),
+                    **hyper,
                 )
         return loss
 
