@@ -55,7 +55,9 @@ def _same_layout(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 
 
 class OnePassAdamW(torch.optim.AdamW):
-    """torch's AdamW over float32 parameters whose step is one pass per parameter (see the module docstring).
+    """torch's AdamW over float32 parameters whose CUDA step is one triton pass per parameter, clip included.
+
+    (See the module docstring for what the pass reads and writes.)
 
     Its state (``step`` a float32 scalar on the CPU, ``exp_avg``, ``exp_avg_sq``), ``state_dict()``,
     ``load_state_dict()`` and parameter groups are those of ``torch.optim.AdamW(foreach=False, fused=False)``: a
