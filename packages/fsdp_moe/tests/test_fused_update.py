@@ -32,7 +32,7 @@ def _case(n, grad_dtype, seed):
 def check_kernel(device: str) -> int:
     """The triton kernels against the CPU tensor operations (torch's for-loop AdamW), for a few variants."""
     from moeshard.fsdp_moe import _triton
-    from moeshard.fsdp_moe._local_adamw import _adamw_update
+    from moeshard.fsdp_moe._adamw_step import adamw_step
 
     cases = 0
     for n, grad_dtype, factor, mult, step in [
@@ -45,7 +45,7 @@ def check_kernel(device: str) -> int:
         mult_t = torch.tensor(mult) if mult is not None else None
         ref = [t.clone() for t in (p, m, v)]
         ref_copy = torch.empty(n, dtype=torch.bfloat16)
-        _adamw_update(ref[0], grad, ref[1], ref[2], ref_copy, grad_factor=factor, grad_mult=mult_t, **kw)
+        adamw_step(ref[0], grad, ref[1], ref[2], ref_copy, grad_factor=factor, grad_mult=mult_t, **kw)
 
         got = [t.clone().to(device) for t in (p, m, v)]
         copy = torch.empty(n, dtype=torch.bfloat16, device=device)

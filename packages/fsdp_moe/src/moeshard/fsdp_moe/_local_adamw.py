@@ -41,21 +41,17 @@ operations; on CUDA one triton kernel per parameter (``_triton``; under triton's
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from moeshard.fsdp_moe._local_experts import LocalExperts, dtensor_like, local_experts_state, scaled
+from moeshard.fsdp_moe._adamw_step import adamw_step, check_group, hyper_parameters, local_tensor, triton_available
+from moeshard.fsdp_moe._local_experts import LocalExperts, dtensor_like, local_experts_state
 from moeshard.fsdp_moe._shard import clean_fqn
 
 __all__ = ["LocalExpertAdamW", "local_expert_params"]
-
-# Group options of torch's AdamW the fused update does not implement (each must be falsy).
-_UNSUPPORTED = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
 def local_expert_params(model: nn.Module) -> dict[int, tuple[nn.Parameter, LocalExperts, str, str]]:
@@ -69,34 +65,6 @@ def local_expert_params(model: nn.Module) -> dict[int, tuple[nn.Parameter, Local
         for name, p in st.params.items():
             out[id(p)] = (p, st, name, clean_fqn(f"{mod_name}.{name}" if mod_name else name))
     return out
-
-
-def _check_group(group: dict[str, Any], where: str, owner: str = "LocalExpertAdamW") -> None:
-    """Refuse what the one-pass update does not implement (``owner``: the optimizer's name, for the message)."""
-    on = [k for k in _UNSUPPORTED if group.get(k)]
-    if on:
-        raise ValueError(
-            f"{owner}: {where} sets {', '.join(on)}, which its one-pass update does not implement; turn them off, "
-            "or use torch's AdamW (build_optimizer: fuse_local_experts=False for the experts, fused=True or False "
-            "for the rest)"
-        )
-    if not group.get("decoupled_weight_decay", True) and group.get("weight_decay"):
-        raise ValueError(
-            f"{owner}: {where} asks for L2 weight decay (decoupled_weight_decay=False); the one-pass update is "
-            "AdamW's (decoupled weight decay)"
-        )
-    for key in ("lr", "betas", "eps", "weight_decay"):
-        values = group[key] if key == "betas" else (group[key],)
-        if any(isinstance(v, torch.Tensor) for v in values):
-            raise ValueError(f"{owner}: {where} has a tensor {key}; give it as a float")
-    beta1, beta2 = group["betas"]
-    if not (
-        group["lr"] >= 0 and group["eps"] >= 0 and group["weight_decay"] >= 0 and 0 <= beta1 < 1 and 0 <= beta2 < 1
-    ):
-        raise ValueError(
-            f"{owner}: {where} has an invalid hyper-parameter (lr {group['lr']}, betas {group['betas']}, "
-            f"eps {group['eps']}, weight_decay {group['weight_decay']}); lr, eps, weight_decay >= 0, betas in [0, 1)"
-        )
 
 
 class LocalExpertAdamW(torch.optim.Optimizer):
@@ -155,7 +123,7 @@ class LocalExpertAdamW(torch.optim.Optimizer):
             fused=None,
             decoupled_weight_decay=True,
         )
-        _check_group(defaults, "the constructor")
+        check_group(defaults, "the constructor")
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -181,7 +149,7 @@ class LocalExpertAdamW(torch.optim.Optimizer):
                     "after the weights are materialised and loaded in float32 (to_empty + load/init): their values "
                     "become the float32 masters"
                 )
-        _check_group({**self.defaults, **param_group}, "a parameter group")
+        check_group({**self.defaults, **param_group}, "a parameter group")
         super().add_param_group({**param_group, "params": params})
         for p in params:
             self._take_master(p)
@@ -223,14 +191,14 @@ class LocalExpertAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    grads.append(_local(p.grad))
+                    grads.append(local_tensor(p.grad))
                     factors.append(self.grad_factor(p))
         out = []
         by_device: dict[torch.device, list[int]] = {}
         for i, g in enumerate(grads):
             by_device.setdefault(g.device, []).append(i)
         for device, idx in by_device.items():
-            if float(norm_type) == 2.0 and device.type == "cuda" and _triton_available():
+            if float(norm_type) == 2.0 and device.type == "cuda" and triton_available():
                 from moeshard.fsdp_moe import _triton
 
                 ts = [grads[i].contiguous() for i in idx]
@@ -254,7 +222,7 @@ class LocalExpertAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for i, group in enumerate(self.param_groups):
-            _check_group(group, f"parameter group {i}")
+            check_group(group, f"parameter group {i}")
             hyper = hyper_parameters(group)
             for p in group["params"]:
                 if p.grad is None:
@@ -262,13 +230,13 @@ class LocalExpertAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 step_t = state["step"]
                 step_t += 1  # a CPU tensor: reading it back does not wait for the device
-                master = _local(state["master"])
-                _adamw_update(
+                master = local_tensor(state["master"])
+                adamw_step(
                     master,
-                    _local(p.grad),
-                    _local(state["exp_avg"]),
-                    _local(state["exp_avg_sq"]),
-                    _local(p) if p.dtype != master.dtype else None,
+                    local_tensor(p.grad),
+                    local_tensor(state["exp_avg"]),
+                    local_tensor(state["exp_avg_sq"]),
+                    local_tensor(p) if p.dtype != master.dtype else None,
                     grad_factor=self.grad_factor(p),
                     grad_mult=grad_mult,
                     step=int(step_t.item()),
@@ -292,7 +260,7 @@ class LocalExpertAdamW(torch.optim.Optimizer):
                 "(number of groups or of parameters per group)"
             )
         for i, saved in enumerate(saved_groups):
-            _check_group({**self.param_groups[i], **saved}, f"loaded parameter group {i}")
+            check_group({**self.param_groups[i], **saved}, f"loaded parameter group {i}")
         with torch.no_grad():
             for saved, group in zip(saved_groups, self.param_groups, strict=True):
                 for key, p in zip(saved["params"], group["params"], strict=True):
@@ -324,101 +292,17 @@ class LocalExpertAdamW(torch.optim.Optimizer):
     def write_param(self, param: torch.Tensor) -> None:
         """Write ``param`` from its master (cast to the compute dtype; nothing to do where the master is the
         parameter): after a master was changed other than by :meth:`step`."""
-        master = _local(self.state[param]["master"])
-        local = _local(param)
+        master = local_tensor(self.state[param]["master"])
+        local = local_tensor(param)
         if local.data_ptr() != master.data_ptr():
             local.copy_(master)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def hyper_parameters(group: dict[str, Any]) -> dict[str, float]:
-    """A parameter group's AdamW hyper-parameters as :func:`_adamw_update` takes them (floats)."""
-    beta1, beta2 = group["betas"]
-    return {
-        "lr": float(group["lr"]),
-        "beta1": float(beta1),
-        "beta2": float(beta2),
-        "eps": float(group["eps"]),
-        "weight_decay": float(group["weight_decay"]),
-    }
-
-
 def _copy_into(dst: torch.Tensor, src: Any, what: str) -> None:
-    src_local = _local(src) if isinstance(src, torch.Tensor) else None
-    dst_local = _local(dst)
+    src_local = local_tensor(src) if isinstance(src, torch.Tensor) else None
+    dst_local = local_tensor(dst)
     if src_local is None or tuple(src_local.shape) != tuple(dst_local.shape):
         shape = tuple(src_local.shape) if src_local is not None else type(src).__name__
         raise ValueError(f"{what}: the loaded piece has shape {shape}, this rank holds {tuple(dst_local.shape)}")
     if src_local.data_ptr() != dst_local.data_ptr():
         dst_local.copy_(src_local)
-
-
-@torch.no_grad()
-def _adamw_update(
-    master: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    out: torch.Tensor | None,
-    *,
-    grad_factor: float,
-    grad_mult: torch.Tensor | None,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-) -> None:
-    """One AdamW step of ``master`` (float32, in place) from ``grad * grad_factor * grad_mult``; ``out`` (the
-    compute-dtype parameter, or None) receives the new master, cast. The triton pass on CUDA where the tensors are
-    contiguous, torch's for-loop AdamW's tensor operations otherwise."""
-    bias_correction1 = 1 - beta1**step
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    contiguous = master.is_contiguous() and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous()
-    if master.is_cuda and contiguous and (out is None or out.is_contiguous()) and _triton_available():
-        from moeshard.fsdp_moe import _triton
-
-        _triton.adamw_update(
-            master,
-            grad.contiguous(),
-            exp_avg,
-            exp_avg_sq,
-            out,
-            grad_factor,
-            grad_mult,
-            None,
-            decay=1 - lr * weight_decay,
-            beta1=beta1,
-            beta2=beta2,
-            step_size=step_size,
-            bias_correction2_sqrt=bias_correction2_sqrt,
-            eps=eps,
-        )
-        return
-    # The float32 path's gradient (the master-mode backward's cast-and-scale, then the in-place clip), then
-    # torch's _single_tensor_adam, operation for operation.
-    g = scaled(grad, grad_factor, master.dtype)
-    if grad_mult is not None:
-        g.mul_(grad_mult.to(g.device))
-    if weight_decay != 0:
-        master.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    master.addcdiv_(exp_avg, denom, value=-step_size)
-    if out is not None:
-        out.copy_(master)
-
-
-@functools.cache
-def _triton_available() -> bool:
-    try:
-        from moeshard.fsdp_moe import _triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - no triton here: the tensor operations
-        return False
-    return True

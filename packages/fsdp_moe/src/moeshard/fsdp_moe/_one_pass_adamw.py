@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from moeshard.fsdp_moe._local_adamw import _adamw_update, _check_group, _local, hyper_parameters
+from moeshard.fsdp_moe._adamw_step import adamw_step, check_group, hyper_parameters, local_tensor
 
 __all__ = ["OnePassAdamW"]
 
@@ -87,7 +87,7 @@ class OnePassAdamW(torch.optim.AdamW):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            _check_group(group, f"parameter group {len(self.param_groups) - 1}", type(self).__name__)
+            check_group(group, f"parameter group {len(self.param_groups) - 1}", type(self).__name__)
             for p in group["params"]:
                 if p.dtype != torch.float32:
                     raise ValueError(
@@ -114,7 +114,7 @@ class OnePassAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         for i, group in enumerate(self.param_groups):
-            _check_group(group, f"parameter group {i}", type(self).__name__)
+            check_group(group, f"parameter group {i}", type(self).__name__)
             hyper = hyper_parameters(group)
             for p in group["params"]:
                 if p.grad is None:
@@ -123,10 +123,10 @@ class OnePassAdamW(torch.optim.AdamW):
                     raise ValueError("OnePassAdamW does not take sparse gradients")
                 state = self._state_of(p)
                 state["step"] += 1  # a CPU tensor: reading it back does not wait for the device
-                param, grad = _local(p), _local(p.grad)
-                exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+                param, grad = local_tensor(p), local_tensor(p.grad)
+                exp_avg, exp_avg_sq = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
                 views = _same_layout(param, grad, exp_avg, exp_avg_sq) if param.is_cuda else None
-                _adamw_update(
+                adamw_step(
                     *(views or (param, grad, exp_avg, exp_avg_sq)),
                     None,
                     grad_factor=1.0,
