@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from moeshard.ep import EPOptions, LocalDispatch, ParallelPlan, apply_ep
+from moeshard.ep import EPOptions, LocalDispatch, ParallelPlan, apply_ep, sum_weight_grads
 from moeshard.ep.testing import interpreter_numpy_fix
 
 
@@ -34,7 +34,42 @@ def check_kernel(device: str, dtype: torch.dtype) -> int:
     cases = 0
     for tma in kernels:
         cases += _check_kernel(device, dtype, grouped_weight_grad, tma)
+        cases += _check_parts(device, dtype, tma)
     return cases
+
+
+def _check_parts(device, dtype, tma: bool) -> int:
+    """``grouped_weight_grad_parts`` (each part's rows grouped by expert, an expert without rows in each part; 1, 2
+    and 5 parts, i.e. one launch and an accumulating second one) against float64, writing and adding."""
+    from moeshard.ep._wgrad_triton import grouped_weight_grad_parts
+
+    g = torch.Generator().manual_seed(1)
+    E, M, K = 3, 32, 16
+    for P in (1, 2, 5):
+        parts, ref = [], torch.zeros(E, M, K, dtype=torch.float64)
+        for p in range(P):
+            counts = torch.randint(0, 20, (E,), generator=g)
+            counts[p % E] = 0
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            N = int(counts.sum()) + 2  # rows past the last expert's: never read
+            a, b = torch.randn(N, M, generator=g), torch.randn(N, K, generator=g)
+            starts = [0, *offs[:-1].tolist()]
+            ref += torch.stack([a[s:e].double().T @ b[s:e].double() for s, e in zip(starts, offs.tolist())])
+            parts.append((a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype), offs.to(device)))
+        out = torch.full((E, M, K), float("nan"), device=device, dtype=dtype)
+        grouped_weight_grad_parts(parts, out, accumulate=False, config="test", tma=tma)
+        old = torch.randn(E, M, K, generator=g)
+        acc = old.clone().to(device=device, dtype=dtype)
+        grouped_weight_grad_parts(parts, acc, accumulate=True, alpha=0.5, config="test", tma=tma)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        for got, want in ((out, ref), (acc, old.double() + 0.5 * ref)):
+            got = got.double().cpu()
+            assert (got - want).norm() / want.norm() < tol, (tma, P, ((got - want).norm() / want.norm()).item())
+    with pytest.raises(ValueError, match="do not fit"):
+        grouped_weight_grad_parts(
+            [(torch.zeros(4, 3), torch.zeros(4, 2), torch.tensor([4]))], torch.zeros(1, 2, 3), accumulate=False
+        )
+    return 1
 
 
 def _check_kernel(device, dtype, grouped_weight_grad, tma: bool) -> int:
@@ -80,14 +115,14 @@ def test_kernel_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}  # decided when triton is first imported: a fresh process
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "checked 4 cases" in run.stdout  # both kernels
+    assert "checked 6 cases" in run.stdout  # both kernels, and their parts
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_on_cuda(dtype):
     pytest.importorskip("triton")
-    assert check_kernel("cuda", dtype) == 4
+    assert check_kernel("cuda", dtype) == 6
 
 
 def _weights(E, D, F, device, dtype, seed=0):
@@ -141,6 +176,54 @@ def test_target_adds_into_the_gradient_like_autograd(gemm):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     # asked for both weights in each backward; the second one added into the first one's gradient
     assert targets[0].asked == 4 and targets[0].given == 2
+
+
+class _TakingTarget(_GradTarget):
+    """A target that keeps every pass's factors (``take``) and forms them at the end with ``sum_weight_grads``."""
+
+    def __init__(self, w1, w2):
+        super().__init__(w1, w2)
+        self.kept = {id(w1): [], id(w2): []}
+
+    def take(self, weight, factors):
+        if id(weight) not in self.kept:
+            return False
+        self.kept[id(weight)].append(factors)
+        return True
+
+    def form(self):
+        for p in self.params:
+            p.grad = sum_weight_grads(self.kept.pop(id(p)))
+
+
+@pytest.mark.parametrize("gemm", ["loop", "grouped_mm"])
+def test_a_target_takes_the_factors_and_forms_them_later(gemm):
+    """Each backward hands each weight's gradient over as factors (nothing returned, no buffer asked); formed from
+    both micro-batches' factors in one call, they equal autograd's sum."""
+    options = EPOptions(gemm=gemm)
+    want = _micro_batches(options)
+    targets = []
+
+    def make(w1, w2):
+        targets.append(_TakingTarget(w1, w2))
+        return targets[-1]
+
+    w1, w2 = _weights(4, 16, 8, "cpu", torch.float32)
+    dispatch = LocalDispatch(4, options)
+    dispatch.accumulate_weight_grads(make(w1, w2))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(48, 16, generator=g)
+        weights, ids = torch.softmax(torch.randn(48, 4, generator=g), -1).topk(2, dim=-1)
+        y = dispatch(x, ids, weights, w1, w2)
+        (y.float() * torch.randn(48, 16, generator=g)).sum().backward()
+    assert w1.grad is None and w2.grad is None and targets[0].asked == 0
+    assert [len(k) for k in targets[0].kept.values()] == [2, 2]
+    targets[0].form()
+    for got, ref in zip((w1.grad, w2.grad), want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="at least one"):
+        sum_weight_grads([])
 
 
 def test_a_target_answering_none_changes_nothing():

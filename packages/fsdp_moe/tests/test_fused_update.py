@@ -107,7 +107,7 @@ def test_kernel_on_cuda():
 # ---- on the toy model, EP 2 x ep_fsdp 1 on 2 gloo processes ------------------------------------------------------
 
 
-def _toy(seed, *, fuse=True, dtype=None, ac=False, ep_size=2, device_type="cpu", **opt_kw):
+def _toy(seed, *, fuse=True, dtype=None, ac=False, ep_size=2, device_type="cpu", ep_options=None, **opt_kw):
     """The toy model sharded at EP ``ep_size`` (2 processes) and ``build_optimizer`` over it."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -119,7 +119,7 @@ def _toy(seed, *, fuse=True, dtype=None, ac=False, ep_size=2, device_type="cpu",
     meshes = build_meshes(ep_size=ep_size, device_type=device_type)
     torch.manual_seed(seed)
     model = ToyMoELM()
-    ep_info = apply_ep(model, model.get_parallel_plan(), meshes.ep)
+    ep_info = apply_ep(model, model.get_parallel_plan(), meshes.ep, ep_options)
     if ac:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -136,7 +136,7 @@ def _batch(meshes, seed, micro):
     """This rank's micro-batches of one step and ``num_items_in_batch`` for all of them."""
     from moeshard.fsdp_moe import num_items_for_global_mean
 
-    ids = torch.randint(0, 32, (8, 6), generator=torch.Generator().manual_seed(seed)).chunk(meshes.world_size)
+    ids = torch.randint(0, 32, (12, 6), generator=torch.Generator().manual_seed(seed)).chunk(meshes.world_size)
     ids = ids[meshes.rank].to(meshes.device_type)
     return ids.chunk(micro), num_items_for_global_mean(ids[:, 1:].numel())
 
@@ -195,9 +195,7 @@ def _compare(config):
     from moeshard.fsdp_moe._local_experts import local_experts_state
 
     expert_modules = [m for m in model.modules() if local_experts_state(m) is not None]
-    handed_off = bool(expert_modules) and all(
-        m.dispatch.weight_grads.__self__ is local_experts_state(m) for m in expert_modules
-    )
+    handed_off = bool(expert_modules) and all(m.dispatch.weight_grads is local_experts_state(m) for m in expert_modules)
     return {
         "handed_off": handed_off,
         "kinds": kinds,
@@ -218,9 +216,52 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
+def _deferred():
+    """The experts' weight gradients kept as factors over 3 micro-batches and formed in the last backward
+    (``defer_expert_weight_grads``, through the all-to-all dispatcher, which hands factors over), against the same
+    steps forming them every micro-batch; what is kept in between; the budget; the refusal and ``zero_grad``."""
+    from moeshard.ep import EPOptions
+    from moeshard.fsdp_moe import defer_expert_weight_grads
+    from moeshard.fsdp_moe._local_experts import kept_factors
+    from moeshard.fsdp_moe.testing import full_tensors
+
+    out = {}
+    for dtype in (None, torch.bfloat16):
+        for mode in ("formed", "deferred", "budget 0"):
+            meshes, model, opt = _toy(0, dtype=dtype, ep_options=EPOptions(dispatch="all_to_all"))
+            experts = [p for n, p in model.named_parameters() if ".experts." in n]
+            chunks, n = _batch(meshes, 0, 3)
+            last = len(chunks) - 1
+            assert last == 2
+            for m, mids in enumerate(chunks):
+                if mode != "formed" and m in (0, last):
+                    assert defer_expert_weight_grads(model, m != last, budget=0 if mode == "budget 0" else 100) == 2
+                model(mids, mids, num_items_in_batch=n).backward()
+                if m == 1:
+                    out[(dtype, mode, "kept")] = [len(kept_factors(p)) for p in experts]
+                    out[(dtype, mode, "grads")] = [p.grad is not None for p in experts]
+            out[(dtype, mode)] = full_tensors(model, grads=True)
+            out[(dtype, mode, "norm")] = opt.clip_grad_norm_(MAX_NORM).item()
+    # kept through the last backward: the optimizer refuses, zero_grad drops them
+    meshes, model, opt = _toy(0, ep_options=EPOptions(dispatch="all_to_all"))
+    defer_expert_weight_grads(model, True, budget=100)
+    chunks, n = _batch(meshes, 0, 2)
+    for mids in chunks:
+        model(mids, mids, num_items_in_batch=n).backward()
+    try:
+        opt.clip_grad_norm_(MAX_NORM)
+        out["refused"] = ""
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    opt.zero_grad()
+    out["dropped"] = [len(kept_factors(p)) for p in model.parameters()]
+    return out
+
+
 def _all_checks():
     """Every gloo check of this file in one 2-process launch (one torchrun start instead of eight)."""
     return {
+        "deferred": _deferred(),
         "compare": {config: _compare(config) for config in CONFIGS},
         "round trip": _round_trip_and_scheduler(),
         "zero grad": _zero_grad_drops_the_clip(),
@@ -307,6 +348,28 @@ def _round_trip_and_scheduler():
     got = full_tensors(other, optimizer=other_opt)
     out["max diff"] = max((got[k] - want[k]).abs().max().item() for k in want)
     return out
+
+
+def test_deferred_weight_grads_equal_the_formed_ones(runs):
+    """Kept as factors over 3 micro-batches and formed in the last backward, the experts' gradients equal those
+    formed at every micro-batch bit for bit (float32 and bf16: the same products, added in the same order), and so
+    does the clip's norm; in between the gradients are unformed (kept, no ``param.grad``) unless the budget is 0.
+    Gradients still kept when the optimizer reads them are refused by name; ``zero_grad`` drops them."""
+    for r in runs:
+        d = r["deferred"]
+        for dtype in (None, torch.bfloat16):
+            want = d[(dtype, "formed")]
+            for mode in ("deferred", "budget 0"):
+                got = d[(dtype, mode)]
+                assert got.keys() == want.keys()
+                for k in want:
+                    assert torch.equal(got[k], want[k]), (dtype, mode, k)
+                assert d[(dtype, mode, "norm")] == d[(dtype, "formed", "norm")]
+            assert d[(dtype, "formed", "kept")] == [0] * 4 and all(d[(dtype, "formed", "grads")])
+            assert d[(dtype, "deferred", "kept")] == [2] * 4 and not any(d[(dtype, "deferred", "grads")])
+            assert d[(dtype, "budget 0", "kept")] == [0] * 4 and all(d[(dtype, "budget 0", "grads")])
+        assert "still partly kept as factors" in d["refused"] and "defer_expert_weight_grads" in d["refused"]
+        assert not any(d["dropped"])
 
 
 def test_state_dict_round_trip_and_lr_scheduler(runs):

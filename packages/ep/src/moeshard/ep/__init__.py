@@ -28,7 +28,7 @@ from moeshard.ep._dispatch import (
     routed_experts,
 )
 from moeshard.ep._kernels import ACTIVATIONS, compile_rows_dynamic
-from moeshard.ep._mlp import WeightGradTarget, grouped_expert_mlp
+from moeshard.ep._mlp import WeightGradFactors, WeightGradTarget, grouped_expert_mlp, sum_weight_grads
 from moeshard.ep._options import EPOptions
 from moeshard.ep._plan import (
     EPInfo,
@@ -52,6 +52,7 @@ __all__ = [
     "LocalDispatch",
     "OverlappedDispatch",
     "ParallelPlan",
+    "WeightGradFactors",
     "WeightGradTarget",
     "all_to_all",
     "apply_ep",
@@ -64,4 +65,5 @@ __all__ = [
     "make_dispatch",
     "recompute_contexts",
     "routed_experts",
+    "sum_weight_grads",
 ]

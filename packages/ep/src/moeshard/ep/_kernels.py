@@ -109,6 +109,23 @@ def weight_grad_into(a_NM: torch.Tensor, b_NK: torch.Tensor, offs_E: torch.Tenso
     out_EMK.add_(F.grouped_mm(a_NM.transpose(0, 1), b_NK, offs=offs_E))
 
 
+def weight_grad_sum(parts: list, out_EMK: torch.Tensor, accumulate: bool) -> None:
+    """``out[e] (+)= Σ_p a_p[rows_e]^T @ b_p[rows_e]`` over parts ``(a_NM, b_NK, offs_E)`` (``offs_E``: int32
+    cumulative row ends): each part's ``grouped_mm`` added in turn on CUDA, elsewhere one matmul per expert and part
+    (the offsets read on the host)."""
+    if not accumulate:
+        out_EMK.zero_()
+    for a_NM, b_NK, offs_E in parts:
+        if a_NM.is_cuda:
+            weight_grad_into(a_NM, b_NK, offs_E, out_EMK)
+            continue
+        start = 0
+        for e, end in enumerate(offs_E.tolist()):
+            if end > start:
+                out_EMK[e].add_(a_NM[start:end].transpose(0, 1) @ b_NK[start:end])
+            start = end
+
+
 def route(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(order_N, inv_N, counts_E)``: the copies in expert order (stable), its inverse and the copies per expert,
     by ``torch.sort`` (``moeshard.ep._permute``'s :func:`sort_by_expert` and :func:`inverse_permutation`)."""
@@ -156,6 +173,8 @@ class Kernels:
             (``grad_s`` in float32; ``a``, the forward's output again, only with ``need_a``).
         weight_grad_into: ``(a_NM, b_NK, offs_E, out_EMK) -> None``, ``out[e] += a[rows_e]^T @ b[rows_e]`` (the
             grouped_mm backend's weight gradients added into a gradient buffer, see ``ExpertPass.backward``).
+        weight_grad_sum: ``(parts, out_EMK, accumulate) -> None``, ``out[e] (+)= Σ_p a_p[rows_e]^T @ b_p[rows_e]``
+            over parts ``(a_NM, b_NK, offs_E)``: kept weight-gradient factors formed (see ``sum_weight_grads``).
         route: ``(topk_ids_TK, num_experts) -> (order_N, inv_N, counts_E)``, the copies in expert order (stable),
             its inverse and the copies per expert (int64, no host sync): by sort, or the triton counting sort.
     """
@@ -168,6 +187,7 @@ class Kernels:
     weighted_gated: Callable
     weighted_gated_backward: Callable
     weight_grad_into: Callable = weight_grad_into
+    weight_grad_sum: Callable = weight_grad_sum
     route: Callable = route
 
 
@@ -230,6 +250,7 @@ def _triton_kernels(other: Kernels) -> Kernels:
             other.weighted_gated_backward,
         ),
         weight_grad_into=_on_cuda(_wgrad_into_triton, other.weight_grad_into),
+        weight_grad_sum=_wgrad_sum_on_cuda(other.weight_grad_sum),
         route=_on_cuda(route_on_gpu, other.route),
     )
 
@@ -241,6 +262,21 @@ def _wgrad_into_triton(a_NM, b_NK, offs_E, out_EMK) -> None:
         weight_grad_into(a_NM, b_NK, offs_E, out_EMK)  # layouts the kernel does not take (not the expert MLP's)
         return
     grouped_weight_grad(a_NM, b_NK, offs_E, out_EMK, accumulate=True)
+
+
+def _wgrad_sum_on_cuda(other_fn: Callable) -> Callable:
+    # The parts in one grouped GEMM (moeshard.ep._wgrad_triton) where all are row-major CUDA tensors.
+    def call(parts, out_EMK, accumulate):
+        ok = out_EMK.is_cuda and out_EMK.is_contiguous()
+        ok = ok and all(a.is_cuda and a.stride(-1) == 1 and b.stride(-1) == 1 for a, b, _ in parts)
+        if not ok:
+            return other_fn(parts, out_EMK, accumulate)
+        from moeshard.ep._wgrad_triton import grouped_weight_grad_parts
+
+        grouped_weight_grad_parts(parts, out_EMK, accumulate=accumulate)
+
+    call.__wrapped__ = other_fn
+    return call
 
 
 def _silu_on_cuda(gpu_fn: Callable, other_fn: Callable) -> Callable:

@@ -24,12 +24,21 @@ owner of the weights' gradients (``EPInfo.accumulate_weight_grads``), lets backw
 the gradient that is already there (gradient accumulation's later micro-batches) instead of returning a new tensor
 that autograd then adds in a separate pass: with the triton tier on CUDA the add happens inside the grouped GEMM
 (``moeshard.ep._wgrad_triton``), elsewhere as one ``add_``. For such a weight backward returns no gradient.
+
+**Weight gradients handed over unformed.** A target that also has a ``take(weight, factors) -> bool`` method is
+offered each pass's gradient of a weight as its :class:`WeightGradFactors` (``a[rows_e]^T @ b[rows_e]`` per
+expert, before the product) first: where it answers True it took them (kept them to form later with
+:func:`sum_weight_grads`, e.g. all micro-batches of a step in one grouped GEMM, or formed them itself) and backward
+returns no gradient for that weight; where it answers False backward asks ``target(weight)`` as above. The
+grouped_mm and loop backends offer factors; the overlapped dispatcher's split pass asks only for buffers.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +46,90 @@ import torch.nn.functional as F
 from moeshard.ep._kernels import Kernels, activation_fn, gated, kernels_for, weighted_gated
 from moeshard.ep._options import GEMMS, RECOMPUTES
 
-__all__ = ["ExpertPass", "WeightGradTarget", "grouped_expert_mlp", "resolve_gemm"]
+__all__ = [
+    "ExpertPass",
+    "WeightGradFactors",
+    "WeightGradTarget",
+    "grouped_expert_mlp",
+    "resolve_gemm",
+    "sum_weight_grads",
+]
 
 WeightGradTarget = Callable[[torch.Tensor], "torch.Tensor | None"]
 """``target(weight) -> buffer | None``, asked in backward for each expert weight (the tensor the forward received):
 a contiguous tensor of the weight's shape and dtype holding its gradient so far, into which backward adds this
-pass's gradient (and then returns none for that weight), or None for a gradient returned to autograd as usual."""
+pass's gradient (and then returns none for that weight), or None for a gradient returned to autograd as usual.
+
+A target may also have ``take(weight, factors: WeightGradFactors) -> bool``, asked first where the backward has the
+gradient as factors: True means it took them (backward returns none for that weight and asks nothing more)."""
+
+
+@dataclass(frozen=True)
+class WeightGradFactors:
+    """One pass's gradient of one expert weight, unformed: ``grad[e] = a[rows_e]^T @ b[rows_e]`` for each local
+    expert ``e``, rows grouped by expert (see :data:`WeightGradTarget`'s ``take``).
+
+    Attributes:
+        a: ``[N, M]`` (the gradient of the weight's output rows: gate/up's ``[N, 2F]``, down's ``[N, D]``).
+        b: ``[N, K]`` (the weight's input rows: gate/up's ``[N, D]``, down's gated activation ``[N, F]``).
+        offsets: ``[E]`` int32 cumulative row ends per expert, on the rows' device.
+        kernels: the kernel tier of the pass that made them (what :func:`sum_weight_grads` forms them with).
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    offsets: torch.Tensor
+    kernels: Kernels
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes that keeping these factors holds (the storages of ``a`` and ``b``; a view holds its whole base)."""
+        return sum(t.untyped_storage().nbytes() for t in (self.a, self.b, self.offsets))
+
+
+def sum_weight_grads(factors: Sequence[WeightGradFactors], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Form kept weight gradients: ``out[e] += Σ_p a_p[rows_e]^T @ b_p[rows_e]`` over every factor's rows, or a new
+    ``[E, M, K]`` tensor of ``a``'s dtype holding that sum where ``out`` is None. Returns the gradient.
+
+    With the triton tier on CUDA the parts run as one grouped GEMM (``moeshard.ep._wgrad_triton``, up to four parts
+    per launch): the gradient is written (or read and written) once, products summed in float32 and rounded once,
+    whatever the number of micro-batches; a single part written anew goes to torch's ``grouped_mm``. Elsewhere each
+    part's product is added in turn (in ``out``'s dtype).
+    """
+    if not factors:
+        raise ValueError("sum_weight_grads needs at least one WeightGradFactors")
+    first = factors[0]
+    E, M, K = first.offsets.numel(), first.a.shape[1], first.b.shape[1]
+    for f in factors:
+        if f.offsets.numel() != E or f.a.shape[1] != M or f.b.shape[1] != K or f.a.shape[0] != f.b.shape[0]:
+            raise ValueError(
+                f"sum_weight_grads: factors of different weights (a {tuple(f.a.shape)}, b {tuple(f.b.shape)}, "
+                f"{f.offsets.numel()} experts against a [*, {M}], b [*, {K}], {E} experts)"
+            )
+    if out is not None and out.shape != (E, M, K):
+        raise ValueError(f"sum_weight_grads: out {tuple(out.shape)} is not the gradient's [{E}, {M}, {K}]")
+    parts = [(f.a, f.b, f.offsets) for f in factors]
+    if out is None and len(parts) == 1 and first.a.is_cuda and resolve_gemm("auto", first.a, first.b) == "grouped_mm":
+        return F.grouped_mm(first.a.transpose(0, 1), first.b, offs=first.offsets)
+    accumulate = out is not None
+    if out is None:
+        out = torch.empty((E, M, K), dtype=first.a.dtype, device=first.a.device)
+    first.kernels.weight_grad_sum(parts, out, accumulate)
+    return out
+
+
+class _Handoff:
+    """One weight's gradient destination in a backward whose target can take factors: ``take`` first, then the
+    target's buffer (or None: a gradient returned to autograd)."""
+
+    def __init__(self, target: WeightGradTarget, weight: torch.Tensor):
+        self.target, self.weight = target, weight
+
+    def resolve(self, a_NM, b_NK, offsets, kernels) -> tuple[bool, torch.Tensor | None]:
+        """``(taken, buffer)``: whether the target took the factors, else its buffer for this weight (or None)."""
+        if self.target.take(self.weight, WeightGradFactors(a_NM, b_NK, offsets, kernels)):
+            return True, None
+        return False, self.target(self.weight)
 
 
 _EAGER = kernels_for("eager")  # the loop backend's pointwise functions
@@ -171,36 +258,49 @@ class ExpertPass:
             ga_NF = F.grouped_mm(grad_ND, w_down, offs=self.offs)
             gh_NX, gs_N, a_NF = self._gated_backward(h_NX, ga_NF, s_N, need_a)
             if need_w:
-                gw2 = self._weight_grad(grad_ND, a_NF if a_kept is None else a_kept, into[1])
+                gw2 = self._weight_grad(grad_ND, a_NF if a_kept is None else a_kept, into[1], self.offs)
             if need_x:
                 gx = F.grouped_mm(gh_NX, w_gate_up, offs=self.offs)
             if need_w:
-                gw1 = self._weight_grad(gh_NX, x_ND, into[0])
+                gw1 = self._weight_grad(gh_NX, x_ND, into[0], self.offs)
             return gx, gw1, gw2, gs_N
-        gxs, gw1s, gw2s, gss = [], [], [], []
+        gxs, ghs, a_s, gss = [], [], [], []
         for e, (s, n) in enumerate(self._spans()):
             g_nD = grad_ND[s : s + n]
             ga_nF = g_nD @ w_down[e]
             s_n = None if s_N is None else s_N[s : s + n]
             gh_nX, gs_n, a_nF = self._gated_backward(h_NX[s : s + n], ga_nF, s_n, need_a)
             gxs.append(gh_nX @ w_gate_up[e])
-            if need_w:
-                gw2s.append(g_nD.transpose(0, 1) @ (a_nF if a_kept is None else a_kept[s : s + n]))
-                gw1s.append(gh_nX.transpose(0, 1) @ x_ND[s : s + n])
+            ghs.append(gh_nX)
+            a_s.append(a_nF if a_kept is None else a_kept[s : s + n])
             gss.append(gs_n)
         if need_x:
             gx = torch.cat(gxs) if gxs else grad_ND.new_zeros((0, w_gate_up.shape[-1]))
         if need_w:
-            gw1, gw2 = torch.stack(gw1s), torch.stack(gw2s)
-            gw1, gw2 = add_into(gw1, into[0]), add_into(gw2, into[1])
+            offs = torch.tensor(list(itertools.accumulate(self.host)), dtype=torch.int32, device=grad_ND.device)
+            gh_NX = torch.cat(ghs) if ghs else grad_ND.new_zeros((0, w_gate_up.shape[1]))
+            a_NF = torch.cat(a_s) if a_s else grad_ND.new_zeros((0, w_down.shape[2]))
+            gw2 = self._weight_grad(grad_ND, a_NF, into[1], offs)
+            gw1 = self._weight_grad(gh_NX, x_ND, into[0], offs)
         gs_N = None if s_N is None else (torch.cat(gss) if gss else s_N.new_zeros(0))
         return gx, gw1, gw2, gs_N
 
-    def _weight_grad(self, a_NM, b_NK, into):
-        """Each expert's ``a[rows]^T @ b[rows]`` (grouped_mm backend): a new tensor, or added into ``into`` (None)."""
+    def _weight_grad(self, a_NM, b_NK, into, offs):
+        """Each expert's ``a[rows]^T @ b[rows]``: taken by the target as factors, added into its buffer (None), or a
+        new tensor."""
+        if isinstance(into, _Handoff):
+            taken, into = into.resolve(a_NM, b_NK, offs, self.kernels if self.gemm == "grouped_mm" else _EAGER)
+            if taken:
+                return None
+        if self.gemm == "loop":
+            spans = list(self._spans())
+            if not spans:
+                return a_NM.new_zeros((0, a_NM.shape[1], b_NK.shape[1]))
+            grad = torch.stack([a_NM[s : s + n].transpose(0, 1) @ b_NK[s : s + n] for s, n in spans])
+            return add_into(grad, into)
         if into is None:
-            return F.grouped_mm(a_NM.transpose(0, 1), b_NK, offs=self.offs)
-        self.kernels.weight_grad_into(a_NM, b_NK, self.offs, into)
+            return F.grouped_mm(a_NM.transpose(0, 1), b_NK, offs=offs)
+        self.kernels.weight_grad_into(a_NM, b_NK, offs, into)
         return None
 
 
@@ -211,10 +311,16 @@ def add_into(grad: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor | No
     return None
 
 
-def weight_grad_buffers(target: WeightGradTarget | None, w_gate_up, w_down, need_w1: bool, need_w2: bool):
-    """``into`` for :meth:`ExpertPass.backward`: the target's buffer for each weight whose gradient is needed."""
+def weight_grad_buffers(
+    target: WeightGradTarget | None, w_gate_up, w_down, need_w1: bool, need_w2: bool, *, factors: bool = False
+):
+    """``into`` for :meth:`ExpertPass.backward`: the target's buffer for each weight whose gradient is needed, or
+    with ``factors`` (a caller that hands factors over) where the target can ``take`` them, a hand-off asked in
+    backward once the factors exist."""
     if target is None:
         return None, None
+    if factors and callable(getattr(target, "take", None)):
+        return _Handoff(target, w_gate_up) if need_w1 else None, _Handoff(target, w_down) if need_w2 else None
     return target(w_gate_up) if need_w1 else None, target(w_down) if need_w2 else None
 
 
@@ -232,7 +338,7 @@ class _ExpertMLP(torch.autograd.Function):
     def backward(ctx, grad_ND):  # noqa: D102
         w_gate_up, w_down, *saved = ctx.saved_tensors
         need_x, need_s, need_w1, need_w2 = ctx.needs_input_grad[:4]
-        into = weight_grad_buffers(ctx.target, w_gate_up, w_down, need_w1, need_w2)
+        into = weight_grad_buffers(ctx.target, w_gate_up, w_down, need_w1, need_w2, factors=True)
         gx, gw1, gw2, gs = ctx.run.backward(grad_ND, saved, w_gate_up, w_down, need_x, need_w1 or need_w2, into)
         return gx, gs if need_s else None, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None
 

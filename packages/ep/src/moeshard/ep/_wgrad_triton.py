@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["CONFIGS", "TMA_CONFIGS", "grouped_weight_grad"]
+__all__ = ["CONFIGS", "MAX_PARTS", "TMA_CONFIGS", "grouped_weight_grad", "grouped_weight_grad_parts"]
 
 CONFIGS: dict[str, dict[str, int]] = {
     "few_rows": {"BLOCK_M": 128, "BLOCK_K": 128, "BLOCK_R": 32, "num_warps": 4, "num_stages": 4},
@@ -135,6 +135,75 @@ def _wgrad_kernel_tma(
     if ACCUMULATE:
         acc += out_desc.load([e, m0, k0]).reshape(BLOCK_M, BLOCK_K).to(tl.float32)
     out_desc.store([e, m0, k0], acc.to(out_desc.dtype).reshape(1, BLOCK_M, BLOCK_K))
+
+
+MAX_PARTS = 4
+"""Parts one launch of :func:`grouped_weight_grad_parts` sums; more are summed by further, accumulating launches."""
+
+
+@triton.jit
+def _part_product(acc, a_ptr, b_ptr, offs_ptr, sa, sb, e, m0, k0, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_R: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """``acc + a[rows_e]^T @ b[rows_e]`` over one part's rows of expert ``e`` (this program's tile)."""
+    end = tl.load(offs_ptr + e).to(tl.int32)
+    start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)).to(tl.int32), 0)
+    if TMA:
+        n = end - start
+        a_desc = tl.make_tensor_descriptor(
+            a_ptr + start.to(tl.int64) * sa, shape=[tl.maximum(n, 1), M], strides=[sa, 1],
+            block_shape=[BLOCK_R, BLOCK_M],
+        )  # fmt: skip
+        b_desc = tl.make_tensor_descriptor(
+            b_ptr + start.to(tl.int64) * sb, shape=[tl.maximum(n, 1), K], strides=[sb, 1],
+            block_shape=[BLOCK_R, BLOCK_K],
+        )  # fmt: skip
+        for r in range(0, n, BLOCK_R):
+            acc = tl.dot(tl.trans(a_desc.load([r, m0])), b_desc.load([r, k0]), acc, input_precision=PRECISION)
+    else:
+        start64, end64 = start.to(tl.int64), end.to(tl.int64)
+        rm = m0 + tl.arange(0, BLOCK_M)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        for r0 in range(start64, end64, BLOCK_R):
+            rr = r0 + tl.arange(0, BLOCK_R)
+            mask_r = rr < end64
+            a = tl.load(a_ptr + rr[:, None] * sa + rm[None, :], mask=mask_r[:, None] & (rm < M)[None, :], other=0.0)
+            b = tl.load(b_ptr + rr[:, None] * sb + rk[None, :], mask=mask_r[:, None] & (rk < K)[None, :], other=0.0)
+            acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _wgrad_parts_kernel(
+    a0, b0, o0, sa0, sb0, a1, b1, o1, sa1, sb1, a2, b2, o2, sa2, sb2, a3, b3, o3, sa3, sb3,
+    out_ptr, out_desc, M, K, alpha,
+    PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    ACCUMULATE: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    e = tl.program_id(1)
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    m0 = (tl.program_id(0) // tiles_k) * BLOCK_M
+    k0 = (tl.program_id(0) % tiles_k) * BLOCK_K
+    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    acc = _part_product(acc, a0, b0, o0, sa0, sb0, e, m0, k0, M, K, BLOCK_M, BLOCK_K, BLOCK_R, TMA, PRECISION)
+    if PARTS > 1:
+        acc = _part_product(acc, a1, b1, o1, sa1, sb1, e, m0, k0, M, K, BLOCK_M, BLOCK_K, BLOCK_R, TMA, PRECISION)
+    if PARTS > 2:
+        acc = _part_product(acc, a2, b2, o2, sa2, sb2, e, m0, k0, M, K, BLOCK_M, BLOCK_K, BLOCK_R, TMA, PRECISION)
+    if PARTS > 3:
+        acc = _part_product(acc, a3, b3, o3, sa3, sb3, e, m0, k0, M, K, BLOCK_M, BLOCK_K, BLOCK_R, TMA, PRECISION)
+    acc = acc * alpha
+    if TMA:
+        if ACCUMULATE:
+            acc += out_desc.load([e, m0, k0]).reshape(BLOCK_M, BLOCK_K).to(tl.float32)
+        out_desc.store([e, m0, k0], acc.to(out_desc.dtype).reshape(1, BLOCK_M, BLOCK_K))
+    else:
+        rm = m0 + tl.arange(0, BLOCK_M)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        out = out_ptr + e.to(tl.int64) * M * K + rm[:, None] * K + rk[None, :]
+        mask = (rm < M)[:, None] & (rk < K)[None, :]
+        if ACCUMULATE:
+            acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _allocate_on(device: torch.device, size: int, alignment: int, stream) -> torch.Tensor:
@@ -240,3 +309,91 @@ def grouped_weight_grad(
         **cfg,
     )
     return out_EMK
+
+
+def grouped_weight_grad_parts(
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    out_EMK: torch.Tensor,
+    *,
+    accumulate: bool,
+    alpha: float = 1.0,
+    config: str | None = None,
+    tma: bool | None = None,
+) -> torch.Tensor:
+    """``out[e] (+)= alpha * Σ_p a_p[rows_p,e]^T @ b_p[rows_p,e]`` in place, for parts ``(a_p, b_p, offs_p)`` that
+    each group their own rows by expert (as :func:`grouped_weight_grad` takes one): the micro-batches of one
+    gradient, summed in float32 with one rounding per :data:`MAX_PARTS` parts. Returns ``out_EMK``.
+
+    One launch per :data:`MAX_PARTS` parts: a program runs over its expert's rows of each part in turn, so the
+    gradient is read (``accumulate``) and written once, whatever the number of rows in the parts. ``config``:
+    by the mean rows per expert of all parts together; ``tma``: as :func:`grouped_weight_grad`, for every part."""
+    if not parts:
+        raise ValueError("grouped_weight_grad_parts needs at least one part")
+    E, M, K = out_EMK.shape
+    for a_NM, b_NK, offs_E in parts:
+        if a_NM.shape[1] != M or b_NK.shape[1] != K or a_NM.shape[0] != b_NK.shape[0] or offs_E.numel() != E:
+            raise ValueError(
+                f"grouped_weight_grad_parts: a {tuple(a_NM.shape)}, b {tuple(b_NK.shape)}, {offs_E.numel()} offsets "
+                f"and out {tuple(out_EMK.shape)} do not fit out[e] = a[rows_e]^T @ b[rows_e]"
+            )
+        if a_NM.stride(-1) != 1 or b_NK.stride(-1) != 1 or a_NM.dtype != parts[0][0].dtype:
+            raise ValueError("grouped_weight_grad_parts needs row-major a and b of one dtype in every part")
+    if not out_EMK.is_contiguous():
+        raise ValueError("grouped_weight_grad_parts needs a contiguous out")
+    if E == 0:
+        return out_EMK
+    rows = sum(a.shape[0] for a, _, _ in parts)
+    if config is None:
+        config = "few_rows" if rows <= FEW_ROWS * E else "many_rows"
+    a0 = parts[0][0]
+    precision = "ieee" if a0.dtype == torch.float32 else "tf32"
+    tensors = [t for a, b, _ in parts for t in (a, b)] + [out_EMK]
+    readable = _tma_capable(a0.device) and _tma_aligned(*tensors)
+    if tma is None:
+        tma = readable and a0.is_cuda and a0.dtype in (torch.bfloat16, torch.float16)
+    elif tma and not readable:
+        raise ValueError(
+            "grouped_weight_grad_parts(tma=True): TMA needs compute capability >= 9.0 and 16-byte aligned tensors "
+            "and row strides; pass tma=None to fall back to the pointer kernel"
+        )
+    cfg = dict((TMA_CONFIGS if tma else CONFIGS)[config])
+    offsets = [o if o.dtype == torch.int32 else o.to(torch.int32) for _, _, o in parts]
+    for first in range(0, len(parts), MAX_PARTS):
+        group = [
+            (a, b, o) for (a, b, _), o in zip(parts[first : first + MAX_PARTS], offsets[first : first + MAX_PARTS])
+        ]
+        args = []
+        for a, b, o in group + [group[0]] * (MAX_PARTS - len(group)):
+            args += [a, b, o, a.stride(0), b.stride(0)]
+        run = functools.partial(
+            _launch_parts, args, out_EMK, len(group), accumulate or first > 0, alpha, cfg, tma, precision
+        )
+        if tma:
+            contextvars.copy_context().run(run)
+        else:
+            run()
+    return out_EMK
+
+
+def _launch_parts(args, out_EMK, n_parts, accumulate, alpha, cfg, tma, precision) -> None:
+    E, M, K = out_EMK.shape
+    out_desc = out_EMK
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        out_desc = TensorDescriptor.from_tensor(out_EMK, [1, cfg["BLOCK_M"], cfg["BLOCK_K"]])
+        triton.set_allocator(functools.partial(_allocate_on, out_EMK.device))  # in the copied context
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(K, cfg["BLOCK_K"]), E)
+    _wgrad_parts_kernel[grid](
+        *args,
+        out_EMK,
+        out_desc,
+        M,
+        K,
+        float(alpha),
+        PARTS=n_parts,
+        ACCUMULATE=bool(accumulate),
+        TMA=bool(tma),
+        PRECISION=precision,
+        **cfg,
+    )

@@ -24,6 +24,7 @@ one-pass CUDA update) for the rest, in one :class:`OptimizersContainer`. Example
 
 from moeshard.fsdp_moe._clip import clip_grad_norm_, get_total_norm
 from moeshard.fsdp_moe._local_adamw import LocalExpertAdamW
+from moeshard.fsdp_moe._local_experts import defer_expert_weight_grads
 from moeshard.fsdp_moe._loss import num_items_for_global_mean
 from moeshard.fsdp_moe._one_pass_adamw import OnePassAdamW
 from moeshard.fsdp_moe._optim import OptimizersContainer, build_optimizer
@@ -55,6 +56,7 @@ __all__ = [
     "build_optimizer",
     "clip_grad_norm_",
     "default_mp_policy",
+    "defer_expert_weight_grads",
     "get_sharding_info",
     "get_state_dict",
     "get_total_norm",

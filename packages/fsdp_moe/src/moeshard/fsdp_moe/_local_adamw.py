@@ -48,7 +48,13 @@ import torch
 from torch import nn
 
 from moeshard.fsdp_moe._adamw_step import adamw_step, check_group, hyper_parameters, local_tensor, triton_available
-from moeshard.fsdp_moe._local_experts import LocalExperts, dtensor_like, local_experts_state
+from moeshard.fsdp_moe._local_experts import (
+    LocalExperts,
+    drop_kept_factors,
+    dtensor_like,
+    kept_factors,
+    local_experts_state,
+)
 from moeshard.fsdp_moe._shard import clean_fqn
 
 __all__ = ["LocalExpertAdamW", "local_expert_params"]
@@ -187,6 +193,7 @@ class LocalExpertAdamW(torch.optim.Optimizer):
         powers over the world once. On CUDA the 2-norm of all gradients on a device comes as one entry (one
         triton pass over the compute-dtype gradients); only the sum of the entries' p-th powers is meaningful.
         """
+        self._check_formed()
         grads, factors = [], []
         for group in self.param_groups:
             for p in group["params"]:
@@ -221,6 +228,7 @@ class LocalExpertAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_formed()
         for i, group in enumerate(self.param_groups):
             check_group(group, f"parameter group {i}")
             hyper = hyper_parameters(group)
@@ -243,6 +251,24 @@ class LocalExpertAdamW(torch.optim.Optimizer):
                     **hyper,
                 )
         return loss
+
+    def _check_formed(self) -> None:
+        """Refuse to read gradients while a parameter's gradient is partly kept as factors."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if kept_factors(p):
+                    raise RuntimeError(
+                        f"LocalExpertAdamW: the gradient of {self.fqn(p)} is still partly kept as factors "
+                        f"({len(kept_factors(p))} micro-batches): call defer_expert_weight_grads(model, False) before "
+                        "the step's last backward (or LocalExperts.form_kept() after it)"
+                    )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; also drops weight-gradient factors kept for these parameters."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                drop_kept_factors(p)
+        super().zero_grad(set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict` of a LocalExpertAdamW over the same parameters (same layout).

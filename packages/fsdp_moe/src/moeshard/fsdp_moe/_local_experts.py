@@ -29,6 +29,17 @@ that ``shard_model`` hands to the module's EP dispatcher (``EPInfo.accumulate_we
 a gradient (the first micro-batch's, stored by autograd), the dispatcher's backward adds the next micro-batches'
 gradients straight into it (inside the grouped GEMM on CUDA with the triton tier) instead of returning a new tensor
 for autograd to add in a second pass; :class:`_ToCompute` then gets no gradient and passes none on.
+
+Weight gradients kept unformed (:func:`defer_expert_weight_grads`, *compute* mode): while a trainer defers, the
+dispatcher's backward hands each micro-batch's gradient of a weight over as its factors (``moeshard.ep``'s
+``WeightGradFactors``: the rows of the weight's input and of its output's gradient, grouped by expert), and the
+module keeps them instead of forming the gradient, as long as all it keeps stays within ``budget`` times the bytes
+of the gradients they stand for. The first backward after deferring stops (the step's last micro-batch), or the
+first that the budget does not admit, forms everything kept together with its own pass in one grouped GEMM
+(``moeshard.ep.sum_weight_grads``): each expert's gradient is written once over all the micro-batches' rows instead
+of being written at the first and read and written again at every later one. Kept factors are part of the
+parameter's gradient: :class:`moeshard.fsdp_moe.LocalExpertAdamW` refuses to read gradients while any are kept and
+its ``zero_grad`` drops them with the gradients.
 """
 
 from __future__ import annotations
@@ -43,9 +54,30 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["dtensor_like", "keep_experts_local", "local_experts_state"]
+__all__ = [
+    "defer_expert_weight_grads",
+    "drop_kept_factors",
+    "dtensor_like",
+    "keep_experts_local",
+    "kept_factors",
+    "local_experts_state",
+]
 
 _STATE_ATTR = "_moeshard_local_experts"
+_KEPT_ATTR = "_moeshard_kept_factors"  # on a parameter: its gradient's kept WeightGradFactors (a list)
+DEFAULT_BUDGET = 1.1
+"""Kept factors may hold up to this times the bytes of the gradients they stand for, per expert module (at EP 1
+with 128 experts, micro-batches of 4,096 tokens, 3 micro-batches' factors hold 1.04x the gradients)."""
+
+
+def kept_factors(param: torch.Tensor) -> list:
+    """The weight-gradient factors kept for ``param`` (a list, empty where none; see :func:`defer_expert_weight_grads`)."""
+    return param.__dict__.get(_KEPT_ATTR) or []
+
+
+def drop_kept_factors(param: torch.Tensor) -> None:
+    """Forget the factors kept for ``param`` (as ``zero_grad`` forgets its gradient)."""
+    param.__dict__.pop(_KEPT_ATTR, None)
 
 
 class _ToCompute(torch.autograd.Function):
@@ -124,6 +156,8 @@ class LocalExperts:
         scale_fn: computes ``grad * scale`` into the master dtype in the backward (:func:`scaled`, or
             :func:`compiled_scaled`'s function with ``shard_model(compile=True)``).
         in_compute_dtype: names of the parameters in *compute* mode (their master lives in an optimizer).
+        deferring: whether backward keeps weight-gradient factors (see :func:`defer_expert_weight_grads`).
+        budget: the most that kept factors may hold, as a multiple of :meth:`grad_bytes`.
     """
 
     def __init__(
@@ -138,6 +172,8 @@ class LocalExperts:
         self.scale = scale
         self.scale_fn = scale_fn
         self.in_compute_dtype: set[str] = set()
+        self.deferring = False  # see defer_expert_weight_grads
+        self.budget = DEFAULT_BUDGET
         self._saved: list[tuple[str, nn.Parameter]] = []
 
     @property
@@ -159,26 +195,84 @@ class LocalExperts:
             args, kwargs = tree_map_only(torch.Tensor, lambda t: _cast_floating(self.compute_dtype, t), (args, kwargs))
         return args, kwargs
 
+    def _compute_param(self, weight: torch.Tensor) -> nn.Parameter | None:
+        """The *compute*-mode parameter whose local tensor the forward handed on as ``weight``, or None."""
+        for name in self.in_compute_dtype:
+            param = self.params[name]
+            local = param._local_tensor
+            if weight.data_ptr() == local.data_ptr() and weight.shape == local.shape:
+                return param
+        return None
+
+    @staticmethod
+    def _buffer(param: nn.Parameter, weight: torch.Tensor) -> torch.Tensor | None:
+        grad = param.grad
+        if grad is None:
+            return None
+        buf = grad.to_local() if isinstance(grad, DTensor) else grad
+        ok = buf.shape == weight.shape and buf.dtype == weight.dtype and buf.is_contiguous()
+        return buf if ok else None
+
     def grad_buffer(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The ``moeshard.ep.WeightGradTarget`` of this module: for ``weight``, the tensor its forward received from
-        a *compute*-mode parameter that already has a gradient, that gradient's local tensor (the backward adds
-        into it); None otherwise (the first micro-batch, *master* mode, a tensor of no parameter here).
+        a *compute*-mode parameter that already has a gradient (or kept factors, formed into one first), that
+        gradient's local tensor (the backward adds into it); None otherwise (the first micro-batch, *master* mode, a
+        tensor of no parameter here).
 
         So once such a parameter has a ``.grad``, every backward through the module adds into it, as
         ``loss.backward()`` does; ``torch.autograd.grad`` over these parameters then gets no gradient for them
         (clear ``.grad`` first, or use master mode)."""
+        param = self._compute_param(weight)
+        if param is None:
+            return None
+        if kept_factors(param):
+            self._form(param, [])
+        return self._buffer(param, weight)
+
+    __call__ = grad_buffer
+
+    def take(self, weight: torch.Tensor, factors: Any) -> bool:
+        """The target's ``take`` (``moeshard.ep.WeightGradTarget``): while deferring, keep ``factors`` (a
+        ``moeshard.ep.WeightGradFactors`` of ``weight``'s gradient) if the budget admits them; otherwise, where
+        factors are kept, form them with these into the gradient. False (not taken): nothing kept and not
+        deferring, or ``weight`` is not a *compute*-mode parameter here."""
+        param = self._compute_param(weight)
+        if param is None:
+            return False
+        if self.deferring and self.kept_bytes() + factors.nbytes <= self.budget * self.grad_bytes():
+            param.__dict__.setdefault(_KEPT_ATTR, []).append(factors)
+            return True
+        if not kept_factors(param):
+            return False
+        self._form(param, [factors])
+        return True
+
+    def _form(self, param: nn.Parameter, more: list) -> None:
+        from moeshard.ep import sum_weight_grads
+
+        factors = kept_factors(param) + more
+        drop_kept_factors(param)
+        buf = self._buffer(param, param._local_tensor)
+        if buf is not None:
+            sum_weight_grads(factors, buf)
+        elif param.grad is None:
+            param.grad = dtensor_like(sum_weight_grads(factors).contiguous(), param)
+        else:  # a gradient in another layout (set from outside): add to it as autograd would
+            param.grad = param.grad + dtensor_like(sum_weight_grads(factors).contiguous(), param)
+
+    def kept_bytes(self) -> int:
+        """Bytes held by this module's kept weight-gradient factors."""
+        return sum(f.nbytes for name in self.in_compute_dtype for f in kept_factors(self.params[name]))
+
+    def grad_bytes(self) -> int:
+        """Bytes of the gradients of this module's *compute*-mode parameters (what kept factors stand for)."""
+        return sum(self.params[n]._local_tensor.numel() * self.params[n].element_size() for n in self.in_compute_dtype)
+
+    def form_kept(self) -> None:
+        """Form every kept factor into its parameter's gradient now."""
         for name in self.in_compute_dtype:
-            param = self.params[name]
-            local = param._local_tensor
-            if weight.data_ptr() != local.data_ptr() or weight.shape != local.shape:
-                continue
-            grad = param.grad
-            if grad is None:
-                return None
-            buf = grad.to_local() if isinstance(grad, DTensor) else grad
-            ok = buf.shape == weight.shape and buf.dtype == weight.dtype and buf.is_contiguous()
-            return buf if ok else None
-        return None
+            if kept_factors(self.params[name]):
+                self._form(self.params[name], [])
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         for name, param in self._saved:
@@ -187,6 +281,36 @@ class LocalExperts:
         if output is None or self.mp_policy.output_dtype is None:
             return output
         return tree_map_only(torch.Tensor, lambda t: _cast_floating(self.mp_policy.output_dtype, t), output)
+
+
+def defer_expert_weight_grads(model: nn.Module, defer: bool, *, budget: float = DEFAULT_BUDGET) -> int:
+    """Whether the backwards from now on keep the local experts' weight gradients as factors (``defer=True``) or form
+    them, with everything kept so far, in the backward that follows (``defer=False``); the experts' analogue of
+    FSDP2's ``set_requires_gradient_sync``. Call it with True before the first of a step's micro-batches and with
+    False before the last (one micro-batch: never needed): the step's gradients are then each written once over all
+    micro-batches' rows. With ``defer=False`` and no backward to follow, :meth:`LocalExperts.form_kept` forms them.
+
+    Only *compute*-mode parameters (under :class:`moeshard.fsdp_moe.LocalExpertAdamW`) whose dispatcher hands
+    factors over (``moeshard.ep``'s grouped_mm and loop backends) keep any; the rest form their gradients as before.
+    ``budget``: per expert module, kept factors hold at most this times the bytes of the gradients they stand for;
+    a backward they would not fit forms the gradient at once (adding into it later as usual), so where the rows per
+    micro-batch outweigh the experts (few local experts, large micro-batches) nothing is kept.
+
+    Returns:
+        The number of expert modules of ``model`` that ``shard_model`` kept out of FSDP (0: nothing to defer).
+
+    Raises:
+        ValueError: ``budget`` is negative.
+    """
+    if budget < 0:
+        raise ValueError(f"defer_expert_weight_grads: budget must be >= 0, got {budget}")
+    n = 0
+    for module in model.modules():
+        st = local_experts_state(module)
+        if st is not None:
+            st.deferring, st.budget = bool(defer), float(budget)
+            n += 1
+    return n
 
 
 def local_experts_state(module: nn.Module) -> LocalExperts | None:

@@ -352,7 +352,7 @@ def shard_model(
             )
             if info.routes(module):
                 # later micro-batches' expert gradients added into param.grad by the dispatcher's backward
-                info.accumulate_weight_grads(module, local_experts_state(module).grad_buffer)
+                info.accumulate_weight_grads(module, local_experts_state(module))  # a target that can take factors
     ignore = {"ignored_params": ignored} if ignored else {}  # an empty set would still change FSDP2's module walk
 
     expert_kwargs = dict(kwargs)

@@ -120,7 +120,7 @@ def train_step(
             reads the stats there; an exception leaves the parameters unchanged).
         stop_requested: this rank's vote to stop after this step, counted in ``StepStats.stop_votes``.
     """
-    from moeshard.fsdp_moe import num_items_for_global_mean
+    from moeshard.fsdp_moe import defer_expert_weight_grads, num_items_for_global_mean
 
     model, world, balancing = job.model, dist.get_world_size(), job.balancing
     lr = job.optimizer.param_groups[0]["lr"]
@@ -150,6 +150,10 @@ def train_step(
             model.set_requires_gradient_sync(m == last)
             if job.parallel.keeps_gathered:  # no peak memory of its own: all are gathered at forward's end anyway
                 model.set_reshard_after_backward(m == last)
+        if m in (0, last) and last > 0:
+            # The local experts keep each micro-batch's weight gradients as factors and form them in the last
+            # backward, each written once over all micro-batches' rows (within their memory budget).
+            defer_expert_weight_grads(model, m != last)
         term = balancing.micro_batch_loss(out, b.attention_mask, rows=b.input_ids.shape[0])  # rows: sequence scope
         (out.lm_loss + term).backward()
         lm_sum += out.lm_loss.detach().float()
