@@ -1,6 +1,7 @@
 """The experts' weight gradients of a step's micro-batches, formed per micro-batch or once from their kept factors.
 
     source benchmarks/gpu_env.sh && python3 benchmarks/wgrad_parts.py
+    MICRO_BATCHES="4 2" python3 benchmarks/wgrad_parts.py   # some step splits only
 
 128 experts, top-8 of random scores, 16,384 tokens per step in 1, 2 or 4 micro-batches; gate/up ``[E, 1536, 2048]``
 (``a`` = the gate/up output's gradient, ``b`` = the input rows) and down ``[E, 2048, 768]`` (``a`` = the output's
@@ -16,6 +17,8 @@ error printed; bf16 rounding is ~2e-3).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton.testing
@@ -27,11 +30,14 @@ SHAPES = {"gate_up": (1536, 2048), "down": (2048, 768)}
 TILES = {  # (BLOCK_M, BLOCK_K, BLOCK_R, num_warps, num_stages)
     "128x128x32 w4 s4": (128, 128, 32, 4, 4),
     "128x128x32 w4 s3": (128, 128, 32, 4, 3),
+    "128x128x32 w4 s5": (128, 128, 32, 4, 5),
+    "128x128x32 w4 s6": (128, 128, 32, 4, 6),
+    "128x128x32 w8 s4": (128, 128, 32, 8, 4),
+    "128x128x16 w4 s6": (128, 128, 16, 4, 6),
+    "64x256x32 w4 s4": (64, 256, 32, 4, 4),
+    "256x128x32 w8 s3": (256, 128, 32, 8, 3),
     "128x128x64 w4 s3": (128, 128, 64, 4, 3),
-    "128x128x64 w8 s3": (128, 128, 64, 8, 3),
-    "128x256x32 w8 s3": (128, 256, 32, 8, 3),
     "128x256x64 w8 s3": (128, 256, 64, 8, 3),
-    "128x256x64 w8 s4": (128, 256, 64, 8, 4),
 }
 
 
@@ -80,7 +86,7 @@ def main() -> None:
         bm, bk, br, w, s = tile
         TMA_CONFIGS[name] = {"BLOCK_M": bm, "BLOCK_K": bk, "BLOCK_R": br, "num_warps": w, "num_stages": s}
     print(f"{'micro-batches':>13} {'weight':>8} {'schedule':>26} {'ms':>7} {'rel err':>8}")
-    for micro_batches in (4, 2, 1):
+    for micro_batches in [int(m) for m in os.environ.get("MICRO_BATCHES", "4 2 1").split()]:
         for wname, (M, K) in SHAPES.items():
             parts = _parts(micro_batches, M, K, g)
             ref = _reference(parts, M, K)

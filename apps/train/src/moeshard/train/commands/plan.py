@@ -103,6 +103,15 @@ def activation_bytes_per_token(
     return layers * (attn + moe) + head
 
 
+def kept_factor_ratio(config: Any, tokens: int, micro_batches: int, local_experts: int) -> float:
+    """What the weight-gradient factors of all but the last micro-batch hold, over the local experts' gradients
+    they stand for (``moeshard.fsdp_moe.defer_expert_weight_grads``; kept where this is within its budget):
+    ``(micro_batches - 1) · tokens · top_k · (2D + 3F)`` elements against ``local_experts · 3DF`` per MoE layer
+    (the routed copies a rank computes average ``tokens · top_k`` at any EP size)."""
+    d, k, f = config.hidden_size, config.num_experts_per_tok, config.moe_intermediate_size
+    return (micro_batches - 1) * tokens * k * (2 * d + 3 * f) / max(1, local_experts * 3 * d * f)
+
+
 def loss_head_bytes(config: Any, compute_bytes: int, tokens: int) -> int:
     """What the chunked loss head (``moeshard.models.common.linear_cross_entropy``) holds at the forward's end
     beyond the per-token activations: the ``[V, D]`` weight gradient it computes in forward and keeps for backward
@@ -194,9 +203,20 @@ def plan_report(
     mb = micro_batch_size or cfg.train.micro_batch_size
     tokens = mb * cfg.data.seq_len
     t, opts = cfg.train, parallel.options  # the options as ParallelOptions reads them (true: full)
+    micro_batches = max(1, t.global_batch_size // world // mb)
+    fused_grads = compute_bytes * u.fused_numel
+    if micro_batches > 1 and u.fused_numel:  # the local experts' gradients kept as factors (train_step defers)
+        import inspect
+
+        from moeshard.fsdp_moe import defer_expert_weight_grads
+        from moeshard.train.families import routed_experts
+
+        budget = inspect.signature(defer_expert_weight_grads).parameters["budget"].default  # what train_step uses
+        ratio = kept_factor_ratio(mcfg, tokens, micro_batches, routed_experts(mcfg) // meshes.ep_size)
+        fused_grads = int(fused_grads * ratio) if ratio <= budget else fused_grads
     est = MemoryEstimate(
         params=4 * local_numel,
-        grads=4 * (local_numel - u.fused_numel) + compute_bytes * u.fused_numel,
+        grads=4 * (local_numel - u.fused_numel) + fused_grads,
         optimizer=8 * local_numel,
         # Where no unit reshards after forward (one rank, or parallel.reshard_after_forward false with the experts
         # following), every unit's compute copy lives through the step; else the stages in flight at once (one and
@@ -207,7 +227,7 @@ def plan_report(
             mcfg, compute_bytes, opts.activation_checkpointing, opts.selective_recompute
         )
         * tokens,
-        micro_batches=max(1, t.global_batch_size // world // mb),
+        micro_batches=micro_batches,
         held_grads=u.held_grads if gradient_sync(t, world) == "last_micro_batch" else 0,
         loss_head=loss_head_bytes(mcfg, compute_bytes, tokens),
     )
