@@ -30,7 +30,7 @@ import torch.distributed as dist
 from moeshard.checkpoint import model_state, save_checkpoint
 from moeshard.data import DataConfig, EvalBatches, PrefetchLoader, StepBatches, open_dataset
 from moeshard.ep import EPOptions
-from moeshard.fsdp_moe import build_optimizer, num_items_for_global_mean
+from moeshard.fsdp_moe import build_optimizer, defer_expert_weight_grads, num_items_for_global_mean
 from moeshard.meshes import build_meshes
 from moeshard.models import deepseekv3, qwen3moe
 from moeshard.models.common import (
@@ -135,7 +135,10 @@ def main() -> None:
             num_items = num_items_for_global_mean(sum(b.num_targets for b in micro_batches)).clamp_min(1.0 / world)
             lm_sum = torch.zeros((), device=device)
             balancing.start_step(len(micro_batches))
-            for b in micro_batches:
+            last = len(micro_batches) - 1
+            for m, b in enumerate(micro_batches):
+                if last and m in (0, last):  # experts kept out of FSDP: their weight gradients formed once, at the last
+                    defer_expert_weight_grads(model, m != last)
                 b = b.to(device, non_blocking=True)
                 # return_logits=False: the loss goes through the head in chunks, never holding the [B, S, V] logits.
                 out = model(

@@ -142,6 +142,22 @@ def test_plan_memory_follows_the_policies():
     assert full_comm[a2a] == pytest.approx(1.5 * comm[a2a], rel=1e-3)
 
 
+def test_plan_counts_kept_weight_gradient_factors():
+    """Where ``train_step`` defers the local experts' weight gradients (more than one micro-batch) and their factors
+    fit ``defer_expert_weight_grads``' budget, ``plan`` counts all but the last micro-batch's factors, ``(n - 1) ·
+    tokens · top_k · (2D + 3F)`` bf16 elements per MoE layer, instead of the gradients; where they do not fit (64
+    local experts: 2.1x the gradients), the gradients."""
+    one, _ = _memory("parallel.ep_size=1", "train.global_batch_size=4", nproc=1)  # 128 local experts, one micro-batch
+    kept, _ = _memory("parallel.ep_size=1", "train.global_batch_size=4", "train.micro_batch_size=1", nproc=1)
+    assert one.micro_batches == 1 and kept.micro_batches == 4
+    gradients = 2 * 128 * 3 * 2048 * 768 * 2  # 2 layers, bf16
+    factors = 2 * 3 * 4096 * 8 * (2 * 2048 + 3 * 768) * 2
+    assert kept.grads - one.grads == factors - gradients and factors < 1.1 * gradients
+    base, _ = _memory()
+    over, _ = _memory("train.micro_batch_size=1")
+    assert over.micro_batches == 4 and over.grads == base.grads
+
+
 def test_plan_counts_the_expert_units_options():
     """EP 1 x ep_fsdp 2 (experts are FSDP units): experts not resharded after forward keep their bf16 copies through
     the step and are gathered once per micro-batch; a bf16 reduce-scatter halves their reduce-scatter bytes, their
