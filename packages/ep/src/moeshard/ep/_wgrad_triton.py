@@ -22,6 +22,10 @@ descriptor of ``out``: on one H200 at 256 rows per expert 0.69 against 0.81 ms (
 (down) per launch (``benchmarks/wgrad_tma.py``). Device descriptors need a scratch allocation per launch, which
 triton asks of the allocator of the calling context: the launch runs in a copy of the caller's context with a torch
 allocator set, so the caller's own setting is neither needed nor changed.
+
+One launch can also sum several parts, each with its own rows grouped by expert (:func:`grouped_weight_grad_parts`:
+a step's micro-batches, formed at once): the program runs over its expert's rows of each part in turn, so the
+gradient is written (or read and written) once. :func:`grouped_weight_grad` is its case of one part.
 """
 
 from __future__ import annotations
@@ -49,92 +53,6 @@ TMA_CONFIGS: dict[str, dict[str, int]] = {
 """The same for the TMA kernel (``benchmarks/wgrad_tma.py``: the fastest tile at 256 and 512 rows per expert)."""
 FEW_ROWS = 384
 """Mean rows per expert up to which ``config=None`` picks ``few_rows``."""
-
-
-@triton.jit
-def _tile(offs_ptr, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's expert, its tile's first row and column of ``out[e]``, the expert's rows ``[start, end)``."""
-    pid = tl.program_id(0)
-    e = tl.program_id(1)
-    tiles_k = tl.cdiv(K, BLOCK_K)
-    end = tl.load(offs_ptr + e).to(tl.int32)
-    start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)).to(tl.int32), 0)
-    return e, (pid // tiles_k) * BLOCK_M, (pid % tiles_k) * BLOCK_K, start, end
-
-
-@triton.jit
-def _wgrad_kernel(
-    a_ptr,
-    b_ptr,
-    out_ptr,
-    offs_ptr,
-    M,
-    K,
-    stride_a,
-    stride_b,
-    alpha,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    e, m0, k0, start, end = _tile(offs_ptr, K, BLOCK_M, BLOCK_K)
-    start, end = start.to(tl.int64), end.to(tl.int64)
-    rm = m0 + tl.arange(0, BLOCK_M)
-    rk = k0 + tl.arange(0, BLOCK_K)
-    mask_m = rm < M
-    mask_k = rk < K
-    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_R):
-        rr = r0 + tl.arange(0, BLOCK_R)
-        mask_r = rr < end
-        a = tl.load(a_ptr + rr[:, None] * stride_a + rm[None, :], mask=mask_r[:, None] & mask_m[None, :], other=0.0)
-        b = tl.load(b_ptr + rr[:, None] * stride_b + rk[None, :], mask=mask_r[:, None] & mask_k[None, :], other=0.0)
-        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
-    acc = acc * alpha
-    out = out_ptr + e.to(tl.int64) * M * K + rm[:, None] * K + rk[None, :]
-    mask = mask_m[:, None] & mask_k[None, :]
-    if ACCUMULATE:
-        acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _wgrad_kernel_tma(
-    a_ptr,
-    b_ptr,
-    out_desc,
-    offs_ptr,
-    M,
-    K,
-    stride_a,
-    stride_b,
-    alpha,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    e, m0, k0, start, end = _tile(offs_ptr, K, BLOCK_M, BLOCK_K)
-    n = end - start
-    # The expert's rows as tensors of their own: TMA zero-fills rows >= n (an expert without rows: 1, never read).
-    a_desc = tl.make_tensor_descriptor(
-        a_ptr + start.to(tl.int64) * stride_a, shape=[tl.maximum(n, 1), M], strides=[stride_a, 1],
-        block_shape=[BLOCK_R, BLOCK_M],
-    )  # fmt: skip
-    b_desc = tl.make_tensor_descriptor(
-        b_ptr + start.to(tl.int64) * stride_b, shape=[tl.maximum(n, 1), K], strides=[stride_b, 1],
-        block_shape=[BLOCK_R, BLOCK_K],
-    )  # fmt: skip
-    acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for r in range(0, n, BLOCK_R):
-        acc = tl.dot(tl.trans(a_desc.load([r, m0])), b_desc.load([r, k0]), acc, input_precision=PRECISION)
-    acc = acc * alpha
-    if ACCUMULATE:
-        acc += out_desc.load([e, m0, k0]).reshape(BLOCK_M, BLOCK_K).to(tl.float32)
-    out_desc.store([e, m0, k0], acc.to(out_desc.dtype).reshape(1, BLOCK_M, BLOCK_K))
 
 
 MAX_PARTS = 4
@@ -224,30 +142,6 @@ def _tma_aligned(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _launch_tma(a_NM, b_NK, offs_E, out_EMK, accumulate: bool, alpha: float, cfg: dict, precision: str) -> None:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    E, M, K = out_EMK.shape
-    out_desc = TensorDescriptor.from_tensor(out_EMK, [1, cfg["BLOCK_M"], cfg["BLOCK_K"]])
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(K, cfg["BLOCK_K"]), E)
-    # In the copied context this runs in (see the module docstring).
-    triton.set_allocator(functools.partial(_allocate_on, a_NM.device))
-    _wgrad_kernel_tma[grid](
-        a_NM,
-        b_NK,
-        out_desc,
-        offs_E,
-        M,
-        K,
-        a_NM.stride(0),
-        b_NK.stride(0),
-        float(alpha),
-        ACCUMULATE=bool(accumulate),
-        PRECISION=precision,
-        **cfg,
-    )
-
-
 def grouped_weight_grad(
     a_NM: torch.Tensor,
     b_NK: torch.Tensor,
@@ -266,49 +160,9 @@ def grouped_weight_grad(
     name of :data:`CONFIGS` (:data:`TMA_CONFIGS` for the TMA kernel); None picks by the mean rows per expert (no
     device sync: from the row count). ``tma``: the TMA kernel (True; raises where TMA cannot read these tensors), the
     pointer kernel (False), or None: TMA for 16-bit CUDA tensors on compute capability >= 9.0 that TMA can read.
+    (:func:`grouped_weight_grad_parts` with one part.)
     """
-    E, M, K = out_EMK.shape
-    if a_NM.shape[1] != M or b_NK.shape[1] != K or a_NM.shape[0] != b_NK.shape[0] or offs_E.numel() != E:
-        raise ValueError(
-            f"grouped_weight_grad: a {tuple(a_NM.shape)}, b {tuple(b_NK.shape)}, {offs_E.numel()} offsets and out "
-            f"{tuple(out_EMK.shape)} do not fit out[e] = a[rows_e]^T @ b[rows_e]"
-        )
-    if a_NM.stride(-1) != 1 or b_NK.stride(-1) != 1 or not out_EMK.is_contiguous():
-        raise ValueError("grouped_weight_grad needs row-major a and b and a contiguous out")
-    if E == 0:
-        return out_EMK
-    if config is None:
-        config = "few_rows" if a_NM.shape[0] <= FEW_ROWS * E else "many_rows"
-    precision = "ieee" if a_NM.dtype == torch.float32 else "tf32"  # float32 operands: no tf32 rounding
-    readable = _tma_capable(a_NM.device) and _tma_aligned(a_NM, b_NK, out_EMK)
-    if tma is None:
-        tma = readable and a_NM.is_cuda and a_NM.dtype in (torch.bfloat16, torch.float16)
-    elif tma and not readable:
-        raise ValueError(
-            "grouped_weight_grad(tma=True): TMA needs compute capability >= 9.0 and 16-byte aligned tensors and "
-            "row strides; pass tma=None to fall back to the pointer kernel"
-        )
-    if tma:
-        cfg = dict(TMA_CONFIGS[config])
-        contextvars.copy_context().run(_launch_tma, a_NM, b_NK, offs_E, out_EMK, accumulate, alpha, cfg, precision)
-        return out_EMK
-    cfg = dict(CONFIGS[config])
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(K, cfg["BLOCK_K"]), E)
-    _wgrad_kernel[grid](
-        a_NM,
-        b_NK,
-        out_EMK,
-        offs_E,
-        M,
-        K,
-        a_NM.stride(0),
-        b_NK.stride(0),
-        float(alpha),
-        ACCUMULATE=bool(accumulate),
-        PRECISION=precision,
-        **cfg,
-    )
-    return out_EMK
+    return _weight_grad_parts("grouped_weight_grad", [(a_NM, b_NK, offs_E)], out_EMK, accumulate, alpha, config, tma)
 
 
 def grouped_weight_grad_parts(
@@ -327,19 +181,23 @@ def grouped_weight_grad_parts(
     One launch per :data:`MAX_PARTS` parts: a program runs over its expert's rows of each part in turn, so the
     gradient is read (``accumulate``) and written once, whatever the number of rows in the parts. ``config``:
     by the mean rows per expert of all parts together; ``tma``: as :func:`grouped_weight_grad`, for every part."""
+    return _weight_grad_parts("grouped_weight_grad_parts", parts, out_EMK, accumulate, alpha, config, tma)
+
+
+def _weight_grad_parts(name: str, parts, out_EMK, accumulate: bool, alpha: float, config, tma) -> torch.Tensor:
     if not parts:
-        raise ValueError("grouped_weight_grad_parts needs at least one part")
+        raise ValueError(f"{name} needs at least one part")
     E, M, K = out_EMK.shape
     for a_NM, b_NK, offs_E in parts:
         if a_NM.shape[1] != M or b_NK.shape[1] != K or a_NM.shape[0] != b_NK.shape[0] or offs_E.numel() != E:
             raise ValueError(
-                f"grouped_weight_grad_parts: a {tuple(a_NM.shape)}, b {tuple(b_NK.shape)}, {offs_E.numel()} offsets "
-                f"and out {tuple(out_EMK.shape)} do not fit out[e] = a[rows_e]^T @ b[rows_e]"
+                f"{name}: a {tuple(a_NM.shape)}, b {tuple(b_NK.shape)}, {offs_E.numel()} offsets and out "
+                f"{tuple(out_EMK.shape)} do not fit out[e] = a[rows_e]^T @ b[rows_e]"
             )
         if a_NM.stride(-1) != 1 or b_NK.stride(-1) != 1 or a_NM.dtype != parts[0][0].dtype:
-            raise ValueError("grouped_weight_grad_parts needs row-major a and b of one dtype in every part")
+            raise ValueError(f"{name} needs row-major a and b (of one dtype in every part)")
     if not out_EMK.is_contiguous():
-        raise ValueError("grouped_weight_grad_parts needs a contiguous out")
+        raise ValueError(f"{name} needs a contiguous out")
     if E == 0:
         return out_EMK
     rows = sum(a.shape[0] for a, _, _ in parts)
@@ -353,8 +211,8 @@ def grouped_weight_grad_parts(
         tma = readable and a0.is_cuda and a0.dtype in (torch.bfloat16, torch.float16)
     elif tma and not readable:
         raise ValueError(
-            "grouped_weight_grad_parts(tma=True): TMA needs compute capability >= 9.0 and 16-byte aligned tensors "
-            "and row strides; pass tma=None to fall back to the pointer kernel"
+            f"{name}(tma=True): TMA needs compute capability >= 9.0 and 16-byte aligned tensors and row strides; "
+            "pass tma=None to fall back to the pointer kernel"
         )
     cfg = dict((TMA_CONFIGS if tma else CONFIGS)[config])
     offsets = [o if o.dtype == torch.int32 else o.to(torch.int32) for _, _, o in parts]
