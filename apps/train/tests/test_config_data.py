@@ -50,6 +50,10 @@ def test_overrides_and_types():
             ["--train.gradient_sync=last"],
             "train.gradient_sync must be one of auto, every_micro_batch, last_micro_batch",
         ),
+        (
+            ["--train.expert_weight_grads=never"],
+            "train.expert_weight_grads must be one of auto, every_micro_batch, last_micro_batch",
+        ),
         (["--train.aux_loss.cof=1"], "unknown config key train.aux_loss.cof; did you mean train.aux_loss.coef?"),
         (["--train.z_loss_coef=-1"], "train.aux_loss.coef and train.z_loss_coef must be >= 0"),
         (["--train.router_bias.update_rate=0"], "train.router_bias.update_rate must be > 0"),

@@ -7,6 +7,10 @@ parameters agree to float32 rounding, and ``last_micro_batch`` issues half the r
 ``moeshard.train.observe.comm_accounting``); with ``parallel.reshard_after_forward: false`` as well, the parameters
 stay gathered between the micro-batches: one all-gather per unit per step, the same training again. Every token goes to every expert (top-k = all 8): with a discrete top-k choice
 a rounding difference may move a token to another expert and the runs part by more than rounding.
+
+In the EP 4 layout (the all-to-all dispatcher, which hands the experts' weight gradients over as factors) the two runs
+also differ in ``train.expert_weight_grads``: ``every_micro_batch`` against ``last_micro_batch`` (each micro-batch's
+factors kept, every gradient formed once in the last backward), counted by the factors the expert modules kept.
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ from moeshard.meshes.testing import run_distributed
 WORLD, STEPS = 4, 3
 LAYOUTS = {
     "ep2 x ep_fsdp2": ["--parallel.ep_size=2"],
-    "ep4 x ep_fsdp1": ["--parallel.ep_size=4", "--parallel.allow_cross_node_ep=true"],
+    "ep4 x ep_fsdp1": [
+        "--parallel.ep_size=4",
+        "--parallel.allow_cross_node_ep=true",
+        "--parallel.ep.dispatch=all_to_all",
+    ],
 }
 
 
@@ -30,6 +38,7 @@ def _train(layout: str, gradient_sync: str, *extra: str) -> dict:
 
     from moeshard.data import DataConfig, StepBatches, open_dataset
     from moeshard.fsdp_moe import get_state_dict
+    from moeshard.fsdp_moe._local_experts import LocalExperts
     from moeshard.train.config import load_config
     from moeshard.train.observe.comm_accounting import CommAccounting
     from moeshard.train.run import build, init_distributed, train_step
@@ -47,9 +56,19 @@ def _train(layout: str, gradient_sync: str, *extra: str) -> dict:
             "--train.warmup_steps=0",
             "--train.lr=1e-3",
             f"--train.gradient_sync={gradient_sync}",
+            f"--train.expert_weight_grads={gradient_sync}",
             *extra,
         ],
     )
+    kept, take = [], LocalExperts.take
+
+    def counting_take(self, weight, factors):  # the factors an expert module keeps (not those it forms at once)
+        deferring = self.deferring
+        taken = take(self, weight, factors)
+        kept.append(taken and deferring)
+        return taken
+
+    LocalExperts.take = counting_take
     job = build(cfg, device)
     rows = open_dataset(DataConfig(synthetic=True, seq_len=16, seed=3), vocab_size=job.model_config.vocab_size)
     batches = StepBatches(rows, global_batch=2 * WORLD, world_size=WORLD, micro_batch=1)
@@ -69,7 +88,9 @@ def _train(layout: str, gradient_sync: str, *extra: str) -> dict:
             gathers.append({k: v["calls"] for k, v in snapshot.items() if k.startswith("all_gather/")})
     sd = get_state_dict(job.model, job.optimizer)["model"]
     params = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in sd.items()}
+    LocalExperts.take = take
     out = {"losses": losses, "norms": norms, "reduce_scatters": reduce_scatters, "gathers": gathers}
+    out["kept"] = sum(kept)
     out["ep_fsdp"] = m.ep_fsdp_size
     return {**out, "params": params} if dist.get_rank() == 0 else out
 
@@ -99,6 +120,8 @@ def test_last_micro_batch_sync_gives_the_same_training():
         for e, la in zip(every["reduce_scatters"], last["reduce_scatters"]):
             assert set(e) == set(la) == groups, layout
             assert all(e[k] == 2 * la[k] > 0 for k in groups), (layout, e, la)
+        # the experts' weight gradients: kept at the first of each step's two micro-batches (2 layers x 2 weights)
+        assert every["kept"] == 0 and last["kept"] == (STEPS * 2 * 2 if ep_fsdp == 1 else 0), layout
     # Kept gathered between the micro-batches: the same training as every micro-batch's reduce in the same layout,
     # and each unit gathers once per step instead of once per micro-batch (the step's all-gathers halve).
     every, gathered = results["gathered"]

@@ -13,6 +13,7 @@ import torch
 
 from moeshard.train.config import (
     JobConfig,
+    expert_grad_budget,
     gradient_sync,
     layout_error_for_config,
     parallel_options,
@@ -205,13 +206,10 @@ def plan_report(
     t, opts = cfg.train, parallel.options  # the options as ParallelOptions reads them (true: full)
     micro_batches = max(1, t.global_batch_size // world // mb)
     fused_grads = compute_bytes * u.fused_numel
-    if micro_batches > 1 and u.fused_numel:  # the local experts' gradients kept as factors (train_step defers)
-        import inspect
-
-        from moeshard.fsdp_moe import defer_expert_weight_grads
+    budget = expert_grad_budget(t)  # train.expert_weight_grads: the local experts' gradients kept as factors
+    if micro_batches > 1 and u.fused_numel and budget is not None:
         from moeshard.train.families import routed_experts
 
-        budget = inspect.signature(defer_expert_weight_grads).parameters["budget"].default  # what train_step uses
         ratio = kept_factor_ratio(mcfg, tokens, micro_batches, routed_experts(mcfg) // meshes.ep_size)
         fused_grads = int(fused_grads * ratio) if ratio <= budget else fused_grads
     est = MemoryEstimate(

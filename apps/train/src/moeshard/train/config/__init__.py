@@ -7,6 +7,7 @@ Unknown keys and wrong types are errors that name the key. The defaults *are* th
 
 from moeshard.train.config.load import (
     config_from_dict,
+    expert_grad_budget,
     gradient_sync,
     layout_error_for_config,
     load_config,
@@ -55,6 +56,7 @@ __all__ = [
     "TrainConfig",
     "WandbConfig",
     "config_from_dict",
+    "expert_grad_budget",
     "gradient_sync",
     "config_table",
     "describe_keys",

@@ -19,6 +19,7 @@ from moeshard.train.config.sections import DataConfig, JobConfig
 SCHEDULES = ("cosine", "constant", "wsd")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 GRADIENT_SYNC = ("auto", "every_micro_batch", "last_micro_batch")
+EXPERT_WEIGHT_GRADS = GRADIENT_SYNC
 SAVE_HF = ("none", "final", "every")
 HF_DTYPES = ("bfloat16", "float16", "float32")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -129,6 +130,21 @@ def gradient_sync(train: Any, world_size: int) -> str:
     return "last_micro_batch" if world_size == 1 else "every_micro_batch"
 
 
+def expert_grad_budget(train: Any) -> float | None:
+    """``train.expert_weight_grads`` as ``moeshard.fsdp_moe.defer_expert_weight_grads``' budget: None (never
+    deferred: ``every_micro_batch``), unbounded (``last_micro_batch``) or that function's default (``auto``: kept
+    where the factors hold at most that multiple of the gradients they stand for)."""
+    if train.expert_weight_grads == "every_micro_batch":
+        return None
+    if train.expert_weight_grads == "last_micro_batch":
+        return float("inf")
+    import inspect
+
+    from moeshard.fsdp_moe import defer_expert_weight_grads
+
+    return float(inspect.signature(defer_expert_weight_grads).parameters["budget"].default)
+
+
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group (world-size checks happen at launch)."""
     m, t, c = cfg.model, cfg.train, cfg.checkpoint
@@ -159,6 +175,10 @@ def validate(cfg: JobConfig) -> None:
         )
     if t.gradient_sync not in GRADIENT_SYNC:
         raise ConfigError(f"train.gradient_sync must be one of {', '.join(GRADIENT_SYNC)}, got {t.gradient_sync!r}")
+    if t.expert_weight_grads not in EXPERT_WEIGHT_GRADS:
+        raise ConfigError(
+            f"train.expert_weight_grads must be one of {', '.join(EXPERT_WEIGHT_GRADS)}, got {t.expert_weight_grads!r}"
+        )
     if t.aux_loss.scope not in AUX_SCOPES:
         raise ConfigError(f"train.aux_loss.scope must be one of {', '.join(AUX_SCOPES)}, got {t.aux_loss.scope!r}")
     if (t.aux_loss.coef is not None and t.aux_loss.coef < 0) or t.z_loss_coef < 0:

@@ -149,6 +149,13 @@ class TrainConfig:
         "holds unsharded float32 gradients meanwhile) | auto (last_micro_batch on one rank, where that costs no "
         "memory; every_micro_batch on more)",
     )
+    expert_weight_grads: str = _key(
+        "auto",
+        "when the weight gradients of experts outside FSDP (ep_fsdp 1) are formed: every_micro_batch | "
+        "last_micro_batch (each micro-batch's factors kept, all formed in the last backward: each gradient written "
+        "once) | auto (last_micro_batch where the kept factors hold at most 1.1x the gradients, e.g. 128 local "
+        "experts; every_micro_batch elsewhere)",
+    )
     aux_loss: AuxLossConfig = _key(factory=AuxLossConfig, help="expert balancing loss: {coef, scope}")
     router_bias: RouterBiasConfig | None = _key(
         None, "aux-loss-free expert balancing: {update_rate} (true: its default); null: off"

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from moeshard.data import Batch
-from moeshard.train.config import gradient_sync
+from moeshard.train.config import expert_grad_budget, gradient_sync
 from moeshard.train.run.build import Job
 
 
@@ -114,6 +114,8 @@ def train_step(
     unsharded float32 gradients meanwhile; ``auto`` picks it on one rank); the same gradients to float32 rounding.
     Where every unit keeps its gathered parameters from forward to backward (``Parallelized.keeps_gathered``), a
     deferred sync keeps them gathered between the micro-batches too: one gather per unit per step.
+    ``train.expert_weight_grads``: the weight gradients of experts outside FSDP are formed at every micro-batch or,
+    from factors kept meanwhile (``moeshard.fsdp_moe.defer_expert_weight_grads``), once in the last backward.
 
     Args:
         before_update: called after backward and clipping, before the optimizer step (the loop's finiteness check
@@ -131,6 +133,7 @@ def train_step(
     lm_sum = torch.zeros((), device=job.device, dtype=torch.float32)
     balancing.start_step(len(micro_batches))
     last, defer_sync = len(micro_batches) - 1, gradient_sync(job.cfg.train, world) == "last_micro_batch"
+    budget = expert_grad_budget(job.cfg.train)
     for m, b in enumerate(micro_batches):
         b = b.to(job.device, non_blocking=True)  # pinned by the loader on CUDA: an asynchronous copy
         out = model(
@@ -150,10 +153,10 @@ def train_step(
             model.set_requires_gradient_sync(m == last)
             if job.parallel.keeps_gathered:  # no peak memory of its own: all are gathered at forward's end anyway
                 model.set_reshard_after_backward(m == last)
-        if m in (0, last) and last > 0:
-            # The local experts keep each micro-batch's weight gradients as factors and form them in the last
-            # backward, each written once over all micro-batches' rows (within their memory budget).
-            defer_expert_weight_grads(model, m != last)
+        if m in (0, last) and last > 0 and budget is not None:
+            # train.expert_weight_grads: the local experts keep each micro-batch's weight gradients as factors and
+            # form them in the last backward, each written once over all micro-batches' rows (within the budget).
+            defer_expert_weight_grads(model, m != last, budget=budget)
         term = balancing.micro_batch_loss(out, b.attention_mask, rows=b.input_ids.shape[0])  # rows: sequence scope
         (out.lm_loss + term).backward()
         lm_sum += out.lm_loss.detach().float()
