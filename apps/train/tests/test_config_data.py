@@ -277,3 +277,16 @@ def test_readme_config_table_is_generated():
     begin, end = readme.index(TABLE_BEGIN), readme.index(TABLE_END) + len(TABLE_END) + 1
     assert readme[begin:end] == config_table(), "run: moeshard-train config --markdown, paste it into the README"
     assert "`parallel.ep.kernels`" in readme[begin:end] and "`parallel.prefetch_depth`" in readme[begin:end]
+
+
+def test_expert_weight_grads_budget():
+    """``train.expert_weight_grads`` as ``defer_expert_weight_grads``' budget: never, always, or its default."""
+    from types import SimpleNamespace
+
+    from moeshard.train.config import expert_grad_budget
+
+    def budget(value):
+        return expert_grad_budget(SimpleNamespace(expert_weight_grads=value))
+
+    assert budget("every_micro_batch") is None and budget("last_micro_batch") == float("inf")
+    assert budget("auto") == 1.1

@@ -280,6 +280,7 @@ def _result(
         "compile": options.compile,
         "fused_expert_update": cfg.train.fuse_local_experts,
         "gradient_sync": gradient_sync(cfg.train, world),
+        "expert_weight_grads": cfg.train.expert_weight_grads,
         "dispatch": options.ep.dispatch,
         "expert_kernels": options.ep.kernels,
         "sm_carveout": options.ep.sm_carveout,
