@@ -132,8 +132,11 @@ def _weights(E, D, F, device, dtype, seed=0):
     return w1, w2
 
 
-def _micro_batches(options, *, target=None, device="cpu", dtype=torch.float32, T=48, K=2, E=4, D=16, F=8):
-    """Gradients of w1, w2 after two micro-batches through one ``LocalDispatch`` (a target, or autograd's sum)."""
+def _micro_batches(
+    options, *, target=None, device="cpu", dtype=torch.float32, T=48, K=2, E=4, D=16, F=8, finish=lambda w1, w2: None
+):
+    """Gradients of w1, w2 after two micro-batches through one ``LocalDispatch`` (a target, or autograd's sum), and
+    ``finish(w1, w2)`` (what the target does after the last backward)."""
     w1, w2 = _weights(E, D, F, device, dtype)
     dispatch = LocalDispatch(E, options)
     dispatch.accumulate_weight_grads(target(w1, w2) if target else None)
@@ -143,6 +146,7 @@ def _micro_batches(options, *, target=None, device="cpu", dtype=torch.float32, T
         weights, ids = torch.softmax(torch.randn(T, E, generator=g), -1).topk(K, dim=-1)
         y = dispatch(x, ids.to(device), weights.to(device), w1, w2)
         (y.float() * torch.randn(T, D, generator=g).to(device)).sum().backward()
+    finish(w1, w2)
     return w1.grad.clone(), w2.grad.clone()
 
 
@@ -204,24 +208,16 @@ def test_a_target_takes_the_factors_and_forms_them_later(gemm):
     want = _micro_batches(options)
     targets = []
 
-    def make(w1, w2):
-        targets.append(_TakingTarget(w1, w2))
-        return targets[-1]
+    def finish(w1, w2):
+        assert w1.grad is None and w2.grad is None and targets[0].asked == 0
+        assert [len(k) for k in targets[0].kept.values()] == [2, 2]
+        targets[0].form()
 
-    w1, w2 = _weights(4, 16, 8, "cpu", torch.float32)
-    dispatch = LocalDispatch(4, options)
-    dispatch.accumulate_weight_grads(make(w1, w2))
-    g = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        x = torch.randn(48, 16, generator=g)
-        weights, ids = torch.softmax(torch.randn(48, 4, generator=g), -1).topk(2, dim=-1)
-        y = dispatch(x, ids, weights, w1, w2)
-        (y.float() * torch.randn(48, 16, generator=g)).sum().backward()
-    assert w1.grad is None and w2.grad is None and targets[0].asked == 0
-    assert [len(k) for k in targets[0].kept.values()] == [2, 2]
-    targets[0].form()
-    for got, ref in zip((w1.grad, w2.grad), want, strict=True):
-        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    got = _micro_batches(
+        options, target=lambda w1, w2: targets.append(_TakingTarget(w1, w2)) or targets[-1], finish=finish
+    )
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="at least one"):
         sum_weight_grads([])
 
