@@ -260,7 +260,7 @@ class LocalExpertAdamW(torch.optim.Optimizer):
                     raise RuntimeError(
                         f"LocalExpertAdamW: the gradient of {self.fqn(p)} is still partly kept as factors "
                         f"({len(kept_factors(p))} micro-batches): call defer_expert_weight_grads(model, False) before "
-                        "the step's last backward (or LocalExperts.form_kept() after it)"
+                        "the step's last backward, or zero_grad() to drop them"
                     )
 
     def zero_grad(self, set_to_none: bool = True) -> None:

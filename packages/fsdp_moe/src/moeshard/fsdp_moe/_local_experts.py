@@ -268,12 +268,6 @@ class LocalExperts:
         """Bytes of the gradients of this module's *compute*-mode parameters (what kept factors stand for)."""
         return sum(self.params[n]._local_tensor.numel() * self.params[n].element_size() for n in self.in_compute_dtype)
 
-    def form_kept(self) -> None:
-        """Form every kept factor into its parameter's gradient now."""
-        for name in self.in_compute_dtype:
-            if kept_factors(self.params[name]):
-                self._form(self.params[name], [])
-
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         for name, param in self._saved:
             module._parameters[name] = param
@@ -288,7 +282,8 @@ def defer_expert_weight_grads(model: nn.Module, defer: bool, *, budget: float = 
     them, with everything kept so far, in the backward that follows (``defer=False``); the experts' analogue of
     FSDP2's ``set_requires_gradient_sync``. Call it with True before the first of a step's micro-batches and with
     False before the last (one micro-batch: never needed): the step's gradients are then each written once over all
-    micro-batches' rows. With ``defer=False`` and no backward to follow, :meth:`LocalExperts.form_kept` forms them.
+    micro-batches' rows. Factors still kept when the optimizer reads the gradients are refused (its ``zero_grad``
+    drops them).
 
     Only *compute*-mode parameters (under :class:`moeshard.fsdp_moe.LocalExpertAdamW`) whose dispatcher hands
     factors over (``moeshard.ep``'s grouped_mm and loop backends) keep any; the rest form their gradients as before.
