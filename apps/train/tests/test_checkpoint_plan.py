@@ -146,7 +146,7 @@ def test_plan_counts_kept_weight_gradient_factors():
     """Where ``train_step`` defers the local experts' weight gradients (more than one micro-batch) and their factors
     fit ``defer_expert_weight_grads``' budget, ``plan`` counts all but the last micro-batch's factors, ``(n - 1) ·
     tokens · top_k · (2D + 3F)`` bf16 elements per MoE layer, instead of the gradients; where they do not fit (64
-    local experts: 2.1x the gradients), the gradients."""
+    local experts at EP 2, the overlapped dispatcher: 2.75x the gradients), the gradients."""
     one, _ = _memory("parallel.ep_size=1", "train.global_batch_size=4", nproc=1)  # 128 local experts, one micro-batch
     kept, _ = _memory("parallel.ep_size=1", "train.global_batch_size=4", "train.micro_batch_size=1", nproc=1)
     assert one.micro_batches == 1 and kept.micro_batches == 4

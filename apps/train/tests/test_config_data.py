@@ -280,13 +280,25 @@ def test_readme_config_table_is_generated():
 
 
 def test_expert_weight_grads_budget():
-    """``train.expert_weight_grads`` as ``defer_expert_weight_grads``' budget: never, always, or its default."""
+    """``train.expert_weight_grads`` as ``defer_expert_weight_grads``' budget: never, always, or (``auto``) its
+    default where the step's factors fit it, never where they do not. What the factors hold: at EP 1 of 30B-A3B
+    (128 local experts) 4 micro-batches of 4,096 tokens 1.04x the gradients; at EP 2 the overlapped dispatcher's
+    factors also hold the own copies' sorted rows (``2D (P - 1) / P`` elements per copy)."""
     from types import SimpleNamespace
 
-    from moeshard.train.config import expert_grad_budget
+    from moeshard.train.config import expert_grad_budget, kept_factor_ratio, load_config, resolve_model_config
 
-    def budget(value):
-        return expert_grad_budget(SimpleNamespace(expert_weight_grads=value))
+    def budget(value, ratio=None):
+        return expert_grad_budget(SimpleNamespace(expert_weight_grads=value), ratio)
 
-    assert budget("every_micro_batch") is None and budget("last_micro_batch") == float("inf")
-    assert budget("auto") == 1.1
+    assert budget("every_micro_batch") is None and budget("every_micro_batch", 0.5) is None
+    assert budget("last_micro_batch") == budget("last_micro_batch", 3.0) == float("inf")
+    assert budget("auto") == budget("auto", 1.04) == 1.1 and budget("auto", 1.2) is None
+    config = resolve_model_config(load_config(None, ["--model.preset=qwen3-30b-a3b"]))
+    per_copy, gradient = 2 * 2048 + 3 * 768, 128 * 3 * 2048 * 768  # elements per routed copy; per layer, EP 1
+    assert kept_factor_ratio(config, 4096, 4, 1, "overlapped") == pytest.approx(3 * 4096 * 8 * per_copy / gradient)
+    assert kept_factor_ratio(config, 4096, 4, 1, "overlapped") == pytest.approx(1.04, abs=0.005)
+    assert kept_factor_ratio(config, 4096, 1, 1, "overlapped") == 0
+    ep2 = 4096 * 8 * (per_copy + 2048) / (gradient / 2)
+    assert kept_factor_ratio(config, 4096, 2, 2, "overlapped") == pytest.approx(ep2)
+    assert kept_factor_ratio(config, 4096, 2, 2, "all_to_all") == pytest.approx(4096 * 8 * per_copy / (gradient / 2))

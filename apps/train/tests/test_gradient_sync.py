@@ -8,9 +8,10 @@ parameters agree to float32 rounding, and ``last_micro_batch`` issues half the r
 stay gathered between the micro-batches: one all-gather per unit per step, the same training again. Every token goes to every expert (top-k = all 8): with a discrete top-k choice
 a rounding difference may move a token to another expert and the runs part by more than rounding.
 
-In the EP 4 layout (the all-to-all dispatcher, which hands the experts' weight gradients over as factors) the two runs
-also differ in ``train.expert_weight_grads``: ``every_micro_batch`` against ``last_micro_batch`` (each micro-batch's
-factors kept, every gradient formed once in the last backward), counted by the factors the expert modules kept.
+In the EP 4 layout (the default overlapped dispatcher, which hands each expert weight's gradient over as the factors of
+its three passes) the two runs also differ in ``train.expert_weight_grads``: ``every_micro_batch`` against
+``last_micro_batch`` (each micro-batch's factors kept, every gradient formed once in the last backward), counted by
+the factors the expert modules kept.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ LAYOUTS = {
     "ep4 x ep_fsdp1": [
         "--parallel.ep_size=4",
         "--parallel.allow_cross_node_ep=true",
-        "--parallel.ep.dispatch=all_to_all",
     ],
 }
 
@@ -120,8 +120,9 @@ def test_last_micro_batch_sync_gives_the_same_training():
         for e, la in zip(every["reduce_scatters"], last["reduce_scatters"]):
             assert set(e) == set(la) == groups, layout
             assert all(e[k] == 2 * la[k] > 0 for k in groups), (layout, e, la)
-        # the experts' weight gradients: kept at the first of each step's two micro-batches (2 layers x 2 weights)
-        assert every["kept"] == 0 and last["kept"] == (STEPS * 2 * 2 if ep_fsdp == 1 else 0), layout
+        # the experts' weight gradients: kept at the first of each step's two micro-batches (2 layers x 2 weights x
+        # the overlapped dispatcher's 3 passes)
+        assert every["kept"] == 0 and last["kept"] == (STEPS * 2 * 2 * 3 if ep_fsdp == 1 else 0), layout
     # Kept gathered between the micro-batches: the same training as every micro-batch's reduce in the same layout,
     # and each unit gathers once per step instead of once per micro-batch (the step's all-gathers halve).
     every, gathered = results["gathered"]

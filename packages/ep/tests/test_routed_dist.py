@@ -22,6 +22,7 @@ from moeshard.ep import (
     ep_group,
     recompute_contexts,
     routed_experts,
+    sum_weight_grads,
 )
 from moeshard.ep.testing import ToyMoE, count_host_syncs, reference_routed_experts, toy_plan
 from moeshard.meshes import build_meshes
@@ -100,6 +101,7 @@ def _ep_layer_body():
         out["checkpointed", strategy] = _same_under_activation_checkpointing(experts[strategy, "loop"], world, rank)
         out["hooks", strategy] = _host_sync_hooks(meshes, strategy)
         out["recompute", strategy] = _same_with_recompute(meshes, strategy, world, rank)
+        out["taken", strategy] = _taken_as_factors(meshes, strategy, world, rank)
     if world == 4:
         out["fsdp"] = _metadata_survives_fully_shard()
     return out
@@ -168,6 +170,65 @@ def _same_with_recompute(meshes, strategy, world, rank):
     return all(
         torch.equal(a, b) for (gemm, recompute), got in results.items() for a, b in zip(results[gemm, "none"], got)
     )
+
+
+class _Keeper:
+    """A weight-gradient target that takes the factors it is offered where ``pattern`` (cycled over the offers) says
+    so and forms them at the end with ``sum_weight_grads``; otherwise its buffer is the gradient so far."""
+
+    def __init__(self, layer, pattern):
+        self.params, self.pattern, self.offers = (layer.gate_up_proj, layer.down_proj), itertools.cycle(pattern), 0
+        self.kept = ([], [])
+
+    def _index(self, weight):
+        return next((i for i, p in enumerate(self.params) if weight is p), None)
+
+    def __call__(self, weight):
+        i = self._index(weight)
+        return None if i is None else self.params[i].grad
+
+    def take(self, weight, factors):
+        i = self._index(weight)
+        if i is None:
+            return False
+        self.offers += 1
+        if next(self.pattern):
+            assert factors.offsets.numel() == self.params[i].shape[0]  # over all local experts, halves too
+            self.kept[i].append(factors)
+            return True
+        return False
+
+    def form(self):
+        for p, kept in zip(self.params, self.kept):
+            if kept:
+                formed = sum_weight_grads(kept)
+                p.grad = formed if p.grad is None else p.grad + formed
+
+
+def _taken_as_factors(meshes, strategy, world, rank):
+    """Two backwards through the dispatcher with a target that takes all, some or none of the factors offered: the
+    gradients formed from what it kept, added to what came back, equal autograd's (float32 rounding); the
+    overlapped strategy offers each weight's gradient in its three passes (the own copies' halves, the received
+    copies), the plain one in one. Returns ``{(case, gemm, pattern): (max error, offers per weight and backward)}``."""
+    out = {}
+    for case, gemm in itertools.product(CASES, GEMMS):
+        x_TD, ids_TK, w_TK, gy_TD = _problem(world, case)[rank]
+        grads = {}
+        for pattern in (None, (True,), (False, True, True), (False,)):  # a cycle of 3: parts of one weight both ways
+            model = _model()
+            apply_ep(model, toy_plan(), meshes.ep, EPOptions(dispatch=strategy, gemm=gemm))
+            layer = model.layers[0].mlp.experts
+            keeper = None if pattern is None else _Keeper(layer, pattern)
+            layer.dispatch.accumulate_weight_grads(keeper)
+            for _ in range(2):
+                (layer(x_TD, ids_TK, w_TK) * gy_TD).sum().backward()
+            if keeper is not None:
+                keeper.form()
+            grads[pattern] = (layer.gate_up_proj.grad, layer.down_proj.grad)
+            if pattern is not None:
+                err = max((a - b).abs().max().item() for a, b in zip(grads[pattern], grads[None], strict=True))
+                out[case, gemm, pattern] = (err, keeper.offers / 4)
+    return out
 
 
 def _host_sync_hooks(meshes, strategy):
@@ -260,6 +321,10 @@ def _check(results, world):
         for strategy in STRATEGIES:
             assert res["checkpointed", strategy], f"rank {r} {strategy}: activation checkpointing changed the results"
             assert res["recompute", strategy], f"rank {r} {strategy}: EPOptions.recompute changed the results"
+            for (case, gemm, pattern), (err, offers) in res["taken", strategy].items():
+                what = (r, strategy, case, gemm, pattern)
+                assert err <= 1e-5, (*what, err)
+                assert offers == (3 if strategy == "overlapped" else 1), (*what, offers)
             forward, after_backward_and_other_model, after_remove = res["hooks", strategy]
             assert forward == ["first", "second"] * 3, (strategy, forward)
             assert after_backward_and_other_model == 6, strategy

@@ -29,8 +29,10 @@ that autograd then adds in a separate pass: with the triton tier on CUDA the add
 offered each pass's gradient of a weight as its :class:`WeightGradFactors` (``a[rows_e]^T @ b[rows_e]`` per
 expert, before the product) first: where it answers True it took them (kept them to form later with
 :func:`sum_weight_grads`, e.g. all micro-batches of a step in one grouped GEMM, or formed them itself) and backward
-returns no gradient for that weight; where it answers False backward asks ``target(weight)`` as above. The
-grouped_mm and loop backends offer factors; the overlapped dispatcher's split pass asks only for buffers.
+returns no gradient for that weight; where it answers False backward asks ``target(weight)`` as above. Every
+dispatcher offers factors: the local and all-to-all ones one part per weight and backward, the overlapped one three
+(its own copies' two halves and the received copies, each with offsets over all local experts: a half's other
+experts have no rows); the parts it does not take are summed and added into ``target(weight)`` once.
 """
 
 from __future__ import annotations
@@ -61,7 +63,9 @@ a contiguous tensor of the weight's shape and dtype holding its gradient so far,
 pass's gradient (and then returns none for that weight), or None for a gradient returned to autograd as usual.
 
 A target may also have ``take(weight, factors: WeightGradFactors) -> bool``, asked first where the backward has the
-gradient as factors: True means it took them (backward returns none for that weight and asks nothing more)."""
+gradient as factors: True means it took them (backward returns none for that weight and asks nothing more). A
+backward that computes a weight's gradient in several parts offers each (the overlapped dispatcher: three); the
+gradient is the sum of what the target took and what it did not."""
 
 
 @dataclass(frozen=True)
@@ -118,18 +122,30 @@ def sum_weight_grads(factors: Sequence[WeightGradFactors], out: torch.Tensor | N
     return out
 
 
-class _Handoff:
+class Handoff:
     """One weight's gradient destination in a backward whose target can take factors: ``take`` first, then the
-    target's buffer (or None: a gradient returned to autograd)."""
+    target's buffer (or None: a gradient returned to autograd).
 
-    def __init__(self, target: WeightGradTarget, weight: torch.Tensor):
-        self.target, self.weight = target, weight
+    ``offsets``: the factors' row ends over all of ``weight``'s experts where the pass runs on a part of them (the
+    overlapped dispatcher's halves); None: the pass's own. ``buffer=False``: where the target does not take them,
+    a new gradient (the caller adds the parts and asks for the buffer itself)."""
+
+    def __init__(
+        self, target: WeightGradTarget, weight: torch.Tensor, offsets: torch.Tensor | None = None, buffer: bool = True
+    ):
+        self.target, self.weight, self.offsets, self.buffer = target, weight, offsets, buffer
 
     def resolve(self, a_NM, b_NK, offsets, kernels) -> tuple[bool, torch.Tensor | None]:
         """``(taken, buffer)``: whether the target took the factors, else its buffer for this weight (or None)."""
+        offsets = offsets if self.offsets is None else self.offsets
         if self.target.take(self.weight, WeightGradFactors(a_NM, b_NK, offsets, kernels)):
             return True, None
-        return False, self.target(self.weight)
+        return False, self.target(self.weight) if self.buffer else None
+
+
+def takes_factors(target: WeightGradTarget | None) -> bool:
+    """Whether ``target`` can take weight gradients as factors (has a ``take`` method)."""
+    return target is not None and callable(getattr(target, "take", None))
 
 
 _EAGER = kernels_for("eager")  # the loop backend's pointwise functions
@@ -288,7 +304,7 @@ class ExpertPass:
     def _weight_grad(self, a_NM, b_NK, into, offs):
         """Each expert's ``a[rows]^T @ b[rows]``: taken by the target as factors, added into its buffer (None), or a
         new tensor."""
-        if isinstance(into, _Handoff):
+        if isinstance(into, Handoff):
             taken, into = into.resolve(a_NM, b_NK, offs, self.kernels if self.gemm == "grouped_mm" else _EAGER)
             if taken:
                 return None
@@ -319,8 +335,8 @@ def weight_grad_buffers(
     backward once the factors exist."""
     if target is None:
         return None, None
-    if factors and callable(getattr(target, "take", None)):
-        return _Handoff(target, w_gate_up) if need_w1 else None, _Handoff(target, w_down) if need_w2 else None
+    if factors and takes_factors(target):
+        return Handoff(target, w_gate_up) if need_w1 else None, Handoff(target, w_down) if need_w2 else None
     return target(w_gate_up) if need_w1 else None, target(w_down) if need_w2 else None
 
 

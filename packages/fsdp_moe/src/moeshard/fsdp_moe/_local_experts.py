@@ -33,9 +33,10 @@ for autograd to add in a second pass; :class:`_ToCompute` then gets no gradient 
 Weight gradients kept unformed (:func:`defer_expert_weight_grads`, *compute* mode): while a trainer defers, the
 dispatcher's backward hands each micro-batch's gradient of a weight over as its factors (``moeshard.ep``'s
 ``WeightGradFactors``: the rows of the weight's input and of its output's gradient, grouped by expert), and the
-module keeps them instead of forming the gradient, as long as all it keeps stays within ``budget`` times the bytes
-of the gradients they stand for. The first backward after deferring stops (the step's last micro-batch), or the
-first that the budget does not admit, forms everything kept together with its own pass in one grouped GEMM
+module keeps them instead of forming the gradient, as long as what it holds for its gradients (the kept factors, each
+storage once, and any gradient already formed) stays within ``budget`` times the gradients' bytes. The first backward
+after deferring stops (the step's last micro-batch), or the first that the budget does not admit, forms everything
+kept together with its own pass in one grouped GEMM
 (``moeshard.ep.sum_weight_grads``): each expert's gradient is written once over all the micro-batches' rows instead
 of being written at the first and read and written again at every later one. Kept factors are part of the
 parameter's gradient: :class:`moeshard.fsdp_moe.LocalExpertAdamW` refuses to read gradients while any are kept and
@@ -157,7 +158,7 @@ class LocalExperts:
             :func:`compiled_scaled`'s function with ``shard_model(compile=True)``).
         in_compute_dtype: names of the parameters in *compute* mode (their master lives in an optimizer).
         deferring: whether backward keeps weight-gradient factors (see :func:`defer_expert_weight_grads`).
-        budget: the most that kept factors may hold, as a multiple of :meth:`grad_bytes`.
+        budget: the most that kept factors and formed gradients may hold, as a multiple of :meth:`grad_bytes`.
     """
 
     def __init__(
@@ -233,15 +234,22 @@ class LocalExperts:
 
     def take(self, weight: torch.Tensor, factors: Any) -> bool:
         """The target's ``take`` (``moeshard.ep.WeightGradTarget``): while deferring, keep ``factors`` (a
-        ``moeshard.ep.WeightGradFactors`` of ``weight``'s gradient) if the budget admits them; otherwise, where
-        factors are kept, form them with these into the gradient. False (not taken): nothing kept and not
-        deferring, or ``weight`` is not a *compute*-mode parameter here."""
+        ``moeshard.ep.WeightGradFactors`` of ``weight``'s gradient) if the budget admits them (:meth:`held_bytes`
+        with them within ``budget`` times :meth:`grad_bytes`); otherwise form what is kept for ``weight`` with these
+        into its gradient, and where the budget refused them also what the module keeps for its other weights (so
+        what it holds for its gradients stays within the larger of ``budget`` times their bytes and their bytes).
+        False (not taken): nothing kept for ``weight`` and not deferring or over budget, or ``weight`` is not a
+        *compute*-mode parameter here."""
         param = self._compute_param(weight)
         if param is None:
             return False
-        if self.deferring and self.kept_bytes() + factors.nbytes <= self.budget * self.grad_bytes():
+        if self.deferring and self.held_bytes(factors) <= self.budget * self.grad_bytes():
             param.__dict__.setdefault(_KEPT_ATTR, []).append(factors)
             return True
+        if self.deferring:  # over budget: what the module keeps for its other weights is formed too
+            for other in self._compute_params():
+                if other is not param and kept_factors(other):
+                    self._form(other, [])
         if not kept_factors(param):
             return False
         self._form(param, [factors])
@@ -261,12 +269,29 @@ class LocalExperts:
             param.grad = param.grad + dtensor_like(sum_weight_grads(factors).contiguous(), param)
 
     def kept_bytes(self) -> int:
-        """Bytes held by this module's kept weight-gradient factors."""
-        return sum(f.nbytes for name in self.in_compute_dtype for f in kept_factors(self.params[name]))
+        """Bytes held by this module's kept weight-gradient factors (each storage once: factors of one backward may
+        be views of one tensor, e.g. the overlapped dispatcher's halves of the routed copies)."""
+        return sum(_storages(self._kept()).values())
+
+    def held_bytes(self, more: Any = None) -> int:
+        """Bytes this module holds for its *compute*-mode parameters' gradients: the kept factors (with ``more``, a
+        ``WeightGradFactors``, where given) and the gradients already formed. While deferring, :meth:`take` keeps
+        factors only while this stays within ``budget`` times :meth:`grad_bytes`, so kept factors stand in for the
+        gradients instead of adding to them."""
+        kept = _storages(self._kept() + ([more] if more is not None else []))
+        grads = [p.grad for p in self._compute_params() if p.grad is not None]
+        formed = sum(g._local_tensor.nbytes if isinstance(g, DTensor) else g.nbytes for g in grads)
+        return sum(kept.values()) + formed
+
+    def _compute_params(self) -> list[nn.Parameter]:
+        return [self.params[name] for name in self.in_compute_dtype]
+
+    def _kept(self) -> list:
+        return [f for p in self._compute_params() for f in kept_factors(p)]
 
     def grad_bytes(self) -> int:
         """Bytes of the gradients of this module's *compute*-mode parameters (what kept factors stand for)."""
-        return sum(self.params[n]._local_tensor.numel() * self.params[n].element_size() for n in self.in_compute_dtype)
+        return sum(p._local_tensor.numel() * p.element_size() for p in self._compute_params())
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         for name, param in self._saved:
@@ -285,11 +310,13 @@ def defer_expert_weight_grads(model: nn.Module, defer: bool, *, budget: float = 
     micro-batches' rows. Factors still kept when the optimizer reads the gradients are refused (its ``zero_grad``
     drops them).
 
-    Only *compute*-mode parameters (under :class:`moeshard.fsdp_moe.LocalExpertAdamW`) whose dispatcher hands
-    factors over (``moeshard.ep``'s grouped_mm and loop backends) keep any; the rest form their gradients as before.
-    ``budget``: per expert module, kept factors hold at most this times the bytes of the gradients they stand for;
-    a backward they would not fit forms the gradient at once (adding into it later as usual), so where the rows per
-    micro-batch outweigh the experts (few local experts, large micro-batches) nothing is kept.
+    Only *compute*-mode parameters (under :class:`moeshard.fsdp_moe.LocalExpertAdamW`) keep any (every
+    ``moeshard.ep`` dispatcher hands factors over; the overlapped one each weight's in three parts); the rest form
+    their gradients as before. ``budget``: per expert module, what is held for the gradients (kept factors, and
+    gradients once formed) stays within this times the gradients' bytes; the first backward whose factors would not
+    fit forms everything kept (later micro-batches then add into the gradients as usual, keeping only what still
+    fits beside them), so where the rows per micro-batch outweigh the experts (few local experts, large
+    micro-batches) nothing is kept.
 
     Returns:
         The number of expert modules of ``model`` that ``shard_model`` kept out of FSDP (0: nothing to defer).
@@ -306,6 +333,13 @@ def defer_expert_weight_grads(model: nn.Module, defer: bool, *, budget: float = 
             st.deferring, st.budget = bool(defer), float(budget)
             n += 1
     return n
+
+
+def _storages(factors: list) -> dict[int, int]:
+    """``{storage address: bytes}`` of the tensors of ``factors`` (``WeightGradFactors``), each storage once."""
+    return {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for f in factors for t in (f.a, f.b, f.offsets)
+    }
 
 
 def local_experts_state(module: nn.Module) -> LocalExperts | None:

@@ -15,6 +15,7 @@ from moeshard.train.config import (
     JobConfig,
     expert_grad_budget,
     gradient_sync,
+    kept_factor_ratio,
     layout_error_for_config,
     parallel_options,
     resolve_model_config,
@@ -102,15 +103,6 @@ def activation_bytes_per_token(
     if activation_checkpointing == "full":
         return layers * d * compute_bytes + (attn + moe) + head
     return layers * (attn + moe) + head
-
-
-def kept_factor_ratio(config: Any, tokens: int, micro_batches: int, local_experts: int) -> float:
-    """What the weight-gradient factors of all but the last micro-batch hold, over the local experts' gradients
-    they stand for (``moeshard.fsdp_moe.defer_expert_weight_grads``; kept where this is within its budget):
-    ``(micro_batches - 1) · tokens · top_k · (2D + 3F)`` elements against ``local_experts · 3DF`` per MoE layer
-    (the routed copies a rank computes average ``tokens · top_k`` at any EP size)."""
-    d, k, f = config.hidden_size, config.num_experts_per_tok, config.moe_intermediate_size
-    return (micro_batches - 1) * tokens * k * (2 * d + 3 * f) / max(1, local_experts * 3 * d * f)
 
 
 def loss_head_bytes(config: Any, compute_bytes: int, tokens: int) -> int:
@@ -206,12 +198,11 @@ def plan_report(
     t, opts = cfg.train, parallel.options  # the options as ParallelOptions reads them (true: full)
     micro_batches = max(1, t.global_batch_size // world // mb)
     fused_grads = compute_bytes * u.fused_numel
-    budget = expert_grad_budget(t)  # train.expert_weight_grads: the local experts' gradients kept as factors
-    if micro_batches > 1 and u.fused_numel and budget is not None:
-        from moeshard.train.families import routed_experts
-
-        ratio = kept_factor_ratio(mcfg, tokens, micro_batches, routed_experts(mcfg) // meshes.ep_size)
-        fused_grads = int(fused_grads * ratio) if ratio <= budget else fused_grads
+    # train.expert_weight_grads: the local experts' gradients kept as factors where train_step defers them
+    ratio = kept_factor_ratio(mcfg, tokens, micro_batches, meshes.ep_size, opts.ep.dispatch)
+    budget = expert_grad_budget(t, ratio)
+    if micro_batches > 1 and u.fused_numel and budget is not None and ratio <= budget:
+        fused_grads = int(fused_grads * ratio)
     est = MemoryEstimate(
         params=4 * local_numel,
         grads=4 * (local_numel - u.fused_numel) + fused_grads,

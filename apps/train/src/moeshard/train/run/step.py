@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from moeshard.data import Batch
-from moeshard.train.config import expert_grad_budget, gradient_sync
+from moeshard.train.config import expert_grad_budget, gradient_sync, kept_factor_ratio
 from moeshard.train.run.build import Job
 
 
@@ -133,7 +133,7 @@ def train_step(
     lm_sum = torch.zeros((), device=job.device, dtype=torch.float32)
     balancing.start_step(len(micro_batches))
     last, defer_sync = len(micro_batches) - 1, gradient_sync(job.cfg.train, world) == "last_micro_batch"
-    budget = expert_grad_budget(job.cfg.train)
+    budget = _expert_grad_budget(job, micro_batches)
     for m, b in enumerate(micro_batches):
         b = b.to(job.device, non_blocking=True)  # pinned by the loader on CUDA: an asynchronous copy
         out = model(
@@ -170,6 +170,17 @@ def train_step(
     job.scheduler.step()
     balancing.after_optimizer_step()  # the same counts on every rank: the same router biases
     return stats
+
+
+def _expert_grad_budget(job: Job, micro_batches: Sequence[Batch]) -> float | None:
+    """``defer_expert_weight_grads``' budget for this step (``train.expert_weight_grads``; ``auto`` by what this
+    step's factors would hold), or None: formed at every micro-batch."""
+    if len(micro_batches) < 2:
+        return None
+    tokens = micro_batches[0].input_ids.numel()
+    dispatch = job.cfg.parallel.ep.dispatch
+    ratio = kept_factor_ratio(job.model_config, tokens, len(micro_batches), job.meshes.ep_size, dispatch)
+    return expert_grad_budget(job.cfg.train, ratio)
 
 
 def _step_stats(job: Job, lm_sum, step, grad_norm, lr: float, local_tokens, stop_requested: bool) -> StepStats:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from moeshard.ep._dispatch._base import ExpertDispatch
 from moeshard.ep._kernels import Kernels
-from moeshard.ep._mlp import ExpertPass, add_into, resolve_gemm, weight_grad_buffers
+from moeshard.ep._mlp import ExpertPass, Handoff, add_into, resolve_gemm, takes_factors, weight_grad_buffers
 from moeshard.ep._permute import inverse_permutation, regroup_by_local_expert
 
 __all__ = ["OverlappedDispatch"]
@@ -50,10 +50,15 @@ class OverlappedDispatch(ExpertDispatch):
         half = El // 2
         device_counts = (local_E[:half], sources_SEl.sum(0), local_E[half:])
         offsets = tuple(torch.cumsum(c, 0, dtype=torch.int32) for c in device_counts)
+        widened = None  # a target that takes weight-gradient factors gets each pass's over all El experts
+        if takes_factors(self.weight_grads):
+            widened = (_widen(offsets[0], 0, El), offsets[1], _widen(offsets[2], half, El))
         # The one device→host sync of the layer: both count tensors in one .tolist(), not two.
         host = self.host_sizes(counts_E, recv_counts_E)  # replayed in a checkpoint recompute
         gemm = resolve_gemm(self.options.gemm, x_sorted_ND, w_gate_up_EXD)
-        ex = _Exchange(self, El, host[: P * El], host[P * El :], sources_SEl, device_counts, offsets, gemm, activation)
+        ex = _Exchange(
+            self, El, host[: P * El], host[P * El :], sources_SEl, device_counts, offsets, widened, gemm, activation
+        )
         return _OverlappedExperts.apply(x_sorted_ND, w_sorted_N, w_gate_up_EXD, w_down_EDF, ex, self.weight_grads)
 
 
@@ -62,17 +67,28 @@ class _Exchange:
 
     ``send``: ``(peer, first row, rows)`` of the sorted copies going to each other rank; ``recv``: the same for
     the buffer of copies received from the other ranks (source-rank order, each source's rows grouped by local
-    expert); ``local``: ``(first row, rows)`` of this rank's own copies, which never travel.
+    expert); ``local``: ``(first row, rows)`` of this rank's own copies, which never travel. ``widened``: each
+    pass's row ends over all local experts, for a weight-gradient target that takes factors (else None).
     """
 
     def __init__(
-        self, d: OverlappedDispatch, El, send_counts, recv_counts, sources_SEl, device_counts, offsets, gemm, activation
+        self,
+        d: OverlappedDispatch,
+        El,
+        send_counts,
+        recv_counts,
+        sources_SEl,
+        device_counts,
+        offsets,
+        widened,
+        gemm,
+        activation,
     ):
         self.group, self.activation, self.gemm = d.group, activation, gemm
         self.kernels: Kernels = d.kernels
         self.sm_carveout, self.recompute = d.options.sm_carveout, d.options.recompute
         # (half A of the own copies, the received copies, half B): device counts and int32 GEMM offsets
-        self.device_counts, self.offsets = device_counts, offsets
+        self.device_counts, self.offsets, self.widened = device_counts, offsets, widened
         P, me, group = d.ep_size, d.ep_rank, d.group
         others = [r for r in range(P) if r != me]
         send = [sum(send_counts[r * El : (r + 1) * El]) for r in range(P)]
@@ -116,6 +132,17 @@ class _Carveout:
             torch._C._set_sm_carveout_experimental(self.before)
 
 
+def _widen(offsets: torch.Tensor, first: int, total: int) -> torch.Tensor:
+    """The row ends of a pass over experts ``[first, first + len(offsets))`` as row ends over all ``total`` experts
+    (no rows before the first, none after the last)."""
+    parts = [offsets.new_zeros(first)] if first else []
+    parts.append(offsets)
+    rest = total - first - offsets.numel()
+    if rest and offsets.numel():
+        parts.append(offsets[-1:].expand(rest))
+    return torch.cat(parts) if len(parts) > 1 else offsets
+
+
 def _wait(works: list) -> None:
     for w in works:
         w.wait()
@@ -140,9 +167,19 @@ class _LocalHalf:
         )
 
 
-def _add_slice(full, part, sl):
-    if part is not None and full is not None:
-        full[sl].add_(part)
+def _whole(remote: torch.Tensor | None, halves, El: int) -> torch.Tensor | None:
+    """One weight's gradient over all ``El`` local experts from the received copies' pass (``remote``, every expert)
+    and the halves' (``(half, gradient of its experts)``): the halves added into the remote's slices, in the order
+    autograd's accumulation adds them; None where every part went to the target as factors."""
+    if remote is None:
+        present = [(part, g) for part, g in halves if g is not None]
+        if not present:
+            return None
+        remote = present[0][1].new_zeros((El, *present[0][1].shape[1:]))
+    for part, g in halves:
+        if g is not None:
+            remote[part.experts].add_(g)
+    return remote
 
 
 class _OverlappedExperts(torch.autograd.Function):
@@ -202,28 +239,37 @@ class _OverlappedExperts(torch.autograd.Function):
         na, nr, _ = ctx.sizes
         saved_a, saved_r, saved_b = saved[:na], saved[na : na + nr], saved[na + nr :]
         need_x, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_w = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
-        # An expert's gradient has two parts here (its own copies' half and the received copies): they are summed
+        need_w1, need_w2 = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        need_w = need_w1 or need_w2
+
+        # An expert's gradient has two parts here (its own copies' half and the received copies). A target that
+        # takes factors is offered each pass's (over all experts: ``ex.widened``); what it does not take is summed
         # first and added into the target's buffer once, in the order autograd's accumulation adds them (bf16 sums
         # in another order differ where the parts nearly cancel).
-        into = weight_grad_buffers(ctx.target, w1, w2, ctx.needs_input_grad[2], ctx.needs_input_grad[3])
+        def offer(which: int):
+            if ex.widened is None:
+                return None, None
+            offsets, target = ex.widened[which], ctx.target
+            w1_to = Handoff(target, w1, offsets, buffer=False) if need_w1 else None
+            return w1_to, Handoff(target, w2, offsets, buffer=False) if need_w2 else None
+
         grad_ND = grad_ND.contiguous()
         N, D = grad_ND.shape
         dev = grad_ND.device
 
-        def local(part, saved_part):
+        def local(part, saved_part, which):
             if not saved_part:
                 return None, None, None, None
             sl = part.experts
-            return part.run.backward(grad_ND[part.rows], saved_part, w1[sl], w2[sl], need_x, need_w)
+            return part.run.backward(grad_ND[part.rows], saved_part, w1[sl], w2[sl], need_x, need_w, offer(which))
 
         grad_in_MD = grad_ND.new_empty((ex.rows_in, D))
         works = ex.start(((grad_ND, grad_in_MD),), ex.send, ex.recv)
         with ex.carveout(dev, bool(works)):
-            gx_a, gw1_a, gw2_a, gs_a = local(half_a, saved_a)
+            gx_a, gw1_a, gw2_a, gs_a = local(half_a, saved_a, 0)
         _wait(works)
         g_rem = grad_in_MD if ex.perm is None else grad_in_MD.index_select(0, ex.perm[0])
-        gx_rem, gw1, gw2, gs_rem = remote.backward(g_rem, saved_r, w1, w2, need_x, need_w)
+        gx_rem, gw1, gw2, gs_rem = remote.backward(g_rem, saved_r, w1, w2, need_x, need_w, offer(1))
         # the remote copies' input and routing-weight gradients go home, in one batch
         home, gx, gs = [], None, None
         if need_x:
@@ -234,16 +280,16 @@ class _OverlappedExperts(torch.autograd.Function):
             home.append((gs_rem if ex.perm is None else gs_rem.index_select(0, ex.perm[1]), gs))
         works = ex.start(home, ex.recv, ex.send) if home else []
         with ex.carveout(dev, bool(works)):
-            gx_b, gw1_b, gw2_b, gs_b = local(half_b, saved_b)
+            gx_b, gw1_b, gw2_b, gs_b = local(half_b, saved_b, 2)
         for full, parts in ((gx, (gx_a, gx_b)), (gs, (gs_a, gs_b))):
             if full is not None:
                 for part, g in zip((half_a, half_b), parts):
                     if g is not None:
                         full[part.rows].copy_(g)
-        for part, g1, g2 in ((half_a, gw1_a, gw2_a), (half_b, gw1_b, gw2_b)):
-            _add_slice(gw1, g1, part.experts)
-            _add_slice(gw2, g2, part.experts)
+        El = w1.shape[0]
+        gw1 = _whole(gw1, ((half_a, gw1_a), (half_b, gw1_b)), El)
+        gw2 = _whole(gw2, ((half_a, gw2_a), (half_b, gw2_b)), El)
+        into = weight_grad_buffers(ctx.target, w1, w2, need_w1 and gw1 is not None, need_w2 and gw2 is not None)
         gw1, gw2 = add_into(gw1, into[0]), add_into(gw2, into[1])
         _wait(works)
-        need_w1, need_w2 = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         return gx, gs, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None
