@@ -40,7 +40,8 @@ def check_kernel(device: str, dtype: torch.dtype) -> int:
 
 def _check_parts(device, dtype, tma: bool) -> int:
     """``grouped_weight_grad_parts`` (each part's rows grouped by expert, an expert without rows in each part; 1, 2
-    and 5 parts, i.e. one launch and an accumulating second one) against float64, writing and adding."""
+    and 5 parts, i.e. one launch and an accumulating second one) against float64, writing and adding; and the
+    overlapped dispatcher's three parts (row views at a storage offset, offsets widened over all experts)."""
     from moeshard.ep._wgrad_triton import grouped_weight_grad_parts
 
     g = torch.Generator().manual_seed(1)
@@ -65,6 +66,36 @@ def _check_parts(device, dtype, tma: bool) -> int:
         for got, want in ((out, ref), (acc, old.double() + 0.5 * ref)):
             got = got.double().cpu()
             assert (got - want).norm() / want.norm() < tol, (tma, P, ((got - want).norm() / want.norm()).item())
+    # The overlapped dispatcher's parts: two halves of the own copies, row views of one tensor (the second at a
+    # storage offset), with offsets widened over all experts (no rows outside the half), and the received copies.
+    from moeshard.ep._dispatch.overlapped import _widen
+
+    E, half = 4, 2
+    own, recv = torch.randint(1, 9, (E,), generator=g), torch.randint(0, 9, (E,), generator=g)
+    a, b = torch.randn(int(own.sum()), M, generator=g), torch.randn(int(own.sum()), K, generator=g)
+    a_r, b_r = torch.randn(int(recv.sum()), M, generator=g), torch.randn(int(recv.sum()), K, generator=g)
+    split = int(own[:half].sum())
+    to = dict(device=device, dtype=dtype)
+    parts = [
+        (a.to(**to)[:split], b.to(**to)[:split], _widen(torch.cumsum(own[:half], 0).to(torch.int32), 0, E)),
+        (a_r.to(**to), b_r.to(**to), torch.cumsum(recv, 0).to(torch.int32)),
+        (a.to(**to)[split:], b.to(**to)[split:], _widen(torch.cumsum(own[half:], 0).to(torch.int32), half, E)),
+    ]
+    parts = [(x, y, o.to(device)) for x, y, o in parts]
+    assert parts[2][0].storage_offset() == split * M and parts[2][2].tolist()[:half] == [0] * half
+    bounds = [0, *torch.cumsum(own, 0).tolist()]
+    rbounds = [0, *torch.cumsum(recv, 0).tolist()]
+    ref = torch.stack(
+        [
+            a[bounds[e] : bounds[e + 1]].double().T @ b[bounds[e] : bounds[e + 1]].double()
+            + a_r[rbounds[e] : rbounds[e + 1]].double().T @ b_r[rbounds[e] : rbounds[e + 1]].double()
+            for e in range(E)
+        ]
+    )
+    out = torch.full((E, M, K), float("nan"), **to)
+    grouped_weight_grad_parts(parts, out, accumulate=False, config="test", tma=tma)
+    got = out.double().cpu()
+    assert (got - ref).norm() / ref.norm() < (1e-5 if dtype == torch.float32 else 1e-2), ("halves", tma)
     with pytest.raises(ValueError, match="do not fit"):
         grouped_weight_grad_parts(
             [(torch.zeros(4, 3), torch.zeros(4, 2), torch.tensor([4]))], torch.zeros(1, 2, 3), accumulate=False
