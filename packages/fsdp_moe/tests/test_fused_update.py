@@ -241,20 +241,29 @@ def _deferred():
     ``zero_grad``."""
     from moeshard.ep import EPOptions
     from moeshard.fsdp_moe import defer_expert_weight_grads
-    from moeshard.fsdp_moe._local_experts import kept_factors, local_experts_state
+    from moeshard.fsdp_moe._local_experts import LocalExperts, kept_factors, local_experts_state
     from moeshard.fsdp_moe.testing import full_tensors
 
     out = {}
+    forms, form = [], LocalExperts._form  # the parts each forming sums
+
+    def counting_form(self, param, more):
+        forms.append(len(kept_factors(param)) + len(more))
+        return form(self, param, more)
+
+    LocalExperts._form = counting_form
     for dispatch, dtype in itertools.product(("all_to_all", "overlapped"), (None, torch.bfloat16)):
-        budgets = {"formed": None, "deferred": 100, "budget 0": 0}
-        for mode in ("formed", "deferred", "budget 0", "budget part"):
-            meshes, model, opt = _toy(0, dtype=dtype, ep_options=EPOptions(dispatch=dispatch))
+        budgets = {"formed": None, "deferred": 100, "budget 0": 0, "checkpointed": 100}
+        for mode in ("formed", "deferred", "budget 0", "budget part", "checkpointed"):
+            ac = mode == "checkpointed"  # every layer recomputed in backward (its cast of the weights too)
+            meshes, model, opt = _toy(0, dtype=dtype, ac=ac, ep_options=EPOptions(dispatch=dispatch))
             experts = [p for n, p in model.named_parameters() if ".experts." in n]
             states = [st for st in map(local_experts_state, model.modules()) if st is not None]
             chunks, n = _batch(meshes, 0, 3)
             last = len(chunks) - 1
             assert last == 2
             held = []  # per backward: the most a module holds for its gradients, over its gradients' bytes
+            forms.clear()
             for m, mids in enumerate(chunks):
                 if budgets[mode] is not None and m in (0, last):
                     assert defer_expert_weight_grads(model, m != last, budget=budgets[mode]) == 2
@@ -266,8 +275,10 @@ def _deferred():
                     if mode == "deferred":  # a budget that admits about one and a half micro-batches' factors
                         budgets["budget part"] = 0.75 * min(st.kept_bytes() / st.grad_bytes() for st in states)
             out[(dispatch, dtype, mode, "held")] = (held, budgets[mode])
+            out[(dispatch, dtype, mode, "forms")] = list(forms)
             out[(dispatch, dtype, mode)] = full_tensors(model, grads=True)
             out[(dispatch, dtype, mode, "norm")] = opt.clip_grad_norm_(MAX_NORM).item()
+    LocalExperts._form = form
     # kept through the last backward: the optimizer refuses, zero_grad drops them
     meshes, model, opt = _toy(0, ep_options=EPOptions(dispatch="all_to_all"))
     defer_expert_weight_grads(model, True, budget=100)
@@ -390,11 +401,11 @@ def test_deferred_weight_grads_equal_the_formed_ones(runs):
             (("all_to_all", 1), ("overlapped", 3)), (None, torch.bfloat16)
         ):
             want = d[(dispatch, dtype, "formed")]
-            for mode in ("deferred", "budget 0", "budget part"):
+            for mode in ("deferred", "budget 0", "budget part", "checkpointed"):
                 got = d[(dispatch, dtype, mode)]
                 assert got.keys() == want.keys()
                 what = (dispatch, dtype, mode)
-                exact = dispatch == "all_to_all" and mode == "deferred" or mode == "budget 0"
+                exact = dispatch == "all_to_all" and mode in ("deferred", "checkpointed") or mode == "budget 0"
                 tol = 0 if exact else 1e-6 if dtype is None else 1e-2  # bf16: 9 parts summed in another order
                 for k in want:
                     assert _rel(got[k], want[k]) <= tol and (not exact or torch.equal(got[k], want[k])), (*what, k)
@@ -402,6 +413,9 @@ def test_deferred_weight_grads_equal_the_formed_ones(runs):
             assert d[(dispatch, dtype, "formed", "kept")] == [0] * 4 and all(d[(dispatch, dtype, "formed", "grads")])
             deferred = (d[(dispatch, dtype, "deferred", "kept")], d[(dispatch, dtype, "deferred", "grads")])
             assert deferred[0] == [2 * parts] * 4 and not any(deferred[1]), deferred
+            # each gradient formed once, from every part of the step (the last backward's too)
+            assert d[(dispatch, dtype, "deferred", "forms")] == d[(dispatch, dtype, "checkpointed", "forms")]
+            assert d[(dispatch, dtype, "deferred", "forms")] == [3 * parts] * 4
             assert d[(dispatch, dtype, "budget 0", "kept")] == [0] * 4 and all(
                 d[(dispatch, dtype, "budget 0", "grads")]
             )

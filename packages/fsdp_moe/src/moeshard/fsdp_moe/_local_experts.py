@@ -35,8 +35,9 @@ dispatcher's backward hands each micro-batch's gradient of a weight over as its 
 ``WeightGradFactors``: the rows of the weight's input and of its output's gradient, grouped by expert), and the
 module keeps them instead of forming the gradient, as long as what it holds for its gradients (the kept factors, each
 storage once, and any gradient already formed) stays within ``budget`` times the gradients' bytes. The first backward
-after deferring stops (the step's last micro-batch), or the first that the budget does not admit, forms everything
-kept together with its own pass in one grouped GEMM
+after deferring stops (the step's last micro-batch) takes every part it offers too and, once a weight's backward is
+over (its :class:`_ToCompute`'s backward), forms everything kept for it in one grouped GEMM; the first factor the
+budget does not admit forms everything the module keeps at once
 (``moeshard.ep.sum_weight_grads``): each expert's gradient is written once over all the micro-batches' rows instead
 of being written at the first and read and written again at every later one. Kept factors are part of the
 parameter's gradient: :class:`moeshard.fsdp_moe.LocalExpertAdamW` refuses to read gradients while any are kept and
@@ -45,6 +46,7 @@ its ``zero_grad`` drops them with the gradients.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -83,15 +85,22 @@ def drop_kept_factors(param: torch.Tensor) -> None:
 
 class _ToCompute(torch.autograd.Function):
     """DTensor parameter → its local tensor (cast to ``dtype`` unless None); gradient → ``grad * scale`` as a
-    contiguous DTensor of the parameter's dtype (computed by ``scale_fn``: :func:`scaled` or its compiled form)."""
+    contiguous DTensor of the parameter's dtype (computed by ``scale_fn``: :func:`scaled` or its compiled form).
+    ``done``: called first in backward, once the module's backward for this parameter is over (None: nothing)."""
 
     @staticmethod
     def forward(
-        ctx: Any, param: DTensor, dtype: torch.dtype | None, scale: float, scale_fn: Callable | None = None
+        ctx: Any,
+        param: DTensor,
+        dtype: torch.dtype | None,
+        scale: float,
+        scale_fn: Callable | None = None,
+        done: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         ctx.spec = (param.device_mesh, param.placements, param.shape, param.stride(), param.dtype)
         ctx.scale = scale
         ctx.scale_fn = scale_fn or scaled
+        ctx.done = done
         ctx.set_materialize_grads(False)  # none comes where the gradient was added into param.grad already
         local = param.to_local()  # the local tensor itself (no autograd inside forward)
         if dtype is None or dtype == local.dtype:
@@ -99,9 +108,11 @@ class _ToCompute(torch.autograd.Function):
         return local.to(dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[DTensor | None, None, None, None]:
-        if grad is None:  # added into param.grad by the weight-gradient target (LocalExperts.grad_buffer)
-            return None, None, None, None
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[DTensor | None, None, None, None, None]:
+        if ctx.done is not None:
+            ctx.done()
+        if grad is None:  # added into param.grad, or kept, by the weight-gradient target (LocalExperts)
+            return None, None, None, None, None
         mesh, placements, shape, stride, dtype = ctx.spec
         if ctx.scale != 1.0 or grad.dtype != dtype or not grad.is_contiguous():
             # One pass into a contiguous tensor of the parameter's dtype (its layout, as the optimizer expects).
@@ -111,7 +122,7 @@ class _ToCompute(torch.autograd.Function):
             # multiplication by 1/W as well; on CPU the two agree exactly when W is a power of two).
             grad = ctx.scale_fn(grad, ctx.scale, dtype)
         dt = DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
-        return dt, None, None, None
+        return dt, None, None, None, None
 
 
 def scaled(grad: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -189,7 +200,8 @@ class LocalExperts:
             assert isinstance(param, DTensor), (name, type(param))
             self._saved.append((name, param))
             if name in self.in_compute_dtype:
-                module._parameters[name] = _ToCompute.apply(param, None, 1.0)
+                done = functools.partial(self._backward_done, param)
+                module._parameters[name] = _ToCompute.apply(param, None, 1.0, None, done)
             else:
                 module._parameters[name] = _ToCompute.apply(param, self.compute_dtype, self.scale, self.scale_fn)
         if self.mp_policy.cast_forward_inputs and self.compute_dtype is not None:
@@ -235,25 +247,37 @@ class LocalExperts:
     def take(self, weight: torch.Tensor, factors: Any) -> bool:
         """The target's ``take`` (``moeshard.ep.WeightGradTarget``): while deferring, keep ``factors`` (a
         ``moeshard.ep.WeightGradFactors`` of ``weight``'s gradient) if the budget admits them (:meth:`held_bytes`
-        with them within ``budget`` times :meth:`grad_bytes`); otherwise form what is kept for ``weight`` with these
-        into its gradient, and where the budget refused them also what the module keeps for its other weights (so
-        what it holds for its gradients stays within the larger of ``budget`` times their bytes and their bytes).
-        False (not taken): nothing kept for ``weight`` and not deferring or over budget, or ``weight`` is not a
-        *compute*-mode parameter here."""
+        with them within ``budget`` times :meth:`grad_bytes`); over budget, form everything the module keeps, these
+        with ``weight``'s (so what it holds for its gradients stays within the larger of ``budget`` times their
+        bytes and their bytes). Not deferring (the step's last backward), keep them with what is kept for
+        ``weight``: every part that backward offers (the overlapped dispatcher offers three) is formed together
+        with the earlier micro-batches' once the weight's backward is over. False (not taken): nothing kept for
+        ``weight`` and not deferring or over budget, or ``weight`` is not a *compute*-mode parameter here."""
         param = self._compute_param(weight)
         if param is None:
             return False
         if self.deferring and self.held_bytes(factors) <= self.budget * self.grad_bytes():
             param.__dict__.setdefault(_KEPT_ATTR, []).append(factors)
             return True
-        if self.deferring:  # over budget: what the module keeps for its other weights is formed too
-            for other in self._compute_params():
-                if other is not param and kept_factors(other):
-                    self._form(other, [])
+        if not self.deferring:  # the step's last backward: joins what is kept, formed when the weight's is over
+            if not kept_factors(param):
+                return False
+            param.__dict__[_KEPT_ATTR].append(factors)
+            return True
+        for other in self._compute_params():  # over budget: everything the module keeps is formed
+            if other is not param and kept_factors(other):
+                self._form(other, [])
         if not kept_factors(param):
             return False
         self._form(param, [factors])
         return True
+
+    def _backward_done(self, param: nn.Parameter) -> None:
+        """The module's backward for ``param`` is over (its :class:`_ToCompute`'s backward): where the trainer no
+        longer defers, what is kept for it (the earlier micro-batches' factors and every part of this backward's) is
+        formed, in one grouped GEMM."""
+        if not self.deferring and kept_factors(param):
+            self._form(param, [])
 
     def _form(self, param: nn.Parameter, more: list) -> None:
         from moeshard.ep import sum_weight_grads
