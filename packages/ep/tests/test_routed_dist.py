@@ -209,14 +209,15 @@ def _taken_as_factors(meshes, strategy, world, rank):
     """Two backwards through the dispatcher with a target that takes all, some or none of the factors offered: the
     gradients formed from what it kept, added to what came back, equal autograd's (float32 rounding); the
     overlapped strategy offers each weight's gradient in its three passes (the own copies' halves, the received
-    copies), the plain one in one. Returns ``{(case, gemm, pattern): (max error, offers per weight and backward)}``."""
+    copies), the plain one in one; also where backward recomputes the expert MLP's intermediates (``recompute``).
+    Returns ``{(case, gemm, recompute, pattern): (max error, offers per weight and backward)}``."""
     out = {}
-    for case, gemm in itertools.product(CASES, GEMMS):
+    for case, gemm, recompute in itertools.product(CASES, GEMMS, ("none", "mlp")):
         x_TD, ids_TK, w_TK, gy_TD = _problem(world, case)[rank]
         grads = {}
         for pattern in (None, (True,), (False, True, True), (False,)):  # a cycle of 3: parts of one weight both ways
             model = _model()
-            apply_ep(model, toy_plan(), meshes.ep, EPOptions(dispatch=strategy, gemm=gemm))
+            apply_ep(model, toy_plan(), meshes.ep, EPOptions(dispatch=strategy, gemm=gemm, recompute=recompute))
             layer = model.layers[0].mlp.experts
             keeper = None if pattern is None else _Keeper(layer, pattern)
             layer.dispatch.accumulate_weight_grads(keeper)
@@ -227,7 +228,7 @@ def _taken_as_factors(meshes, strategy, world, rank):
             grads[pattern] = (layer.gate_up_proj.grad, layer.down_proj.grad)
             if pattern is not None:
                 err = max((a - b).abs().max().item() for a, b in zip(grads[pattern], grads[None], strict=True))
-                out[case, gemm, pattern] = (err, keeper.offers / 4)
+                out[case, gemm, recompute, pattern] = (err, keeper.offers / 4)
     return out
 
 
@@ -321,8 +322,8 @@ def _check(results, world):
         for strategy in STRATEGIES:
             assert res["checkpointed", strategy], f"rank {r} {strategy}: activation checkpointing changed the results"
             assert res["recompute", strategy], f"rank {r} {strategy}: EPOptions.recompute changed the results"
-            for (case, gemm, pattern), (err, offers) in res["taken", strategy].items():
-                what = (r, strategy, case, gemm, pattern)
+            for (case, gemm, recompute, pattern), (err, offers) in res["taken", strategy].items():
+                what = (r, strategy, case, gemm, recompute, pattern)
                 assert err <= 1e-5, (*what, err)
                 assert offers == (3 if strategy == "overlapped" else 1), (*what, offers)
             forward, after_backward_and_other_model, after_remove = res["hooks", strategy]
