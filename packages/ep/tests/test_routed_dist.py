@@ -174,11 +174,15 @@ def _same_with_recompute(meshes, strategy, world, rank):
 
 class _Keeper:
     """A weight-gradient target that takes the factors it is offered where ``pattern`` (cycled over the offers) says
-    so and forms them at the end with ``sum_weight_grads``; otherwise its buffer is the gradient so far."""
+    so and forms them at the end with ``sum_weight_grads``; otherwise its buffer is the gradient so far. An empty
+    pattern: it wants no factors (``wants_factors``)."""
 
     def __init__(self, layer, pattern):
         self.params, self.pattern, self.offers = (layer.gate_up_proj, layer.down_proj), itertools.cycle(pattern), 0
-        self.kept = ([], [])
+        self.kept, self.wanted = ([], []), bool(pattern)
+
+    def wants_factors(self):
+        return self.wanted
 
     def _index(self, weight):
         return next((i for i, p in enumerate(self.params) if weight is p), None)
@@ -215,7 +219,7 @@ def _taken_as_factors(meshes, strategy, world, rank):
     for case, gemm, recompute in itertools.product(CASES, GEMMS, ("none", "mlp")):
         x_TD, ids_TK, w_TK, gy_TD = _problem(world, case)[rank]
         grads = {}
-        for pattern in (None, (True,), (False, True, True), (False,)):  # a cycle of 3: parts of one weight both ways
+        for pattern in (None, (True,), (False, True, True), (False,), ()):  # a cycle of 3: one weight's parts both ways
             model = _model()
             apply_ep(model, toy_plan(), meshes.ep, EPOptions(dispatch=strategy, gemm=gemm, recompute=recompute))
             layer = model.layers[0].mlp.experts
@@ -325,7 +329,7 @@ def _check(results, world):
             for (case, gemm, recompute, pattern), (err, offers) in res["taken", strategy].items():
                 what = (r, strategy, case, gemm, recompute, pattern)
                 assert err <= 1e-5, (*what, err)
-                assert offers == (3 if strategy == "overlapped" else 1), (*what, offers)
+                assert offers == (0 if pattern == () else 3 if strategy == "overlapped" else 1), (*what, offers)
             forward, after_backward_and_other_model, after_remove = res["hooks", strategy]
             assert forward == ["first", "second"] * 3, (strategy, forward)
             assert after_backward_and_other_model == 6, strategy

@@ -65,7 +65,9 @@ pass's gradient (and then returns none for that weight), or None for a gradient 
 A target may also have ``take(weight, factors: WeightGradFactors) -> bool``, asked first where the backward has the
 gradient as factors: True means it took them (backward returns none for that weight and asks nothing more). A
 backward that computes a weight's gradient in several parts offers each (the overlapped dispatcher: three); the
-gradient is the sum of what the target took and what it did not."""
+gradient is the sum of what the target took and what it did not. A target with ``take`` may also have
+``wants_factors() -> bool``, asked once per backward before anything is offered: False means that backward offers
+none (and prepares nothing for them)."""
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,12 @@ class Handoff:
 
 
 def takes_factors(target: WeightGradTarget | None) -> bool:
-    """Whether ``target`` can take weight gradients as factors (has a ``take`` method)."""
-    return target is not None and callable(getattr(target, "take", None))
+    """Whether ``target`` is to be offered this backward's weight gradients as factors: it has a ``take`` method and
+    no ``wants_factors`` method answering False."""
+    if target is None or not callable(getattr(target, "take", None)):
+        return False
+    wants = getattr(target, "wants_factors", None)
+    return wants is None or bool(wants())
 
 
 _EAGER = kernels_for("eager")  # the loop backend's pointwise functions

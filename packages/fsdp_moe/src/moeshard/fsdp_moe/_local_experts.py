@@ -272,6 +272,11 @@ class LocalExperts:
         self._form(param, [factors])
         return True
 
+    def wants_factors(self) -> bool:
+        """The target's ``wants_factors`` (``moeshard.ep.WeightGradTarget``): whether a backward is to offer factors
+        at all, i.e. while deferring or where factors are kept (the step's last backward joins them)."""
+        return self.deferring or bool(self._kept())
+
     def _backward_done(self, param: nn.Parameter) -> None:
         """The module's backward for ``param`` is over (its :class:`_ToCompute`'s backward): where the trainer no
         longer defers, what is kept for it (the earlier micro-batches' factors and every part of this backward's) is

@@ -50,15 +50,10 @@ class OverlappedDispatch(ExpertDispatch):
         half = El // 2
         device_counts = (local_E[:half], sources_SEl.sum(0), local_E[half:])
         offsets = tuple(torch.cumsum(c, 0, dtype=torch.int32) for c in device_counts)
-        widened = None  # a target that takes weight-gradient factors gets each pass's over all El experts
-        if takes_factors(self.weight_grads):
-            widened = (_widen(offsets[0], 0, El), offsets[1], _widen(offsets[2], half, El))
         # The one device→host sync of the layer: both count tensors in one .tolist(), not two.
         host = self.host_sizes(counts_E, recv_counts_E)  # replayed in a checkpoint recompute
         gemm = resolve_gemm(self.options.gemm, x_sorted_ND, w_gate_up_EXD)
-        ex = _Exchange(
-            self, El, host[: P * El], host[P * El :], sources_SEl, device_counts, offsets, widened, gemm, activation
-        )
+        ex = _Exchange(self, El, host[: P * El], host[P * El :], sources_SEl, device_counts, offsets, gemm, activation)
         return _OverlappedExperts.apply(x_sorted_ND, w_sorted_N, w_gate_up_EXD, w_down_EDF, ex, self.weight_grads)
 
 
@@ -67,28 +62,17 @@ class _Exchange:
 
     ``send``: ``(peer, first row, rows)`` of the sorted copies going to each other rank; ``recv``: the same for
     the buffer of copies received from the other ranks (source-rank order, each source's rows grouped by local
-    expert); ``local``: ``(first row, rows)`` of this rank's own copies, which never travel. ``widened``: each
-    pass's row ends over all local experts, for a weight-gradient target that takes factors (else None).
+    expert); ``local``: ``(first row, rows)`` of this rank's own copies, which never travel.
     """
 
     def __init__(
-        self,
-        d: OverlappedDispatch,
-        El,
-        send_counts,
-        recv_counts,
-        sources_SEl,
-        device_counts,
-        offsets,
-        widened,
-        gemm,
-        activation,
+        self, d: OverlappedDispatch, El, send_counts, recv_counts, sources_SEl, device_counts, offsets, gemm, activation
     ):
         self.group, self.activation, self.gemm = d.group, activation, gemm
         self.kernels: Kernels = d.kernels
         self.sm_carveout, self.recompute = d.options.sm_carveout, d.options.recompute
         # (half A of the own copies, the received copies, half B): device counts and int32 GEMM offsets
-        self.device_counts, self.offsets, self.widened = device_counts, offsets, widened
+        self.device_counts, self.offsets = device_counts, offsets
         P, me, group = d.ep_size, d.ep_rank, d.group
         others = [r for r in range(P) if r != me]
         send = [sum(send_counts[r * El : (r + 1) * El]) for r in range(P)]
@@ -243,13 +227,19 @@ class _OverlappedExperts(torch.autograd.Function):
         need_w = need_w1 or need_w2
 
         # An expert's gradient has two parts here (its own copies' half and the received copies). A target that
-        # takes factors is offered each pass's (over all experts: ``ex.widened``); what it does not take is summed
+        # takes factors is offered each pass's, with row ends over all El experts; what it does not take is summed
         # first and added into the target's buffer once, in the order autograd's accumulation adds them (bf16 sums
         # in another order differ where the parts nearly cancel).
+        widened = None
+        if need_w and takes_factors(ctx.target):
+            El = w1.shape[0]
+            first_b = half_b.experts.start
+            widened = (_widen(ex.offsets[0], 0, El), ex.offsets[1], _widen(ex.offsets[2], first_b, El))
+
         def offer(which: int):
-            if ex.widened is None:
+            if widened is None:
                 return None, None
-            offsets, target = ex.widened[which], ctx.target
+            offsets, target = widened[which], ctx.target
             w1_to = Handoff(target, w1, offsets, buffer=False) if need_w1 else None
             return w1_to, Handoff(target, w2, offsets, buffer=False) if need_w2 else None
 
