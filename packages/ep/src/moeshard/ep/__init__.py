@@ -28,7 +28,7 @@ from moeshard.ep._dispatch import (
     routed_experts,
 )
 from moeshard.ep._kernels import ACTIVATIONS, compile_rows_dynamic
-from moeshard.ep._mlp import WeightGradFactors, WeightGradTarget, grouped_expert_mlp, sum_weight_grads
+from moeshard.ep._mlp import grouped_expert_mlp
 from moeshard.ep._options import EPOptions
 from moeshard.ep._plan import (
     EPInfo,
@@ -40,6 +40,7 @@ from moeshard.ep._plan import (
     fqn_matches,
     is_expert_module,
 )
+from moeshard.ep._weight_grads import WeightGradFactors, WeightGradTarget, sum_weight_grads
 
 __all__ = [
     "ACTIVATIONS",

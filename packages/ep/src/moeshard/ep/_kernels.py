@@ -25,9 +25,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from moeshard.ep._options import KERNEL_TIERS
+from moeshard.ep._options import GEMMS, KERNEL_TIERS
 
-__all__ = ["ACTIVATIONS", "Kernels", "activation_fn", "compile_rows_dynamic", "kernels_for"]
+__all__ = ["ACTIVATIONS", "Kernels", "activation_fn", "compile_rows_dynamic", "kernels_for", "resolve_gemm"]
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -294,3 +294,24 @@ def _on_cuda(gpu_fn: Callable, other_fn: Callable) -> Callable:
 
     call.__wrapped__ = other_fn
     return call
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def resolve_gemm(gemm: str, x: torch.Tensor, w: torch.Tensor) -> str:
+    """``"grouped_mm"`` or ``"loop"``: ``gemm`` itself, or what ``"auto"`` picks for these tensors."""
+    if gemm not in GEMMS:
+        raise ValueError(f"expert gemm {gemm!r} is not one of {GEMMS}")
+    if gemm != "auto":
+        return gemm
+    ok = (
+        x.device.type == "cuda"
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and w.dtype == x.dtype
+        and hasattr(F, "grouped_mm")
+        and _capability(x.device) >= (9, 0)
+    )
+    return "grouped_mm" if ok else "loop"

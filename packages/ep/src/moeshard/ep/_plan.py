@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.hooks import RemovableHandle
 
 from moeshard.ep._dispatch import ExpertDispatch, HostSyncHooks, make_dispatch
-from moeshard.ep._mlp import WeightGradTarget
 from moeshard.ep._options import EPOptions
+from moeshard.ep._weight_grads import WeightGradTarget
 
 __all__ = [
     "EPInfo",

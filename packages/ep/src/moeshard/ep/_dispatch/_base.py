@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from moeshard.ep._kernels import activation_fn, kernels_for
-from moeshard.ep._mlp import WeightGradTarget
 from moeshard.ep._options import EPOptions
 from moeshard.ep._permute import combine, expand_rows_and_weights
+from moeshard.ep._weight_grads import WeightGradTarget
 
 __all__ = ["ExpertDispatch", "HostSyncHooks", "recompute_contexts"]
 

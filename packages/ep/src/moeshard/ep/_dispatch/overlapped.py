@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from moeshard.ep._dispatch._base import ExpertDispatch
-from moeshard.ep._kernels import Kernels
-from moeshard.ep._mlp import ExpertPass, Handoff, add_into, resolve_gemm, takes_factors, weight_grad_buffers
+from moeshard.ep._kernels import Kernels, resolve_gemm
+from moeshard.ep._mlp import ExpertPass
 from moeshard.ep._permute import inverse_permutation, regroup_by_local_expert
+from moeshard.ep._weight_grads import Handoff, add_into, takes_factors, weight_grad_buffers
 
 __all__ = ["OverlappedDispatch"]
 
@@ -224,7 +225,7 @@ class _OverlappedExperts(torch.autograd.Function):
         saved_a, saved_r, saved_b = saved[:na], saved[na : na + nr], saved[na + nr :]
         need_x, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_w1, need_w2 = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
-        need_w = need_w1 or need_w2
+        need_w, El = need_w1 or need_w2, w1.shape[0]
 
         # An expert's gradient has two parts here (its own copies' half and the received copies). A target that
         # takes factors is offered each pass's, with row ends over all El experts; what it does not take is summed
@@ -232,7 +233,6 @@ class _OverlappedExperts(torch.autograd.Function):
         # in another order differ where the parts nearly cancel).
         widened = None
         if need_w and takes_factors(ctx.target):
-            El = w1.shape[0]
             first_b = half_b.experts.start
             widened = (_widen(ex.offsets[0], 0, El), ex.offsets[1], _widen(ex.offsets[2], first_b, El))
 
@@ -276,7 +276,6 @@ class _OverlappedExperts(torch.autograd.Function):
                 for part, g in zip((half_a, half_b), parts):
                     if g is not None:
                         full[part.rows].copy_(g)
-        El = w1.shape[0]
         gw1 = _whole(gw1, ((half_a, gw1_a), (half_b, gw1_b)), El)
         gw2 = _whole(gw2, ((half_a, gw2_a), (half_b, gw2_b)), El)
         into = weight_grad_buffers(ctx.target, w1, w2, need_w1 and gw1 is not None, need_w2 and gw2 is not None)
