@@ -7,6 +7,7 @@ problem in one process (all experts) with LocalDispatch and with the plain refer
 input and routing-weight gradients and the local expert-weight gradients, in float32.
 """
 
+import dataclasses
 import functools
 import itertools
 
@@ -213,26 +214,48 @@ def _taken_as_factors(meshes, strategy, world, rank):
     """Two backwards through the dispatcher with a target that takes all, some or none of the factors offered: the
     gradients formed from what it kept, added to what came back, equal autograd's (float32 rounding); the
     overlapped strategy offers each weight's gradient in its three passes (the own copies' halves, the received
-    copies), the plain one in one; also where backward recomputes the expert MLP's intermediates (``recompute``).
-    Returns ``{(case, gemm, recompute, pattern): (max error, offers per weight and backward)}``."""
-    out = {}
-    for case, gemm, recompute in itertools.product(CASES, GEMMS, ("none", "mlp")):
+    copies), the plain one in one; also where backward recomputes the expert MLP's intermediates (``recompute``),
+    and, for the overlapped strategy with grouped_mm, where the kernel tier forms the passes' gradients together
+    (``Kernels.sums_parts``, the triton tier on CUDA; here forced on, with the CPU's ``weight_grad_sum``).
+    Returns ``{(case, gemm, recompute, together, pattern): (max error, offers per weight and backward)}``."""
+    out, unformed = {}, {}
+    together = (False, True) if strategy == "overlapped" else (False,)
+    for case, gemm, recompute, parts in itertools.product(CASES, GEMMS, ("none", "mlp"), together):
+        if parts and gemm != "grouped_mm":
+            continue
         x_TD, ids_TK, w_TK, gy_TD = _problem(world, case)[rank]
         grads = {}
         for pattern in (None, (True,), (False, True, True), (False,), ()):  # a cycle of 3: one weight's parts both ways
             model = _model()
             apply_ep(model, toy_plan(), meshes.ep, EPOptions(dispatch=strategy, gemm=gemm, recompute=recompute))
             layer = model.layers[0].mlp.experts
+            sums = []  # parts per weight_grad_sum call
+            if parts:
+                tier = layer.dispatch.kernels
+
+                def summed(kept, out, accumulate, tier=tier, sums=sums):
+                    sums.append(len(kept))
+                    tier.weight_grad_sum(kept, out, accumulate)
+
+                layer.dispatch.kernels = dataclasses.replace(tier, sums_parts=lambda a: True, weight_grad_sum=summed)
             keeper = None if pattern is None else _Keeper(layer, pattern)
             layer.dispatch.accumulate_weight_grads(keeper)
             for _ in range(2):
                 (layer(x_TD, ids_TK, w_TK) * gy_TD).sum().backward()
+            sums = list(sums)  # those of backward (not the keeper's forming)
             if keeper is not None:
                 keeper.form()
             grads[pattern] = (layer.gate_up_proj.grad, layer.down_proj.grad)
-            if pattern is not None:
+            if pattern is None and parts:  # the passes formed together, against autograd's sum of each pass's
+                reference = unformed[case, gemm, recompute]
+                err = max((a - b).abs().max().item() for a, b in zip(grads[None], reference, strict=True))
+                out[case, gemm, recompute, parts, None] = (err, 3, sums)
+                grads[None] = reference
+            elif pattern is None:
+                unformed[case, gemm, recompute] = grads[None]
+            else:
                 err = max((a - b).abs().max().item() for a, b in zip(grads[pattern], grads[None], strict=True))
-                out[case, gemm, recompute, pattern] = (err, keeper.offers / 4)
+                out[case, gemm, recompute, parts, pattern] = (err, keeper.offers / 4, sums)
     return out
 
 
@@ -326,10 +349,15 @@ def _check(results, world):
         for strategy in STRATEGIES:
             assert res["checkpointed", strategy], f"rank {r} {strategy}: activation checkpointing changed the results"
             assert res["recompute", strategy], f"rank {r} {strategy}: EPOptions.recompute changed the results"
-            for (case, gemm, recompute, pattern), (err, offers) in res["taken", strategy].items():
-                what = (r, strategy, case, gemm, recompute, pattern)
+            taken = res["taken", strategy]
+            assert any(key[3] for key in taken) == (strategy == "overlapped"), strategy
+            for (case, gemm, recompute, parts, pattern), (err, offers, sums) in taken.items():
+                what = (r, strategy, case, gemm, recompute, parts, pattern)
                 assert err <= 1e-5, (*what, err)
                 assert offers == (0 if pattern == () else 3 if strategy == "overlapped" else 1), (*what, offers)
+                # formed together: per backward and weight one sum of the parts the target did not take
+                want = {(True,): [], (False, True, True): [1] * 4}.get(pattern, [3] * 4) if parts else []
+                assert sums == want, (*what, sums)
             forward, after_backward_and_other_model, after_remove = res["hooks", strategy]
             assert forward == ["first", "second"] * 3, (strategy, forward)
             assert after_backward_and_other_model == 6, strategy

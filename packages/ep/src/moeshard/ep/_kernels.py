@@ -177,6 +177,10 @@ class Kernels:
             over parts ``(a_NM, b_NK, offs_E)``: kept weight-gradient factors formed (see ``sum_weight_grads``).
         route: ``(topk_ids_TK, num_experts) -> (order_N, inv_N, counts_E)``, the copies in expert order (stable),
             its inverse and the copies per expert (int64, no host sync): by sort, or the triton counting sort.
+        sums_parts: ``(a_NM) -> bool``, whether ``weight_grad_sum`` forms several parts in one pass over the
+            gradient for rows like ``a_NM`` (the triton tier on CUDA), so that a backward with several passes per
+            weight (the overlapped dispatcher's) gains by handing it all of them instead of forming each pass's
+            gradient and adding them.
     """
 
     tier: str
@@ -189,6 +193,7 @@ class Kernels:
     weight_grad_into: Callable = weight_grad_into
     weight_grad_sum: Callable = weight_grad_sum
     route: Callable = route
+    sums_parts: Callable = lambda a_NM: False  # noqa: E731
 
 
 @functools.cache
@@ -252,6 +257,7 @@ def _triton_kernels(other: Kernels) -> Kernels:
         weight_grad_into=_on_cuda(_wgrad_into_triton, other.weight_grad_into),
         weight_grad_sum=_wgrad_sum_on_cuda(other.weight_grad_sum),
         route=_on_cuda(route_on_gpu, other.route),
+        sums_parts=lambda a_NM: a_NM.is_cuda,
     )
 
 

@@ -167,6 +167,35 @@ def _whole(remote: torch.Tensor | None, halves, El: int) -> torch.Tensor | None:
     return remote
 
 
+class _Collect(Handoff):
+    """One pass's gradient of one weight where the passes' gradients are formed together (``Kernels.sums_parts``):
+    offered to the target as factors first (``offer``), else kept in ``parts`` for :func:`_formed`."""
+
+    def __init__(self, target, weight, offsets, parts: list, offer: bool):
+        super().__init__(target, weight, offsets, buffer=False)
+        self.parts, self.offer = parts, offer
+
+    def resolve(self, a_NM, b_NK, offsets, kernels):  # noqa: D102
+        if self.offer and super().resolve(a_NM, b_NK, offsets, kernels)[0]:
+            return True, None
+        self.parts.append((a_NM, b_NK, self.offsets))
+        return True, None
+
+
+def _formed(target, weight: torch.Tensor, parts: list, kernels: Kernels) -> torch.Tensor | None:
+    """The kept passes' gradient of ``weight`` in one ``weight_grad_sum``: added into the target's buffer (None
+    returned), or a new gradient; None where the target took every part."""
+    if not parts:
+        return None
+    buffer = target(weight) if target is not None else None
+    if buffer is not None:
+        kernels.weight_grad_sum(parts, buffer, True)
+        return None
+    grad = parts[0][0].new_empty((weight.shape[0], parts[0][0].shape[1], parts[0][1].shape[1]))
+    kernels.weight_grad_sum(parts, grad, False)
+    return grad
+
+
 class _OverlappedExperts(torch.autograd.Function):
     """The copies' trip through the experts of their EP ranks, with both exchanges overlapped by local work.
 
@@ -227,19 +256,30 @@ class _OverlappedExperts(torch.autograd.Function):
         need_w1, need_w2 = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         need_w, El = need_w1 or need_w2, w1.shape[0]
 
-        # An expert's gradient has two parts here (its own copies' half and the received copies). A target that
-        # takes factors is offered each pass's, with row ends over all El experts; what it does not take is summed
-        # first and added into the target's buffer once, in the order autograd's accumulation adds them (bf16 sums
-        # in another order differ where the parts nearly cancel).
+        # An expert's gradient has parts in two passes here (its own copies' half and the received copies). A target
+        # that takes factors is offered each pass's, with row ends over all El experts. What it does not take is
+        # formed from all passes at once where the kernel tier sums parts in one pass over the gradient
+        # (``Kernels.sums_parts``: written, or added into the target's buffer, once); elsewhere each pass's gradient
+        # is formed and they are summed (the halves into the received pass's slices, in the order autograd's
+        # accumulation adds them: bf16 sums in another order differ where the parts nearly cancel), then added into
+        # the target's buffer once.
+        offer_factors = need_w and takes_factors(ctx.target)
+        collect = need_w and ex.gemm == "grouped_mm" and ex.kernels.sums_parts(grad_ND)
         widened = None
-        if need_w and takes_factors(ctx.target):
+        if offer_factors or collect:
             first_b = half_b.experts.start
             widened = (_widen(ex.offsets[0], 0, El), ex.offsets[1], _widen(ex.offsets[2], first_b, El))
+        kept = ([], []) if collect else None
 
         def offer(which: int):
             if widened is None:
                 return None, None
             offsets, target = widened[which], ctx.target
+            if collect:
+                return tuple(
+                    _Collect(target, w, offsets, kept[i], offer_factors) if need else None
+                    for i, (w, need) in enumerate(((w1, need_w1), (w2, need_w2)))
+                )
             w1_to = Handoff(target, w1, offsets, buffer=False) if need_w1 else None
             return w1_to, Handoff(target, w2, offsets, buffer=False) if need_w2 else None
 
@@ -276,9 +316,12 @@ class _OverlappedExperts(torch.autograd.Function):
                 for part, g in zip((half_a, half_b), parts):
                     if g is not None:
                         full[part.rows].copy_(g)
-        gw1 = _whole(gw1, ((half_a, gw1_a), (half_b, gw1_b)), El)
-        gw2 = _whole(gw2, ((half_a, gw2_a), (half_b, gw2_b)), El)
-        into = weight_grad_buffers(ctx.target, w1, w2, need_w1 and gw1 is not None, need_w2 and gw2 is not None)
-        gw1, gw2 = add_into(gw1, into[0]), add_into(gw2, into[1])
+        if collect:
+            gw1, gw2 = (_formed(ctx.target, w, k, ex.kernels) for w, k in zip((w1, w2), kept))
+        else:
+            gw1 = _whole(gw1, ((half_a, gw1_a), (half_b, gw1_b)), El)
+            gw2 = _whole(gw2, ((half_a, gw2_a), (half_b, gw2_b)), El)
+            into = weight_grad_buffers(ctx.target, w1, w2, need_w1 and gw1 is not None, need_w2 and gw2 is not None)
+            gw1, gw2 = add_into(gw1, into[0]), add_into(gw2, into[1])
         _wait(works)
         return gx, gs, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None
