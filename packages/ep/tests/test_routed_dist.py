@@ -233,9 +233,9 @@ def _taken_as_factors(meshes, strategy, world, rank):
             if parts:
                 tier = layer.dispatch.kernels
 
-                def summed(kept, out, accumulate, tier=tier, sums=sums):
+                def summed(kept, out, accumulate, squares=None, tier=tier, sums=sums):
                     sums.append(len(kept))
-                    tier.weight_grad_sum(kept, out, accumulate)
+                    tier.weight_grad_sum(kept, out, accumulate, squares)
 
                 layer.dispatch.kernels = dataclasses.replace(tier, sums_parts=lambda a: True, weight_grad_sum=summed)
             keeper = None if pattern is None else _Keeper(layer, pattern)

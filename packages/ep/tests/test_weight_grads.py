@@ -58,12 +58,16 @@ def _check_parts(device, dtype, tma: bool) -> int:
             ref += torch.stack([a[s:e].double().T @ b[s:e].double() for s, e in zip(starts, offs.tolist())])
             parts.append((a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype), offs.to(device)))
         out = torch.full((E, M, K), float("nan"), device=device, dtype=dtype)
-        grouped_weight_grad_parts(parts, out, accumulate=False, config="test", tma=tma)
+        sq_out, sq_acc = (torch.full((), float("nan"), device=device) for _ in range(2))
+        grouped_weight_grad_parts(parts, out, accumulate=False, config="test", tma=tma, squares=sq_out)
         old = torch.randn(E, M, K, generator=g)
         acc = old.clone().to(device=device, dtype=dtype)
-        grouped_weight_grad_parts(parts, acc, accumulate=True, alpha=0.5, config="test", tma=tma)
+        grouped_weight_grad_parts(parts, acc, accumulate=True, alpha=0.5, config="test", tma=tma, squares=sq_acc)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
-        for got, want in ((out, ref), (acc, old.double() + 0.5 * ref)):
+        for got, want, sq in ((out, ref, sq_out), (acc, old.double() + 0.5 * ref, sq_acc)):
+            # the epilogue's sum of squares is that of the values written (rounded), over the last launch's
+            written = got.double().cpu().square().sum()
+            assert abs(sq.item() - written) <= 1e-5 * written, (tma, P, sq.item(), written.item())
             got = got.double().cpu()
             assert (got - want).norm() / want.norm() < tol, (tma, P, ((got - want).norm() / want.norm()).item())
     # The overlapped dispatcher's parts: two halves of the own copies, row views of one tensor (the second at a
@@ -100,6 +104,8 @@ def _check_parts(device, dtype, tma: bool) -> int:
         grouped_weight_grad_parts(
             [(torch.zeros(4, 3), torch.zeros(4, 2), torch.tensor([4]))], torch.zeros(1, 2, 3), accumulate=False
         )
+    with pytest.raises(ValueError, match="one-element float32"):
+        grouped_weight_grad_parts(parts, out, accumulate=False, squares=torch.zeros(2, device=device))
     return 1
 
 

@@ -109,10 +109,11 @@ def weight_grad_into(a_NM: torch.Tensor, b_NK: torch.Tensor, offs_E: torch.Tenso
     out_EMK.add_(F.grouped_mm(a_NM.transpose(0, 1), b_NK, offs=offs_E))
 
 
-def weight_grad_sum(parts: list, out_EMK: torch.Tensor, accumulate: bool) -> None:
+def weight_grad_sum(parts: list, out_EMK: torch.Tensor, accumulate: bool, squares: torch.Tensor | None = None) -> None:
     """``out[e] (+)= Σ_p a_p[rows_e]^T @ b_p[rows_e]`` over parts ``(a_NM, b_NK, offs_E)`` (``offs_E``: int32
     cumulative row ends): each part's ``grouped_mm`` added in turn on CUDA, elsewhere one matmul per expert and part
-    (the offsets read on the host)."""
+    (the offsets read on the host). ``squares`` (a one-element float32 tensor, or None) receives ``Σ out²`` after
+    (here by reading ``out`` once more)."""
     if not accumulate:
         out_EMK.zero_()
     for a_NM, b_NK, offs_E in parts:
@@ -124,6 +125,8 @@ def weight_grad_sum(parts: list, out_EMK: torch.Tensor, accumulate: bool) -> Non
             if end > start:
                 out_EMK[e].add_(a_NM[start:end].transpose(0, 1) @ b_NK[start:end])
             start = end
+    if squares is not None:
+        squares.copy_(out_EMK.float().square().sum().reshape(squares.shape))
 
 
 def route(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -173,8 +176,10 @@ class Kernels:
             (``grad_s`` in float32; ``a``, the forward's output again, only with ``need_a``).
         weight_grad_into: ``(a_NM, b_NK, offs_E, out_EMK) -> None``, ``out[e] += a[rows_e]^T @ b[rows_e]`` (the
             grouped_mm backend's weight gradients added into a gradient buffer, see ``ExpertPass.backward``).
-        weight_grad_sum: ``(parts, out_EMK, accumulate) -> None``, ``out[e] (+)= Σ_p a_p[rows_e]^T @ b_p[rows_e]``
-            over parts ``(a_NM, b_NK, offs_E)``: kept weight-gradient factors formed (see ``sum_weight_grads``).
+        weight_grad_sum: ``(parts, out_EMK, accumulate, squares=None) -> None``, ``out[e] (+)= Σ_p a_p[rows_e]^T @
+            b_p[rows_e]`` over parts ``(a_NM, b_NK, offs_E)``: kept weight-gradient factors formed (see
+            ``sum_weight_grads``); ``squares`` (a one-element float32 tensor) receives ``Σ out²`` after, from the
+            triton kernel's epilogue on CUDA (no second read of the gradient).
         route: ``(topk_ids_TK, num_experts) -> (order_N, inv_N, counts_E)``, the copies in expert order (stable),
             its inverse and the copies per expert (int64, no host sync): by sort, or the triton counting sort.
         sums_parts: ``(a_NM) -> bool``, whether ``weight_grad_sum`` forms several parts in one pass over the
@@ -272,14 +277,14 @@ def _wgrad_into_triton(a_NM, b_NK, offs_E, out_EMK) -> None:
 
 def _wgrad_sum_on_cuda(other_fn: Callable) -> Callable:
     # The parts in one grouped GEMM (moeshard.ep._wgrad_triton) where all are row-major CUDA tensors.
-    def call(parts, out_EMK, accumulate):
+    def call(parts, out_EMK, accumulate, squares=None):
         ok = out_EMK.is_cuda and out_EMK.is_contiguous()
         ok = ok and all(a.is_cuda and a.stride(-1) == 1 and b.stride(-1) == 1 for a, b, _ in parts)
         if not ok:
-            return other_fn(parts, out_EMK, accumulate)
+            return other_fn(parts, out_EMK, accumulate, squares)
         from moeshard.ep._wgrad_triton import grouped_weight_grad_parts
 
-        grouped_weight_grad_parts(parts, out_EMK, accumulate=accumulate)
+        grouped_weight_grad_parts(parts, out_EMK, accumulate=accumulate, squares=squares)
 
     call.__wrapped__ = other_fn
     return call

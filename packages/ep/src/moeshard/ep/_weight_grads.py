@@ -72,7 +72,9 @@ class WeightGradFactors:
         return sum(t.untyped_storage().nbytes() for t in (self.a, self.b, self.offsets))
 
 
-def sum_weight_grads(factors: Sequence[WeightGradFactors], out: torch.Tensor | None = None) -> torch.Tensor:
+def sum_weight_grads(
+    factors: Sequence[WeightGradFactors], out: torch.Tensor | None = None, *, squares: torch.Tensor | None = None
+) -> torch.Tensor:
     """Form kept weight gradients: ``out[e] += Σ_p a_p[rows_e]^T @ b_p[rows_e]`` over every factor's rows, or a new
     ``[E, M, K]`` tensor of ``a``'s dtype holding that sum where ``out`` is None. Returns the gradient.
 
@@ -80,6 +82,10 @@ def sum_weight_grads(factors: Sequence[WeightGradFactors], out: torch.Tensor | N
     per launch): the gradient is written (or read and written) once, products summed in float32 and rounded once,
     whatever the number of micro-batches; a single part written anew goes to torch's ``grouped_mm``. Elsewhere each
     part's product is added in turn (in ``out``'s dtype).
+
+    ``squares``: a one-element float32 tensor on the factors' device, or None. Given, it receives the formed
+    gradient's ``Σ grad²`` (what a clipping norm reads), from the grouped GEMM's epilogue where the triton kernel
+    writes the gradient, else by reading it once.
     """
     if not factors:
         raise ValueError("sum_weight_grads needs at least one WeightGradFactors")
@@ -94,12 +100,17 @@ def sum_weight_grads(factors: Sequence[WeightGradFactors], out: torch.Tensor | N
     if out is not None and out.shape != (E, M, K):
         raise ValueError(f"sum_weight_grads: out {tuple(out.shape)} is not the gradient's [{E}, {M}, {K}]")
     parts = [(f.a, f.b, f.offsets) for f in factors]
+    if squares is not None and (squares.numel() != 1 or squares.dtype != torch.float32):
+        raise ValueError(f"sum_weight_grads: squares must be a one-element float32 tensor, got {squares.dtype}")
     if out is None and len(parts) == 1 and first.a.is_cuda and resolve_gemm("auto", first.a, first.b) == "grouped_mm":
-        return F.grouped_mm(first.a.transpose(0, 1), first.b, offs=first.offsets)
+        grad = F.grouped_mm(first.a.transpose(0, 1), first.b, offs=first.offsets)
+        if squares is not None:
+            squares.copy_(grad.float().square().sum().reshape(squares.shape))
+        return grad
     accumulate = out is not None
     if out is None:
         out = torch.empty((E, M, K), dtype=first.a.dtype, device=first.a.device)
-    first.kernels.weight_grad_sum(parts, out, accumulate)
+    first.kernels.weight_grad_sum(parts, out, accumulate, squares)
     return out
 
 

@@ -93,9 +93,9 @@ def _part_product(acc, a_ptr, b_ptr, offs_ptr, sa, sb, e, m0, k0, M, K, BLOCK_M:
 @triton.jit
 def _wgrad_parts_kernel(
     a0, b0, o0, sa0, sb0, a1, b1, o1, sa1, sb1, a2, b2, o2, sa2, sb2, a3, b3, o3, sa3, sb3,
-    out_ptr, out_desc, M, K, alpha,
+    out_ptr, out_desc, sq_ptr, M, K, alpha,
     PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    ACCUMULATE: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr,
+    ACCUMULATE: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, SQUARES: tl.constexpr,
 ):  # fmt: skip
     e = tl.program_id(1)
     tiles_k = tl.cdiv(K, BLOCK_K)
@@ -110,18 +110,23 @@ def _wgrad_parts_kernel(
     if PARTS > 3:
         acc = _part_product(acc, a3, b3, o3, sa3, sb3, e, m0, k0, M, K, BLOCK_M, BLOCK_K, BLOCK_R, TMA, PRECISION)
     acc = acc * alpha
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rk = k0 + tl.arange(0, BLOCK_K)
+    mask = (rm < M)[:, None] & (rk < K)[None, :]
     if TMA:
         if ACCUMULATE:
             acc += out_desc.load([e, m0, k0]).reshape(BLOCK_M, BLOCK_K).to(tl.float32)
-        out_desc.store([e, m0, k0], acc.to(out_desc.dtype).reshape(1, BLOCK_M, BLOCK_K))
+        written = acc.to(out_desc.dtype)
+        out_desc.store([e, m0, k0], written.reshape(1, BLOCK_M, BLOCK_K))
     else:
-        rm = m0 + tl.arange(0, BLOCK_M)
-        rk = k0 + tl.arange(0, BLOCK_K)
         out = out_ptr + e.to(tl.int64) * M * K + rm[:, None] * K + rk[None, :]
-        mask = (rm < M)[:, None] & (rk < K)[None, :]
         if ACCUMULATE:
             acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        written = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out, written, mask=mask)
+    if SQUARES:  # this tile's sum of squares of what it wrote, one float32 per program (summed by the caller)
+        w = tl.where(mask, written.to(tl.float32), 0.0)
+        tl.store(sq_ptr + e.to(tl.int64) * tl.num_programs(0) + tl.program_id(0), tl.sum(tl.sum(w * w, axis=1), axis=0))
 
 
 def _allocate_on(device: torch.device, size: int, alignment: int, stream) -> torch.Tensor:
@@ -152,6 +157,7 @@ def grouped_weight_grad(
     alpha: float = 1.0,
     config: str | None = None,
     tma: bool | None = None,
+    squares: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[e] (+)= alpha * a[rows_e]^T @ b[rows_e]`` in place (see the module docstring); returns ``out_EMK``.
 
@@ -160,9 +166,10 @@ def grouped_weight_grad(
     name of :data:`CONFIGS` (:data:`TMA_CONFIGS` for the TMA kernel); None picks by the mean rows per expert (no
     device sync: from the row count). ``tma``: the TMA kernel (True; raises where TMA cannot read these tensors), the
     pointer kernel (False), or None: TMA for 16-bit CUDA tensors on compute capability >= 9.0 that TMA can read.
-    (:func:`grouped_weight_grad_parts` with one part.)
+    (:func:`grouped_weight_grad_parts` with one part; ``squares`` as there.)
     """
-    return _weight_grad_parts("grouped_weight_grad", [(a_NM, b_NK, offs_E)], out_EMK, accumulate, alpha, config, tma)
+    parts = [(a_NM, b_NK, offs_E)]
+    return _weight_grad_parts("grouped_weight_grad", parts, out_EMK, accumulate, alpha, config, tma, squares)
 
 
 def grouped_weight_grad_parts(
@@ -173,6 +180,7 @@ def grouped_weight_grad_parts(
     alpha: float = 1.0,
     config: str | None = None,
     tma: bool | None = None,
+    squares: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out[e] (+)= alpha * Σ_p a_p[rows_p,e]^T @ b_p[rows_p,e]`` in place, for parts ``(a_p, b_p, offs_p)`` that
     each group their own rows by expert (as :func:`grouped_weight_grad` takes one): the micro-batches of one
@@ -180,11 +188,15 @@ def grouped_weight_grad_parts(
 
     One launch per :data:`MAX_PARTS` parts: a program runs over its expert's rows of each part in turn, so the
     gradient is read (``accumulate``) and written once, whatever the number of rows in the parts. ``config``:
-    by the mean rows per expert of all parts together; ``tma``: as :func:`grouped_weight_grad`, for every part."""
-    return _weight_grad_parts("grouped_weight_grad_parts", parts, out_EMK, accumulate, alpha, config, tma)
+    by the mean rows per expert of all parts together; ``tma``: as :func:`grouped_weight_grad`, for every part.
+
+    ``squares``: a one-element float32 tensor on ``out``'s device, or None. Given, it receives ``Σ out²`` over the
+    whole gradient as written (the rounded values, summed in float32 in a fixed order: per tile in the last launch's
+    epilogue, then the tiles' sums), so a clipping norm need not read the gradient again."""
+    return _weight_grad_parts("grouped_weight_grad_parts", parts, out_EMK, accumulate, alpha, config, tma, squares)
 
 
-def _weight_grad_parts(name: str, parts, out_EMK, accumulate: bool, alpha: float, config, tma) -> torch.Tensor:
+def _weight_grad_parts(name: str, parts, out_EMK, accumulate: bool, alpha: float, config, tma, squares=None):
     if not parts:
         raise ValueError(f"{name} needs at least one part")
     E, M, K = out_EMK.shape
@@ -198,7 +210,11 @@ def _weight_grad_parts(name: str, parts, out_EMK, accumulate: bool, alpha: float
             raise ValueError(f"{name} needs row-major a and b (of one dtype in every part)")
     if not out_EMK.is_contiguous():
         raise ValueError(f"{name} needs a contiguous out")
-    if E == 0:
+    if squares is not None and (squares.numel() != 1 or squares.dtype != torch.float32):
+        raise ValueError(f"{name}: squares must be a one-element float32 tensor, got {squares.dtype} {squares.shape}")
+    if E == 0 or M * K == 0:
+        if squares is not None:
+            squares.zero_()
         return out_EMK
     rows = sum(a.shape[0] for a, _, _ in parts)
     if config is None:
@@ -216,6 +232,9 @@ def _weight_grad_parts(name: str, parts, out_EMK, accumulate: bool, alpha: float
         )
     cfg = dict((TMA_CONFIGS if tma else CONFIGS)[config])
     offsets = [o if o.dtype == torch.int32 else o.to(torch.int32) for _, _, o in parts]
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(K, cfg["BLOCK_K"])
+    partial = None if squares is None else torch.empty((E, tiles), dtype=torch.float32, device=out_EMK.device)
+    last = (len(parts) - 1) // MAX_PARTS * MAX_PARTS
     for first in range(0, len(parts), MAX_PARTS):
         group = [
             (a, b, o) for (a, b, _), o in zip(parts[first : first + MAX_PARTS], offsets[first : first + MAX_PARTS])
@@ -223,17 +242,20 @@ def _weight_grad_parts(name: str, parts, out_EMK, accumulate: bool, alpha: float
         args = []
         for a, b, o in group + [group[0]] * (MAX_PARTS - len(group)):
             args += [a, b, o, a.stride(0), b.stride(0)]
+        sq = partial if first == last else None  # the last launch writes the gradient's final values
         run = functools.partial(
-            _launch_parts, args, out_EMK, len(group), accumulate or first > 0, alpha, cfg, tma, precision
+            _launch_parts, args, out_EMK, len(group), accumulate or first > 0, alpha, cfg, tma, precision, sq
         )
         if tma:
             contextvars.copy_context().run(run)
         else:
             run()
+    if squares is not None:
+        squares.copy_(partial.sum().reshape(squares.shape))
     return out_EMK
 
 
-def _launch_parts(args, out_EMK, n_parts, accumulate, alpha, cfg, tma, precision) -> None:
+def _launch_parts(args, out_EMK, n_parts, accumulate, alpha, cfg, tma, precision, partial=None) -> None:
     E, M, K = out_EMK.shape
     out_desc = out_EMK
     if tma:
@@ -246,6 +268,7 @@ def _launch_parts(args, out_EMK, n_parts, accumulate, alpha, cfg, tma, precision
         *args,
         out_EMK,
         out_desc,
+        out_EMK if partial is None else partial,
         M,
         K,
         float(alpha),
@@ -253,5 +276,6 @@ def _launch_parts(args, out_EMK, n_parts, accumulate, alpha, cfg, tma, precision
         ACCUMULATE=bool(accumulate),
         TMA=bool(tma),
         PRECISION=precision,
+        SQUARES=partial is not None,
         **cfg,
     )

@@ -9,7 +9,8 @@ its write-back of the clipped gradient (4): 48 bytes. :class:`LocalExpertAdamW` 
 optimizer, as master-weight optimizers do: the parameters themselves hold what the forward computes with (the
 compute dtype, e.g. bf16), their gradients arrive in ``param.grad`` in that dtype, and one pass per parameter reads
 the gradient (2), the master and both moments and writes the master, both moments and the parameter (2); with the
-clipping norm's read of the gradient (2), 30 bytes per parameter.
+clipping norm's read of the gradient (2), 30 bytes per parameter (28 where the step formed the gradients from kept
+factors: their sum of squares comes from the forming grouped GEMM, see ``_local_experts``).
 
 The contract:
 
@@ -52,6 +53,7 @@ from moeshard.fsdp_moe._local_experts import (
     LocalExperts,
     drop_kept_factors,
     dtensor_like,
+    formed_squares,
     kept_factors,
     local_experts_state,
 )
@@ -192,27 +194,39 @@ class LocalExpertAdamW(torch.optim.Optimizer):
         Every entry is a piece of the expert mesh's kind (no other rank holds it): a global norm sums their p-th
         powers over the world once. On CUDA the 2-norm of all gradients on a device comes as one entry (one
         triton pass over the compute-dtype gradients); only the sum of the entries' p-th powers is meaningful.
+        A 2-norm takes the sum of squares recorded where the local experts formed a gradient from kept factors
+        (``formed_squares``) instead of reading that gradient again.
         """
         self._check_formed()
+        two = float(norm_type) == 2.0
         grads, factors = [], []
+        formed: dict[torch.device, list[torch.Tensor]] = {}  # Σ (factor · grad)² recorded when formed
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
-                    grads.append(local_tensor(p.grad))
-                    factors.append(self.grad_factor(p))
+                if p.grad is None:
+                    continue
+                squares = formed_squares(p) if two else None
+                if squares is not None:
+                    factor = self.grad_factor(p)
+                    formed.setdefault(squares.device, []).append(squares if factor == 1.0 else squares * factor**2)
+                    continue
+                grads.append(local_tensor(p.grad))
+                factors.append(self.grad_factor(p))
         out = []
         by_device: dict[torch.device, list[int]] = {}
         for i, g in enumerate(grads):
             by_device.setdefault(g.device, []).append(i)
         for device, idx in by_device.items():
-            if float(norm_type) == 2.0 and device.type == "cuda" and triton_available():
+            if two and device.type == "cuda" and triton_available():
                 from moeshard.fsdp_moe import _triton
 
                 ts = [grads[i].contiguous() for i in idx]
-                out.append(_triton.sum_of_squares(ts, [factors[i] ** 2 for i in idx], [None] * len(idx)).sqrt())
+                total = _triton.sum_of_squares(ts, [factors[i] ** 2 for i in idx], [None] * len(idx))
+                out.append((total + sum(formed.pop(device, []))).sqrt())
                 continue
             norms = torch._foreach_norm([grads[i] for i in idx], norm_type, dtype=torch.float32)
             out.extend(n * factors[i] if factors[i] != 1.0 else n for n, i in zip(norms, idx, strict=True))
+        out.extend(torch.stack(squares).sum().sqrt() for squares in formed.values())
         return out
 
     @torch.no_grad()
