@@ -95,7 +95,12 @@ def drop_kept_factors(param: torch.Tensor) -> None:
 def formed_squares(param: torch.Tensor) -> torch.Tensor | None:
     """``Σ grad²`` of ``param``'s local gradient (a float32 scalar on its device), as recorded when the module formed
     that gradient from kept factors, if ``param.grad`` is still that tensor and unchanged since (no in-place
-    operation, no backward handed it out to add into); else None (read the gradient)."""
+    operation, no backward handed it out to add into); else None (read the gradient).
+
+    "Unchanged" is read from version counters. torch's foreach in-place operations on DTensors (e.g.
+    ``torch._foreach_mul_`` over DTensor gradients, as ``torch.nn.utils.clip_grad_norm_`` does) move none (torch
+    2.13): code that changes these gradients that way calls :func:`drop_kept_factors` on them after (this package's
+    clipping multiplies the local tensors, which is seen)."""
     entry = param.__dict__.get(_SQUARES_ATTR)
     if entry is None:
         return None
