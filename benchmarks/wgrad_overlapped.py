@@ -19,6 +19,9 @@ gated activation), ms (``do_bench`` median):
 - ``deferred step``: two micro-batches' six parts formed at once (``sum_weight_grads``: two launches).
 
 Each schedule is checked against a float64 sum before it is timed (relative error printed; bf16 rounding ~2e-3).
+
+("today" is ep 0.4.1's schedule. On one H200 the parts kernel won at every EP size, writing and adding
+(``benchmarks/NOTES.md``, 2026-12-04), and ep 0.4.2 forms the overlapped dispatcher's gradients with it.)
 """
 
 from __future__ import annotations
