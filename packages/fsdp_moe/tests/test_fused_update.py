@@ -220,7 +220,7 @@ def _rel(a, b):
 def _held(state) -> float:
     """What an expert module holds for its gradients (kept factors, each storage once, and formed gradients) over
     the gradients' bytes; counted here, not by the module."""
-    from moeshard.fsdp_moe._local_experts import kept_factors
+    from moeshard.fsdp_moe._grad_records import kept_factors
 
     params = state.params.values()
     kept = {
@@ -241,13 +241,8 @@ def _deferred():
     ``zero_grad``."""
     from moeshard.ep import EPOptions
     from moeshard.fsdp_moe import defer_expert_weight_grads
-    from moeshard.fsdp_moe._local_experts import (
-        LocalExperts,
-        drop_kept_factors,
-        formed_squares,
-        kept_factors,
-        local_experts_state,
-    )
+    from moeshard.fsdp_moe._grad_records import forget_squares, formed_squares, kept_factors
+    from moeshard.fsdp_moe._local_experts import LocalExperts, local_experts_state
     from moeshard.fsdp_moe.testing import full_tensors
 
     out = {}
@@ -297,7 +292,7 @@ def _deferred():
                 out[(dispatch, dtype, "after mul", "recorded")] = [formed_squares(p) is not None for p in experts]
                 with_recorded = expert_norm()
                 for p in experts:
-                    drop_kept_factors(p)  # (drops the recorded squares too): every gradient read
+                    forget_squares(p)  # every gradient read
                 out[(dispatch, dtype, "after mul", "norms")] = (before, with_recorded, expert_norm())
     LocalExperts._form = form
     # kept through the last backward: the optimizer refuses, zero_grad drops them

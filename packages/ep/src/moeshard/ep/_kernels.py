@@ -126,7 +126,18 @@ def weight_grad_sum(parts: list, out_EMK: torch.Tensor, accumulate: bool, square
                 out_EMK[e].add_(a_NM[start:end].transpose(0, 1) @ b_NK[start:end])
             start = end
     if squares is not None:
-        squares.copy_(out_EMK.float().square().sum().reshape(squares.shape))
+        read_squares(out_EMK, squares)
+
+
+def check_squares(name: str, squares: torch.Tensor | None) -> None:
+    """Refuse a ``squares`` argument that is not a one-element float32 tensor (or None)."""
+    if squares is not None and (squares.numel() != 1 or squares.dtype != torch.float32):
+        raise ValueError(f"{name}: squares must be a one-element float32 tensor, got {squares.dtype} {squares.shape}")
+
+
+def read_squares(t: torch.Tensor, squares: torch.Tensor) -> None:
+    """``squares = Σ t²`` in float32, by reading ``t`` once (no float32 copy of it)."""
+    squares.copy_(torch._foreach_norm([t], 2.0, dtype=torch.float32)[0].square().reshape(squares.shape))
 
 
 def route(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeshard.ep._kernels import Kernels, resolve_gemm
+from moeshard.ep._kernels import Kernels, check_squares, read_squares, resolve_gemm
 
 __all__ = [
     "Handoff",
@@ -100,12 +100,11 @@ def sum_weight_grads(
     if out is not None and out.shape != (E, M, K):
         raise ValueError(f"sum_weight_grads: out {tuple(out.shape)} is not the gradient's [{E}, {M}, {K}]")
     parts = [(f.a, f.b, f.offsets) for f in factors]
-    if squares is not None and (squares.numel() != 1 or squares.dtype != torch.float32):
-        raise ValueError(f"sum_weight_grads: squares must be a one-element float32 tensor, got {squares.dtype}")
+    check_squares("sum_weight_grads", squares)
     if out is None and len(parts) == 1 and first.a.is_cuda and resolve_gemm("auto", first.a, first.b) == "grouped_mm":
         grad = F.grouped_mm(first.a.transpose(0, 1), first.b, offs=first.offsets)
         if squares is not None:
-            squares.copy_(grad.float().square().sum().reshape(squares.shape))
+            read_squares(grad, squares)
         return grad
     accumulate = out is not None
     if out is None:

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeshard.ep._kernels import check_squares
+
 __all__ = ["CONFIGS", "MAX_PARTS", "TMA_CONFIGS", "grouped_weight_grad", "grouped_weight_grad_parts"]
 
 CONFIGS: dict[str, dict[str, int]] = {
@@ -210,8 +212,7 @@ def _weight_grad_parts(name: str, parts, out_EMK, accumulate: bool, alpha: float
             raise ValueError(f"{name} needs row-major a and b (of one dtype in every part)")
     if not out_EMK.is_contiguous():
         raise ValueError(f"{name} needs a contiguous out")
-    if squares is not None and (squares.numel() != 1 or squares.dtype != torch.float32):
-        raise ValueError(f"{name}: squares must be a one-element float32 tensor, got {squares.dtype} {squares.shape}")
+    check_squares(name, squares)
     if E == 0 or M * K == 0:
         if squares is not None:
             squares.zero_()

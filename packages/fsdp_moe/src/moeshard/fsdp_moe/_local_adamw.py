@@ -10,7 +10,7 @@ optimizer, as master-weight optimizers do: the parameters themselves hold what t
 compute dtype, e.g. bf16), their gradients arrive in ``param.grad`` in that dtype, and one pass per parameter reads
 the gradient (2), the master and both moments and writes the master, both moments and the parameter (2); with the
 clipping norm's read of the gradient (2), 30 bytes per parameter (28 where the step formed the gradients from kept
-factors: their sum of squares comes from the forming grouped GEMM, see ``_local_experts``).
+factors: their sum of squares comes from the forming grouped GEMM, see ``_grad_records``).
 
 The contract:
 
@@ -49,14 +49,8 @@ import torch
 from torch import nn
 
 from moeshard.fsdp_moe._adamw_step import adamw_step, check_group, hyper_parameters, local_tensor, triton_available
-from moeshard.fsdp_moe._local_experts import (
-    LocalExperts,
-    drop_kept_factors,
-    dtensor_like,
-    formed_squares,
-    kept_factors,
-    local_experts_state,
-)
+from moeshard.fsdp_moe._grad_records import drop_kept_factors, formed_squares, kept_factors
+from moeshard.fsdp_moe._local_experts import LocalExperts, dtensor_like, local_experts_state
 from moeshard.fsdp_moe._shard import clean_fqn
 
 __all__ = ["LocalExpertAdamW", "local_expert_params"]
@@ -200,18 +194,21 @@ class LocalExpertAdamW(torch.optim.Optimizer):
         self._check_formed()
         two = float(norm_type) == 2.0
         grads, factors = [], []
-        formed: dict[torch.device, list[torch.Tensor]] = {}  # Σ (factor · grad)² recorded when formed
+        recorded: dict[tuple[torch.device, float], list[torch.Tensor]] = {}  # Σ grad² when formed, by factor²
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 squares = formed_squares(p) if two else None
                 if squares is not None:
-                    factor = self.grad_factor(p)
-                    formed.setdefault(squares.device, []).append(squares if factor == 1.0 else squares * factor**2)
+                    recorded.setdefault((squares.device, self.grad_factor(p) ** 2), []).append(squares)
                     continue
                 grads.append(local_tensor(p.grad))
                 factors.append(self.grad_factor(p))
+        formed: dict[torch.device, torch.Tensor] = {}  # Σ (factor · grad)² of the formed gradients, per device
+        for (device, f2), squares in recorded.items():
+            total = torch.stack(squares).sum() * f2 if f2 != 1.0 else torch.stack(squares).sum()
+            formed[device] = total if device not in formed else formed[device] + total
         out = []
         by_device: dict[torch.device, list[int]] = {}
         for i, g in enumerate(grads):
@@ -222,11 +219,11 @@ class LocalExpertAdamW(torch.optim.Optimizer):
 
                 ts = [grads[i].contiguous() for i in idx]
                 total = _triton.sum_of_squares(ts, [factors[i] ** 2 for i in idx], [None] * len(idx))
-                out.append((total + sum(formed.pop(device, []))).sqrt())
+                out.append((total + formed.pop(device) if device in formed else total).sqrt())
                 continue
             norms = torch._foreach_norm([grads[i] for i in idx], norm_type, dtype=torch.float32)
             out.extend(n * factors[i] if factors[i] != 1.0 else n for n, i in zip(norms, idx, strict=True))
-        out.extend(torch.stack(squares).sum().sqrt() for squares in formed.values())
+        out.extend(total.sqrt() for total in formed.values())
         return out
 
     @torch.no_grad()

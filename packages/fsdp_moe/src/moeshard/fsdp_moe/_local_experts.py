@@ -43,16 +43,12 @@ of being written at the first and read and written again at every later one. Kep
 parameter's gradient: :class:`moeshard.fsdp_moe.LocalExpertAdamW` refuses to read gradients while any are kept and
 its ``zero_grad`` drops them with the gradients.
 
-Forming a gradient also records its sum of squares (from the grouped GEMM's epilogue on CUDA with the triton tier:
-no second read of the gradient), which ``LocalExpertAdamW.grad_norms`` takes instead of reading the gradient again
-while it is the same, unchanged tensor (:func:`formed_squares`): the clipping norm's read of the experts'
-gradients, a tenth of the update's traffic, is gone wherever the step formed them.
+Forming a gradient also records its sum of squares for the clipping norm (``_grad_records.formed_squares``).
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -63,63 +59,25 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map_only
 
+from moeshard.fsdp_moe._grad_records import (
+    drop_kept_factors,
+    forget_squares,
+    keep_factors,
+    kept_factors,
+    record_squares,
+)
+
 __all__ = [
     "defer_expert_weight_grads",
-    "drop_kept_factors",
     "dtensor_like",
-    "formed_squares",
     "keep_experts_local",
-    "kept_factors",
     "local_experts_state",
 ]
 
 _STATE_ATTR = "_moeshard_local_experts"
-_KEPT_ATTR = "_moeshard_kept_factors"  # on a parameter: its gradient's kept WeightGradFactors (a list)
-_SQUARES_ATTR = "_moeshard_formed_squares"  # on a parameter: (its formed gradient's identity and versions, Σ grad²)
 DEFAULT_BUDGET = 1.1
 """Kept factors may hold up to this times the bytes of the gradients they stand for, per expert module (at EP 1
 with 128 experts, micro-batches of 4,096 tokens, 3 micro-batches' factors hold 1.04x the gradients)."""
-
-
-def kept_factors(param: torch.Tensor) -> list:
-    """The weight-gradient factors kept for ``param`` (a list, empty where none; see :func:`defer_expert_weight_grads`)."""
-    return param.__dict__.get(_KEPT_ATTR) or []
-
-
-def drop_kept_factors(param: torch.Tensor) -> None:
-    """Forget the factors kept for ``param`` (as ``zero_grad`` forgets its gradient)."""
-    param.__dict__.pop(_KEPT_ATTR, None)
-    param.__dict__.pop(_SQUARES_ATTR, None)
-
-
-def formed_squares(param: torch.Tensor) -> torch.Tensor | None:
-    """``Σ grad²`` of ``param``'s local gradient (a float32 scalar on its device), as recorded when the module formed
-    that gradient from kept factors, if ``param.grad`` is still that tensor and unchanged since (no in-place
-    operation, no backward handed it out to add into); else None (read the gradient).
-
-    "Unchanged" is read from version counters. torch's foreach in-place operations on DTensors (e.g.
-    ``torch._foreach_mul_`` over DTensor gradients, as ``torch.nn.utils.clip_grad_norm_`` does) move none (torch
-    2.13): code that changes these gradients that way calls :func:`drop_kept_factors` on them after (this package's
-    clipping multiplies the local tensors, which is seen)."""
-    entry = param.__dict__.get(_SQUARES_ATTR)
-    if entry is None:
-        return None
-    (grad_ref, grad_version, local_ref, local_version), squares = entry
-    grad = param.grad
-    local = grad._local_tensor if isinstance(grad, DTensor) else grad
-    same = grad is not None and grad_ref() is grad and local_ref() is local
-    if not (same and grad._version == grad_version and local._version == local_version):
-        param.__dict__.pop(_SQUARES_ATTR, None)
-        return None
-    return squares
-
-
-def _grad_versions(param: torch.Tensor) -> tuple:
-    """``param.grad`` (and its local tensor, for a DTensor), weakly, and their version counters: an in-place
-    operation through the DTensor moves the DTensor's counter, one on its local tensor the local tensor's."""
-    grad = param.grad
-    local = grad._local_tensor if isinstance(grad, DTensor) else grad
-    return weakref.ref(grad), grad._version, weakref.ref(local), local._version
 
 
 class _ToCompute(torch.autograd.Function):
@@ -279,7 +237,7 @@ class LocalExperts:
             return None
         if kept_factors(param):
             self._form(param, [])
-        param.__dict__.pop(_SQUARES_ATTR, None)  # the backward adds into it: the recorded squares no longer hold
+        forget_squares(param)  # the backward adds into it: the recorded squares no longer hold
         return self._buffer(param, weight)
 
     __call__ = grad_buffer
@@ -297,12 +255,12 @@ class LocalExperts:
         if param is None:
             return False
         if self.deferring and self.held_bytes(factors) <= self.budget * self.grad_bytes():
-            param.__dict__.setdefault(_KEPT_ATTR, []).append(factors)
+            keep_factors(param, factors)
             return True
         if not self.deferring:  # the step's last backward: joins what is kept, formed when the weight's is over
             if not kept_factors(param):
                 return False
-            param.__dict__[_KEPT_ATTR].append(factors)
+            keep_factors(param, factors)
             return True
         for other in self._compute_params():  # over budget: everything the module keeps is formed
             if other is not param and kept_factors(other):
@@ -330,15 +288,15 @@ class LocalExperts:
         factors = kept_factors(param) + more
         drop_kept_factors(param)
         buf = self._buffer(param, param._local_tensor)
+        if buf is None and param.grad is not None:  # a gradient in another layout (set from outside): add to it
+            param.grad = param.grad + dtensor_like(sum_weight_grads(factors).contiguous(), param)
+            return
         squares = torch.empty((), dtype=torch.float32, device=param._local_tensor.device)
         if buf is not None:
             sum_weight_grads(factors, buf, squares=squares)
-        elif param.grad is None:
+        else:
             param.grad = dtensor_like(sum_weight_grads(factors, squares=squares).contiguous(), param)
-        else:  # a gradient in another layout (set from outside): add to it as autograd would
-            param.grad = param.grad + dtensor_like(sum_weight_grads(factors).contiguous(), param)
-            return
-        param.__dict__[_SQUARES_ATTR] = (_grad_versions(param), squares)
+        record_squares(param, squares)
 
     def kept_bytes(self) -> int:
         """Bytes held by this module's kept weight-gradient factors (each storage once: factors of one backward may
