@@ -70,8 +70,12 @@ def test_export_streams_within_a_few_shards_and_transformers_loads_it(tmp_path):
     mem = json.loads(done.stdout.strip().splitlines()[-1])
     grown = mem["peak"] - mem["before"]
     # One output shard in bf16, its float32 sources read by DCP (which loads each item and copies it into place,
-    # so twice), a fused expert tensor spanning two shards: ~7 shards, whatever the model size.
-    assert grown < 8 * SHARD, f"export grew RSS by {grown / 1e6:.0f} MB; the model is {model_bytes / 1e6:.0f} MB"
+    # so twice), a fused expert tensor spanning two shards, and what the allocator keeps: 6-8 shards, whatever the
+    # model size (72-96 MB measured here, on machines with different allocators). An export that holds the model
+    # grows by at least its bytes (241 MB), so the bound of 12 shards (144 MB) still tells the two apart.
+    assert grown < 12 * SHARD < model_bytes / 1.5, (
+        f"export grew RSS by {grown / 1e6:.0f} MB; the model is {model_bytes / 1e6:.0f} MB"
+    )
 
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) >= 10
