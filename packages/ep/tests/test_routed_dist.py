@@ -7,6 +7,7 @@ problem in one process (all experts) with LocalDispatch and with the plain refer
 input and routing-weight gradients and the local expert-weight gradients, in float32.
 """
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -110,20 +111,32 @@ def _ep_layer_body():
 
 def _same_under_activation_checkpointing(experts, world, rank):
     """The layer under non-reentrant activation checkpointing (recomputed in backward) gives identical results;
-    with ``recompute_contexts`` the recompute replays the forward's exchange sizes: no second host sync."""
+    with ``recompute_contexts`` the recompute replays the forward's exchange sizes: no second host sync; with
+    ``discard_outputs`` it runs no down projection, no combine and no exchange of the outputs back."""
     from torch.utils.checkpoint import checkpoint
 
+    from moeshard.ep import _mlp
     from moeshard.ep._dispatch import overlapped
 
     x_TD, ids_TK, w_TK, _ = _problem(world, "random")[rank]
-    results, forwards, syncs = [], [], []
-    original = overlapped._OverlappedExperts.forward
+    results, forwards, syncs, backward_work = [], [], [], []
+    original, down, kernels = overlapped._OverlappedExperts.forward, _mlp.ExpertPass._down, experts.dispatch.kernels
+    exchanges = {name: getattr(dist, name) for name in ("all_to_all_single", "batch_isend_irecv")}
+    work = collections.Counter()
+
+    def counting(name, fn):
+        def run(*args, **kwargs):
+            work[name] += 1
+            return fn(*args, **kwargs)
+
+        return run
 
     def counted(*args):
         forwards.append(1)
         return original(*args)
 
-    for mode in ("none", "checkpoint", "checkpoint_replay"):
+    modes = ("none", "checkpoint", "checkpoint_replay", "checkpoint_discard")
+    for mode in modes:
         experts.zero_grad(set_to_none=True)
         x = x_TD.clone().requires_grad_(True)
 
@@ -132,24 +145,46 @@ def _same_under_activation_checkpointing(experts, world, rank):
 
         forwards.clear()
         overlapped._OverlappedExperts.forward = staticmethod(counted)
+        _mlp.ExpertPass._down = counting("down", down)
+        experts.dispatch.kernels = dataclasses.replace(kernels, gather_sum=counting("gather_sum", kernels.gather_sum))
+        for name, fn in exchanges.items():
+            setattr(dist, name, counting("exchange", fn))
         try:
             with count_host_syncs() as counts:
                 if mode == "none":
                     y = layer(x)
                 else:
                     replay = functools.partial(recompute_contexts, [experts.dispatch])
-                    context = {"context_fn": replay} if mode == "checkpoint_replay" else {}
+                    if mode == "checkpoint_discard":
+                        replay = functools.partial(replay, discard_outputs=True)
+                    context = {"context_fn": replay} if mode != "checkpoint" else {}
                     y = checkpoint(layer, x, use_reentrant=False, **context)
+                work.clear()
                 y.square().sum().backward()
+                backward_work.append(dict(work))
         finally:
             overlapped._OverlappedExperts.forward = staticmethod(original)
+            _mlp.ExpertPass._down = down
+            experts.dispatch.kernels = kernels
+            for name, fn in exchanges.items():
+                setattr(dist, name, fn)
         syncs.append(counts["tolist"])
         results.append([y.detach(), x.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()])
     same = all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r))
     # the overlapped layer ran twice when checkpointed (forward + one recomputation), not once per pass
     ran = len(forwards) == (2 if isinstance(experts.dispatch, OverlappedDispatch) else 0)
-    # one exchange-size sync per forward; the plain recompute syncs again, the replaying one does not
-    return same and ran and syncs == [1, 2, 1]
+    # the recompute that discards its outputs: no down projection, one gather-sum (the row expansion's backward, not
+    # the combine) and one exchange less (the outputs' way back) than the recompute that computes them
+    work = dict(zip(modes, backward_work))
+    full, discard = work["checkpoint_replay"], work["checkpoint_discard"]
+    left_out = (
+        full.get("down", 0) > 0
+        and "down" not in discard
+        and (full["gather_sum"], discard["gather_sum"]) == (2, 1)
+        and discard["exchange"] == full["exchange"] - 1
+    )
+    # one exchange-size sync per forward; the plain recompute syncs again, the replaying ones do not
+    return same and ran and left_out and syncs == [1, 2, 1, 1]
 
 
 def _same_with_recompute(meshes, strategy, world, rank):

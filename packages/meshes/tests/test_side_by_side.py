@@ -41,9 +41,9 @@ def test_outputs_return_codes_cwd_and_env(tmp_path):
 
 def test_commands_run_at_once():
     t0 = time.monotonic()
-    results = run_side_by_side(*[_py("import time; time.sleep(1)")] * 2, timeout=30)
+    results = run_side_by_side(*[_py("import time; time.sleep(2)")] * 2, timeout=30)
     assert [r.returncode for r in results] == [0, 0]
-    assert time.monotonic() - t0 < 1.8  # one after the other would take over 2 s
+    assert time.monotonic() - t0 < 3.5  # one after the other would take over 4 s (1.5 s for two starts when loaded)
 
 
 def test_a_timeout_kills_and_reaps_every_running_command_then_raises():

@@ -92,3 +92,22 @@ def test_logits_without_labels_and_aux_loss(hf_dir, batch):
     plain = ours(ids, labels=labels, attention_mask=mask, output_router_logits=False)
     assert len(with_aux.router_logits) == 2 and with_aux.aux_loss > 0  # the dense layer has no router
     torch.testing.assert_close(with_aux.loss, plain.loss)  # router_aux_loss_coef is 0 unless the config sets it
+
+
+def test_activation_checkpointing_same_loss_and_grads(hf_dir, batch):
+    """Full checkpointing recomputes each layer without the routed experts' down projections and combine (their
+    output only flows into the shared experts' and the residual's additions): the same loss and gradients, bit for
+    bit, with a dense layer, shared experts and the router's aux loss in the graph."""
+    from moeshard.models.common import apply_activation_checkpointing
+
+    ids, mask, labels = batch
+    plain, ac = DeepseekV3ForCausalLM.from_pretrained(hf_dir), DeepseekV3ForCausalLM.from_pretrained(hf_dir)
+    apply_activation_checkpointing(ac)
+    losses = []
+    for model in (plain, ac):
+        out = model(ids, labels=labels, attention_mask=mask, output_router_logits=True)
+        (out.loss + out.aux_loss).backward()
+        losses.append(out.loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0)
+    for (name, p), q in zip(plain.named_parameters(), ac.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)

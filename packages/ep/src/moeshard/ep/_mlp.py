@@ -76,18 +76,17 @@ class ExpertPass:
         self.offs = offsets
         self.recompute = recompute
 
-    def forward(self, x_ND, w_gate_up, w_down, s_N=None):
+    def forward(self, x_ND, w_gate_up, w_down, s_N=None, output: bool = True):
         """``(y_ND, saved)``: the output and the tensors :meth:`backward` takes back.
 
         ``s_N``: each row's routing weight (float32) or None. With it the output rows come out weighted,
         ``y_n = s_n · down(act(gate x_n) · up x_n)``: the weight scales the gated activation before the down
-        projection, so nothing of the output is needed for its gradient (it comes from the activation)."""
+        projection, so nothing of the output is needed for its gradient (it comes from the activation).
+        ``output=False``: ``y_ND`` is None, the down projection is not run (a recompute that discards its
+        outputs); ``saved`` is the same."""
         h_NX = self._gate_up(x_ND, w_gate_up)
         a_NF = self._gated(h_NX, s_N)
-        if self.gemm == "grouped_mm":
-            y_ND = F.grouped_mm(a_NF, w_down.transpose(-2, -1), offs=self.offs)
-        else:
-            y_ND = torch.cat([a_NF[s : s + n] @ w_down[e].transpose(0, 1) for e, (s, n) in enumerate(self._spans())])
+        y_ND = self._down(a_NF, w_down) if output else None
         kept = {"none": (x_ND, h_NX, a_NF), "activation": (x_ND, h_NX), "mlp": (x_ND,)}[self.recompute]
         return y_ND, (s_N, *kept)
 
@@ -99,6 +98,12 @@ class ExpertPass:
             return F.grouped_mm(x_ND, w_gate_up.transpose(-2, -1), offs=self.offs)
         hs = [x_ND[s : s + n] @ w_gate_up[e].transpose(0, 1) for e, (s, n) in enumerate(self._spans())]
         return torch.cat(hs) if hs else x_ND.new_zeros((0, w_gate_up.shape[1]))
+
+    def _down(self, a_NF, w_down):
+        """``y_ND``: each expert's down projection of its rows' gated activation."""
+        if self.gemm == "grouped_mm":
+            return F.grouped_mm(a_NF, w_down.transpose(-2, -1), offs=self.offs)
+        return torch.cat([a_NF[s : s + n] @ w_down[e].transpose(0, 1) for e, (s, n) in enumerate(self._spans())])
 
     def _gated(self, h_NX, s_N):
         """``a_NF``: the gated activation of the gate/up output, times ``s_N`` where given (the kernel tier's with
@@ -192,11 +197,11 @@ class _ExpertMLP(torch.autograd.Function):
     """:class:`ExpertPass` under autograd."""
 
     @staticmethod
-    def forward(ctx, x_ND, s_N, w_gate_up, w_down, run: ExpertPass, target: WeightGradTarget | None):  # noqa: D102
-        y_ND, saved = run.forward(x_ND, w_gate_up, w_down, s_N)
+    def forward(ctx, x_ND, s_N, w_gate_up, w_down, run: ExpertPass, target: WeightGradTarget | None, output: bool):  # noqa: D102
+        y_ND, saved = run.forward(x_ND, w_gate_up, w_down, s_N, output)
         ctx.run, ctx.target = run, target
         ctx.save_for_backward(w_gate_up, w_down, *saved)
-        return y_ND
+        return y_ND if output else x_ND.new_empty((x_ND.shape[0], w_down.shape[1]))
 
     @staticmethod
     def backward(ctx, grad_ND):  # noqa: D102
@@ -204,7 +209,7 @@ class _ExpertMLP(torch.autograd.Function):
         need_x, need_s, need_w1, need_w2 = ctx.needs_input_grad[:4]
         into = weight_grad_buffers(ctx.target, w_gate_up, w_down, need_w1, need_w2, factors=True)
         gx, gw1, gw2, gs = ctx.run.backward(grad_ND, saved, w_gate_up, w_down, need_x, need_w1 or need_w2, into)
-        return gx, gs if need_s else None, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None
+        return gx, gs if need_s else None, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None, None
 
 
 def grouped_expert_mlp(
@@ -220,6 +225,7 @@ def grouped_expert_mlp(
     recompute: str = "none",
     weight_grads: WeightGradTarget | None = None,
     row_weights: torch.Tensor | None = None,
+    output: bool = True,
 ) -> torch.Tensor:
     """Run each local expert's gated MLP on its rows: ``down_e(act(gate_e x) * up_e x)`` (SwiGLU with silu).
 
@@ -241,6 +247,9 @@ def grouped_expert_mlp(
         row_weights: ``[N]``, each row's routing weight, or None. With them the rows come out weighted,
             ``y_n = w_n · down(act(gate x_n) · up x_n)`` (the weight applied, in float32, to the gated activation
             before the down projection), and the weights get their gradient.
+        output: False: the down projection is not run and the result's values are undefined (the recompute of a
+            checkpointed region that discards its outputs, see ``moeshard.ep.recompute_contexts``); what backward
+            saves and computes is the same.
 
     Returns:
         ``y_ND`` in the rows' order. Every expert's weights get a gradient, zeros for an expert without rows.
@@ -278,4 +287,4 @@ def grouped_expert_mlp(
         run = ExpertPass(counts_t, counts, activation, backend, tier, recompute=recompute)
     if row_weights is not None and row_weights.shape != (x_ND.shape[0],):
         raise ValueError(f"row_weights must be [N] = [{x_ND.shape[0]}], one per row, got {tuple(row_weights.shape)}")
-    return _ExpertMLP.apply(x_ND, row_weights, w_gate_up, w_down, run, weight_grads)
+    return _ExpertMLP.apply(x_ND, row_weights, w_gate_up, w_down, run, weight_grads, output)

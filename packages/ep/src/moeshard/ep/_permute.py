@@ -125,15 +125,18 @@ class _SumCopies(torch.autograd.Function):
     :class:`_ExpandRows`, and like it nothing of the copies is kept: only the order."""
 
     @staticmethod
-    def forward(ctx, y_sorted_ND, order_N, inv_N, K: int, kernels: Kernels, out_dtype: torch.dtype):  # noqa: D102
+    def forward(ctx, y_sorted_ND, order_N, inv_N, K: int, kernels: Kernels, out_dtype: torch.dtype, compute: bool):  # noqa: D102
         ctx.save_for_backward(order_N)
         ctx.K, ctx.kernels, ctx.dtype = K, kernels, y_sorted_ND.dtype
+        if not compute:
+            return y_sorted_ND.new_empty((y_sorted_ND.shape[0] // K, y_sorted_ND.shape[1]), dtype=out_dtype)
         return kernels.gather_sum(y_sorted_ND.contiguous(), inv_N, K).to(out_dtype)
 
     @staticmethod
     def backward(ctx, g_TD):  # noqa: D102
         (order_N,) = ctx.saved_tensors
-        return ctx.kernels.expand_rows(g_TD.to(ctx.dtype).contiguous(), order_N, ctx.K), None, None, None, None, None
+        gy = ctx.kernels.expand_rows(g_TD.to(ctx.dtype).contiguous(), order_N, ctx.K)
+        return gy, None, None, None, None, None, None
 
 
 def combine(
@@ -143,27 +146,33 @@ def combine(
     K: int,
     kernels: Kernels,
     out_dtype: torch.dtype | None = None,
+    *,
+    compute: bool = True,
 ) -> torch.Tensor:
     """Un-sort the expert outputs (already weighted by the expert pass) and add each token's K copies in float32.
+
+    ``compute=False``: the result is allocated but not computed (a recompute that discards its outputs); the
+    backward and what it saves are the same.
 
     Returns:
         ``y_TD``, the float32 sum rounded once to ``out_dtype`` (None: the outputs' dtype).
     """
-    return _SumCopies.apply(y_sorted_ND, order_N, inv_N, K, kernels, out_dtype or y_sorted_ND.dtype)
+    return _SumCopies.apply(y_sorted_ND, order_N, inv_N, K, kernels, out_dtype or y_sorted_ND.dtype, compute)
 
 
 class _PermuteRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RD, perm_R, inv_R):  # noqa: D102
+    def forward(ctx, x_RD, perm_R, inv_R, compute: bool):  # noqa: D102
         ctx.save_for_backward(inv_R)
-        return x_RD.index_select(0, perm_R)
+        return x_RD.index_select(0, perm_R) if compute else x_RD.new_empty(x_RD.shape)
 
     @staticmethod
     def backward(ctx, grad_RD):  # noqa: D102
         (inv_R,) = ctx.saved_tensors
-        return grad_RD.index_select(0, inv_R), None, None
+        return grad_RD.index_select(0, inv_R), None, None, None
 
 
-def permute_rows(x_RD: torch.Tensor, perm_R: torch.Tensor, inv_R: torch.Tensor) -> torch.Tensor:
-    """``x_RD[perm_R]`` under autograd, whose backward gathers through ``inv_R`` (the inverse of ``perm_R``)."""
-    return _PermuteRows.apply(x_RD, perm_R, inv_R)
+def permute_rows(x_RD: torch.Tensor, perm_R: torch.Tensor, inv_R: torch.Tensor, *, compute: bool = True):
+    """``x_RD[perm_R]`` under autograd, whose backward gathers through ``inv_R`` (the inverse of ``perm_R``);
+    ``compute=False``: allocated, not computed (as :func:`combine`)."""
+    return _PermuteRows.apply(x_RD, perm_R, inv_R, compute)

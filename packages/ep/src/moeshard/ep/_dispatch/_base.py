@@ -44,8 +44,11 @@ class _SplitMode:
     The mode is set on the dispatcher objects themselves (the ones of the checkpointed region), not on the thread:
     whoever checkpoints a region names its EP layers."""
 
-    def __init__(self, mode: str, log: _SplitLog, dispatchers: tuple[ExpertDispatch, ...]) -> None:
+    def __init__(
+        self, mode: str, log: _SplitLog, dispatchers: tuple[ExpertDispatch, ...], discard_outputs: bool = False
+    ) -> None:
         self.mode, self.log, self.dispatchers = mode, log, dispatchers
+        self.discard_outputs = discard_outputs  # replay only: the recompute's outputs are not computed
         self._outer: list[_SplitMode | None] = []
 
     def __enter__(self) -> _SplitMode:
@@ -59,7 +62,9 @@ class _SplitMode:
             d.split_mode = outer
 
 
-def recompute_contexts(dispatchers: Iterable[ExpertDispatch]) -> tuple[_SplitMode, _SplitMode]:
+def recompute_contexts(
+    dispatchers: Iterable[ExpertDispatch], *, discard_outputs: bool = False
+) -> tuple[_SplitMode, _SplitMode]:
     """The ``context_fn`` pair for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` around a region
     whose EP layers use ``dispatchers``: the forward records each layer's exchange sizes (its one device→host sync)
     and the recompute in backward replays them instead of synchronising again, so activation checkpointing adds no
@@ -70,9 +75,17 @@ def recompute_contexts(dispatchers: Iterable[ExpertDispatch]) -> tuple[_SplitMod
 
         dispatchers = [m.dispatch for m in layer.modules() if isinstance(getattr(m, "dispatch", None), ExpertDispatch)]
         checkpoint(layer, x, use_reentrant=False, context_fn=functools.partial(recompute_contexts, dispatchers))
+
+    ``discard_outputs``: the recompute leaves out what only the layers' *outputs* need, as backward takes nothing
+    of them: the down projection of every expert pass, the exchange of the outputs back to their tokens' ranks and
+    the combine (their values in the recompute are then undefined; the tensors saved for backward are the same).
+    Valid where nothing after an EP layer in the region saves for backward a tensor computed from its output: a
+    decoder layer whose routed experts' output only flows into additions (the residual, shared experts) — what
+    ``apply_activation_checkpointing`` checkpoints. Not for a region that goes on through a norm, a projection or
+    another layer after the experts: those would save the undefined values.
     """
     log, dispatchers = _SplitLog(), tuple(dispatchers)
-    return _SplitMode("record", log, dispatchers), _SplitMode("replay", log, dispatchers)
+    return _SplitMode("record", log, dispatchers), _SplitMode("replay", log, dispatchers, discard_outputs)
 
 
 class HostSyncHooks:
@@ -115,7 +128,8 @@ class ExpertDispatch:
     expert module (``module.dispatch``), installed by ``apply_ep``.
 
     Subclasses implement :meth:`run_experts` and call :meth:`before_host_sync` right before their one
-    device→host sync, if they have one.
+    device→host sync, if they have one. Where :attr:`outputs_discarded` is true they may skip what only the output
+    needs (the down projection, the way back).
     """
 
     distributed: bool = True
@@ -187,7 +201,15 @@ class ExpertDispatch:
         # dispatch → expert compute (weighted) → back, in the same order
         y_sorted_ND = self.run_experts(x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation)
         # combine
-        return combine(y_sorted_ND, order_N, inv_N, K, self.kernels, x_TD.dtype)
+        return combine(y_sorted_ND, order_N, inv_N, K, self.kernels, x_TD.dtype, compute=not self.outputs_discarded)
+
+    @property
+    def outputs_discarded(self) -> bool:
+        """Whether this call is the recompute of a checkpointed region that discards its outputs (see
+        :func:`recompute_contexts`): a strategy then computes and exchanges only what backward keeps, and returns
+        rows of undefined values."""
+        mode = self.split_mode
+        return mode is not None and mode.mode == "replay" and mode.discard_outputs
 
     def run_experts(
         self,

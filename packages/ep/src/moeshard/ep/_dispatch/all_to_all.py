@@ -36,10 +36,11 @@ class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` along dim 0 with uneven splits; backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:  # noqa: D102
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, send: bool) -> torch.Tensor:  # noqa: D102
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        if send:
+            dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
@@ -47,13 +48,14 @@ class _AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         grad_in = grad_out.new_empty((sum(in_splits), *grad_out.shape[1:]))
         dist.all_to_all_single(grad_in, grad_out.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_in, None, None, None
+        return grad_in, None, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, *, send: bool = True):
     """Differentiable uneven ``all_to_all_single`` along dim 0 (send ``in_splits[r]`` rows to rank r, receive
-    ``out_splits[r]`` rows from it); backward is the reverse exchange."""
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+    ``out_splits[r]`` rows from it); backward is the reverse exchange. ``send=False`` (on every rank of the group
+    alike): the result is allocated, nothing travels (a recompute that discards its outputs)."""
+    return _AllToAll.apply(x, out_splits, in_splits, group, send)
 
 
 class AllToAllDispatch(ExpertDispatch):
@@ -62,6 +64,7 @@ class AllToAllDispatch(ExpertDispatch):
     def run_experts(self, x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation) -> torch.Tensor:
         """The copies to their experts' ranks and back (see :meth:`ExpertDispatch.run_experts`)."""
         P, El = self.ep_size, w_gate_up_EXD.shape[0]
+        discard = self.outputs_discarded
         # 1. counts: recv_counts_E[r * El + e] = copies rank r sends to local expert e here
         recv_counts_E = torch.empty_like(counts_E)
         dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)
@@ -92,7 +95,9 @@ class AllToAllDispatch(ExpertDispatch):
             recompute=self.options.recompute,
             weight_grads=self.weight_grads,
             row_weights=w_in_R,
+            output=not discard,
         )
-        y_recv_RD = y_out_RD if perm_R is None else permute_rows(y_out_RD, inv_R, perm_R)
-        # 5. the outputs home, in the order the copies left
-        return all_to_all(y_recv_RD, in_splits, out_splits, self.group)
+        y_recv_RD = y_out_RD if perm_R is None else permute_rows(y_out_RD, inv_R, perm_R, compute=not discard)
+        # 5. the outputs home, in the order the copies left (not in a recompute that discards them: every rank of
+        # the group recomputes the same layer in its backward, so all skip this exchange alike)
+        return all_to_all(y_recv_RD, in_splits, out_splits, self.group, send=not discard)

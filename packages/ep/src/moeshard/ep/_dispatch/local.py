@@ -34,6 +34,7 @@ class LocalDispatch(ExpertDispatch):
             recompute=self.options.recompute,
             weight_grads=self.weight_grads,
             row_weights=w_sorted_N,
+            output=not self.outputs_discarded,
         )
 
     def _check_expert_count(self, El: int) -> None:

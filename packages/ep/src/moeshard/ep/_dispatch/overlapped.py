@@ -72,6 +72,7 @@ class _Exchange:
         self.group, self.activation, self.gemm = d.group, activation, gemm
         self.kernels: Kernels = d.kernels
         self.sm_carveout, self.recompute = d.options.sm_carveout, d.options.recompute
+        self.output = not d.outputs_discarded  # False: a recompute that discards its outputs (no way back)
         # (half A of the own copies, the received copies, half B): device counts and int32 GEMM offsets
         self.device_counts, self.offsets = device_counts, offsets
         P, me, group = d.ep_size, d.ep_rank, d.group
@@ -219,7 +220,8 @@ class _OverlappedExperts(torch.autograd.Function):
             if part.experts.start == part.experts.stop:
                 return None, ()
             sl = part.experts
-            return part.run.forward(x_sorted_ND[part.rows], w_gate_up_EXD[sl], w_down_EDF[sl], w_sorted_N[part.rows])
+            x, s = x_sorted_ND[part.rows], w_sorted_N[part.rows]
+            return part.run.forward(x, w_gate_up_EXD[sl], w_down_EDF[sl], s, ex.output)
 
         recv_MD = x_sorted_ND.new_empty((ex.rows_in, D))
         recv_M = w_sorted_N.new_empty(ex.rows_in)
@@ -229,11 +231,13 @@ class _OverlappedExperts(torch.autograd.Function):
         _wait(works)
         x_in = recv_MD if ex.perm is None else recv_MD.index_select(0, ex.perm[0])
         w_in = recv_M if ex.perm is None else recv_M.index_select(0, ex.perm[0])
-        y_rem, saved_r = remote.forward(x_in, w_gate_up_EXD, w_down_EDF, w_in)
-        if ex.perm is not None:
+        y_rem, saved_r = remote.forward(x_in, w_gate_up_EXD, w_down_EDF, w_in, ex.output)
+        if ex.perm is not None and ex.output:
             y_rem = y_rem.index_select(0, ex.perm[1])
         y_sorted_ND = x_sorted_ND.new_empty((N, D))
-        works = ex.start(((y_rem, y_sorted_ND),), ex.recv, ex.send)
+        # The outputs home; not in a recompute that discards them (every rank of the group recomputes the same
+        # layer in its backward, so all skip this exchange alike).
+        works = ex.start(((y_rem, y_sorted_ND),), ex.recv, ex.send) if ex.output else []
         with ex.carveout(dev, bool(works)):
             y_b, saved_b = local(half_b)
         for part, y in ((half_a, y_a), (half_b, y_b)):

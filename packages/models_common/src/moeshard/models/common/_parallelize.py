@@ -347,8 +347,10 @@ def apply_activation_checkpointing(model: MoECausalLM) -> None:
     Applied from outside the model (:func:`parallelize` calls it with ``activation_checkpointing="full"``, after EP
     and before compile and FSDP): FSDP's hooks run outside the checkpointed region, as with torch's checkpoint
     wrapper, and the recompute in backward replays the EP layers' exchange sizes recorded by the forward
-    (``moeshard.ep.recompute_contexts`` of the layer's dispatchers): no extra host sync. Without grad (eval) the
-    forward runs plainly.
+    (``moeshard.ep.recompute_contexts`` of the layer's dispatchers): no extra host sync. It recomputes what
+    backward keeps and leaves out what only the layer's output needs (``discard_outputs``: the experts' down
+    projections, the outputs' way back to their tokens' ranks and the combine). Without grad (eval) the forward
+    runs plainly.
 
     Raises:
         ValueError: already applied.
@@ -361,9 +363,11 @@ def apply_activation_checkpointing(model: MoECausalLM) -> None:
 
 def _checkpointed(forward, layer: torch.nn.Module):
     def contexts():
-        # Looked up at each call: the dispatchers apply_ep installed, whenever it ran.
+        # Looked up at each call: the dispatchers apply_ep installed, whenever it ran. The routed experts' output
+        # only flows into additions in a decoder layer (shared experts, the residual), which save nothing for
+        # backward: the recompute leaves out their down projections, the way back and the combine.
         dispatchers = [m.dispatch for m in layer.modules() if isinstance(getattr(m, "dispatch", None), ExpertDispatch)]
-        return recompute_contexts(dispatchers)
+        return recompute_contexts(dispatchers, discard_outputs=True)
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
