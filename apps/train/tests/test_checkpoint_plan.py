@@ -137,9 +137,10 @@ def test_plan_memory_follows_the_policies():
         assert selective_comm == comm
     full, full_comm = _memory("parallel.activation_checkpointing=full")
     assert full.activations < selective.activations
-    # the token rows travel 6 times instead of 4 (the per-expert counts twice instead of once: a few KiB)
+    # the token rows travel 5 times instead of 4: out again in the recompute, which brings no outputs back (the
+    # per-expert counts twice instead of once: a few KiB)
     a2a = ("all_to_all", "intra-node")
-    assert full_comm[a2a] == pytest.approx(1.5 * comm[a2a], rel=1e-3)
+    assert full_comm[a2a] == pytest.approx(1.25 * comm[a2a], rel=1e-3)
 
 
 def test_plan_counts_kept_weight_gradient_factors():

@@ -57,13 +57,15 @@ def estimate_comm_bytes(
             gathers them once per micro-batch.
         expert_reduce_bytes: bytes per element of the experts' reduce-scatter (2 with
             ``parallel.expert_reduce_dtype: bfloat16``).
-        activation_checkpointing: the recomputed forward repeats the dispatch all-to-alls (full checkpointing).
+        activation_checkpointing: the recomputed forward sends the tokens' hidden states to their experts again
+            (full checkpointing; the recompute brings no outputs back, moeshard-ep's ``discard_outputs``).
         reduce_every_micro_batch: FSDP reduce-scatters after every micro-batch (False: once per step,
             ``train.gradient_sync: last_micro_batch``).
         uniform_routing: False gives the all-to-all upper bound (every token to every EP peer).
 
     all-to-all per MoE layer and token: the token's hidden state out and its partial output back, in forward and
-    backward (4 passes, 6 with activation checkpointing), plus the per-expert row counts (int64) of each forward.
+    backward (4 passes; 5 with activation checkpointing, whose recompute sends the hidden states out again), plus
+    the per-expert row counts (int64) of each forward.
     Reduce-scatter is float32, the experts' ``expert_reduce_bytes`` per element.
     """
     d = config.hidden_size
@@ -84,7 +86,7 @@ def estimate_comm_bytes(
                 out[(kind, link)] = out.get((kind, link), 0.0) + total * share
 
     rows = a2a_rows_per_token(config, ep_size, uniform_routing)
-    passes = 6 if activation_checkpointing else 4  # hidden states out + partial outputs back, fwd (x2 with AC) + bwd
+    passes = 5 if activation_checkpointing else 4  # hidden states out + partial outputs back, fwd + bwd; AC: out again
     per_row = passes * d * compute_bytes
     forwards = 2 if activation_checkpointing else 1
     counts = (ep_size - 1) * (routed_experts(config) // ep_size) * 8  # per layer and forward: rows per expert (int64)
