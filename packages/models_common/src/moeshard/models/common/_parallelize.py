@@ -62,9 +62,11 @@ class ParallelOptions:
             False compiles nothing (packed rows then use the dense document mask). Every compile in the packages
             is decided here; a compile that fails raises.
         activation_checkpointing: what backward recomputes instead of keeping from forward: ``"none"``;
-            ``"full"`` (each decoder layer's forward is checkpointed and recomputed whole, FQNs unchanged; the
-            EP exchanges run again, their sizes replayed: no extra host sync); ``"selective"`` (inside the routed
-            experts only, as ``selective_recompute`` says: no exchange runs again, results bit-identical).
+            ``"full"`` (each decoder layer's forward is checkpointed and recomputed in backward, FQNs unchanged,
+            except what only its output needs: the routed experts' down projections, the outputs' way back and
+            the combine; the exchange out runs again, its sizes replayed: no extra host sync); ``"selective"``
+            (inside the routed experts only, as ``selective_recompute`` says: no exchange runs again, results
+            bit-identical).
             ``True`` / ``False`` are read as ``"full"`` / ``"none"``.
         selective_recompute: with ``"selective"``, the expert intermediates recomputed (``EPOptions.recompute``):
             ``"activation"`` (default: the gated activation, from the saved gate/up output, inside the activation's
