@@ -197,7 +197,9 @@ class _ExpertMLP(torch.autograd.Function):
     """:class:`ExpertPass` under autograd."""
 
     @staticmethod
-    def forward(ctx, x_ND, s_N, w_gate_up, w_down, run: ExpertPass, target: WeightGradTarget | None, output: bool):  # noqa: D102
+    def forward(  # noqa: D102
+        ctx, x_ND, s_N, w_gate_up, w_down, run: ExpertPass, target: WeightGradTarget | None, output: bool
+    ):
         y_ND, saved = run.forward(x_ND, w_gate_up, w_down, s_N, output)
         ctx.run, ctx.target = run, target
         ctx.save_for_backward(w_gate_up, w_down, *saved)

@@ -125,7 +125,9 @@ class _SumCopies(torch.autograd.Function):
     :class:`_ExpandRows`, and like it nothing of the copies is kept: only the order."""
 
     @staticmethod
-    def forward(ctx, y_sorted_ND, order_N, inv_N, K: int, kernels: Kernels, out_dtype: torch.dtype, compute: bool):  # noqa: D102
+    def forward(  # noqa: D102
+        ctx, y_sorted_ND, order_N, inv_N, K: int, kernels: Kernels, out_dtype: torch.dtype, compute: bool
+    ):
         ctx.save_for_backward(order_N)
         ctx.K, ctx.kernels, ctx.dtype = K, kernels, y_sorted_ND.dtype
         if not compute:

@@ -36,7 +36,9 @@ class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` along dim 0 with uneven splits; backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, send: bool) -> torch.Tensor:  # noqa: D102
+    def forward(  # noqa: D102
+        ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, send: bool
+    ) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         if send:
