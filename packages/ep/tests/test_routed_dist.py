@@ -111,8 +111,9 @@ def _ep_layer_body():
 
 def _same_under_activation_checkpointing(experts, world, rank):
     """The layer under non-reentrant activation checkpointing (recomputed in backward) gives identical results;
-    with ``recompute_contexts`` the recompute replays the forward's exchange sizes: no second host sync; with
-    ``discard_outputs`` it runs no down projection, no combine and no exchange of the outputs back."""
+    with ``recompute_contexts`` the recompute replays the forward's received counts and exchange sizes: no second
+    host sync or counts exchange; with ``discard_outputs`` it runs no down projection, no combine and no exchange of
+    the outputs back."""
     from torch.utils.checkpoint import checkpoint
 
     from moeshard.ep import _mlp
@@ -173,14 +174,16 @@ def _same_under_activation_checkpointing(experts, world, rank):
     same = all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r))
     # the overlapped layer ran twice when checkpointed (forward + one recomputation), not once per pass
     ran = len(forwards) == (2 if isinstance(experts.dispatch, OverlappedDispatch) else 0)
-    # the recompute that discards its outputs: no down projection, one gather-sum (the row expansion's backward, not
-    # the combine) and one exchange less (the outputs' way back) than the recompute that computes them
+    # the replaying recompute exchanges no counts (one exchange less than the plain one); the one that discards its
+    # outputs runs no down projection, one gather-sum (the row expansion's backward, not the combine) and one
+    # exchange less again (the outputs' way back)
     work = dict(zip(modes, backward_work))
-    full, discard = work["checkpoint_replay"], work["checkpoint_discard"]
+    plain, full, discard = work["checkpoint"], work["checkpoint_replay"], work["checkpoint_discard"]
     left_out = (
         full.get("down", 0) > 0
         and "down" not in discard
         and (full["gather_sum"], discard["gather_sum"]) == (2, 1)
+        and full["exchange"] == plain["exchange"] - 1
         and discard["exchange"] == full["exchange"] - 1
     )
     # one exchange-size sync per forward; the plain recompute syncs again, the replaying ones do not

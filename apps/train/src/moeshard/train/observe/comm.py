@@ -65,7 +65,7 @@ def estimate_comm_bytes(
 
     all-to-all per MoE layer and token: the token's hidden state out and its partial output back, in forward and
     backward (4 passes; 5 with activation checkpointing, whose recompute sends the hidden states out again), plus
-    the per-expert row counts (int64) of each forward.
+    the per-expert row counts (int64) of each forward (the recompute replays them).
     Reduce-scatter is float32, the experts' ``expert_reduce_bytes`` per element.
     """
     d = config.hidden_size
@@ -88,9 +88,8 @@ def estimate_comm_bytes(
     rows = a2a_rows_per_token(config, ep_size, uniform_routing)
     passes = 5 if activation_checkpointing else 4  # hidden states out + partial outputs back, fwd + bwd; AC: out again
     per_row = passes * d * compute_bytes
-    forwards = 2 if activation_checkpointing else 1
     counts = (ep_size - 1) * (routed_experts(config) // ep_size) * 8  # per layer and forward: rows per expert (int64)
-    a2a = moe_layers * (tokens_per_rank * rows * per_row + micro_batches * forwards * counts)
+    a2a = moe_layers * (tokens_per_rank * rows * per_row + micro_batches * counts)
     ep_nodes = -(-ep_size // ranks_per_node) if ep_size > ranks_per_node else 1
     add("all_to_all", a2a, ep_size, ep_nodes)
 

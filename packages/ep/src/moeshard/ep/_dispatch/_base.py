@@ -32,9 +32,11 @@ __all__ = ["ExpertDispatch", "HostSyncHooks", "recompute_contexts"]
 
 
 class _SplitLog:
-    """The exchange sizes of one checkpointed region, recorded by its forward and replayed by its recompute."""
+    """The exchanged counts and sizes of one checkpointed region, recorded by its forward and replayed by its
+    recompute."""
 
     def __init__(self) -> None:
+        self.counts: deque[torch.Tensor] = deque()  # each EP layer's received per-expert counts (device, tiny)
         self.sizes: deque[list[int]] = deque()
 
 
@@ -66,9 +68,10 @@ def recompute_contexts(
     dispatchers: Iterable[ExpertDispatch], *, discard_outputs: bool = False
 ) -> tuple[_SplitMode, _SplitMode]:
     """The ``context_fn`` pair for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` around a region
-    whose EP layers use ``dispatchers``: the forward records each layer's exchange sizes (its one device→host sync)
-    and the recompute in backward replays them instead of synchronising again, so activation checkpointing adds no
-    host sync.
+    whose EP layers use ``dispatchers``: the forward records each layer's received per-expert counts (a few hundred
+    bytes on the device) and exchange sizes (its one device→host sync), and the recompute in backward replays them
+    instead of exchanging and synchronising again, so activation checkpointing adds no host sync and no counts
+    exchange.
 
     The recompute routes the same tokens the same way (checkpointing replays the forward on the same inputs), so the
     sizes are the same. A new pair per ``checkpoint`` call::
@@ -231,6 +234,26 @@ class ExpertDispatch:
             activation: a name of ``ACTIVATIONS``.
         """
         raise NotImplementedError
+
+    def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """``recv_counts_E``: the per-expert counts every rank of the group sends this one (``counts_E`` holds
+        ``El`` counts for each rank, and so does the result), by one small ``all_to_all_single``.
+
+        In the recompute of a region checkpointed with :func:`recompute_contexts`, the counts its forward received:
+        no exchange."""
+        mode = self.split_mode
+        if mode is not None and mode.mode == "replay":
+            if not mode.log.counts:
+                raise RuntimeError(
+                    "activation-checkpoint recompute ran more EP layers than its forward: the recomputed region must "
+                    "route exactly as its forward did"
+                )
+            return mode.log.counts.popleft()
+        recv_counts_E = torch.empty_like(counts_E)
+        dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)
+        if mode is not None and mode.mode == "record":
+            mode.log.counts.append(recv_counts_E)
+        return recv_counts_E
 
     def host_sizes(self, counts_E: torch.Tensor, recv_counts_E: torch.Tensor) -> list[int]:
         """The layer's one device→host sync: ``counts_E`` then ``recv_counts_E`` as one host list (hooks first).

@@ -68,8 +68,7 @@ class AllToAllDispatch(ExpertDispatch):
         P, El = self.ep_size, w_gate_up_EXD.shape[0]
         discard = self.outputs_discarded
         # 1. counts: recv_counts_E[r * El + e] = copies rank r sends to local expert e here
-        recv_counts_E = torch.empty_like(counts_E)
-        dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)
+        recv_counts_E = self.exchange_counts(counts_E)  # replayed in a checkpoint recompute
         # 2. the one device→host sync of the layer; sent and received counts in one .tolist(), not two
         host = self.host_sizes(counts_E, recv_counts_E)  # replayed in a checkpoint recompute
         send, recv = host[: P * El], host[P * El :]

@@ -43,8 +43,7 @@ class OverlappedDispatch(ExpertDispatch):
     def run_experts(self, x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation) -> torch.Tensor:
         """The copies to their experts' ranks and back (see :meth:`ExpertDispatch.run_experts`)."""
         P, El, me = self.ep_size, w_gate_up_EXD.shape[0], self.ep_rank
-        recv_counts_E = torch.empty_like(counts_E)
-        dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)  # El counts to and from each rank
+        recv_counts_E = self.exchange_counts(counts_E)  # El counts to and from each rank; replayed in a recompute
         local_E = counts_E.view(P, El)[me]
         recv_PEl = recv_counts_E.view(P, El)
         sources_SEl = torch.cat([recv_PEl[:me], recv_PEl[me + 1 :]])  # the other ranks: own copies stay

@@ -348,11 +348,11 @@ def apply_activation_checkpointing(model: MoECausalLM) -> None:
 
     Applied from outside the model (:func:`parallelize` calls it with ``activation_checkpointing="full"``, after EP
     and before compile and FSDP): FSDP's hooks run outside the checkpointed region, as with torch's checkpoint
-    wrapper, and the recompute in backward replays the EP layers' exchange sizes recorded by the forward
-    (``moeshard.ep.recompute_contexts`` of the layer's dispatchers): no extra host sync. It recomputes what
-    backward keeps and leaves out what only the layer's output needs (``discard_outputs``: the experts' down
-    projections, the outputs' way back to their tokens' ranks and the combine). Without grad (eval) the forward
-    runs plainly.
+    wrapper, and the recompute in backward replays the EP layers' received counts and exchange sizes recorded by
+    the forward (``moeshard.ep.recompute_contexts`` of the layer's dispatchers): no extra host sync or counts
+    exchange. It recomputes what backward keeps and leaves out what only the layer's output needs
+    (``discard_outputs``: the experts' down projections, the outputs' way back to their tokens' ranks and the
+    combine). Without grad (eval) the forward runs plainly.
 
     Raises:
         ValueError: already applied.
