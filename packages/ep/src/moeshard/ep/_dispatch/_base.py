@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -241,38 +242,42 @@ class ExpertDispatch:
 
         In the recompute of a region checkpointed with :func:`recompute_contexts`, the counts its forward received:
         no exchange."""
-        mode = self.split_mode
-        if mode is not None and mode.mode == "replay":
-            if not mode.log.counts:
-                raise RuntimeError(
-                    "activation-checkpoint recompute ran more EP layers than its forward: the recomputed region must "
-                    "route exactly as its forward did"
-                )
-            return mode.log.counts.popleft()
-        recv_counts_E = torch.empty_like(counts_E)
-        dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)
-        if mode is not None and mode.mode == "record":
-            mode.log.counts.append(recv_counts_E)
-        return recv_counts_E
+
+        def exchange() -> torch.Tensor:
+            recv_counts_E = torch.empty_like(counts_E)
+            dist.all_to_all_single(recv_counts_E, counts_E, group=self.group)
+            return recv_counts_E
+
+        return self._logged("counts", exchange)
 
     def host_sizes(self, counts_E: torch.Tensor, recv_counts_E: torch.Tensor) -> list[int]:
         """The layer's one device→host sync: ``counts_E`` then ``recv_counts_E`` as one host list (hooks first).
 
         In the recompute of a region checkpointed with :func:`recompute_contexts`, the list its forward read: no
         sync and no hooks."""
+
+        def read() -> list[int]:
+            self.before_host_sync()
+            return torch.cat([counts_E, recv_counts_E]).tolist()
+
+        return self._logged("sizes", read)
+
+    def _logged(self, kind: str, compute: Callable[[], Any]) -> Any:
+        """``compute()``, recorded in the ``kind`` queue of a checkpointed region's log by its forward and taken from
+        there (not computed) by its recompute; plainly computed outside such a region."""
         mode = self.split_mode
         if mode is not None and mode.mode == "replay":
-            if not mode.log.sizes:
+            queue = getattr(mode.log, kind)
+            if not queue:
                 raise RuntimeError(
                     "activation-checkpoint recompute ran more EP layers than its forward: the recomputed region must "
                     "route exactly as its forward did"
                 )
-            return mode.log.sizes.popleft()
-        self.before_host_sync()
-        host = torch.cat([counts_E, recv_counts_E]).tolist()
+            return queue.popleft()
+        value = compute()
         if mode is not None and mode.mode == "record":
-            mode.log.sizes.append(host)
-        return host
+            getattr(mode.log, kind).append(value)
+        return value
 
     def before_host_sync(self) -> None:
         """Run the host-sync hooks (if any); strategies call it right before their device→host sync."""
