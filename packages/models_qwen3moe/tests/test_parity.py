@@ -53,19 +53,32 @@ def test_logits_without_labels(hf_dir, batch):
     assert out.loss is None and out.logits.shape == (2, 12, 512)
 
 
-def test_activation_checkpointing_same_loss_and_grads(hf_dir, batch):
+@pytest.mark.parametrize(
+    "padded,keep_attention", [(True, True), (False, True), (False, False)], ids=["padded", "kept", "recomputed"]
+)
+def test_activation_checkpointing_same_loss_and_grads(hf_dir, batch, monkeypatch, padded, keep_attention):
+    import moeshard.models.common._kept_attention as kept
+
     ids, mask, labels = batch
+    mask = mask if padded else None
     plain, ac = Qwen3MoeForCausalLM.from_pretrained(hf_dir), Qwen3MoeForCausalLM.from_pretrained(hf_dir)
-    apply_activation_checkpointing(ac)  # from outside the model, as parallelize does
+    # from outside the model, as parallelize does
+    apply_activation_checkpointing(ac, keep_attention=keep_attention)
     names = [n for n, _ in ac.named_parameters()]
     assert names == [n for n, _ in plain.named_parameters()]  # FQNs unchanged (FSDP / the plan rely on them)
     loss_plain = plain(ids, labels=labels, attention_mask=mask).loss
+    runs, compute = [], kept._compute
+    monkeypatch.setattr(kept, "_compute", lambda *a: runs.append(1) or compute(*a))
     loss_ac = ac(ids, labels=labels, attention_mask=mask).loss
     torch.testing.assert_close(loss_ac, loss_plain, rtol=0, atol=0)
     loss_plain.backward()
     loss_ac.backward()
     for (name, p), q in zip(plain.named_parameters(), ac.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+    # Kept: each layer's attention kernel ran in the forward only, not again in the recompute. A padding mask
+    # (SDPA with the mask) and keep_attention=False recompute it: the kept kernel never runs.
+    layers = ac.config.num_hidden_layers
+    assert len(runs) == (layers if keep_attention and not padded else 0)
 
 
 @pytest.mark.parametrize("expert_layout", ["per_expert", "fused"])

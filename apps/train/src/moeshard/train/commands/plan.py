@@ -77,12 +77,18 @@ def _local(p: Any) -> torch.Size:
 
 
 def activation_bytes_per_token(
-    config: Any, compute_bytes: int, activation_checkpointing: str = "none", selective_recompute: str = "activation"
+    config: Any,
+    compute_bytes: int,
+    activation_checkpointing: str = "none",
+    selective_recompute: str = "activation",
+    keep_attention: bool = False,
 ) -> int:
     """Saved activations per token of one training micro-batch, all layers + the loss head.
 
     Without activation checkpointing every layer keeps its activations; with ``full``, each layer keeps only its
-    input and one layer at a time is recomputed in backward; with ``selective`` every layer keeps its activations
+    input (and with ``keep_attention`` its attention's output and log-sum-exp, as the family says:
+    ``ModelFamily.kept_attention_per_token``) and one layer at a time is recomputed in backward; with ``selective``
+    every layer keeps its activations
     but the routed copies' gated activation (``activation``: ``F`` elements per copy) or also their gate/up output
     (``mlp``: ``3F``). A routed copy keeps ``D + 3F``: its row into the experts, the gate/up output and the gated
     activation (the expert pass applies the routing weight, so nothing of its output is kept for that gradient).
@@ -101,7 +107,9 @@ def activation_bytes_per_token(
     head = 2 * d * compute_bytes
     layers = config.num_hidden_layers
     if activation_checkpointing == "full":
-        return layers * d * compute_bytes + (attn + moe) + head
+        kept = family_of(config).kept_attention_per_token if keep_attention else None
+        kept_elems, kept_floats = kept(config) if kept is not None else (0, 0)
+        return layers * ((d + kept_elems) * compute_bytes + 4 * kept_floats) + (attn + moe) + head
     return layers * (attn + moe) + head
 
 
@@ -213,7 +221,7 @@ def plan_report(
         unsharded=compute_bytes * (u.all_numel if not reshard and u.experts_kept else u.in_flight + u.kept_numel),
         reduce_buffers=u.reduce_buffers,
         activations=activation_bytes_per_token(
-            mcfg, compute_bytes, opts.activation_checkpointing, opts.selective_recompute
+            mcfg, compute_bytes, opts.activation_checkpointing, opts.selective_recompute, opts.keep_attention
         )
         * tokens,
         micro_batches=micro_batches,

@@ -6,7 +6,8 @@
   dispatchers, optional shared experts), the routers :class:`TopKRouter` (softmax top-k) and
   :class:`GroupLimitedRouter` (sigmoid/softmax, selection-only correction bias, group-limited top-k, scaling).
 - Dense blocks: :class:`RMSNorm`, :class:`RotaryEmbedding` (the config's RoPE scaling), :class:`DenseMLP`, the
-  attention masks (padding, packed documents) and :func:`attend` under them.
+  attention masks (padding, packed documents) and :func:`attend` under them; :class:`AttentionKeep`, the attention
+  output a checkpointed layer keeps for its recompute.
 - :func:`parallelize` (EP, activation checkpointing, compile, FSDP2, prefetch; the ``parallel`` extra) and
   :class:`ParallelOptions`, for any family's model.
 - Balancing: :class:`Balancing` with the hooks a loop calls (aux loss per micro-batch, global batch or sequence, z-loss,
@@ -48,6 +49,13 @@ from moeshard.models.common._hf_load import (
     load_hf_weights,
     local_region,
     model_format,
+)
+from moeshard.models.common._kept_attention import (
+    KEPT_CAUSAL,
+    AttentionKeep,
+    KeptCausal,
+    kept_attention_applies,
+    kept_causal_attention,
 )
 from moeshard.models.common._hf_save import (
     EXPERT_LAYOUTS,
@@ -91,9 +99,11 @@ __all__ = [
     "EXPERT_LAYOUTS",
     "IGNORE_INDEX",
     "INDEX_NAME",
+    "KEPT_CAUSAL",
     "LOSS_CHUNK_TOKENS",
     "SCOPES",
     "SCORING_FUNCS",
+    "AttentionKeep",
     "Balancing",
     "BalancingOptions",
     "CausalLMOutput",
@@ -106,6 +116,7 @@ __all__ = [
     "GlobalExpertCounts",
     "GroupLimitedRouter",
     "HFFormat",
+    "KeptCausal",
     "LMHead",
     "LoadReport",
     "MoEBlock",
@@ -134,6 +145,8 @@ __all__ = [
     "evaluate",
     "expert_counts",
     "global_balancing_loss",
+    "kept_attention_applies",
+    "kept_causal_attention",
     "linear_cross_entropy",
     "load_balancing_loss",
     "load_hf_config",

@@ -32,6 +32,7 @@ from moeshard.ep import ParallelPlan
 from moeshard.models.common._balancing import load_balancing_loss
 from moeshard.models.common._head import CausalLMOutput, LMHead, causal_lm_loss
 from moeshard.models.common._hf_load import HFFormat
+from moeshard.models.common._kept_attention import KEPT_CAUSAL, KeptCausal
 from moeshard.models.common._layers import (
     DenseMLP,
     RMSNorm,
@@ -105,6 +106,9 @@ class DecoderModel(nn.Module):
     ``"dense"`` force one (the dense mask is the reference; it costs ``B·S²`` booleans per forward).
     flex_attention runs its fused kernel only compiled (eagerly it is a dense reference), so ``"auto"`` picks it
     only where the attention is compiled (``compiled_attention``, which ``parallelize(compile=True)`` sets).
+    ``keep_attention`` (set by ``apply_activation_checkpointing(keep_attention=True)``): a plain causal attention
+    (no padding mask, no documents) is passed ``KEPT_CAUSAL``, whose output a checkpointed layer keeps
+    (``moeshard.models.common.AttentionKeep``).
     """
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -115,6 +119,7 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         self.document_attention = "auto"
         self.compiled_attention = False
+        self.keep_attention = False
 
     attention_class: type[nn.Module]
     """The family's attention, ``attention_class(config)``."""
@@ -159,10 +164,12 @@ class DecoderModel(nn.Module):
 
     def _attention_mask(
         self, attention_mask_BS: torch.Tensor | None, document_ids_BS: torch.Tensor | None, s: int
-    ) -> torch.Tensor | BlockMask | None:
-        """One mask for every layer: None (causal), a dense boolean ``[B, 1, S, S]``, or a flex ``BlockMask``."""
+    ) -> torch.Tensor | BlockMask | KeptCausal | None:
+        """One mask for every layer: None (causal; ``KEPT_CAUSAL`` with ``keep_attention``), a dense boolean
+        ``[B, 1, S, S]``, or a flex ``BlockMask``."""
         if document_ids_BS is None:
-            return build_attention_mask(attention_mask_BS, s)
+            mask = build_attention_mask(attention_mask_BS, s)
+            return KEPT_CAUSAL if mask is None and self.keep_attention else mask
         if document_ids_BS.shape[-1] != s:
             raise ValueError(
                 f"document_ids must be [batch, seq_len={s}] like input_ids, got shape {tuple(document_ids_BS.shape)}"

@@ -36,6 +36,10 @@ class ModelFamily:
             family's ``flops_per_token``).
         activations_per_token: ``(attention, other MLP)`` elements a layer saves per token beyond its norms and
             routed copies (an estimate for planning memory; the other MLP: shared experts).
+        kept_attention_per_token: ``(compute-dtype, float32)`` elements per token and layer that full activation
+            checkpointing keeps beside the layer's input where it keeps the attention's output
+            (``ParallelOptions.keep_attention``): the output and the log-sum-exp, ``(0, 0)`` where the family's
+            attention recomputes instead (:func:`kept_attention_applies`); None: not said (planned as ``(0, 0)``).
     """
 
     model_class: type[nn.Module]
@@ -44,6 +48,7 @@ class ModelFamily:
     count_parameters: Callable[[PretrainedConfig], tuple[int, int]]
     flops_per_token: Callable[[PretrainedConfig, int], float]
     activations_per_token: Callable[[PretrainedConfig], tuple[int, int]]
+    kept_attention_per_token: Callable[[PretrainedConfig], tuple[int, int]] | None = None
 
     @property
     def name(self) -> str:

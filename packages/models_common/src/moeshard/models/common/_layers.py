@@ -15,6 +15,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from moeshard.models.common._kept_attention import KeptCausal, kept_attention_applies, kept_causal_attention
+
 __all__ = [
     "DenseMLP",
     "RMSNorm",
@@ -210,7 +212,13 @@ def attend(
     SDPA), a boolean mask from :func:`build_attention_mask` / :func:`document_causal_mask` (SDPA), or a
     ``BlockMask`` from :func:`document_block_mask` (flex_attention: the fused kernel where the caller runs compiled,
     ``parallelize(compile=True)`` compiles the attention half holding this call; eagerly a dense reference, for
-    CPU tests; never compiled here). ``dropout``: the attention dropout (0 in eval); refused with a ``BlockMask``."""
+    CPU tests; never compiled here). ``dropout``: the attention dropout (0 in eval); refused with a ``BlockMask``.
+    ``KEPT_CAUSAL`` (what the model passes for a plain causal attention under full activation checkpointing that
+    keeps the attention's output): :func:`kept_causal_attention` where its kernels apply, else as None."""
+    if isinstance(mask_B1SS, KeptCausal):
+        if kept_attention_applies(q_BHSDq, k_BGSDq, v_BGSDv, dropout):
+            return kept_causal_attention(q_BHSDq, k_BGSDq, v_BGSDv, scale)
+        mask_B1SS = None
     if isinstance(mask_B1SS, BlockMask):
         if dropout > 0:
             raise ValueError(

@@ -13,6 +13,7 @@ Needs the ``parallel`` extra (moeshard-meshes, moeshard-fsdp-moe, moeshard-prefe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moeshard.ep import EPInfo, EPOptions, ExpertDispatch, recompute_contexts
 from moeshard.models.common._causal_lm import MoECausalLM
+from moeshard.models.common._kept_attention import AttentionKeep
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -68,6 +70,12 @@ class ParallelOptions:
             (inside the routed experts only, as ``selective_recompute`` says: no exchange runs again, results
             bit-identical).
             ``True`` / ``False`` are read as ``"full"`` / ``"none"``.
+        keep_attention: with ``"full"``, each layer also keeps its attention's output and log-sum-exp from the
+            forward (``H·Dv`` compute-dtype and ``H`` float32 elements per token, where the layer's input is ``D``:
+            3x the input at Qwen3-30B-A3B's shapes), so the recompute does not run the attention kernel. Applies
+            to plain causal rows on CUDA (cuDNN attention) and CPU where the query and value head sizes are equal
+            (Qwen3-MoE; not DeepSeek-V3's MLA, nor packed documents or padding masks: those recompute it). Ignored
+            otherwise.
         selective_recompute: with ``"selective"``, the expert intermediates recomputed (``EPOptions.recompute``):
             ``"activation"`` (default: the gated activation, from the saved gate/up output, inside the activation's
             backward kernel: ``F`` elements per routed copy for an extra write of them, +0.3% per step on one
@@ -95,6 +103,7 @@ class ParallelOptions:
     ep: EPOptions = field(default_factory=EPOptions)
     compile: bool = False
     activation_checkpointing: Literal[CHECKPOINTING] | bool = "none"
+    keep_attention: bool = True
     selective_recompute: Literal[SELECTIVE] = "activation"
     param_dtype: Literal[PARAM_DTYPES] = "auto"
     reshard_after_forward: bool | None = None
@@ -123,7 +132,7 @@ class ParallelOptions:
                 f"activation_checkpointing='selective', selective_recompute={self.ep.recompute!r} instead (the "
                 "checkpointing policy is chosen in one place)"
             )
-        for name in ("compile", "prefetch_at_host_sync"):
+        for name in ("compile", "keep_attention", "prefetch_at_host_sync"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"ParallelOptions.{name}={value!r} is not allowed: True or False")
@@ -179,7 +188,9 @@ class ParallelOptions:
                 if self.compile
                 else "off"
             ),
-            "activation checkpointing: " + _CHECKPOINTING_LINES[self.activation_checkpointing].format(self),
+            "activation checkpointing: "
+            + _CHECKPOINTING_LINES[self.activation_checkpointing].format(self)
+            + (", the attention's output kept" if self.activation_checkpointing == "full" and self.keep_attention else ""),
             f"param dtype: {dtype}; master weights and gradient reduction float32"
             + ("" if self.expert_reduce_dtype == "float32" else ", the experts' reduce-scatter bfloat16 (ep_fsdp > 1)"),
             f"reshard after forward: {reshard}" + ("" if experts is None else f", experts {experts} (ep_fsdp > 1)"),
@@ -272,7 +283,7 @@ def parallelize(
     ep_mesh = meshes.ep if meshes.ep_size > 1 else None
     ep_info = apply_ep(model, model.get_parallel_plan(), ep_mesh, options.ep_options())
     if options.activation_checkpointing == "full":
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, keep_attention=options.keep_attention)
     if options.compile:
         _compile(model, options.ep.kernels)
     reshard, expert_reshard = options.resharding(meshes.world_size)
@@ -342,7 +353,7 @@ def _compile(model: MoECausalLM, kernels: str) -> None:
         model.lm_head.chunk_loss = compile_rows_dynamic(model.lm_head.chunk_loss)
 
 
-def apply_activation_checkpointing(model: MoECausalLM) -> None:
+def apply_activation_checkpointing(model: MoECausalLM, *, keep_attention: bool = True) -> None:
     """Recompute each decoder layer in backward: its ``forward`` becomes (an instance attribute, so FQNs, the state
     dict and FSDP's hooks are untouched) a non-reentrant ``torch.utils.checkpoint`` of itself.
 
@@ -354,22 +365,32 @@ def apply_activation_checkpointing(model: MoECausalLM) -> None:
     (``discard_outputs``: the experts' down projections, the outputs' way back to their tokens' ranks and the
     combine). Without grad (eval) the forward runs plainly.
 
+    ``keep_attention``: each layer keeps its attention's output and log-sum-exp from the forward and the recompute
+    replays them instead of running the attention kernel (``moeshard.models.common.AttentionKeep``; plain causal
+    rows where :func:`kept_attention_applies`, see ``ParallelOptions.keep_attention``). The same bits.
+
     Raises:
         ValueError: already applied.
     """
     for layer in model.model.layers:
         if "forward" in layer.__dict__:
             raise ValueError("activation checkpointing is already applied to this model; apply it once")
-        layer.forward = _checkpointed(layer.forward, layer)
+    for layer in model.model.layers:
+        layer.forward = _checkpointed(layer.forward, layer, keep_attention)
+    model.model.keep_attention = keep_attention
 
 
-def _checkpointed(forward, layer: torch.nn.Module):
+def _checkpointed(forward, layer: torch.nn.Module, keep_attention: bool):
     def contexts():
         # Looked up at each call: the dispatchers apply_ep installed, whenever it ran. The routed experts' output
         # only flows into additions in a decoder layer (shared experts, the residual), which save nothing for
         # backward: the recompute leaves out their down projections, the way back and the combine.
         dispatchers = [m.dispatch for m in layer.modules() if isinstance(getattr(m, "dispatch", None), ExpertDispatch)]
-        return recompute_contexts(dispatchers, discard_outputs=True)
+        record, replay = recompute_contexts(dispatchers, discard_outputs=True)
+        if not keep_attention:
+            return record, replay
+        keep = AttentionKeep()  # per call: what it keeps lives as long as this checkpoint's graph
+        return _Both(record, keep.recording()), _Both(replay, keep.replaying())
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
@@ -378,6 +399,21 @@ def _checkpointed(forward, layer: torch.nn.Module):
         return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
     return run
+
+
+class _Both:
+    """Two context managers entered as one (``checkpoint``'s ``context_fn`` returns one per pass)."""
+
+    def __init__(self, first, second) -> None:
+        self._contexts, self._stack = (first, second), contextlib.ExitStack()
+
+    def __enter__(self):
+        for c in self._contexts:
+            self._stack.enter_context(c)
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
 
 
 def _mp_policy(param_dtype: str, device_type: str) -> MixedPrecisionPolicy:

@@ -32,12 +32,16 @@ from moeshard.models.deepseekv3._presets import (
     count_parameters,
     flops_per_token,
     get_preset_config,
+    kept_attention_per_token,
     is_moe_layer,
     scoring_func,
 )
 
 FAMILY = _ModelFamily(
-    DeepseekV3ForCausalLM, PRESETS, get_preset_config, count_parameters, flops_per_token, activations_per_token
+    DeepseekV3ForCausalLM, PRESETS, get_preset_config, count_parameters,
+    flops_per_token,
+    activations_per_token,
+    kept_attention_per_token,
 )
 """DeepSeek-V3 as a :class:`moeshard.models.common.ModelFamily` (what a trainer needs, by family name)."""
 
@@ -53,6 +57,7 @@ __all__ = [
     "GroupLimitedRouter",
     "MLAttention",
     "activations_per_token",
+    "kept_attention_per_token",
     "check_config",
     "count_parameters",
     "flops_per_token",

@@ -23,6 +23,7 @@ __all__ = [
     "PRESETS",
     "ROPE_TYPES",
     "activations_per_token",
+    "kept_attention_per_token",
     "check_config",
     "count_parameters",
     "flops_per_token",
@@ -245,3 +246,13 @@ def activations_per_token(config: DeepseekV3Config) -> tuple[int, int]:
     latents = 2 * (config.q_lora_rank or 0) + 2 * (config.kv_lora_rank + config.qk_rope_head_dim)
     attention = latents + h * (config.qk_nope_head_dim + dv) + 2 * h * qk + h * qk + h * dv
     return attention, 3 * config.n_shared_experts * config.moe_intermediate_size
+
+
+def kept_attention_per_token(config: DeepseekV3Config) -> tuple[int, int]:
+    """``(compute-dtype, float32)`` elements per token a layer keeps beside its input under full activation
+    checkpointing that keeps the attention's output: none where MLA's query/key head size differs from its value
+    head size (every preset: the attention is recomputed), else the output (``H·Dv``) and its log-sum-exp (``H``)."""
+    h = config.num_attention_heads
+    if config.qk_nope_head_dim + config.qk_rope_head_dim != config.v_head_dim:
+        return 0, 0
+    return h * config.v_head_dim, h

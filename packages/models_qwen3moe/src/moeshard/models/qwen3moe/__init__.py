@@ -56,11 +56,15 @@ from moeshard.models.qwen3moe.presets import (
     count_parameters,
     flops_per_token,
     get_preset_config,
+    kept_attention_per_token,
     is_moe_layer,
 )
 
 FAMILY = _ModelFamily(
-    Qwen3MoeForCausalLM, PRESETS, get_preset_config, count_parameters, flops_per_token, activations_per_token
+    Qwen3MoeForCausalLM, PRESETS, get_preset_config, count_parameters,
+    flops_per_token,
+    activations_per_token,
+    kept_attention_per_token,
 )
 """Qwen3-MoE as a :class:`moeshard.models.common.ModelFamily` (what a trainer needs, by family name)."""
 
@@ -90,6 +94,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "causal_lm_loss",
     "activations_per_token",
+    "kept_attention_per_token",
     "check_config",
     "count_parameters",
     "evaluate",

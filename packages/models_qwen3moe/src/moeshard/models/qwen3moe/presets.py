@@ -21,6 +21,7 @@ __all__ = [
     "check_config",
     "activations_per_token",
     "count_parameters",
+    "kept_attention_per_token",
     "flops_per_token",
     "get_preset_config",
     "is_moe_layer",
@@ -173,3 +174,10 @@ def activations_per_token(config: Qwen3MoeConfig) -> tuple[int, int]:
     hd = head_dim(config)
     q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
     return 3 * q + 2 * kv, 0
+
+
+def kept_attention_per_token(config: Qwen3MoeConfig) -> tuple[int, int]:
+    """``(compute-dtype, float32)`` elements per token a layer keeps beside its input under full activation
+    checkpointing that keeps the attention's output: the output (``H·Dh``) and its log-sum-exp (``H``)."""
+    h = config.num_attention_heads
+    return h * head_dim(config), h

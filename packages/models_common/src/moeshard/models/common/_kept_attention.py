@@ -1,0 +1,184 @@
+"""Causal attention whose output a checkpointed region keeps from its forward, so the recompute in backward does
+not run the attention kernel again.
+
+Full activation checkpointing recomputes a decoder layer's forward in backward. The attention's backward needs
+q, k, v (recomputed: their projections are cheap next to the attention) and the attention's output and
+log-sum-exp. The last two are what the attention kernel computes; they are ``H·Dv`` compute-dtype elements and ``H``
+float32 per token, where the layer's input is ``D``. :class:`AttentionKeep` records them in the checkpointed
+forward and hands them back in the recompute, through :func:`kept_causal_attention`, a custom op (opaque to
+``torch.compile``: the compiled attention half calls it like the attention kernel it wraps, and it decides at run
+time whether to compute or to replay).
+
+The kernels are the ones ``scaled_dot_product_attention`` runs for a causal attention without a mask: cuDNN's on
+CUDA, the flash kernel for CPU on CPU; the outputs and gradients are the same bits (tested against SDPA). Where
+those kernels do not apply (another device, query and value head sizes that differ as in DeepSeek-V3's MLA, cuDNN
+attention disabled, dropout, a mask) :func:`attend` computes the attention as before and the recompute runs it.
+
+    keep = AttentionKeep()
+    checkpoint(layer, x, mask=KEPT_CAUSAL, use_reentrant=False, context_fn=lambda: (keep.recording(), keep.replaying()))
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["KEPT_CAUSAL", "AttentionKeep", "KeptCausal", "kept_attention_applies", "kept_causal_attention"]
+
+
+class KeptCausal:
+    """The attention mask of a plain causal attention whose output a checkpointed region keeps (the model passes
+    :data:`KEPT_CAUSAL` where it would pass None; :func:`attend` reads it as None where the kept kernels do not
+    apply)."""
+
+    def __repr__(self) -> str:
+        return "KEPT_CAUSAL"
+
+
+KEPT_CAUSAL = KeptCausal()
+
+_ACTIVE: list[tuple[AttentionKeep, str] | None] = [None]
+# The keep and mode of the region being run. A process-wide slot, not a thread-local: the recompute runs on
+# autograd's device thread while the thread that called backward waits for it.
+
+
+class AttentionKeep:
+    """One checkpointed region's attention outputs: :meth:`recording` keeps each :func:`kept_causal_attention`'s
+    outputs in call order, :meth:`replaying` hands them back in the same order (and lets go of each). A new keep
+    per ``checkpoint`` call; what it holds lives as long as the checkpoint's autograd graph (its ``context_fn``
+    contexts hold the keep), so a forward without backward frees it with its graph."""
+
+    def __init__(self) -> None:
+        self._kept: deque[tuple[torch.Tensor, ...]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    @contextmanager
+    def recording(self):
+        """While entered, :func:`kept_causal_attention` computes and keeps its outputs here."""
+        with _mode(self, "record"):
+            yield self
+
+    @contextmanager
+    def replaying(self):
+        """While entered, :func:`kept_causal_attention` returns the next kept outputs instead of computing."""
+        with _mode(self, "replay"):
+            yield self
+
+    def _push(self, outputs: tuple[torch.Tensor, ...]) -> None:
+        self._kept.append(tuple(t.detach() for t in outputs))
+
+    def _pop(self, q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self._kept:
+            raise RuntimeError(
+                "kept_causal_attention: the recompute runs more attentions than its forward kept; the checkpointed "
+                "region must call the same attentions in the same order when it is recomputed"
+            )
+        outputs = self._kept.popleft()
+        want = (*q.shape[:-1], v.shape[-1])
+        if tuple(outputs[0].shape) != want or outputs[0].dtype != q.dtype or outputs[0].device != q.device:
+            raise RuntimeError(
+                f"kept_causal_attention: the recompute's attention ({want}, {q.dtype}, {q.device}) is not the one "
+                f"its forward kept ({tuple(outputs[0].shape)}, {outputs[0].dtype}, {outputs[0].device}); the "
+                "checkpointed region must recompute the same attentions in the same order"
+            )
+        return outputs
+
+
+@contextmanager
+def _mode(keep: AttentionKeep, mode: str):
+    outer = _ACTIVE[0]
+    _ACTIVE[0] = (keep, mode)
+    try:
+        yield
+    finally:
+        _ACTIVE[0] = outer
+
+
+def kept_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> bool:
+    """Whether :func:`kept_causal_attention` computes this causal attention with the kernels SDPA picks for it:
+    cuDNN's on CUDA (enabled, half precision, one head size for q, k and v up to 128, a multiple of 8), the flash
+    kernel for CPU on CPU (one head size), no dropout."""
+    if dropout > 0 or q.shape[-1] != k.shape[-1] or q.shape[-1] != v.shape[-1] or q.dim() != 4:
+        return False
+    if q.device.type == "cpu":
+        return True
+    if q.device.type != "cuda":
+        return False
+    d = q.shape[-1]
+    return (
+        torch.backends.cuda.cudnn_sdp_enabled()
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and d % 8 == 0
+        and d <= 128
+        and torch.cuda.get_device_capability(q.device) >= (9, 0)
+    )
+
+
+def _compute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
+    """``(out, logsumexp, philox seed, philox offset)`` of the causal attention, by the kernel SDPA picks."""
+    if q.device.type == "cuda":
+        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, True, False, scale=scale
+        )
+        return out, lse, seed, offset
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    empty = torch.empty(0, dtype=torch.int64, device=q.device)
+    return out, lse, empty, empty.clone()
+
+
+@torch.library.custom_op("moeshard::kept_causal_attention", mutates_args=())
+def _kept_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    active = _ACTIVE[0]
+    if active is not None and active[1] == "replay":
+        return active[0]._pop(q, v)
+    outputs = _compute(q, k, v, scale)
+    if active is not None:
+        active[0]._push(outputs)
+    return outputs
+
+
+@_kept_causal_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    return _compute(q, k, v, scale)  # the aten kernels' own meta functions: the same shapes and strides
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, scale = inputs
+    out, lse, seed, offset = output
+    ctx.save_for_backward(q, k, v, out, lse, seed, offset)
+    ctx.scale = scale
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_out, *_):
+    q, k, v, out, lse, seed, offset = ctx.saved_tensors
+    if grad_out is None:
+        return None, None, None, None
+    if q.device.type == "cuda":
+        s_q, s_k = q.shape[-2], k.shape[-2]
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out, q, k, v, out, lse, seed, offset, None, None, None, s_q, s_k, 0.0, True, scale=ctx.scale
+        )
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, True, scale=ctx.scale
+        )
+    return dq, dk, dv, None
+
+
+_kept_causal_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def kept_causal_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, scale: float) -> torch.Tensor:
+    """``softmax(q·kᵀ·scale, causal) v`` ``[B, H, S, D]`` (grouped-query where ``G < H``), the same bits as
+    ``scaled_dot_product_attention(..., is_causal=True, enable_gqa=...)`` where :func:`kept_attention_applies`.
+    Inside :meth:`AttentionKeep.recording` its output and log-sum-exp are kept; inside
+    :meth:`AttentionKeep.replaying` they are returned again without running the kernel (the recompute of a
+    checkpointed region), with the gradient of the attention they came from."""
+    return _kept_causal_attention(q_BHSD, k_BGSD, v_BGSD, float(scale))[0]

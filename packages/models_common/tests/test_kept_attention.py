@@ -1,0 +1,97 @@
+"""The attention a checkpointed region keeps: SDPA's bits, and a recompute that replays instead of computing."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import moeshard.models.common._kept_attention as kept
+from moeshard.models.common import KEPT_CAUSAL, AttentionKeep, attend, kept_attention_applies, kept_causal_attention
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _qkv(device: str, dtype: torch.dtype, heads: int = 4, kv_heads: int = 2, s: int = 16, d: int = 8):
+    g = torch.Generator().manual_seed(0)
+    # q, k, v as the families make them: [B, S, H, D] projections seen as [B, H, S, D]
+    q, k, v = (torch.randn(2, s, h, d, generator=g).to(device, dtype) for h in (heads, kv_heads, kv_heads))
+    return tuple(t.transpose(1, 2).requires_grad_() for t in (q, k, v))
+
+
+def _region(q, k, v):
+    # a region that saves things around the attention, as a decoder layer does
+    return attend(q * 1.5, k, v, KEPT_CAUSAL, scale=0.3, enable_gqa=q.shape[1] != k.shape[1]).sin()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_bits_as_sdpa(device):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    d = 8 if device == "cpu" else 128
+    q, k, v = _qkv(device, dtype, d=d, s=64)
+    assert kept_attention_applies(q, k, v, 0.0)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    out = kept_causal_attention(q, k, v, 0.3)
+    assert out.shape == ref.shape and out.stride() == ref.stride()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), ref_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_recompute_replays_the_forward_attention(device, compiled, monkeypatch):
+    """Under checkpoint, the kernel runs in the forward only; the recompute hands back what it kept (and lets go
+    of it); the gradients are those of the region run without checkpointing, and of a plain checkpoint."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v = _qkv(device, dtype, d=8 if device == "cpu" else 64)
+    region = torch.compile(_region) if compiled else _region
+    grad = torch.randn_like(_region(q, k, v))
+    ref = region(q, k, v)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+
+    runs, compute = [], kept._compute
+    monkeypatch.setattr(kept, "_compute", lambda *a: runs.append(1) or compute(*a))
+    keep = AttentionKeep()
+    out = checkpoint(region, q, k, v, use_reentrant=False, context_fn=lambda: (keep.recording(), keep.replaying()))
+    assert len(runs) == 1 and len(keep) == 1
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    assert len(runs) == 1 and len(keep) == 0  # replayed, not run; nothing held after the recompute
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    none = contextlib.nullcontext
+    out = checkpoint(region, q, k, v, use_reentrant=False, context_fn=lambda: (none(), none()))
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), ref_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(runs) == 3  # a plain checkpoint runs the kernel again in its recompute
+
+
+def test_a_recompute_that_differs_from_its_forward_is_refused():
+    q, k, v = _qkv("cpu", torch.float32)
+    keep = AttentionKeep()
+    with keep.recording():
+        kept_causal_attention(q, k, v, 0.3)
+    with keep.replaying(), pytest.raises(RuntimeError, match="is not the one its forward kept"):
+        kept_causal_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], 0.3)
+    with keep.replaying(), pytest.raises(RuntimeError, match="more attentions than its forward kept"):
+        kept_causal_attention(q, k, v, 0.3)
+
+
+def test_where_the_kept_kernels_do_not_apply_attend_is_sdpa():
+    q, k, v = _qkv("cpu", torch.float32)
+    assert not kept_attention_applies(q, k, v, 0.1)  # dropout
+    q12 = torch.randn(2, 4, 16, 12)
+    assert not kept_attention_applies(q12, q12[:, :2], v, 0.0)  # MLA: query and value head sizes differ
+    keep = AttentionKeep()
+    with keep.recording():
+        out = attend(q12, q12[:, :2], v, KEPT_CAUSAL, scale=0.3, enable_gqa=True)
+    assert len(keep) == 0
+    ref = F.scaled_dot_product_attention(q12, q12[:, :2], v, is_causal=True, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
