@@ -10,7 +10,14 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import moeshard.models.common._kept_attention as kept
-from moeshard.models.common import KEPT_CAUSAL, AttentionKeep, attend, kept_attention_applies, kept_causal_attention
+from moeshard.models.common import (
+    KEPT_CAUSAL,
+    AttentionKeep,
+    attend,
+    kept_attention_applies,
+    kept_attention_device,
+    kept_causal_attention,
+)
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -32,7 +39,7 @@ def test_same_bits_as_sdpa(device):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     d = 8 if device == "cpu" else 128
     q, k, v = _qkv(device, dtype, d=d, s=64)
-    assert kept_attention_applies(q, k, v, 0.0)
+    assert kept_attention_applies(q, k, v, 0.0) and kept_attention_device(q.device)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
     grad = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
@@ -50,7 +57,9 @@ def test_recompute_replays_the_forward_attention(device, compiled, monkeypatch):
     of it); the gradients are those of the region run without checkpointing, and of a plain checkpoint."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     q, k, v = _qkv(device, dtype, d=8 if device == "cpu" else 64)
-    region = torch.compile(_region) if compiled else _region
+    # fullgraph: the kept attention traces without a graph break (a break costs a layout copy of q, k, v and the
+    # output's gradient on each side of it)
+    region = torch.compile(_region, fullgraph=True) if compiled else _region
     grad = torch.randn_like(_region(q, k, v))
     ref = region(q, k, v)
     ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
@@ -87,6 +96,7 @@ def test_a_recompute_that_differs_from_its_forward_is_refused():
 def test_where_the_kept_kernels_do_not_apply_attend_is_sdpa():
     q, k, v = _qkv("cpu", torch.float32)
     assert not kept_attention_applies(q, k, v, 0.1)  # dropout
+    assert not kept_attention_device("meta")
     q12 = torch.randn(2, 4, 16, 12)
     assert not kept_attention_applies(q12, q12[:, :2], v, 0.0)  # MLA: query and value head sizes differ
     keep = AttentionKeep()

@@ -55,6 +55,7 @@ from moeshard.models.common._kept_attention import (
     AttentionKeep,
     KeptCausal,
     kept_attention_applies,
+    kept_attention_device,
     kept_causal_attention,
 )
 from moeshard.models.common._hf_save import (
@@ -146,6 +147,7 @@ __all__ = [
     "expert_counts",
     "global_balancing_loss",
     "kept_attention_applies",
+    "kept_attention_device",
     "kept_causal_attention",
     "linear_cross_entropy",
     "load_balancing_loss",

@@ -32,7 +32,7 @@ from moeshard.ep import ParallelPlan
 from moeshard.models.common._balancing import load_balancing_loss
 from moeshard.models.common._head import CausalLMOutput, LMHead, causal_lm_loss
 from moeshard.models.common._hf_load import HFFormat
-from moeshard.models.common._kept_attention import KEPT_CAUSAL, KeptCausal
+from moeshard.models.common._kept_attention import KEPT_CAUSAL, KeptCausal, kept_attention_device
 from moeshard.models.common._layers import (
     DenseMLP,
     RMSNorm,
@@ -154,7 +154,7 @@ class DecoderModel(nn.Module):
         elif position_ids_BS.dim() == 1:
             position_ids_BS = position_ids_BS[None]
         cos, sin = self.rotary_emb(position_ids_BS, x_BSD.dtype)
-        mask = self._attention_mask(attention_mask_BS, document_ids_BS, s)
+        mask = self._attention_mask(attention_mask_BS, document_ids_BS, s, x_BSD.device)
         routed = []  # each MoE layer's (router logits, selected expert ids)
         for layer in self.layers:
             x_BSD, pair = layer(x_BSD, cos, sin, mask)
@@ -163,13 +163,18 @@ class DecoderModel(nn.Module):
         return self.norm(x_BSD), router_logits, router_ids
 
     def _attention_mask(
-        self, attention_mask_BS: torch.Tensor | None, document_ids_BS: torch.Tensor | None, s: int
+        self,
+        attention_mask_BS: torch.Tensor | None,
+        document_ids_BS: torch.Tensor | None,
+        s: int,
+        device: torch.device | None = None,
     ) -> torch.Tensor | BlockMask | KeptCausal | None:
         """One mask for every layer: None (causal; ``KEPT_CAUSAL`` with ``keep_attention``), a dense boolean
         ``[B, 1, S, S]``, or a flex ``BlockMask``."""
         if document_ids_BS is None:
             mask = build_attention_mask(attention_mask_BS, s)
-            return KEPT_CAUSAL if mask is None and self.keep_attention else mask
+            keep = mask is None and self.keep_attention and device is not None and kept_attention_device(device)
+            return KEPT_CAUSAL if keep else mask
         if document_ids_BS.shape[-1] != s:
             raise ValueError(
                 f"document_ids must be [batch, seq_len={s}] like input_ids, got shape {tuple(document_ids_BS.shape)}"

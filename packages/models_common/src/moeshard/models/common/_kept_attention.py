@@ -25,7 +25,14 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["KEPT_CAUSAL", "AttentionKeep", "KeptCausal", "kept_attention_applies", "kept_causal_attention"]
+__all__ = [
+    "KEPT_CAUSAL",
+    "AttentionKeep",
+    "KeptCausal",
+    "kept_attention_applies",
+    "kept_attention_device",
+    "kept_causal_attention",
+]
 
 
 class KeptCausal:
@@ -98,24 +105,31 @@ def _mode(keep: AttentionKeep, mode: str):
         _ACTIVE[0] = outer
 
 
+def kept_attention_device(device: torch.device | str) -> bool:
+    """Whether :func:`kept_causal_attention` has its kernels on ``device``: CPU, or CUDA with cuDNN attention
+    enabled on a GPU of compute capability 9.0 or more (the model asks once per forward, eagerly; see
+    :func:`kept_attention_applies` for the per-call conditions, which are traced)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True
+    return (
+        device.type == "cuda"
+        and torch.backends.cuda.cudnn_sdp_enabled()
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )
+
+
 def kept_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> bool:
-    """Whether :func:`kept_causal_attention` computes this causal attention with the kernels SDPA picks for it:
-    cuDNN's on CUDA (enabled, half precision, one head size for q, k and v up to 128, a multiple of 8), the flash
-    kernel for CPU on CPU (one head size), no dropout."""
-    if dropout > 0 or q.shape[-1] != k.shape[-1] or q.shape[-1] != v.shape[-1] or q.dim() != 4:
+    """Whether :func:`kept_causal_attention` computes this causal attention with the kernels SDPA picks for it, on
+    a device where :func:`kept_attention_device`: ``[B, H, S, D]`` with one head size for q, k and v, no dropout;
+    on CUDA half precision and a head size up to 128, a multiple of 8 (cuDNN's). Shapes and dtypes only, so a
+    compiled caller traces it without a graph break."""
+    if dropout > 0 or q.dim() != 4 or q.shape[-1] != k.shape[-1] or q.shape[-1] != v.shape[-1]:
         return False
     if q.device.type == "cpu":
         return True
-    if q.device.type != "cuda":
-        return False
     d = q.shape[-1]
-    return (
-        torch.backends.cuda.cudnn_sdp_enabled()
-        and q.dtype in (torch.bfloat16, torch.float16)
-        and d % 8 == 0
-        and d <= 128
-        and torch.cuda.get_device_capability(q.device) >= (9, 0)
-    )
+    return q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and d % 8 == 0 and d <= 128
 
 
 def _compute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
