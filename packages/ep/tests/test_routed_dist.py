@@ -111,8 +111,8 @@ def _ep_layer_body():
 
 def _same_under_activation_checkpointing(experts, world, rank):
     """The layer under non-reentrant activation checkpointing (recomputed in backward) gives identical results;
-    with ``recompute_contexts`` the recompute replays the forward's received counts and exchange sizes: no second
-    host sync or counts exchange; with ``discard_outputs`` it runs no down projection, no combine and no exchange of
+    with ``recompute_contexts`` the recompute replays the forward's route, received counts and exchange sizes: no
+    second route, host sync or counts exchange; with ``discard_outputs`` it runs no down projection, no combine and no exchange of
     the outputs back."""
     from torch.utils.checkpoint import checkpoint
 
@@ -147,7 +147,9 @@ def _same_under_activation_checkpointing(experts, world, rank):
         forwards.clear()
         overlapped._OverlappedExperts.forward = staticmethod(counted)
         _mlp.ExpertPass._down = counting("down", down)
-        experts.dispatch.kernels = dataclasses.replace(kernels, gather_sum=counting("gather_sum", kernels.gather_sum))
+        experts.dispatch.kernels = dataclasses.replace(
+            kernels, gather_sum=counting("gather_sum", kernels.gather_sum), route=counting("route", kernels.route)
+        )
         for name, fn in exchanges.items():
             setattr(dist, name, counting("exchange", fn))
         try:
@@ -174,13 +176,16 @@ def _same_under_activation_checkpointing(experts, world, rank):
     same = all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r))
     # the overlapped layer ran twice when checkpointed (forward + one recomputation), not once per pass
     ran = len(forwards) == (2 if isinstance(experts.dispatch, OverlappedDispatch) else 0)
-    # the replaying recompute exchanges no counts (one exchange less than the plain one); the one that discards its
-    # outputs runs no down projection, one gather-sum (the row expansion's backward, not the combine) and one
-    # exchange less again (the outputs' way back)
+    # the replaying recompute routes nothing (the forward's order is replayed) and exchanges no counts (one exchange
+    # less than the plain one); the one that discards its outputs runs no down projection, one gather-sum (the row
+    # expansion's backward, not the combine) and one exchange less again (the outputs' way back)
     work = dict(zip(modes, backward_work))
     plain, full, discard = work["checkpoint"], work["checkpoint_replay"], work["checkpoint_discard"]
     left_out = (
-        full.get("down", 0) > 0
+        plain.get("route") == 1
+        and "route" not in full
+        and "route" not in discard
+        and full.get("down", 0) > 0
         and "down" not in discard
         and (full["gather_sum"], discard["gather_sum"]) == (2, 1)
         and full["exchange"] == plain["exchange"] - 1

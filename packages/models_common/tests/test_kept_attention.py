@@ -17,6 +17,8 @@ from moeshard.models.common import (
     kept_attention_applies,
     kept_attention_device,
     kept_causal_attention,
+    kept_linear,
+    kept_topk,
 )
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -29,9 +31,14 @@ def _qkv(device: str, dtype: torch.dtype, heads: int = 4, kv_heads: int = 2, s: 
     return tuple(t.transpose(1, 2).requires_grad_() for t in (q, k, v))
 
 
-def _region(q, k, v):
-    # a region that saves things around the attention, as a decoder layer does
-    return attend(q * 1.5, k, v, KEPT_CAUSAL, scale=0.3, enable_gqa=q.shape[1] != k.shape[1]).sin()
+def _region(q, k, v, w):
+    # a region that saves things around the kept operations, as a decoder layer does: the attention, its output
+    # projection (the heads flattened), a top-k of its output's scores
+    out = attend(q * 1.5, k, v, KEPT_CAUSAL, scale=0.3, enable_gqa=q.shape[1] != k.shape[1])
+    b, h, s, d = out.shape
+    y = kept_linear(out.transpose(1, 2).reshape(b, s, h * d), w)
+    values, ids = kept_topk(y.float().softmax(-1), 2)
+    return y.sin() + (values * ids).sum(-1, keepdim=True).to(y.dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -57,29 +64,48 @@ def test_recompute_replays_the_forward_attention(device, compiled, monkeypatch):
     of it); the gradients are those of the region run without checkpointing, and of a plain checkpoint."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     q, k, v = _qkv(device, dtype, d=8 if device == "cpu" else 64)
-    # fullgraph: the kept attention traces without a graph break (a break costs a layout copy of q, k, v and the
+    w = torch.randn(6, q.shape[1] * q.shape[-1], device=device, dtype=dtype, requires_grad=True)
+    # fullgraph: the kept operations trace without a graph break (a break costs a layout copy of q, k, v and the
     # output's gradient on each side of it)
     region = torch.compile(_region, fullgraph=True) if compiled else _region
-    grad = torch.randn_like(_region(q, k, v))
-    ref = region(q, k, v)
-    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    grad = torch.randn_like(_region(q, k, v, w))
+    ref = region(q, k, v, w)
+    ref_grads = torch.autograd.grad(ref, (q, k, v, w), grad)
 
     runs, compute = [], kept._compute
     monkeypatch.setattr(kept, "_compute", lambda *a: runs.append(1) or compute(*a))
     keep = AttentionKeep()
-    out = checkpoint(region, q, k, v, use_reentrant=False, context_fn=lambda: (keep.recording(), keep.replaying()))
-    assert len(runs) == 1 and len(keep) == 1
-    grads = torch.autograd.grad(out, (q, k, v), grad)
+    out = checkpoint(region, q, k, v, w, use_reentrant=False, context_fn=lambda: (keep.recording(), keep.replaying()))
+    assert len(runs) == 1 and len(keep) == 3  # the attention, the projection, the top-k
+    grads = torch.autograd.grad(out, (q, k, v, w), grad)
     assert len(runs) == 1 and len(keep) == 0  # replayed, not run; nothing held after the recompute
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
     none = contextlib.nullcontext
-    out = checkpoint(region, q, k, v, use_reentrant=False, context_fn=lambda: (none(), none()))
-    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), ref_grads):
+    out = checkpoint(region, q, k, v, w, use_reentrant=False, context_fn=lambda: (none(), none()))
+    for got, want in zip(torch.autograd.grad(out, (q, k, v, w), grad), ref_grads):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert len(runs) == 3  # a plain checkpoint runs the kernel again in its recompute
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kept_linear_and_topk_are_linear_and_topk(device):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 16, generator=g).to(device).requires_grad_()
+    w = torch.randn(8, 16, generator=g).to(device).requires_grad_()
+    grad = torch.randn(2, 5, 8, generator=g).to(device)
+    got = torch.autograd.grad(kept_linear(x, w), (x, w), grad)
+    for a, b in zip(got, torch.autograd.grad(F.linear(x, w), (x, w), grad)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    scores = torch.randn(7, 12, generator=g).to(device).softmax(-1).requires_grad_()
+    values, ids = kept_topk(scores, 3)
+    ref_values, ref_ids = torch.topk(scores, 3, dim=-1)
+    assert torch.equal(ids, ref_ids) and ids.dtype == torch.int64
+    grad_v = torch.randn(7, 3, generator=g).to(device)
+    got, want = torch.autograd.grad(values, scores, grad_v)[0], torch.autograd.grad(ref_values, scores, grad_v)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_a_recompute_that_differs_from_its_forward_is_refused():
@@ -89,7 +115,7 @@ def test_a_recompute_that_differs_from_its_forward_is_refused():
         kept_causal_attention(q, k, v, 0.3)
     with keep.replaying(), pytest.raises(RuntimeError, match="is not the one its forward kept"):
         kept_causal_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], 0.3)
-    with keep.replaying(), pytest.raises(RuntimeError, match="more attentions than its forward kept"):
+    with keep.replaying(), pytest.raises(RuntimeError, match="more kept operations than its forward kept"):
         kept_causal_attention(q, k, v, 0.3)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -67,18 +69,31 @@ def test_activation_checkpointing_same_loss_and_grads(hf_dir, batch, monkeypatch
     names = [n for n, _ in ac.named_parameters()]
     assert names == [n for n, _ in plain.named_parameters()]  # FQNs unchanged (FSDP / the plan rely on them)
     loss_plain = plain(ids, labels=labels, attention_mask=mask).loss
-    runs, compute = [], kept._compute
+    runs, compute, pops, pop = [], kept._compute, collections.Counter(), kept.AttentionKeep._pop
     monkeypatch.setattr(kept, "_compute", lambda *a: runs.append(1) or compute(*a))
+    monkeypatch.setattr(kept.AttentionKeep, "_pop", lambda self, op, *a: pops.update([op]) or pop(self, op, *a))
     loss_ac = ac(ids, labels=labels, attention_mask=mask).loss
     torch.testing.assert_close(loss_ac, loss_plain, rtol=0, atol=0)
     loss_plain.backward()
     loss_ac.backward()
     for (name, p), q in zip(plain.named_parameters(), ac.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
-    # Kept: each layer's attention kernel ran in the forward only, not again in the recompute. A padding mask
-    # (SDPA with the mask) and keep_attention=False recompute it: the kept kernel never runs.
-    layers = ac.config.num_hidden_layers
-    assert len(runs) == (layers if keep_attention and not padded else 0)
+    # Kept: each layer's attention kernel ran in the forward only, not again in the recompute, which replayed it
+    # and the output projection; the MoE layers' recompute replayed their routers' top-k. A padding mask (SDPA
+    # with the mask) recomputes the attention and its projection; keep_attention=False recomputes all three.
+    layers, moe = ac.config.num_hidden_layers, len(ac.config.mlp_only_layers or ())
+    moe = layers - moe
+    attention = layers if keep_attention and not padded else 0
+    assert len(runs) == attention
+    assert dict(pops) == {
+        k: v
+        for k, v in [
+            ("kept_causal_attention", attention),
+            ("kept_linear", attention),
+            ("kept_topk", moe if keep_attention else 0),
+        ]
+        if v
+    }
 
 
 @pytest.mark.parametrize("expert_layout", ["per_expert", "fused"])

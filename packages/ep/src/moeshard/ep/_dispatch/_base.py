@@ -33,10 +33,11 @@ __all__ = ["ExpertDispatch", "HostSyncHooks", "recompute_contexts"]
 
 
 class _SplitLog:
-    """The exchanged counts and sizes of one checkpointed region, recorded by its forward and replayed by its
+    """The routes, exchanged counts and sizes of one checkpointed region, recorded by its forward and replayed by its
     recompute."""
 
     def __init__(self) -> None:
+        self.routes: deque[tuple[torch.Tensor, ...]] = deque()  # each layer's (order, inverse, counts) (device)
         self.counts: deque[torch.Tensor] = deque()  # each EP layer's received per-expert counts (device, tiny)
         self.sizes: deque[list[int]] = deque()
 
@@ -69,9 +70,10 @@ def recompute_contexts(
     dispatchers: Iterable[ExpertDispatch], *, discard_outputs: bool = False
 ) -> tuple[_SplitMode, _SplitMode]:
     """The ``context_fn`` pair for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` around a region
-    whose EP layers use ``dispatchers``: the forward records each layer's received per-expert counts (a few hundred
-    bytes on the device) and exchange sizes (its one device→host sync), and the recompute in backward replays them
-    instead of exchanging and synchronising again, so activation checkpointing adds no host sync and no counts
+    whose EP layers use ``dispatchers``: the forward records each layer's route (the copies' order, its inverse and
+    the per-expert counts: 16 bytes per routed copy on the device), received per-expert counts (a few hundred
+    bytes) and exchange sizes (its one device→host sync), and the recompute in backward replays them instead of
+    routing, exchanging and synchronising again, so activation checkpointing adds no host sync and no counts
     exchange.
 
     The recompute routes the same tokens the same way (checkpointing replays the forward on the same inputs), so the
@@ -199,8 +201,8 @@ class ExpertDispatch:
         """``y_TD`` for this rank's tokens ``x_TD`` and their routing (global expert ids ``[T, K]``)."""
         self._check(x_TD, topk_ids_TK, topk_weights_TK, w_gate_up_EXD, activation)
         K = topk_ids_TK.shape[1]
-        # route: the copies in global expert order
-        order_N, inv_N, counts_E = self.kernels.route(topk_ids_TK, self.num_experts)
+        # route: the copies in global expert order (a checkpointed region's recompute replays its forward's)
+        order_N, inv_N, counts_E = self._logged("routes", lambda: self.kernels.route(topk_ids_TK, self.num_experts))
         x_sorted_ND, w_sorted_N = expand_rows_and_weights(x_TD, topk_weights_TK, order_N, inv_N, K, self.kernels)
         # dispatch → expert compute (weighted) → back, in the same order
         y_sorted_ND = self.run_experts(x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation)

@@ -57,6 +57,8 @@ from moeshard.models.common._kept_attention import (
     kept_attention_applies,
     kept_attention_device,
     kept_causal_attention,
+    kept_linear,
+    kept_topk,
 )
 from moeshard.models.common._hf_save import (
     EXPERT_LAYOUTS,
@@ -72,6 +74,7 @@ from moeshard.models.common._layers import (
     TokenEmbedding,
     apply_rotary,
     attend,
+    attention_output,
     build_attention_mask,
     document_block_mask,
     document_causal_mask,
@@ -136,6 +139,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_rotary",
     "attend",
+    "attention_output",
     "build_attention_mask",
     "causal_lm_loss",
     "ce_chunk",
@@ -149,6 +153,8 @@ __all__ = [
     "kept_attention_applies",
     "kept_attention_device",
     "kept_causal_attention",
+    "kept_linear",
+    "kept_topk",
     "linear_cross_entropy",
     "load_balancing_loss",
     "load_hf_config",

@@ -32,6 +32,8 @@ __all__ = [
     "kept_attention_applies",
     "kept_attention_device",
     "kept_causal_attention",
+    "kept_linear",
+    "kept_topk",
 ]
 
 
@@ -78,19 +80,21 @@ class AttentionKeep:
     def _push(self, outputs: tuple[torch.Tensor, ...]) -> None:
         self._kept.append(tuple(t.detach() for t in outputs))
 
-    def _pop(self, q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _pop(self, op: str, shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The next kept outputs, checked against what the recompute's ``op`` would compute (its first output's
+        shape, and dtype and device of ``like``)."""
         if not self._kept:
             raise RuntimeError(
-                "kept_causal_attention: the recompute runs more attentions than its forward kept; the checkpointed "
-                "region must call the same attentions in the same order when it is recomputed"
+                f"{op}: the recompute runs more kept operations than its forward kept; the checkpointed region must "
+                "call the same operations in the same order when it is recomputed"
             )
         outputs = self._kept.popleft()
-        want = (*q.shape[:-1], v.shape[-1])
-        if tuple(outputs[0].shape) != want or outputs[0].dtype != q.dtype or outputs[0].device != q.device:
+        first, shape = outputs[0], tuple(shape)
+        if tuple(first.shape) != shape or first.dtype != like.dtype or first.device != like.device:
             raise RuntimeError(
-                f"kept_causal_attention: the recompute's attention ({want}, {q.dtype}, {q.device}) is not the one "
-                f"its forward kept ({tuple(outputs[0].shape)}, {outputs[0].dtype}, {outputs[0].device}); the "
-                "checkpointed region must recompute the same attentions in the same order"
+                f"{op}: the recompute's ({shape}, {like.dtype}, {like.device}) is not the one its forward kept "
+                f"({tuple(first.shape)}, {first.dtype}, {first.device}); the checkpointed region must recompute the "
+                "same operations in the same order"
             )
         return outputs
 
@@ -150,7 +154,7 @@ def _kept_causal_attention(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     active = _ACTIVE[0]
     if active is not None and active[1] == "replay":
-        return active[0]._pop(q, v)
+        return active[0]._pop("kept_causal_attention", (*q.shape[:-1], v.shape[-1]), q)
     outputs = _compute(q, k, v, scale)
     if active is not None:
         active[0]._push(outputs)
@@ -196,3 +200,87 @@ def kept_causal_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: to
     :meth:`AttentionKeep.replaying` they are returned again without running the kernel (the recompute of a
     checkpointed region), with the gradient of the attention they came from."""
     return _kept_causal_attention(q_BHSD, k_BGSD, v_BGSD, float(scale))[0]
+
+
+# ---- the attention's output projection ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moeshard::kept_linear", mutates_args=())
+def _kept_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    active = _ACTIVE[0]
+    if active is not None and active[1] == "replay":
+        return active[0]._pop("kept_linear", (*x.shape[:-1], weight.shape[0]), x)[0]
+    y = torch.nn.functional.linear(x, weight)
+    if active is not None:
+        active[0]._push((y,))
+    return y
+
+
+@_kept_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _linear_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _linear_backward(ctx, grad_y):
+    x, weight = ctx.saved_tensors
+    grad_2d = grad_y.reshape(-1, grad_y.shape[-1])
+    grad_x = (grad_2d @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
+    grad_w = grad_2d.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w
+
+
+_kept_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+def kept_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` (``F.linear`` without bias), kept and replayed as :func:`kept_causal_attention`: a checkpointed
+    layer keeps its attention's output projection (``D`` elements per token), so its recompute runs no GEMM for it
+    (the residual and norm after it only need its output)."""
+    return _kept_linear(x, weight)
+
+
+# ---- the routers' top-k ------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("moeshard::kept_topk", mutates_args=())
+def _kept_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    active = _ACTIVE[0]
+    if active is not None and active[1] == "replay":
+        return active[0]._pop("kept_topk", (*scores.shape[:-1], k), scores)
+    values, ids = torch.topk(scores, k, dim=-1)
+    if active is not None:
+        active[0]._push((values, ids))
+    return values, ids
+
+
+@_kept_topk.register_fake
+def _(scores: torch.Tensor, k: int):
+    shape = (*scores.shape[:-1], k)
+    return scores.new_empty(shape), scores.new_empty(shape, dtype=torch.int64)
+
+
+def _topk_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output[1])
+    ctx.shape = inputs[0].shape
+    ctx.set_materialize_grads(False)
+
+
+def _topk_backward(ctx, grad_values, _grad_ids):
+    (ids,) = ctx.saved_tensors
+    if grad_values is None:
+        return None, None
+    return grad_values.new_zeros(ctx.shape).scatter(-1, ids, grad_values), None
+
+
+_kept_topk.register_autograd(_topk_backward, setup_context=_topk_setup)
+
+
+def kept_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(scores, k, dim=-1)`` (values and int64 indices, sorted), kept and replayed as
+    :func:`kept_causal_attention`: a checkpointed layer's recompute takes its router's selection from the forward
+    instead of selecting again."""
+    return _kept_topk(scores, int(k))

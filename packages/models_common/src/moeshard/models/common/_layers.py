@@ -15,7 +15,12 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from moeshard.models.common._kept_attention import KeptCausal, kept_attention_applies, kept_causal_attention
+from moeshard.models.common._kept_attention import (
+    KeptCausal,
+    kept_attention_applies,
+    kept_causal_attention,
+    kept_linear,
+)
 
 __all__ = [
     "DenseMLP",
@@ -24,6 +29,7 @@ __all__ = [
     "TokenEmbedding",
     "apply_rotary",
     "attend",
+    "attention_output",
     "build_attention_mask",
     "document_block_mask",
     "document_causal_mask",
@@ -236,6 +242,15 @@ def attend(
         scale=scale,
         enable_gqa=enable_gqa,
     )
+
+
+def attention_output(o_proj: nn.Module, x_BSX: torch.Tensor, mask_B1SS: object) -> torch.Tensor:
+    """``o_proj(x_BSX)``, the attention's output projection, under the mask the layer got: with ``KEPT_CAUSAL``
+    (full activation checkpointing that keeps the attention's output), a plain ``nn.Linear`` without bias runs as
+    :func:`kept_linear`, so the layer's recompute takes its output from the forward instead of running the GEMM."""
+    if isinstance(mask_B1SS, KeptCausal) and type(o_proj) is nn.Linear and o_proj.bias is None:
+        return kept_linear(x_BSX, o_proj.weight)
+    return o_proj(x_BSX)
 
 
 class DenseMLP(nn.Module):

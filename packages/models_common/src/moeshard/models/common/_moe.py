@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeshard.ep import LocalDispatch
+from moeshard.models.common._kept_attention import kept_topk
 
 __all__ = ["SCORING_FUNCS", "Experts", "GroupLimitedRouter", "MoEBlock", "Router", "TopKRouter", "routers"]
 
@@ -71,6 +72,7 @@ class TopKRouter(Router):
         self.norm_topk_prob = norm_topk_prob
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.bias: torch.Tensor | None = None
+        self.keep_selection = False  # full checkpointing that keeps: the top-k through kept_topk (replayed)
 
     @property
     def selection_bias(self) -> torch.Tensor | None:
@@ -86,9 +88,15 @@ class TopKRouter(Router):
     def select(self, probs_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_probs_TK, topk_ids_TK)``: the top-k experts by ``probs + bias``, with their unbiased probs."""
         if self.bias is None:
-            return torch.topk(probs_TE, self.top_k, dim=-1)
-        ids_TK = torch.topk(probs_TE + self.bias, self.top_k, dim=-1).indices
+            return self._topk(probs_TE)
+        ids_TK = self._topk(probs_TE + self.bias)[1]
         return probs_TE.gather(-1, ids_TK), ids_TK
+
+    def _topk(self, scores_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keep_selection:  # inside a checkpointed layer that keeps it: the recompute replays the forward's
+            return kept_topk(scores_TE, self.top_k)
+        values_TK, ids_TK = torch.topk(scores_TE, self.top_k, dim=-1)
+        return values_TK, ids_TK
 
     @torch.no_grad()
     def select_ids(self, logits_TE: torch.Tensor) -> torch.Tensor:

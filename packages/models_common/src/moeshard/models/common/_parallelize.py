@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from moeshard.ep import EPInfo, EPOptions, ExpertDispatch, recompute_contexts
 from moeshard.models.common._causal_lm import MoECausalLM
 from moeshard.models.common._kept_attention import AttentionKeep
+from moeshard.models.common._moe import TopKRouter
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -365,9 +366,11 @@ def apply_activation_checkpointing(model: MoECausalLM, *, keep_attention: bool =
     (``discard_outputs``: the experts' down projections, the outputs' way back to their tokens' ranks and the
     combine). Without grad (eval) the forward runs plainly.
 
-    ``keep_attention``: each layer keeps its attention's output and log-sum-exp from the forward and the recompute
-    replays them instead of running the attention kernel (``moeshard.models.common.AttentionKeep``; plain causal
-    rows where :func:`kept_attention_applies`, see ``ParallelOptions.keep_attention``). The same bits.
+    ``keep_attention``: each layer keeps its attention's output and log-sum-exp, its output projection's output and
+    its router's top-k from the forward, and the recompute replays them instead of running the attention kernel,
+    the projection's GEMM and the selection (``moeshard.models.common.AttentionKeep``; plain causal rows, see
+    ``ParallelOptions.keep_attention``; the top-k of :class:`TopKRouter`). The EP layers replay their route (the
+    copies' order) too, always. The same bits.
 
     Raises:
         ValueError: already applied.
@@ -377,6 +380,9 @@ def apply_activation_checkpointing(model: MoECausalLM, *, keep_attention: bool =
             raise ValueError("activation checkpointing is already applied to this model; apply it once")
     for layer in model.model.layers:
         layer.forward = _checkpointed(layer.forward, layer, keep_attention)
+        for module in layer.modules():
+            if isinstance(module, TopKRouter):
+                module.keep_selection = keep_attention
     model.model.keep_attention = keep_attention
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 from transformers import DeepseekV3Config
 
-from moeshard.models.common import RMSNorm, apply_rotary, attend
+from moeshard.models.common import RMSNorm, apply_rotary, attend, attention_output
 
 __all__ = ["MLAttention", "apply_rotary_interleaved", "softmax_scale"]
 
@@ -105,4 +105,4 @@ class MLAttention(nn.Module):
         b, s, _ = x_BSD.shape
         q, k, v = self._qkv(x_BSD, cos_BSDr, sin_BSDr)
         out_BHSDv = attend(q, k, v, mask_B1SS, scale=self.scale, dropout=self.dropout if self.training else 0.0)
-        return self.o_proj(out_BHSDv.transpose(1, 2).reshape(b, s, -1))
+        return attention_output(self.o_proj, out_BHSDv.transpose(1, 2).reshape(b, s, -1), mask_B1SS)

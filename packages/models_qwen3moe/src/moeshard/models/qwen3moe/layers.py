@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 from transformers import Qwen3MoeConfig
 
-from moeshard.models.common import RMSNorm, apply_rotary, attend
+from moeshard.models.common import RMSNorm, apply_rotary, attend, attention_output
 from moeshard.models.qwen3moe.presets import head_dim
 
 __all__ = ["Attention"]
@@ -59,4 +59,4 @@ class Attention(nn.Module):
             dropout=self.dropout if self.training else 0.0,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        return self.o_proj(out_BHSDh.transpose(1, 2).reshape(b, s, -1))
+        return attention_output(self.o_proj, out_BHSDh.transpose(1, 2).reshape(b, s, -1), mask_B1SS)
