@@ -167,6 +167,9 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
 
 
 def _setup_context(ctx, inputs, output) -> None:
+    # Backward reads every output, so each is saved: an output of the compiled forward, whose buffer compiled code
+    # never reuses for another value. The keep holds the same storage without a copy. An output backward does not
+    # read may be overwritten once its readers ran: the keep holds a copy of it (_kept_linear, _kept_topk).
     q, k, v, scale = inputs
     out, lse, seed, offset = output
     ctx.save_for_backward(q, k, v, out, lse, seed, offset)
@@ -212,7 +215,9 @@ def _kept_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return active[0]._pop("kept_linear", (*x.shape[:-1], weight.shape[0]), x)[0]
     y = torch.nn.functional.linear(x, weight)
     if active is not None:
-        active[0]._push((y,))
+        # A copy: backward does not read y, so compiled code may write another value into its buffer once the
+        # residual has read it (see _setup_context).
+        active[0]._push((y.clone(),))
     return y
 
 
@@ -253,7 +258,7 @@ def _kept_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
         return active[0]._pop("kept_topk", (*scores.shape[:-1], k), scores)
     values, ids = torch.topk(scores, k, dim=-1)
     if active is not None:
-        active[0]._push((values, ids))
+        active[0]._push((values.clone(), ids))  # the values copied: backward reads only the ids (_kept_linear)
     return values, ids
 
 
