@@ -50,6 +50,13 @@ from moeshard.models.common._hf_load import (
     local_region,
     model_format,
 )
+from moeshard.models.common._hf_save import (
+    EXPERT_LAYOUTS,
+    parse_size,
+    save_hf_checkpoint,
+    save_hf_weights,
+    stream_hf_weights,
+)
 from moeshard.models.common._kept_attention import (
     KEPT_CAUSAL,
     AttentionKeep,
@@ -59,13 +66,6 @@ from moeshard.models.common._kept_attention import (
     kept_causal_attention,
     kept_linear,
     kept_topk,
-)
-from moeshard.models.common._hf_save import (
-    EXPERT_LAYOUTS,
-    parse_size,
-    save_hf_checkpoint,
-    save_hf_weights,
-    stream_hf_weights,
 )
 from moeshard.models.common._layers import (
     DenseMLP,

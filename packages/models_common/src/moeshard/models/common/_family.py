@@ -38,8 +38,9 @@ class ModelFamily:
             routed copies (an estimate for planning memory; the other MLP: shared experts).
         kept_attention_per_token: ``(compute-dtype, float32)`` elements per token and layer that full activation
             checkpointing keeps beside the layer's input where it keeps the attention's output
-            (``ParallelOptions.keep_attention``): the output and the log-sum-exp, ``(0, 0)`` where the family's
-            attention recomputes instead (:func:`kept_attention_applies`); None: not said (planned as ``(0, 0)``).
+            (``ParallelOptions.keep_attention``): the attention's output and log-sum-exp where its kernels apply
+            (:func:`kept_attention_applies`), the output projection's output; None: not said (planned as
+            ``(0, 0)``).
     """
 
     model_class: type[nn.Module]

@@ -47,6 +47,8 @@ class KeptCausal:
 
 
 KEPT_CAUSAL = KeptCausal()
+"""The mask the model passes for a plain causal attention under full activation checkpointing that keeps the
+attention's output (``DecoderModel.keep_attention``)."""
 
 _ACTIVE: list[tuple[AttentionKeep, str] | None] = [None]
 # The keep and mode of the region being run. A process-wide slot, not a thread-local: the recompute runs on
@@ -196,7 +198,9 @@ def _backward(ctx, grad_out, *_):
 _kept_causal_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def kept_causal_attention(q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, scale: float) -> torch.Tensor:
+def kept_causal_attention(
+    q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, scale: float
+) -> torch.Tensor:
     """``softmax(q·kᵀ·scale, causal) v`` ``[B, H, S, D]`` (grouped-query where ``G < H``), the same bits as
     ``scaled_dot_product_attention(..., is_causal=True, enable_gqa=...)`` where :func:`kept_attention_applies`.
     Inside :meth:`AttentionKeep.recording` its output and log-sum-exp are kept; inside

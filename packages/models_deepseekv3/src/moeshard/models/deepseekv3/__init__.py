@@ -32,13 +32,16 @@ from moeshard.models.deepseekv3._presets import (
     count_parameters,
     flops_per_token,
     get_preset_config,
-    kept_attention_per_token,
     is_moe_layer,
+    kept_attention_per_token,
     scoring_func,
 )
 
 FAMILY = _ModelFamily(
-    DeepseekV3ForCausalLM, PRESETS, get_preset_config, count_parameters,
+    DeepseekV3ForCausalLM,
+    PRESETS,
+    get_preset_config,
+    count_parameters,
     flops_per_token,
     activations_per_token,
     kept_attention_per_token,

@@ -250,9 +250,10 @@ def activations_per_token(config: DeepseekV3Config) -> tuple[int, int]:
 
 def kept_attention_per_token(config: DeepseekV3Config) -> tuple[int, int]:
     """``(compute-dtype, float32)`` elements per token a layer keeps beside its input under full activation
-    checkpointing that keeps the attention's output: none where MLA's query/key head size differs from its value
-    head size (every preset: the attention is recomputed), else the output (``H·Dv``) and its log-sum-exp (``H``)."""
-    h = config.num_attention_heads
+    checkpointing that keeps the attention's output: the output projection's output (``D``), and the attention's
+    output (``H·Dv``) and log-sum-exp (``H``) only where MLA's query/key head size equals its value head size (in no
+    preset: the attention is recomputed)."""
+    h, d = config.num_attention_heads, config.hidden_size
     if config.qk_nope_head_dim + config.qk_rope_head_dim != config.v_head_dim:
-        return 0, 0
-    return h * config.v_head_dim, h
+        return d, 0
+    return h * config.v_head_dim + d, h

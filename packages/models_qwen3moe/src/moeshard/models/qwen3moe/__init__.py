@@ -56,12 +56,15 @@ from moeshard.models.qwen3moe.presets import (
     count_parameters,
     flops_per_token,
     get_preset_config,
-    kept_attention_per_token,
     is_moe_layer,
+    kept_attention_per_token,
 )
 
 FAMILY = _ModelFamily(
-    Qwen3MoeForCausalLM, PRESETS, get_preset_config, count_parameters,
+    Qwen3MoeForCausalLM,
+    PRESETS,
+    get_preset_config,
+    count_parameters,
     flops_per_token,
     activations_per_token,
     kept_attention_per_token,

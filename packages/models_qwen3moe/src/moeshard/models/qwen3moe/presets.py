@@ -178,6 +178,7 @@ def activations_per_token(config: Qwen3MoeConfig) -> tuple[int, int]:
 
 def kept_attention_per_token(config: Qwen3MoeConfig) -> tuple[int, int]:
     """``(compute-dtype, float32)`` elements per token a layer keeps beside its input under full activation
-    checkpointing that keeps the attention's output: the output (``H·Dh``) and its log-sum-exp (``H``)."""
+    checkpointing that keeps the attention's output: the output (``H·Dh``) and its log-sum-exp (``H``), and the
+    output projection's output (``D``)."""
     h = config.num_attention_heads
-    return h * head_dim(config), h
+    return h * head_dim(config) + config.hidden_size, h
