@@ -59,7 +59,7 @@ def test_logits_without_labels(hf_dir, batch):
     "padded,keep_attention", [(True, True), (False, True), (False, False)], ids=["padded", "kept", "recomputed"]
 )
 def test_activation_checkpointing_same_loss_and_grads(hf_dir, batch, monkeypatch, padded, keep_attention):
-    import moeshard.models.common._kept_attention as kept
+    import moeshard.models.common._kept as kept
 
     ids, mask, labels = batch
     mask = mask if padded else None

@@ -57,7 +57,7 @@ from moeshard.models.common._hf_save import (
     save_hf_weights,
     stream_hf_weights,
 )
-from moeshard.models.common._kept_attention import (
+from moeshard.models.common._kept import (
     KEPT_CAUSAL,
     AttentionKeep,
     KeptCausal,

@@ -32,7 +32,7 @@ from moeshard.ep import ParallelPlan
 from moeshard.models.common._balancing import load_balancing_loss
 from moeshard.models.common._head import CausalLMOutput, LMHead, causal_lm_loss
 from moeshard.models.common._hf_load import HFFormat
-from moeshard.models.common._kept_attention import KEPT_CAUSAL, KeptCausal, kept_attention_device
+from moeshard.models.common._kept import KEPT_CAUSAL, KeptCausal, kept_attention_device
 from moeshard.models.common._layers import (
     DenseMLP,
     RMSNorm,

@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from moeshard.models.common._kept_attention import (
+from moeshard.models.common._kept import (
     KeptCausal,
     kept_attention_applies,
     kept_causal_attention,

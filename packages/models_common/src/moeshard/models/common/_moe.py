@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeshard.ep import LocalDispatch
-from moeshard.models.common._kept_attention import kept_topk
+from moeshard.models.common._kept import kept_topk
 
 __all__ = ["SCORING_FUNCS", "Experts", "GroupLimitedRouter", "MoEBlock", "Router", "TopKRouter", "routers"]
 

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moeshard.ep import EPInfo, EPOptions, ExpertDispatch, recompute_contexts
 from moeshard.models.common._causal_lm import MoECausalLM
-from moeshard.models.common._kept_attention import AttentionKeep
+from moeshard.models.common._kept import AttentionKeep
 from moeshard.models.common._moe import TopKRouter
 
 if TYPE_CHECKING:

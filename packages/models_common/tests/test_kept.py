@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import moeshard.models.common._kept_attention as kept
+import moeshard.models.common._kept as kept
 from moeshard.models.common import (
     KEPT_CAUSAL,
     AttentionKeep,
@@ -131,3 +131,23 @@ def test_where_the_kept_kernels_do_not_apply_attend_is_sdpa():
     assert len(keep) == 0
     ref = F.scaled_dot_product_attention(q12, q12[:, :2], v, is_causal=True, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_compiled_code_reusing_an_unread_output_buffer_does_not_change_the_replay():
+    """Backward does not read the projection's output: compiled code may write the residual into its buffer once
+    the add has read it. The keep holds a copy, so the recompute replays the forward's value (the gradient of
+    ``h * h`` reads the recomputed ``h``)."""
+
+    def region(x, w, r):
+        h = kept_linear(x, w) + r
+        return h * h
+
+    g = torch.Generator().manual_seed(2)
+    x, w, r = (torch.randn(*s, generator=g).requires_grad_() for s in ((4, 64, 32), (32, 32), (4, 64, 32)))
+    compiled = torch.compile(region, fullgraph=True)
+    grad = torch.randn(4, 64, 32, generator=g)
+    want = torch.autograd.grad(region(x, w, r), (x, w, r), grad)
+    keep = AttentionKeep()
+    out = checkpoint(compiled, x, w, r, use_reentrant=False, context_fn=lambda: (keep.recording(), keep.replaying()))
+    for got, ref in zip(torch.autograd.grad(out, (x, w, r), grad), want):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

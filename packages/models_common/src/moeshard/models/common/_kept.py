@@ -1,18 +1,20 @@
-"""Causal attention whose output a checkpointed region keeps from its forward, so the recompute in backward does
-not run the attention kernel again.
+"""What a checkpointed decoder layer keeps from its forward so that its recompute in backward does not run it again:
+the attention's output, its output projection's output and the router's top-k.
 
 Full activation checkpointing recomputes a decoder layer's forward in backward. The attention's backward needs
 q, k, v (recomputed: their projections are cheap next to the attention) and the attention's output and
 log-sum-exp. The last two are what the attention kernel computes; they are ``H·Dv`` compute-dtype elements and ``H``
-float32 per token, where the layer's input is ``D``. :class:`AttentionKeep` records them in the checkpointed
-forward and hands them back in the recompute, through :func:`kept_causal_attention`, a custom op (opaque to
-``torch.compile``: the compiled attention half calls it like the attention kernel it wraps, and it decides at run
-time whether to compute or to replay).
+float32 per token, where the layer's input is ``D``. The output projection's output (``D``) is needed only by the
+residual and the norm after it, the top-k by the route. :class:`AttentionKeep` records them in the checkpointed
+forward and hands them back in the recompute, through custom ops (:func:`kept_causal_attention`,
+:func:`kept_linear`, :func:`kept_topk`), which are opaque to ``torch.compile``: the compiled attention half calls
+them like the kernels they wrap, and they decide at run time whether to compute or to replay.
 
-The kernels are the ones ``scaled_dot_product_attention`` runs for a causal attention without a mask: cuDNN's on
-CUDA, the flash kernel for CPU on CPU; the outputs and gradients are the same bits (tested against SDPA). Where
-those kernels do not apply (another device, query and value head sizes that differ as in DeepSeek-V3's MLA, cuDNN
-attention disabled, dropout, a mask) :func:`attend` computes the attention as before and the recompute runs it.
+The attention's kernels are the ones ``scaled_dot_product_attention`` runs for a causal attention without a mask:
+cuDNN's on CUDA, the flash kernel for CPU on CPU; the outputs and gradients are the same bits (tested against SDPA).
+Where those kernels do not apply (another device, query and value head sizes that differ as in DeepSeek-V3's MLA,
+cuDNN attention disabled, dropout, a mask) :func:`attend` computes the attention as before and the recompute runs
+it.
 
     keep = AttentionKeep()
     checkpoint(layer, x, mask=KEPT_CAUSAL, use_reentrant=False, context_fn=lambda: (keep.recording(), keep.replaying()))
