@@ -96,6 +96,20 @@ def test_activation_checkpointing_same_loss_and_grads(hf_dir, batch, monkeypatch
     }
 
 
+def test_activation_checkpointing_backward_twice(hf_dir, batch):
+    """A second backward through a retained graph recomputes each layer again: the kept outputs and the route are
+    replayed from the first again, and the gradients are the same."""
+    ids, _, _ = batch
+    ac = Qwen3MoeForCausalLM.from_pretrained(hf_dir)
+    apply_activation_checkpointing(ac)
+    params = [p for p in ac.parameters() if p.requires_grad]
+    loss = ac(ids, labels=ids).loss
+    first = torch.autograd.grad(loss, params, retain_graph=True)
+    second = torch.autograd.grad(loss, params)
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("expert_layout", ["per_expert", "fused"])
 def test_our_save_loads_in_transformers(hf_dir, batch, load_reference, tmp_path, expert_layout):
     ids, mask, _ = batch

@@ -16,7 +16,7 @@ wherever they live, and brings the outputs back in the same order.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -37,9 +37,15 @@ class _SplitLog:
     recompute."""
 
     def __init__(self) -> None:
-        self.routes: deque[tuple[torch.Tensor, ...]] = deque()  # each layer's (order, inverse, counts) (device)
-        self.counts: deque[torch.Tensor] = deque()  # each EP layer's received per-expert counts (device, tiny)
-        self.sizes: deque[list[int]] = deque()
+        self.routes: list[tuple[torch.Tensor, ...]] = []  # each layer's (order, inverse, counts) (device)
+        self.counts: list[torch.Tensor] = []  # each EP layer's received per-expert counts (device, tiny)
+        self.sizes: list[list[int]] = []
+        self.replayed: dict[str, int] = {}  # per kind, the entries the current recompute has replayed
+
+    def rewind(self) -> None:
+        """A recompute begins: replay from the first entries (a second backward through a retained graph
+        recomputes again)."""
+        self.replayed = {}
 
 
 class _SplitMode:
@@ -56,6 +62,8 @@ class _SplitMode:
         self._outer: list[_SplitMode | None] = []
 
     def __enter__(self) -> _SplitMode:
+        if self.mode == "replay":
+            self.log.rewind()
         self._outer = [d.split_mode for d in self.dispatchers]
         for d in self.dispatchers:
             d.split_mode = self
@@ -269,13 +277,14 @@ class ExpertDispatch:
         there (not computed) by its recompute; plainly computed outside such a region."""
         mode = self.split_mode
         if mode is not None and mode.mode == "replay":
-            queue = getattr(mode.log, kind)
-            if not queue:
+            entries, done = getattr(mode.log, kind), mode.log.replayed.get(kind, 0)
+            if done >= len(entries):
                 raise RuntimeError(
                     "activation-checkpoint recompute ran more EP layers than its forward: the recomputed region must "
                     "route exactly as its forward did"
                 )
-            return queue.popleft()
+            mode.log.replayed[kind] = done + 1
+            return entries[done]
         value = compute()
         if mode is not None and mode.mode == "record":
             getattr(mode.log, kind).append(value)

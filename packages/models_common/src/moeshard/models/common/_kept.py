@@ -22,9 +22,6 @@ it.
 
 from __future__ import annotations
 
-from collections import deque
-from contextlib import contextmanager
-
 import torch
 
 __all__ = [
@@ -58,28 +55,29 @@ _ACTIVE: list[tuple[AttentionKeep, str] | None] = [None]
 
 
 class AttentionKeep:
-    """One checkpointed region's attention outputs: :meth:`recording` keeps each :func:`kept_causal_attention`'s
-    outputs in call order, :meth:`replaying` hands them back in the same order (and lets go of each). A new keep
-    per ``checkpoint`` call; what it holds lives as long as the checkpoint's autograd graph (its ``context_fn``
-    contexts hold the keep), so a forward without backward frees it with its graph."""
+    """One checkpointed region's kept outputs: inside :meth:`recording` each kept operation
+    (:func:`kept_causal_attention`, :func:`kept_linear`, :func:`kept_topk`) computes and keeps its outputs in call
+    order; inside :meth:`replaying` they are handed back in the same order, from the first again at each entry (a
+    second backward through a retained graph recomputes again). A new keep per ``checkpoint`` call: what it holds
+    lives as long as the checkpoint's autograd graph (its ``context_fn`` contexts hold the keep), so a backward
+    frees it with the layer's graph and a forward without backward with its output."""
 
     def __init__(self) -> None:
-        self._kept: deque[tuple[torch.Tensor, ...]] = deque()
+        self._kept: list[tuple[torch.Tensor, ...]] = []
+        self._next = 0  # the next replay's entry
 
     def __len__(self) -> int:
-        return len(self._kept)
+        """Kept outputs the current (or next) replay has not handed back yet."""
+        return len(self._kept) - self._next
 
-    @contextmanager
-    def recording(self):
-        """While entered, :func:`kept_causal_attention` computes and keeps its outputs here."""
-        with _mode(self, "record"):
-            yield self
+    def recording(self) -> _Mode:
+        """A context (reusable) in which the kept operations compute and keep their outputs here."""
+        return _Mode(self, "record")
 
-    @contextmanager
-    def replaying(self):
-        """While entered, :func:`kept_causal_attention` returns the next kept outputs instead of computing."""
-        with _mode(self, "replay"):
-            yield self
+    def replaying(self) -> _Mode:
+        """A context (reusable) in which the kept operations return the kept outputs, from the first, instead of
+        computing."""
+        return _Mode(self, "replay")
 
     def _push(self, outputs: tuple[torch.Tensor, ...]) -> None:
         self._kept.append(tuple(t.detach() for t in outputs))
@@ -87,12 +85,12 @@ class AttentionKeep:
     def _pop(self, op: str, shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The next kept outputs, checked against what the recompute's ``op`` would compute (its first output's
         shape, and dtype and device of ``like``)."""
-        if not self._kept:
+        if self._next >= len(self._kept):
             raise RuntimeError(
                 f"{op}: the recompute runs more kept operations than its forward kept; the checkpointed region must "
                 "call the same operations in the same order when it is recomputed"
             )
-        outputs = self._kept.popleft()
+        outputs = self._kept[self._next]
         first, shape = outputs[0], tuple(shape)
         if tuple(first.shape) != shape or first.dtype != like.dtype or first.device != like.device:
             raise RuntimeError(
@@ -100,17 +98,27 @@ class AttentionKeep:
                 f"({tuple(first.shape)}, {first.dtype}, {first.device}); the checkpointed region must recompute the "
                 "same operations in the same order"
             )
+        self._next += 1
         return outputs
 
 
-@contextmanager
-def _mode(keep: AttentionKeep, mode: str):
-    outer = _ACTIVE[0]
-    _ACTIVE[0] = (keep, mode)
-    try:
-        yield
-    finally:
-        _ACTIVE[0] = outer
+class _Mode:
+    """Entered: the kept operations record into (or replay from) ``keep``. Reusable, as checkpointing enters its
+    recompute context once per recompute."""
+
+    def __init__(self, keep: AttentionKeep, mode: str) -> None:
+        self.keep, self.mode = keep, mode
+        self._outer: list[tuple[AttentionKeep, str] | None] = []
+
+    def __enter__(self) -> AttentionKeep:
+        if self.mode == "replay":
+            self.keep._next = 0
+        self._outer.append(_ACTIVE[0])
+        _ACTIVE[0] = (self.keep, self.mode)
+        return self.keep
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE[0] = self._outer.pop()
 
 
 def kept_attention_device(device: torch.device | str) -> bool:
