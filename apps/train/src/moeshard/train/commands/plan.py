@@ -90,8 +90,9 @@ def activation_bytes_per_token(
     the attention's output and log-sum-exp, the output projection's output; packed rows recompute the attention, so
     there the estimate is high by the attention's part) and one layer at a time is recomputed in backward; with
     ``selective`` every layer keeps its activations but the routed copies' gated activation (``activation``: ``F``
-    elements per copy) or also their gate/up output (``mlp``: ``3F``). A routed copy keeps ``D + 3F``: its row into the experts, the gate/up output and the gated
-    activation (the expert pass applies the routing weight, so nothing of its output is kept for that gradient).
+    elements per copy) or also their gate/up output (``mlp``: ``3F``). A routed copy keeps ``D + 3F``: its row into
+    the experts, the gate/up output and the gated activation (the expert pass applies the routing weight, so nothing
+    of its output is kept for that gradient).
     The loss head is chunked (the trainer never holds the ``[tokens, vocab]`` logits): per token it keeps the
     hidden states and their gradient (its ``[V, D]`` weight gradient and one chunk's logits are
     :func:`loss_head_bytes`).
