@@ -10,13 +10,16 @@ set -u
 OLD=${OLD:-.bench_old}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 path_of() { ls -d "$1"/packages/*/src "$1"/apps/*/src | tr '\n' ':'; }
-flags() {  # the job's keys of one regime: mb<M>[_selective|_selective_mlp|_selective_activation|_full|_documents]
-  # (_selective: the tree's default recompute; documents: packed, mean DOC_MEAN tokens)
+flags() {  # the job's keys of one regime:
+  # mb<M>[_selective|_selective_mlp|_selective_activation|_full|_full_recompute|_documents]
+  # (_selective: the tree's default recompute; _full_recompute: full without parallel.keep_attention; documents:
+  # packed, mean DOC_MEAN tokens)
   local mb=${1%%_*} ac=none docs=
   case $1 in
     *_selective) ac=selective ;;
     *_selective_mlp|*_selective_activation) ac="selective --parallel.selective_recompute=${1##*_}" ;;
     *_full) ac=full ;;
+    *_full_recompute) ac="full --parallel.keep_attention=false" ;;
     *_documents) docs="--documents ${DOC_MEAN:-1024}" ;;
   esac
   echo "--parallel.compile=true --parallel.ep.kernels=triton --train.micro_batch_size=${mb#mb}" \
