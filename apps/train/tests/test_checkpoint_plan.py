@@ -99,7 +99,7 @@ def test_plan_memory_follows_the_policies():
     ``[V, D]`` weight gradient and one chunk's bf16 logits and their gradient at the forward's end, when no
     reduce buffer is alive; gradients of earlier micro-batches sit beside the last one's activations; ``selective``
     drops 3F (``mlp``) or F (``activation``) bf16 elements per routed copy and layer and repeats no exchange,
-    ``full`` keeps one hidden state per layer and does."""
+    ``full`` keeps one hidden state per layer (and what ``keep_attention`` keeps) and does."""
     base, comm = _memory()
     experts = 2 * 128 // 2 * 3 * 2048 * 768  # 2 layers, 64 local experts: kept out of FSDP at EP 2 of 2 ranks
     unfused, _ = _memory("train.fuse_local_experts=false")
@@ -137,6 +137,10 @@ def test_plan_memory_follows_the_policies():
         assert selective_comm == comm
     full, full_comm = _memory("parallel.activation_checkpointing=full")
     assert full.activations < selective.activations
+    # keep_attention (the default): each layer also keeps its attention's output (32 heads x 128, bf16), the
+    # log-sum-exp (32 float32) and the output projection's output (D, bf16)
+    recomputed, _ = _memory("parallel.activation_checkpointing=full", "parallel.keep_attention=false")
+    assert full.activations - recomputed.activations == tokens * 2 * ((32 * 128 + d) * 2 + 4 * 32)
     # the token rows travel 5 times instead of 4: out again in the recompute, which brings no outputs back and
     # replays the per-expert counts
     a2a = ("all_to_all", "intra-node")

@@ -69,9 +69,9 @@ def test_activation_checkpointing_same_loss_and_grads(hf_dir, batch, monkeypatch
     names = [n for n, _ in ac.named_parameters()]
     assert names == [n for n, _ in plain.named_parameters()]  # FQNs unchanged (FSDP / the plan rely on them)
     loss_plain = plain(ids, labels=labels, attention_mask=mask).loss
-    runs, compute, pops, pop = [], kept._compute, collections.Counter(), kept.AttentionKeep._pop
+    runs, compute, pops, pop = [], kept._compute, collections.Counter(), kept.AttentionKeep._replay
     monkeypatch.setattr(kept, "_compute", lambda *a: runs.append(1) or compute(*a))
-    monkeypatch.setattr(kept.AttentionKeep, "_pop", lambda self, op, *a: pops.update([op]) or pop(self, op, *a))
+    monkeypatch.setattr(kept.AttentionKeep, "_replay", lambda self, op, *a: pops.update([op]) or pop(self, op, *a))
     loss_ac = ac(ids, labels=labels, attention_mask=mask).loss
     torch.testing.assert_close(loss_ac, loss_plain, rtol=0, atol=0)
     loss_plain.backward()

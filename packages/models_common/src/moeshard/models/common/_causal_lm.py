@@ -167,13 +167,13 @@ class DecoderModel(nn.Module):
         attention_mask_BS: torch.Tensor | None,
         document_ids_BS: torch.Tensor | None,
         s: int,
-        device: torch.device | None = None,
+        device: torch.device,
     ) -> torch.Tensor | BlockMask | KeptCausal | None:
         """One mask for every layer: None (causal; ``KEPT_CAUSAL`` with ``keep_attention``), a dense boolean
         ``[B, 1, S, S]``, or a flex ``BlockMask``."""
         if document_ids_BS is None:
             mask = build_attention_mask(attention_mask_BS, s)
-            keep = mask is None and self.keep_attention and device is not None and kept_attention_device(device)
+            keep = mask is None and self.keep_attention and kept_attention_device(device)
             return KEPT_CAUSAL if keep else mask
         if document_ids_BS.shape[-1] != s:
             raise ValueError(

@@ -82,7 +82,7 @@ class AttentionKeep:
     def _push(self, outputs: tuple[torch.Tensor, ...]) -> None:
         self._kept.append(tuple(t.detach() for t in outputs))
 
-    def _pop(self, op: str, shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _replay(self, op: str, shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The next kept outputs, checked against what the recompute's ``op`` would compute (its first output's
         shape, and dtype and device of ``like``)."""
         if self._next >= len(self._kept):
@@ -166,7 +166,7 @@ def _kept_causal_attention(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     active = _ACTIVE[0]
     if active is not None and active[1] == "replay":
-        return active[0]._pop("kept_causal_attention", (*q.shape[:-1], v.shape[-1]), q)
+        return active[0]._replay("kept_causal_attention", (*q.shape[:-1], v.shape[-1]), q)
     outputs = _compute(q, k, v, scale)
     if active is not None:
         active[0]._push(outputs)
@@ -226,7 +226,7 @@ def kept_causal_attention(
 def _kept_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     active = _ACTIVE[0]
     if active is not None and active[1] == "replay":
-        return active[0]._pop("kept_linear", (*x.shape[:-1], weight.shape[0]), x)[0]
+        return active[0]._replay("kept_linear", (*x.shape[:-1], weight.shape[0]), x)[0]
     y = torch.nn.functional.linear(x, weight)
     if active is not None:
         # A copy: backward does not read y, so compiled code may write another value into its buffer once the
@@ -269,7 +269,7 @@ def kept_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _kept_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     active = _ACTIVE[0]
     if active is not None and active[1] == "replay":
-        return active[0]._pop("kept_topk", (*scores.shape[:-1], k), scores)
+        return active[0]._replay("kept_topk", (*scores.shape[:-1], k), scores)
     values, ids = torch.topk(scores, k, dim=-1)
     if active is not None:
         active[0]._push((values.clone(), ids))  # the values copied: backward reads only the ids (_kept_linear)
