@@ -49,6 +49,21 @@ def _flex(S: int, dev):
     return run
 
 
+def _fa4():
+    """FlashAttention 4's CuTe kernels (``flash_attn.cute``, the ``flash-attn-4`` wheel; its SM90 path on Hopper), on
+    ``[B, S, heads, D]`` views of the same tensors; None where the package is absent."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return None
+
+    def run(q, k, v):
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+    return run
+
+
 def _grads(fn, q, k, v, dout):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = fn(q, k, v)
@@ -90,6 +105,8 @@ def main() -> None:
             "efficient (repeated)": _sdpa(SDPBackend.EFFICIENT_ATTENTION, False),
             "flex (compiled)": _flex(S, dev),
         }
+        if (fa4 := _fa4()) is not None:
+            variants["fa4 (flash_attn.cute)"] = fa4
         ref = _grads(variants["flash (gqa)"], q, k, v, dout)
         for name, fn in variants.items():
             try:

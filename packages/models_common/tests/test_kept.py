@@ -13,13 +13,17 @@ import moeshard.models.common._kept as kept
 from moeshard.models.common import (
     KEPT_CAUSAL,
     AttentionKeep,
+    ParallelOptions,
     attend,
+    causal_mask,
+    fa4_unavailable,
     kept_attention_applies,
     kept_attention_device,
     kept_causal_attention,
     kept_linear,
     kept_topk,
 )
+from moeshard.models.common.testing import reference_fa4
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -31,10 +35,10 @@ def _qkv(device: str, dtype: torch.dtype, heads: int = 4, kv_heads: int = 2, s: 
     return tuple(t.transpose(1, 2).requires_grad_() for t in (q, k, v))
 
 
-def _region(q, k, v, w):
+def _region(q, k, v, w, mask=KEPT_CAUSAL):
     # a region that saves things around the kept operations, as a decoder layer does: the attention, its output
     # projection (the heads flattened), a top-k of its output's scores
-    out = attend(q * 1.5, k, v, KEPT_CAUSAL, scale=0.3, enable_gqa=q.shape[1] != k.shape[1])
+    out = attend(q * 1.5, k, v, mask, scale=0.3, enable_gqa=q.shape[1] != k.shape[1])
     b, h, s, d = out.shape
     y = kept_linear(out.transpose(1, 2).reshape(b, s, h * d), w)
     values, ids = kept_topk(y.float().softmax(-1), 2)
@@ -153,3 +157,73 @@ def test_compiled_code_reusing_an_unread_output_buffer_does_not_change_the_repla
     out = checkpoint(compiled, x, w, r, use_reentrant=False, context_fn=lambda: (keep.recording(), keep.replaying()))
     for got, ref in zip(torch.autograd.grad(out, (x, w, r), grad), want):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fa4_layouts_keep_and_gradients(monkeypatch):
+    """FlashAttention 4's path (its entry points computed on CPU by ``reference_fa4``): the [B, S, heads, D] views
+    it is given and the output it returns give SDPA's attention and gradients; under a keeping checkpoint it runs
+    once forward and once backward, and the recompute replays it."""
+    calls = reference_fa4(monkeypatch)
+    q, k, v = _qkv("cpu", torch.float32)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    grad = torch.randn_like(ref)
+    out = kept_causal_attention(q, k, v, 0.3, "fa4")
+    assert out.shape == ref.shape and dict(calls) == {"forward": 1}
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    w = torch.randn(6, q.shape[1] * q.shape[-1], requires_grad=True)
+    grad = torch.randn_like(_region(q, k, v, w))
+    want = torch.autograd.grad(_region(q, k, v, w), (q, k, v, w), grad)
+    calls.clear()
+    keep = AttentionKeep()
+    mask = causal_mask("fa4", keep=True)
+    out = checkpoint(
+        _region, q, k, v, w, mask, use_reentrant=False, context_fn=lambda: (keep.recording(), keep.replaying())
+    )
+    assert dict(calls) == {"forward": 1} and len(keep) == 3
+    for got, ref_grad in zip(torch.autograd.grad(out, (q, k, v, w), grad), want):
+        torch.testing.assert_close(got, ref_grad, rtol=1e-5, atol=1e-6)
+    assert dict(calls) == {"forward": 1, "backward": 1} and len(keep) == 0
+
+
+def test_fa4_refused_where_it_cannot_run():
+    assert "CUDA devices only" in fa4_unavailable("cpu")
+    with pytest.raises(ValueError, match="attention_kernel='flash' is not one of"):
+        ParallelOptions(attention_kernel="flash")
+    with pytest.raises(ValueError, match="must be one of"):
+        causal_mask("flash")
+    q12 = torch.randn(2, 4, 16, 12)
+    assert not kept_attention_applies(q12, q12, q12, 0.0, "fa4")  # CPU: attend falls back to SDPA
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or fa4_unavailable("cuda") is not None,
+    reason="FlashAttention 4 (flash-attn-4) on a Hopper or Blackwell GPU",
+)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fa4_kernels_close_to_sdpa_on_cuda(compiled):
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    q, k, v = _qkv("cuda", torch.bfloat16, heads=8, kv_heads=2, s=512, d=128)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    grad = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
+    attention = torch.compile(kept_causal_attention, fullgraph=True) if compiled else kept_causal_attention
+    out = attention(q, k, v, 0.3, "fa4")
+    assert out.shape == ref.shape and rel(out, ref) < 1e-2  # cuDNN against FA2: ~2e-3 (NOTES)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), ref_grads):
+        assert rel(got, want) < 1e-2
+    w = torch.randn(64, q.shape[1] * q.shape[-1], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    region = torch.compile(_region, fullgraph=True) if compiled else _region
+    mask = causal_mask("fa4", keep=True)
+    ones = torch.ones(2, 512, 64, device="cuda", dtype=torch.bfloat16)
+    want = torch.autograd.grad(region(q, k, v, w, mask), (q, k, v, w), ones)
+    keep = AttentionKeep()
+    out = checkpoint(
+        region, q, k, v, w, mask, use_reentrant=False, context_fn=lambda: (keep.recording(), keep.replaying())
+    )
+    for got, ref_grad in zip(torch.autograd.grad(out, (q, k, v, w), ones), want):
+        assert rel(got, ref_grad) < 1e-3  # replayed: the same kernels' outputs (dq by atomics: not bitwise)

@@ -7,7 +7,7 @@ import collections
 import pytest
 import torch
 
-from moeshard.models.common.testing import max_rel_grad_error
+from moeshard.models.common.testing import max_rel_grad_error, reference_fa4
 from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, apply_activation_checkpointing
 
 
@@ -94,6 +94,29 @@ def test_activation_checkpointing_same_loss_and_grads(hf_dir, batch, monkeypatch
         ]
         if v
     }
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "kept"])
+def test_fa4_kernel_gives_the_sdpa_model(hf_dir, batch, monkeypatch, checkpointed):
+    """``causal_attention="fa4"`` (FlashAttention 4's entry points computed on CPU, ``reference_fa4``): the model's
+    loss and gradients are the SDPA model's, one forward and one backward call per layer, also under full
+    checkpointing that keeps the attention; without the package the model refuses it before its first layer."""
+    ids, _, labels = batch
+    sdpa, fa4 = Qwen3MoeForCausalLM.from_pretrained(hf_dir), Qwen3MoeForCausalLM.from_pretrained(hf_dir)
+    fa4.model.causal_attention = "fa4"
+    with pytest.raises(ValueError, match="causal_attention='fa4' cannot run here: .*set parallel.attention_kernel"):
+        fa4(ids, labels=labels)
+    calls = reference_fa4(monkeypatch)
+    if checkpointed:
+        apply_activation_checkpointing(fa4)
+    loss_sdpa, loss_fa4 = sdpa(ids, labels=labels).loss, fa4(ids, labels=labels).loss
+    torch.testing.assert_close(loss_fa4, loss_sdpa, rtol=1e-6, atol=1e-6)
+    loss_sdpa.backward()
+    loss_fa4.backward()
+    worst, where = max_rel_grad_error(sdpa, fa4)
+    assert worst < 1e-5, where
+    layers = fa4.config.num_hidden_layers
+    assert dict(calls) == {"forward": layers, "backward": layers}
 
 
 def test_activation_checkpointing_backward_twice(hf_dir, batch):

@@ -40,6 +40,7 @@ from moeshard.models.common._balancing import (
 )
 from moeshard.models.common._causal_lm import DecoderLayer, DecoderModel, MoECausalLM
 from moeshard.models.common._evaluation import EvalResult, evaluate
+from moeshard.models.common._fa4 import fa4_unavailable
 from moeshard.models.common._family import ModelFamily
 from moeshard.models.common._head import CausalLMOutput, LMHead, causal_lm_loss
 from moeshard.models.common._hf_load import (
@@ -58,9 +59,11 @@ from moeshard.models.common._hf_save import (
     stream_hf_weights,
 )
 from moeshard.models.common._kept import (
+    CAUSAL_KERNELS,
     KEPT_CAUSAL,
     AttentionKeep,
-    KeptCausal,
+    CausalMask,
+    causal_mask,
     kept_attention_applies,
     kept_attention_device,
     kept_causal_attention,
@@ -100,6 +103,7 @@ from moeshard.models.common._presets import check_common_config, config_keys, pr
 from moeshard.models.common._safetensors import INDEX_NAME, CheckpointError, SafetensorsDir, TensorInfo
 
 __all__ = [
+    "CAUSAL_KERNELS",
     "EXPERT_LAYOUTS",
     "IGNORE_INDEX",
     "INDEX_NAME",
@@ -111,6 +115,7 @@ __all__ = [
     "Balancing",
     "BalancingOptions",
     "CausalLMOutput",
+    "CausalMask",
     "CheckpointError",
     "DecoderLayer",
     "DecoderModel",
@@ -120,7 +125,6 @@ __all__ = [
     "GlobalExpertCounts",
     "GroupLimitedRouter",
     "HFFormat",
-    "KeptCausal",
     "LMHead",
     "LoadReport",
     "MoEBlock",
@@ -142,6 +146,7 @@ __all__ = [
     "attention_output",
     "build_attention_mask",
     "causal_lm_loss",
+    "causal_mask",
     "ce_chunk",
     "check_common_config",
     "config_keys",
@@ -149,6 +154,7 @@ __all__ = [
     "document_causal_mask",
     "evaluate",
     "expert_counts",
+    "fa4_unavailable",
     "global_balancing_loss",
     "kept_attention_applies",
     "kept_attention_device",

@@ -30,9 +30,10 @@ from transformers import PretrainedConfig
 
 from moeshard.ep import ParallelPlan
 from moeshard.models.common._balancing import load_balancing_loss
+from moeshard.models.common._fa4 import fa4_unavailable
 from moeshard.models.common._head import CausalLMOutput, LMHead, causal_lm_loss
 from moeshard.models.common._hf_load import HFFormat
-from moeshard.models.common._kept import KEPT_CAUSAL, KeptCausal, kept_attention_device
+from moeshard.models.common._kept import CAUSAL_KERNELS, CausalMask, causal_mask, kept_attention_device
 from moeshard.models.common._layers import (
     DenseMLP,
     RMSNorm,
@@ -106,9 +107,11 @@ class DecoderModel(nn.Module):
     ``"dense"`` force one (the dense mask is the reference; it costs ``B·S²`` booleans per forward).
     flex_attention runs its fused kernel only compiled (eagerly it is a dense reference), so ``"auto"`` picks it
     only where the attention is compiled (``compiled_attention``, which ``parallelize(compile=True)`` sets).
-    ``keep_attention`` (set by ``apply_activation_checkpointing(keep_attention=True)``): a plain causal attention
-    (no padding mask, no documents) is passed ``KEPT_CAUSAL``, whose output a checkpointed layer keeps
-    (``moeshard.models.common.AttentionKeep``).
+    ``causal_attention`` says which kernels a plain causal attention (no padding mask, no documents) runs:
+    ``"sdpa"`` (default; SDPA's choice, cuDNN's on Hopper) or ``"fa4"`` (FlashAttention 4's, the optional
+    ``flash-attn-4`` package; refused with the reason where it cannot run). ``keep_attention`` (set by
+    ``apply_activation_checkpointing(keep_attention=True)``): a checkpointed layer keeps that attention's output
+    (``moeshard.models.common.AttentionKeep``). Either way the layers get a ``CausalMask`` instead of None.
     """
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -120,6 +123,7 @@ class DecoderModel(nn.Module):
         self.document_attention = "auto"
         self.compiled_attention = False
         self.keep_attention = False
+        self.causal_attention = "sdpa"
 
     attention_class: type[nn.Module]
     """The family's attention, ``attention_class(config)``."""
@@ -168,13 +172,23 @@ class DecoderModel(nn.Module):
         document_ids_BS: torch.Tensor | None,
         s: int,
         device: torch.device,
-    ) -> torch.Tensor | BlockMask | KeptCausal | None:
-        """One mask for every layer: None (causal; ``KEPT_CAUSAL`` with ``keep_attention``), a dense boolean
-        ``[B, 1, S, S]``, or a flex ``BlockMask``."""
+    ) -> torch.Tensor | BlockMask | CausalMask | None:
+        """One mask for every layer: None (causal), a ``CausalMask`` (causal, with FlashAttention 4's kernels or
+        kept by a checkpointed layer), a dense boolean ``[B, 1, S, S]``, or a flex ``BlockMask``."""
         if document_ids_BS is None:
             mask = build_attention_mask(attention_mask_BS, s)
-            keep = mask is None and self.keep_attention and kept_attention_device(device)
-            return KEPT_CAUSAL if keep else mask
+            if mask is not None:
+                return mask
+            kernel = self.causal_attention
+            if kernel not in CAUSAL_KERNELS:
+                raise ValueError(f"causal_attention must be one of {CAUSAL_KERNELS}, got {kernel!r}")
+            if kernel == "fa4" and (why := fa4_unavailable(device)) is not None:
+                raise ValueError(
+                    f"causal_attention='fa4' cannot run here: {why}; set parallel.attention_kernel (the model's "
+                    "causal_attention) to 'sdpa'"
+                )
+            keep = self.keep_attention and kept_attention_device(device, kernel)
+            return causal_mask(kernel, keep) if keep or kernel != "sdpa" else None
         if document_ids_BS.shape[-1] != s:
             raise ValueError(
                 f"document_ids must be [batch, seq_len={s}] like input_ids, got shape {tuple(document_ids_BS.shape)}"

@@ -18,16 +18,22 @@ it.
 
     keep = AttentionKeep()
     checkpoint(layer, x, mask=KEPT_CAUSAL, use_reentrant=False, context_fn=lambda: (keep.recording(), keep.replaying()))
+
+With ``causal_mask("fa4", keep)`` the attention runs FlashAttention 4's kernels (``_fa4``), kept and replayed the
+same way.
 """
 
 from __future__ import annotations
 
 import torch
 
+from moeshard.models.common._fa4 import fa4_applies, fa4_backward, fa4_forward, fa4_unavailable
+
 __all__ = [
     "KEPT_CAUSAL",
     "AttentionKeep",
-    "KeptCausal",
+    "CausalMask",
+    "causal_mask",
     "kept_attention_applies",
     "kept_attention_device",
     "kept_causal_attention",
@@ -35,19 +41,43 @@ __all__ = [
     "kept_topk",
 ]
 
+CAUSAL_KERNELS = ("sdpa", "fa4")
+"""The kernels a plain causal attention can run: ``"sdpa"`` (what ``scaled_dot_product_attention`` picks: cuDNN's on
+Hopper) and ``"fa4"`` (FlashAttention 4's, the optional ``flash-attn-4`` package; ``moeshard.models.common._fa4``)."""
 
-class KeptCausal:
-    """The attention mask of a plain causal attention whose output a checkpointed region keeps (the model passes
-    :data:`KEPT_CAUSAL` where it would pass None; :func:`attend` reads it as None where the kept kernels do not
-    apply)."""
+
+class CausalMask:
+    """The attention mask of a plain causal attention (no padding, no documents) that runs through
+    :func:`kept_causal_attention`: ``kernel`` (one of ``CAUSAL_KERNELS``) and whether a checkpointed layer keeps its
+    output (``keep``). The model passes one (:func:`causal_mask`) where it would pass None; :func:`attend` reads it as
+    None where the kernel does not apply."""
+
+    __slots__ = ("kernel", "keep")
+
+    def __init__(self, kernel: str, keep: bool) -> None:
+        if kernel not in CAUSAL_KERNELS:
+            raise ValueError(f"causal attention kernel must be one of {CAUSAL_KERNELS}, got {kernel!r}")
+        self.kernel, self.keep = kernel, bool(keep)
 
     def __repr__(self) -> str:
-        return "KEPT_CAUSAL"
+        return f"CausalMask(kernel={self.kernel!r}, keep={self.keep})"
 
 
-KEPT_CAUSAL = KeptCausal()
+_MASKS = {(kernel, keep): CausalMask(kernel, keep) for kernel in CAUSAL_KERNELS for keep in (False, True)}
+
+
+def causal_mask(kernel: str = "sdpa", keep: bool = False) -> CausalMask:
+    """The one :class:`CausalMask` of ``kernel`` and ``keep`` (one object each, so a compiled caller that takes it
+    as an argument sees the same constant every step)."""
+    try:
+        return _MASKS[(kernel, bool(keep))]
+    except KeyError:
+        raise ValueError(f"causal attention kernel must be one of {CAUSAL_KERNELS}, got {kernel!r}") from None
+
+
+KEPT_CAUSAL = causal_mask("sdpa", keep=True)
 """The mask the model passes for a plain causal attention under full activation checkpointing that keeps the
-attention's output (``DecoderModel.keep_attention``)."""
+attention's output (``DecoderModel.keep_attention``), with SDPA's kernel."""
 
 _ACTIVE: list[tuple[AttentionKeep, str] | None] = [None]
 # The keep and mode of the region being run. A process-wide slot, not a thread-local: the recompute runs on
@@ -121,11 +151,14 @@ class _Mode:
         _ACTIVE[0] = self._outer.pop()
 
 
-def kept_attention_device(device: torch.device | str) -> bool:
-    """Whether :func:`kept_causal_attention` has its kernels on ``device``: CPU, or CUDA with cuDNN attention
-    enabled on a GPU of compute capability 9.0 or more (the model asks once per forward, eagerly; see
-    :func:`kept_attention_applies` for the per-call conditions, which are traced)."""
+def kept_attention_device(device: torch.device | str, kernel: str = "sdpa") -> bool:
+    """Whether :func:`kept_causal_attention` has ``kernel``'s kernels on ``device``. ``"sdpa"``: CPU, or CUDA with
+    cuDNN attention enabled on a GPU of compute capability 9.0 or more; ``"fa4"``: where
+    :func:`~moeshard.models.common._fa4.fa4_unavailable` finds no reason against it. The model asks once per
+    forward, eagerly; see :func:`kept_attention_applies` for the per-call conditions, which are traced."""
     device = torch.device(device)
+    if kernel == "fa4":
+        return fa4_unavailable(device) is None
     if device.type == "cpu":
         return True
     return (
@@ -135,11 +168,15 @@ def kept_attention_device(device: torch.device | str) -> bool:
     )
 
 
-def kept_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> bool:
-    """Whether :func:`kept_causal_attention` computes this causal attention with the kernels SDPA picks for it, on
-    a device where :func:`kept_attention_device`: ``[B, H, S, D]`` with one head size for q, k and v, no dropout;
-    on CUDA half precision and a head size up to 128, a multiple of 8 (cuDNN's). Shapes and dtypes only, so a
-    compiled caller traces it without a graph break."""
+def kept_attention_applies(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, kernel: str = "sdpa"
+) -> bool:
+    """Whether :func:`kept_causal_attention` computes this causal attention with ``kernel``, on a device where
+    :func:`kept_attention_device`: ``[B, H, S, D]`` with one head size for q, k and v, no dropout; on CUDA half
+    precision and a head size that is a multiple of 8, up to 128 for SDPA's (cuDNN's) and 256 for FlashAttention
+    4's. Shapes and dtypes only, so a compiled caller traces it without a graph break."""
+    if kernel == "fa4":
+        return fa4_applies(q, k, v, dropout)
     if dropout > 0 or q.dim() != 4 or q.shape[-1] != k.shape[-1] or q.shape[-1] != v.shape[-1]:
         return False
     if q.device.type == "cpu":
@@ -208,14 +245,78 @@ def _backward(ctx, grad_out, *_):
 _kept_causal_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ---- FlashAttention 4's kernels, on [B, S, heads, D] ---------------------------------------------------------
+
+
+@torch.library.custom_op("moeshard::kept_causal_attention_fa4", mutates_args=())
+def _kept_causal_attention_fa4(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    active = _ACTIVE[0]
+    if active is not None and active[1] == "replay":
+        return active[0]._replay("kept_causal_attention", (*q.shape[:-1], v.shape[-1]), q)
+    outputs = fa4_forward(q, k, v, scale)
+    if active is not None:
+        active[0]._push(outputs)
+    return outputs
+
+
+@_kept_causal_attention_fa4.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    b, s, h, _ = q.shape
+    return q.new_empty((b, s, h, v.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+def _fa4_setup_context(ctx, inputs, output) -> None:
+    q, k, v, scale = inputs  # every output is read by backward, so the keep holds them without a copy (above)
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.scale = scale
+    ctx.set_materialize_grads(False)
+
+
+@torch.library.custom_op("moeshard::causal_attention_fa4_backward", mutates_args=())
+def _fa4_backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # An op of its own: compiled code traces a backward rule with fake tensors, which FlashAttention 4's host code
+    # (its kernels' compile and launch) does not take.
+    return fa4_backward(grad_out, q, k, v, out, lse, scale)
+
+
+@_fa4_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fa4_backward_rule(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        return None, None, None, None
+    return (*_fa4_backward_op(grad_out, q, k, v, out, lse, ctx.scale), None)
+
+
+_kept_causal_attention_fa4.register_autograd(_fa4_backward_rule, setup_context=_fa4_setup_context)
+
+
 def kept_causal_attention(
-    q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, scale: float
+    q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, scale: float, kernel: str = "sdpa"
 ) -> torch.Tensor:
-    """``softmax(q·kᵀ·scale, causal) v`` ``[B, H, S, D]`` (grouped-query where ``G < H``), the same bits as
-    ``scaled_dot_product_attention(..., is_causal=True, enable_gqa=...)`` where :func:`kept_attention_applies`.
+    """``softmax(q·kᵀ·scale, causal) v`` ``[B, H, S, D]`` (grouped-query where ``G < H``) where
+    :func:`kept_attention_applies`. ``kernel="sdpa"``: the same bits as ``scaled_dot_product_attention(...,
+    is_causal=True, enable_gqa=...)``; ``"fa4"``: FlashAttention 4's kernels, on the ``[B, S, heads, D]`` tensors
+    the ``[B, heads, S, D]`` arguments are transposed views of (the layout the projections write: no copy).
     Inside :meth:`AttentionKeep.recording` its output and log-sum-exp are kept; inside
     :meth:`AttentionKeep.replaying` they are returned again without running the kernel (the recompute of a
     checkpointed region), with the gradient of the attention they came from."""
+    if kernel == "fa4":
+        q, k, v = (t.transpose(1, 2) for t in (q_BHSD, k_BGSD, v_BGSD))
+        return _kept_causal_attention_fa4(q, k, v, float(scale))[0].transpose(1, 2)
     return _kept_causal_attention(q_BHSD, k_BGSD, v_BGSD, float(scale))[0]
 
 

@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from moeshard.models.common._kept import (
-    KeptCausal,
+    CausalMask,
     kept_attention_applies,
     kept_causal_attention,
     kept_linear,
@@ -219,11 +219,12 @@ def attend(
     ``BlockMask`` from :func:`document_block_mask` (flex_attention: the fused kernel where the caller runs compiled,
     ``parallelize(compile=True)`` compiles the attention half holding this call; eagerly a dense reference, for
     CPU tests; never compiled here). ``dropout``: the attention dropout (0 in eval); refused with a ``BlockMask``.
-    ``KEPT_CAUSAL`` (what the model passes for a plain causal attention under full activation checkpointing that
-    keeps the attention's output): :func:`kept_causal_attention` where its kernels apply, else as None."""
-    if isinstance(mask_B1SS, KeptCausal):
-        if kept_attention_applies(q_BHSDq, k_BGSDq, v_BGSDv, dropout):
-            return kept_causal_attention(q_BHSDq, k_BGSDq, v_BGSDv, scale)
+    A :class:`CausalMask` (what the model passes for a plain causal attention that runs FlashAttention 4's kernels,
+    or that full activation checkpointing keeps, e.g. ``KEPT_CAUSAL``): :func:`kept_causal_attention` with its kernel
+    where that applies, else as None."""
+    if isinstance(mask_B1SS, CausalMask):
+        if kept_attention_applies(q_BHSDq, k_BGSDq, v_BGSDv, dropout, mask_B1SS.kernel):
+            return kept_causal_attention(q_BHSDq, k_BGSDq, v_BGSDv, scale, mask_B1SS.kernel)
         mask_B1SS = None
     if isinstance(mask_B1SS, BlockMask):
         if dropout > 0:
@@ -245,10 +246,11 @@ def attend(
 
 
 def attention_output(o_proj: nn.Module, x_BSX: torch.Tensor, mask_B1SS: object) -> torch.Tensor:
-    """``o_proj(x_BSX)``, the attention's output projection, under the mask the layer got: with ``KEPT_CAUSAL``
-    (full activation checkpointing that keeps the attention's output), a plain ``nn.Linear`` without bias runs as
-    :func:`kept_linear`, so the layer's recompute takes its output from the forward instead of running the GEMM."""
-    if isinstance(mask_B1SS, KeptCausal) and type(o_proj) is nn.Linear and o_proj.bias is None:
+    """``o_proj(x_BSX)``, the attention's output projection, under the mask the layer got: with a :class:`CausalMask`
+    that keeps (``KEPT_CAUSAL``: full activation checkpointing that keeps the attention's output), a plain
+    ``nn.Linear`` without bias runs as :func:`kept_linear`, so the layer's recompute takes its output from the
+    forward instead of running the GEMM."""
+    if isinstance(mask_B1SS, CausalMask) and mask_B1SS.keep and type(o_proj) is nn.Linear and o_proj.bias is None:
         return kept_linear(x_BSX, o_proj.weight)
     return o_proj(x_BSX)
 

@@ -3,9 +3,12 @@ transformers (one process, packed per document, 2 x 2 gloo processes).
 
 ids, labels, position_ids, document_ids, pieces = pack_documents(vocab=512)
 worst, where = max_rel_grad_error(reference_model, our_model)
+calls = reference_fa4(monkeypatch)   # FlashAttention 4's entry points computed on CPU, counted
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +21,7 @@ __all__ = [
     "max_rel_grad_error",
     "pack_documents",
     "padded_batch",
+    "reference_fa4",
 ]
 
 DOCUMENT_LENGTHS = (5, 11, 3, 20, 7, 2, 16, 4)
@@ -172,3 +176,50 @@ def check_two_nodes_of_two(
                 start, end = experts[name]
                 expected = expected[start:end]
             torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class _ReferenceFA4:
+    """``flash_attn.cute.interface``'s two entry points as the model calls them, computed by the flash kernel for CPU
+    on the ``[B, S, heads, D]`` tensors they are given (seen as ``[B, heads, S, D]``); ``calls`` counts them."""
+
+    def __init__(self) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def _flash_attn_fwd(self, q, k, v, *, softmax_scale, causal, return_lse, out, lse):
+        b, s, h, _ = q.shape
+        assert causal and return_lse and out.shape == (b, s, h, v.shape[-1]) and lse.shape == (b, h, s)
+        o, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, scale=softmax_scale
+        )
+        out.copy_(o.transpose(1, 2))
+        lse.copy_(logsumexp)
+        self.calls["forward"] += 1
+        return out, lse, None, None, None
+
+    def _flash_attn_bwd(self, q, k, v, out, dout, lse, *, softmax_scale, causal, dq, dk, dv):
+        assert causal
+        bhsd = (t.transpose(1, 2) for t in (dout, q, k, v, out))
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *bhsd, lse, 0.0, True, scale=softmax_scale
+        )
+        for into, g in zip((dq, dk, dv), grads):
+            into.copy_(g.transpose(1, 2))
+        self.calls["backward"] += 1
+        return dq, dk, dv
+
+
+def reference_fa4(monkeypatch) -> collections.Counter[str]:
+    """Make ``causal_attention="fa4"`` run on CPU: FlashAttention 4's entry points (``_fa4``) replaced by the flash
+    kernel for CPU on the same ``[B, S, heads, D]`` tensors, and the device checks answering yes. The layouts, the
+    keep and the autograd wiring are then ours and tested; the kernels are FlashAttention 4's only on a GPU.
+    Returns the count of forward and backward calls."""
+    import moeshard.models.common._causal_lm as causal_lm
+    import moeshard.models.common._fa4 as fa4
+    import moeshard.models.common._kept as kept
+
+    reference = _ReferenceFA4()
+    monkeypatch.setattr(fa4, "_interface", lambda: reference)
+    for module in (causal_lm, kept):
+        monkeypatch.setattr(module, "fa4_unavailable", lambda device: None)
+    monkeypatch.setattr(kept, "fa4_applies", lambda q, k, v, dropout: dropout == 0 and q.shape[-1] == v.shape[-1])
+    return reference.calls
