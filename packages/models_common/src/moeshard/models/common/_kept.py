@@ -197,17 +197,23 @@ def _compute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
     return out, lse, empty, empty.clone()
 
 
+def _recorded_or_replayed(compute, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """``compute(q, k, v, scale)``'s outputs, kept inside a recording keep; inside a replaying one the kept outputs
+    instead, without computing (an output's shape is q's with v's head size, in either layout)."""
+    active = _ACTIVE[0]
+    if active is not None and active[1] == "replay":
+        return active[0]._replay("kept_causal_attention", (*q.shape[:-1], v.shape[-1]), q)
+    outputs = compute(q, k, v, scale)
+    if active is not None:
+        active[0]._push(outputs)
+    return outputs
+
+
 @torch.library.custom_op("moeshard::kept_causal_attention", mutates_args=())
 def _kept_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    active = _ACTIVE[0]
-    if active is not None and active[1] == "replay":
-        return active[0]._replay("kept_causal_attention", (*q.shape[:-1], v.shape[-1]), q)
-    outputs = _compute(q, k, v, scale)
-    if active is not None:
-        active[0]._push(outputs)
-    return outputs
+    return _recorded_or_replayed(_compute, q, k, v, scale)
 
 
 @_kept_causal_attention.register_fake
@@ -252,13 +258,7 @@ _kept_causal_attention.register_autograd(_backward, setup_context=_setup_context
 def _kept_causal_attention_fa4(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    active = _ACTIVE[0]
-    if active is not None and active[1] == "replay":
-        return active[0]._replay("kept_causal_attention", (*q.shape[:-1], v.shape[-1]), q)
-    outputs = fa4_forward(q, k, v, scale)
-    if active is not None:
-        active[0]._push(outputs)
-    return outputs
+    return _recorded_or_replayed(fa4_forward, q, k, v, scale)
 
 
 @_kept_causal_attention_fa4.register_fake
