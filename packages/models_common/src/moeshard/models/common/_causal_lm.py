@@ -111,7 +111,7 @@ class DecoderModel(nn.Module):
     ``"sdpa"`` (default; SDPA's choice, cuDNN's on Hopper) or ``"fa4"`` (FlashAttention 4's, the optional
     ``flash-attn-4`` package; refused with the reason where it cannot run). ``keep_attention`` (set by
     ``apply_activation_checkpointing(keep_attention=True)``): a checkpointed layer keeps that attention's output
-    (``moeshard.models.common.AttentionKeep``). Either way the layers get a ``CausalMask`` instead of None.
+    (``moeshard.models.common.AttentionKeep``). With either, the layers get a ``CausalMask`` instead of None.
     """
 
     def __init__(self, config: PretrainedConfig) -> None:
