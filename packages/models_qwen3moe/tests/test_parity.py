@@ -103,6 +103,9 @@ def test_fa4_kernel_gives_the_sdpa_model(hf_dir, batch, monkeypatch, checkpointe
     checkpointing that keeps the attention; without the package the model refuses it before its first layer."""
     ids, _, labels = batch
     sdpa, fa4 = Qwen3MoeForCausalLM.from_pretrained(hf_dir), Qwen3MoeForCausalLM.from_pretrained(hf_dir)
+    fa4.model.causal_attention = "flash"
+    with pytest.raises(ValueError, match="causal attention kernel must be one of"):
+        fa4(ids, labels=labels)
     fa4.model.causal_attention = "fa4"
     with pytest.raises(ValueError, match="causal_attention='fa4' cannot run here: .*set parallel.attention_kernel"):
         fa4(ids, labels=labels)

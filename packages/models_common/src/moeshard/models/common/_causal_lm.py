@@ -33,7 +33,7 @@ from moeshard.models.common._balancing import load_balancing_loss
 from moeshard.models.common._fa4 import fa4_unavailable
 from moeshard.models.common._head import CausalLMOutput, LMHead, causal_lm_loss
 from moeshard.models.common._hf_load import HFFormat
-from moeshard.models.common._kept import CAUSAL_KERNELS, CausalMask, causal_mask, kept_attention_device
+from moeshard.models.common._kept import CausalMask, causal_mask, kept_attention_device
 from moeshard.models.common._layers import (
     DenseMLP,
     RMSNorm,
@@ -179,9 +179,7 @@ class DecoderModel(nn.Module):
             mask = build_attention_mask(attention_mask_BS, s)
             if mask is not None:
                 return mask
-            kernel = self.causal_attention
-            if kernel not in CAUSAL_KERNELS:
-                raise ValueError(f"causal_attention must be one of {CAUSAL_KERNELS}, got {kernel!r}")
+            kernel = self.causal_attention  # one of CAUSAL_KERNELS: causal_mask refuses any other
             if kernel == "fa4" and (why := fa4_unavailable(device)) is not None:
                 raise ValueError(
                     f"causal_attention='fa4' cannot run here: {why}; set parallel.attention_kernel (the model's "

@@ -78,8 +78,8 @@ class ParallelOptions:
             H200, 8 layers of 30B-A3B, micro-batch 4: +10.0% over no checkpointing, +15% without). The attention
             is kept for plain causal rows on CUDA (cuDNN's or FlashAttention 4's kernels) and CPU where the query
             and value head sizes are equal (Qwen3-MoE; not DeepSeek-V3's MLA, nor packed documents or padding
-            masks: those recompute it); the projection wherever the rows are plain causal; the top-k for softmax top-k routers. Ignored
-            otherwise.
+            masks: those recompute it); the projection wherever the rows are plain causal; the top-k for softmax
+            top-k routers. Ignored otherwise.
         attention_kernel: the kernels of a plain causal attention (rows without padding or packed documents):
             ``"sdpa"`` (what ``scaled_dot_product_attention`` picks: cuDNN's on Hopper) or ``"fa4"``
             (FlashAttention 4's, from the optional ``flash-attn-4`` package, ``pip install
