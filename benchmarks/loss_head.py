@@ -4,7 +4,7 @@ bf16), our chunked :func:`linear_cross_entropy` (Triton loss kernel, cuBLAS GEMM
 writes ``exp`` of the logits with per-tile offsets and whose two gradient GEMMs scale that operand as they load
 it, so the logits' gradient is never written).
 
-    source benchmarks/gpu_env.sh && python3 benchmarks/loss_head.py [--tokens 16384] [--chunk 4096]
+    source benchmarks/gpu_env.sh && python3 benchmarks/loss_head.py [--tokens 16384] [--chunk 4096] [--parts]
 
 Each variant computes the summed loss, the hidden states' gradient and the weight's float32 gradient in one call
 (what the forward of :func:`linear_cross_entropy` does); median ms by ``triton.testing.do_bench``, and each
@@ -78,6 +78,67 @@ def _reference(h, w, t, chunk):
     return loss.float(), dh, dw
 
 
+def _parts(h, w, t) -> None:
+    """Each kernel of our pipeline timed alone, per chunk size, and the hidden states' gradient (``g @ w``, K = V)
+    in other layouts and with cuBLAS's options. Timed back to back on a GPU that heats as it goes: read it beside a
+    profiled step's kernels (``bench --trace``), where the clock is what the power cap leaves."""
+    print(f"{'part':<44}{'chunk':>7}{'ms':>9}{'TFLOP/s':>9}  (per chunk)")
+    for chunk in (2048, 4096, 8192, 16384):
+        _parts_at(h, w, t, chunk)
+
+
+def _parts_at(h, w, t, chunk: int) -> None:
+    def show(name: str, fn, flops: float | None = None) -> None:
+        ms = triton.testing.do_bench(fn, warmup=3, rep=30)
+        rate = f"{flops / ms / 1e9:>9.0f}" if flops else f"{'':>9}"
+        print(f"{name:<44}{chunk:>7}{ms:>9.3f}{rate}")
+
+    hc, tc = h[:chunk], t[:chunk]
+    flops = 2 * chunk * V * D
+    logits = hc @ w.t()
+    _, g = ce_chunk_triton(logits, tc)
+    acc = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+    out = torch.empty_like(hc)
+    show("logits  h @ w.T", lambda: torch.mm(hc, w.t(), out=logits), flops)
+    show("dh  mm(g, w, out=)", lambda: torch.mm(g, w, out=out), flops)
+    show("dh  mm(w.T, g.T).T", lambda: torch.mm(w.t(), g.t()).t(), flops)
+    show("dw first  mm(g.T, h, fp32 out)", lambda: torch.mm(g.t(), hc, out_dtype=torch.float32, out=acc), flops)
+    show(
+        "dw added  addmm(acc, g.T, h, fp32 out)",
+        lambda: torch.addmm(acc, g.t(), hc, out_dtype=torch.float32, out=acc),
+        flops,
+    )
+    show("loss kernel (reads logits twice, writes g)", lambda: ce_chunk_triton(logits, tc))
+    if chunk != 4096:
+        return
+    matmul = torch.backends.cuda.matmul
+    reduced = matmul.allow_bf16_reduced_precision_reduction
+    try:
+        matmul.allow_bf16_reduced_precision_reduction = not reduced
+        show(f"dh  bf16 reduced-precision reduction={not reduced}", lambda: torch.mm(g, w, out=out), flops)
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = reduced
+    for lib in ("cublaslt", "cublas"):
+        previous = torch.backends.cuda.preferred_blas_library()
+        try:
+            torch.backends.cuda.preferred_blas_library(lib)
+            show(f"dh  preferred_blas_library={lib}", lambda: torch.mm(g, w, out=out), flops)
+        finally:
+            torch.backends.cuda.preferred_blas_library(previous)
+    acc_h = torch.empty(chunk, D, dtype=torch.float32, device=h.device)
+    for split in (2, 4):  # K split by hand: float32 partial sums over slices of the vocabulary
+
+        def split_k(split=split):
+            part = V // split
+            torch.mm(g[:, :part], w[:part], out_dtype=torch.float32, out=acc_h)
+            for s in range(1, split):
+                end = V if s == split - 1 else (s + 1) * part
+                torch.addmm(acc_h, g[:, s * part : end], w[s * part : end], out_dtype=torch.float32, out=acc_h)
+            return acc_h.to(torch.bfloat16)
+
+        show(f"dh  K split in {split}, fp32 adds", split_k, flops)
+
+
 def _rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -86,12 +147,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--parts", action="store_true", help="time each kernel of our pipeline alone, per chunk size")
     args = p.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
     h = (torch.randn(args.tokens, D, device=dev) * 0.5).bfloat16()
     w = (torch.randn(V, D, device=dev) * 0.02).bfloat16()
     t = torch.randint(0, V, (args.tokens,), device=dev)
+    if args.parts:
+        _parts(h, w, t)
+        return
     variants = {"ours (cuBLAS + Triton loss)": _ours(h, w, t, args.chunk)}
     try:
         _quack_contextvar_keys()
