@@ -115,6 +115,8 @@ def _one_batch(B: int, S: int, scale: float, dev: torch.device, n: int, interfac
         print(f"{B:>2} {name:<58}{host:>9.0f}{device:>11.0f}")
     for name, replays in (("forward", _fa4._FORWARD), ("backward", _fa4._BACKWARD)):
         print(f"   {name}: {replays.plans()} signature(s) replayed; refused: {replays.refused() or 'none'}")
+        for signature, steps in replays.describe().items():
+            print(f"   {name} {signature[0][0][1]}:\n     " + "\n     ".join(steps))
     # The replay against the entry point, on the same inputs.
     ref_out, ref_lse = interface._flash_attn_fwd(q_s, k_s, v_s, softmax_scale=scale, causal=True, return_lse=True)[:2]
     got_out, got_lse = fa4_forward(q_s, k_s, v_s, scale)

@@ -81,3 +81,21 @@ def test_what_cannot_be_recorded_or_checked_calls_the_entry_point(what, reason):
     _calls(lib, replays, 6)
     assert lib.entries == 6 and replays.plans() == 0
     assert [reason in why for why in replays.refused().values()] == [True]
+
+
+def test_a_replay_frees_its_scratch_when_it_returns():
+    """The scratch tensors a replay allocates are freed on return, not left to the garbage collector."""
+    import gc
+    import weakref
+
+    lib = _Library()
+    seen = []
+    lib.compile_cache["scale"] = lambda x, scratch: (seen.append(weakref.ref(scratch)), lib._scale(x, scratch))
+    replays = Replays(lambda: [lib.compile_cache])
+    gc.disable()
+    try:
+        _calls(lib, replays, 4)
+        assert lib.entries == 2 and replays.plans() == 1 and len(seen) == 5
+        assert all(ref() is None for ref in seen)
+    finally:
+        gc.enable()

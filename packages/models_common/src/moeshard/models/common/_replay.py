@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 __all__ = ["Replays"]
 
@@ -99,12 +99,23 @@ class _Recording(TorchDispatchMode):
             return ("view", r, tuple(t.shape), t.stride(), t.storage_offset() - k.storage_offset())
         return ("held", t)
 
-    def template(self, args: Any) -> tuple[list, Any, list[tuple[int, Ref]]]:
-        leaves, spec = tree_flatten(args)
-        slots = [(i, self.ref(x)) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        for i, _ in slots:
-            leaves[i] = None
-        return leaves, spec, slots
+    def template(self, args: Any) -> tuple[Any, list[tuple[tuple, Ref]]]:
+        """``args`` with every tensor replaced by None (the record holds no tensor of the call), and each tensor's
+        place (indices into tuples, lists and dicts) with its reference."""
+        slots: list[tuple[tuple, Ref]] = []
+
+        def walk(x, path):
+            if isinstance(x, torch.Tensor):
+                slots.append((path, self.ref(x)))
+                return None
+            if isinstance(x, dict):
+                return {k: walk(v, (*path, k)) for k, v in x.items()}
+            if isinstance(x, (tuple, list)):
+                items = [walk(v, (*path, i)) for i, v in enumerate(x)]
+                return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+            return x
+
+        return walk(args, ()), slots
 
     # ---- what the entry point does ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -165,26 +176,19 @@ class _Plan:
     def __init__(self, steps: list[tuple]) -> None:
         self.steps = steps
 
+    def describe(self) -> list[str]:
+        """One line per step: an operation or a kernel, and the tensors it is given."""
+        lines = []
+        for kind, fn, (_, slots), *_ in self.steps:
+            name = str(fn) if kind == "op" else getattr(fn, "__name__", type(fn).__name__)
+            lines.append(f"{kind} {name}({', '.join(_describe(r) for _, r in slots)})")
+        return lines
+
     def run(self, named: dict[str, torch.Tensor]) -> None:
-        new: list[torch.Tensor] = []
-
-        def resolve(r: Ref) -> torch.Tensor:
-            kind = r[0]
-            if kind == "arg":
-                return named[r[1]]
-            if kind == "new":
-                return new[r[1]]
-            if kind == "held":
-                return r[1]
-            base = resolve(r[1])
-            return base.as_strided(r[2], r[3], base.storage_offset() + r[4])
-
+        new: list[torch.Tensor] = []  # the record's allocations, in order
         for step in self.steps:
-            leaves, spec, slots = step[2]
-            leaves = list(leaves)
-            for i, r in slots:
-                leaves[i] = resolve(r)
-            args = tree_unflatten(leaves, spec)
+            template, slots = step[2]
+            args = _filled(template, [(p, _resolve(r, named, new)) for p, r in slots])
             if step[0] == "kernel":
                 step[1](*args)
                 continue
@@ -192,6 +196,49 @@ class _Plan:
             for t, r in zip(tree_flatten(out)[0], step[3], strict=True):
                 if r is not None and r[0] == "new" and r[1] == len(new):
                     new.append(t)
+
+
+def _resolve(r: Ref, named: dict[str, torch.Tensor], new: list[torch.Tensor]) -> torch.Tensor:
+    # A module function, not a closure over ``new``: a recursive closure is a reference cycle, which would keep the
+    # call's scratch tensors alive until the garbage collector runs.
+    kind = r[0]
+    if kind == "arg":
+        return named[r[1]]
+    if kind == "new":
+        return new[r[1]]
+    if kind == "held":
+        return r[1]
+    base = _resolve(r[1], named, new)
+    return base.as_strided(r[2], r[3], base.storage_offset() + r[4])
+
+
+def _filled(template: Any, values: list[tuple[tuple, torch.Tensor]]) -> Any:
+    """``template`` (tuples, lists and dicts) with each value put at its place; only the containers on a value's
+    path are rebuilt."""
+    if not values:
+        return template
+    if values[0][0] == ():
+        return values[0][1]
+    by_key: dict[Any, list[tuple[tuple, torch.Tensor]]] = {}
+    for p, v in values:
+        by_key.setdefault(p[0], []).append((p[1:], v))
+    if isinstance(template, dict):
+        return {k: _filled(x, by_key[k]) if k in by_key else x for k, x in template.items()}
+    items = [_filled(x, by_key[i]) if i in by_key else x for i, x in enumerate(template)]
+    if isinstance(template, list):
+        return items
+    return type(template)(*items) if hasattr(template, "_fields") else tuple(items)
+
+
+def _describe(r: Ref) -> str:
+    if r[0] == "arg":
+        return r[1]
+    if r[0] == "new":
+        return f"new{r[1]}"
+    if r[0] == "held":
+        t = r[1]
+        return f"held {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} on {t.device.type}"
+    return f"view of {_describe(r[1])} {r[2]}"
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -221,6 +268,10 @@ class Replays:
     def plans(self) -> int:
         """How many signatures are replayed."""
         return sum(isinstance(v, _Plan) for v in self._plans.values())
+
+    def describe(self) -> dict[tuple, list[str]]:
+        """What each replayed signature runs, step by step (:meth:`_Plan.describe`)."""
+        return {k: v.describe() for k, v in self._plans.items() if isinstance(v, _Plan)}
 
     def call(
         self,
