@@ -21,8 +21,6 @@ import functools
 
 import torch
 
-from moeshard.models.common._replay import Replays
-
 __all__ = ["fa4_applies", "fa4_backward", "fa4_forward", "fa4_unavailable"]
 
 _INSTALL = "pip install 'moeshard-models-common[fa4]' (the flash-attn-4 package)"
@@ -36,20 +34,6 @@ def _interface():
     except Exception as e:  # absent, or present without its compiler (nvidia-cutlass-dsl)
         return f"flash_attn.cute does not import ({type(e).__name__}: {e}); {_INSTALL}"
     return interface
-
-
-def _kernel_caches() -> list:
-    """FlashAttention 4's caches of compiled kernels: the ``compile_cache`` of its interface's functions."""
-    interface = _interface()
-    if isinstance(interface, str):
-        return []
-    return [f.compile_cache for f in vars(interface).values() if callable(f) and hasattr(f, "compile_cache")]
-
-
-_FORWARD = Replays(_kernel_caches)
-_BACKWARD = Replays(_kernel_caches)
-"""The entry points' calls replayed per signature (``_replay``): their host code (~140 and ~180 us per call on one
-H200's host) runs for a signature's first two calls only; the kernels they launch take ~8 us each."""
 
 
 def fa4_unavailable(device: torch.device | str) -> str | None:
@@ -97,12 +81,7 @@ def fa4_forward(
     if isinstance(interface, str):
         raise RuntimeError(interface)
     q, k, v = (_contiguous_rows(t) for t in (q_BSHD, k_BSGD, v_BSGD))
-    _FORWARD.call(
-        lambda: interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True, out=out, lse=lse),
-        {"q": q, "k": k, "v": v, "out": out, "lse": lse},
-        outputs=("out", "lse"),
-        extra=(float(scale),),
-    )
+    interface._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, return_lse=True, out=out, lse=lse)
     return out, lse
 
 
@@ -122,12 +101,5 @@ def fa4_backward(
         raise RuntimeError(interface)
     q, k, v, out, grad_out = (_contiguous_rows(t) for t in (q_BSHD, k_BSGD, v_BSGD, out_BSHD, grad_out_BSHD))
     dq, dk, dv = (torch.empty_like(t) for t in (q_BSHD, k_BSGD, v_BSGD))
-    _BACKWARD.call(
-        lambda: interface._flash_attn_bwd(
-            q, k, v, out, grad_out, lse_BHS, softmax_scale=scale, causal=True, dq=dq, dk=dk, dv=dv
-        ),
-        {"q": q, "k": k, "v": v, "out": out, "dout": grad_out, "lse": lse_BHS, "dq": dq, "dk": dk, "dv": dv},
-        outputs=("dq", "dk", "dv"),
-        extra=(float(scale),),
-    )
+    interface._flash_attn_bwd(q, k, v, out, grad_out, lse_BHS, softmax_scale=scale, causal=True, dq=dq, dk=dk, dv=dv)
     return dq, dk, dv

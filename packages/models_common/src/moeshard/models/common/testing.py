@@ -16,7 +16,6 @@ from torch import nn
 
 __all__ = [
     "DOCUMENT_LENGTHS",
-    "KernelCache",
     "check_packed_documents",
     "check_two_nodes_of_two",
     "max_rel_grad_error",
@@ -179,123 +178,47 @@ def check_two_nodes_of_two(
             torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
-class KernelCache:
-    """A kernel library's cache of compiled kernels as FlashAttention 4 keeps them: a ``cache`` dict behind
-    ``[]``, ``get`` and ``in`` (what ``moeshard.models.common._replay`` finds kernels in)."""
-
-    def __init__(self) -> None:
-        self.cache: dict = {}
-
-    def __getitem__(self, key):
-        return self.cache[key]
-
-    def __setitem__(self, key, fn) -> None:
-        self.cache[key] = fn
-
-    def __contains__(self, key) -> bool:
-        return key in self.cache
-
-    def get(self, key):
-        return self.cache.get(key)
-
-
 class _ReferenceFA4:
-    """``flash_attn.cute.interface``'s two entry points as the model calls them, built as FlashAttention 4's are:
-    each checks its arguments, allocates its scratch tensors and launches kernels it finds in its ``compile_cache``
-    (put there at a signature's first call); the kernels compute with the flash kernel for CPU on the ``[B, S,
-    heads, D]`` tensors they are given (seen as ``[B, heads, S, D]``). ``calls`` counts the entry points' calls
-    (``"forward entry"``, ``"backward entry"``) and the main kernels' launches (``"forward"``, ``"backward"``)."""
+    """``flash_attn.cute.interface``'s two entry points as the model calls them, computed by the flash kernel for CPU
+    on the ``[B, S, heads, D]`` tensors they are given (seen as ``[B, heads, S, D]``); ``calls`` counts them."""
 
     def __init__(self) -> None:
         self.calls: collections.Counter[str] = collections.Counter()
-        calls = self.calls
 
-        def forward_kernel(q, k, v, out, lse, scale):
-            o, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, scale=scale
-            )
-            out.copy_(o.transpose(1, 2))
-            lse.copy_(logsumexp)
-            calls["forward"] += 1
+    def _flash_attn_fwd(self, q, k, v, *, softmax_scale, causal, return_lse, out, lse):
+        b, s, h, _ = q.shape
+        assert causal and return_lse and out.shape == (b, s, h, v.shape[-1]) and lse.shape == (b, h, s)
+        o, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, scale=softmax_scale
+        )
+        out.copy_(o.transpose(1, 2))
+        lse.copy_(logsumexp)
+        self.calls["forward"] += 1
+        return out, lse, None, None, None
 
-        def preprocess_kernel(out, dout, dpsum_BHS, dq_accum):
-            dpsum_BHS.copy_((out.float() * dout.float()).sum(-1).transpose(1, 2))
-            dq_accum.zero_()
-
-        def backward_kernel(q, k, v, out, dout, lse, dpsum_BHS, dq_accum_BSHD, dk_accum, dv_accum, scale):
-            del dpsum_BHS  # read by FlashAttention 4's kernel; the CPU kernel computes it again
-            bhsd = (t.transpose(1, 2) for t in (dout, q, k, v, out))
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                *bhsd, lse, 0.0, True, scale=scale
-            )
-            dq_accum_BSHD.add_(dq.transpose(1, 2))
-            dk_accum.add_(dk.transpose(1, 2))
-            dv_accum.add_(dv.transpose(1, 2))
-            calls["backward"] += 1
-
-        def postprocess_kernel(accum, into):
-            into.copy_(accum)
-
-        def _flash_attn_fwd(q, k, v, *, softmax_scale, causal, return_lse, out, lse):
-            b, s, h, _ = q.shape
-            assert causal and return_lse and out.shape == (b, s, h, v.shape[-1]) and lse.shape == (b, h, s)
-            calls["forward entry"] += 1
-            key = (q.dtype, q.shape[-1], k.shape[-2])
-            if key not in _flash_attn_fwd.compile_cache:
-                _flash_attn_fwd.compile_cache[key] = forward_kernel
-            _flash_attn_fwd.compile_cache[key](q.detach(), k.detach(), v.detach(), out.detach(), lse, softmax_scale)
-            return out, lse, None, None, None
-
-        def _flash_attn_bwd(q, k, v, out, dout, lse, *, softmax_scale, causal, dq, dk, dv):
-            assert causal
-            calls["backward entry"] += 1
-            b, s, h, d = q.shape
-            dq_accum = torch.empty(b, h, s, d, dtype=torch.float32, device=q.device)
-            dpsum = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
-            dk_accum = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-            dv_accum = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-            for f, kernel in (
-                (_bwd_preprocess, preprocess_kernel),
-                (_flash_attn_bwd, backward_kernel),
-                (_bwd_postprocess, postprocess_kernel),
-            ):
-                if q.dtype not in f.compile_cache:
-                    f.compile_cache[q.dtype] = kernel
-            _bwd_preprocess.compile_cache[q.dtype](out, dout, dpsum, dq_accum.transpose(1, 2))
-            _flash_attn_bwd.compile_cache[q.dtype](
-                q, k, v, out, dout, lse, dpsum, dq_accum.transpose(1, 2), dk_accum, dv_accum, softmax_scale
-            )
-            post = _bwd_postprocess.compile_cache.get(q.dtype)
-            post(dq_accum.transpose(1, 2), dq)
-            post(dk_accum, dk)
-            post(dv_accum, dv)
-            return dq, dk, dv
-
-        def _bwd_preprocess():  # stands for FlashAttention 4's own: a function that holds a kernel cache
-            raise NotImplementedError
-
-        def _bwd_postprocess():
-            raise NotImplementedError
-
-        for f in (_flash_attn_fwd, _flash_attn_bwd, _bwd_preprocess, _bwd_postprocess):
-            f.compile_cache = KernelCache()
-            setattr(self, f.__name__, f)
+    def _flash_attn_bwd(self, q, k, v, out, dout, lse, *, softmax_scale, causal, dq, dk, dv):
+        assert causal
+        bhsd = (t.transpose(1, 2) for t in (dout, q, k, v, out))
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *bhsd, lse, 0.0, True, scale=softmax_scale
+        )
+        for into, g in zip((dq, dk, dv), grads):
+            into.copy_(g.transpose(1, 2))
+        self.calls["backward"] += 1
+        return dq, dk, dv
 
 
 def reference_fa4(monkeypatch) -> collections.Counter[str]:
     """Make ``causal_attention="fa4"`` run on CPU: FlashAttention 4's entry points (``_fa4``) replaced by the flash
     kernel for CPU on the same ``[B, S, heads, D]`` tensors, and the device checks answering yes. The layouts, the
     keep and the autograd wiring are then ours and tested; the kernels are FlashAttention 4's only on a GPU.
-    Returns the counts of the entry points' calls and of the kernels' launches (see ``_ReferenceFA4``)."""
+    Returns the count of forward and backward calls."""
     import moeshard.models.common._causal_lm as causal_lm
     import moeshard.models.common._fa4 as fa4
     import moeshard.models.common._kept as kept
-    from moeshard.models.common._replay import Replays
 
     reference = _ReferenceFA4()
     monkeypatch.setattr(fa4, "_interface", lambda: reference)
-    for name in ("_FORWARD", "_BACKWARD"):  # replays of this reference's kernels only
-        monkeypatch.setattr(fa4, name, Replays(fa4._kernel_caches))
     for module in (causal_lm, kept):
         monkeypatch.setattr(module, "fa4_unavailable", lambda device: None)
     monkeypatch.setattr(kept, "fa4_applies", lambda q, k, v, dropout: dropout == 0 and q.shape[-1] == v.shape[-1])
