@@ -32,6 +32,7 @@ bench() {  # bench NAME TREE REGIME
     -m moeshard.train bench --steps "${STEPS:-12}" --warmup "${WARMUP:-4}" $(flags "$3") ${EXTRA:-} --out "$OUT/$1.json" 2>&1 \
     | grep -v "UserWarning\|warnings.warn\|_rng_tracker\|AVOID_RECORD\|_warn_once" > "/tmp/$1.log"
   echo "$1: $(grep 'tok/s/GPU' "/tmp/$1.log" | tail -n 1)"
+  grep "SM clock" "/tmp/$1.log" | tail -n 1 | sed "s/^/  /"  # the power cap's hold on the timed steps
   grep -q "tok/s/GPU" "/tmp/$1.log" || tail -n 15 "/tmp/$1.log"
 }
 for r in ${OLD_RUNS:-}; do bench "old_$r" "$OLD" "$r"; done

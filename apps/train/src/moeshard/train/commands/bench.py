@@ -54,6 +54,7 @@ from moeshard.train.commands.bench_steps import (
     timed_steps,
 )
 from moeshard.train.config import JobConfig, gradient_sync, load_config
+from moeshard.train.observe.gpu_clock import ClockSampler
 from moeshard.train.observe.metrics import flops_per_token, mfu
 
 if TYPE_CHECKING:
@@ -84,26 +85,28 @@ def main(argv: list[str]) -> int:
 
     back_to_back = not args.isolated_steps and device.type == "cuda"
     saves = Saves(args, job) if args.checkpoint_every else None
+    clocks = ClockSampler(device)
     if args.data and args.preload:
         with real_batches(args, job, world, mb) as loader:
             data = [micro for _, micro in loader]  # the same rows, all made before the timed loop
-        times, syncs, step_stats, host = timed_steps(args, job, data, device, back_to_back, saves)
+        times, syncs, step_stats, host = timed_steps(args, job, data, device, back_to_back, saves, clocks)
     elif args.data:
         # Real rows through the training job's loader: prepared in a background thread while the steps run.
         with real_batches(args, job, world, mb) as loader:
             times, syncs, step_stats, host = timed_steps(
-                args, job, (micro for _, micro in loader), device, back_to_back, saves
+                args, job, (micro for _, micro in loader), device, back_to_back, saves, clocks
             )
     else:
         # Made before the timed loop (a training loop's data loader prepares them in the background).
         data = [batches() for _ in range(args.steps)]
-        times, syncs, step_stats, host = timed_steps(args, job, data, device, back_to_back, saves)
+        times, syncs, step_stats, host = timed_steps(args, job, data, device, back_to_back, saves, clocks)
     if saves is not None:
         saves.finish()
     losses = [stats.read().loss for stats in step_stats]  # read after the timed steps
     if (args.profile or args.trace) and device.type == "cuda":
         profile_step(args, job, batches)
     result = _result(args, job, device, world, mb, back_to_back, times, syncs, losses, host)
+    result.update(clocks.summary())
     if saves is not None:
         result.update(save_cost(args, times, saves))
     if dist.get_rank() == 0:
@@ -318,6 +321,12 @@ def _report(result: dict, out: str | None, isolated: bool) -> None:
         f"reserved {r['peak_reserved_gib'] or 0:.1f} GiB | syncs/step {r['syncs_per_step']}"
         + (f" | host {1000 * r['host_time_s_median']:.1f} ms" if r.get("host_time_s_median") is not None else "")
     )
+    if "gpu_sm_clock_mhz_mean" in r:  # whether the power limit paced the timed steps (observe.gpu_clock)
+        print(
+            f"SM clock {r['gpu_sm_clock_mhz_mean']:.0f} MHz (min {r['gpu_sm_clock_mhz_min']:.0f}, max "
+            f"{r['gpu_sm_clock_mhz_max_possible']:.0f}) | {r['gpu_power_w_mean']:.0f} W of {r['gpu_power_limit_w']:.0f}, "
+            f"power-capped in {100 * r['gpu_power_capped_share']:.0f}% of samples"
+        )
     if "save_cost_s_median" in r:
         cost = r["save_cost_s_median"]
         print(

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from moeshard.data import Batch
 
 if TYPE_CHECKING:
+    from moeshard.train.observe.gpu_clock import ClockSampler
     from moeshard.train.run import Job, StepStats
 
 
@@ -190,6 +191,7 @@ def timed_steps(
     device: torch.device,
     back_to_back: bool,
     saves: Saves | None = None,
+    clocks: ClockSampler | None = None,
 ) -> tuple[list[float], list[int], list[StepStats], list[float]]:
     """Run the ``--steps`` steps; return the times, device→host sync counts and host times of ``train_step`` (the
     host's own work where nothing waits for the device: a host time as long as the step means the host sets its
@@ -197,6 +199,7 @@ def timed_steps(
 
     Back to back: CUDA events at consecutive step starts, one synchronisation after the last step. Otherwise
     (``--isolated-steps``, or on CPU): synchronise and barrier before each step, synchronise after it, host clock.
+    ``clocks`` samples the GPU's clock and power over the steps after warm-up.
     A save of ``saves`` after a step counts in that step's time.
     """
     from moeshard.train.run import train_step
@@ -217,6 +220,8 @@ def timed_steps(
                 torch.cuda.synchronize()
             dist.barrier()
         count = step >= args.warmup and device.type == "cuda"
+        if step == args.warmup and clocks is not None:
+            clocks.start()  # the timed steps' clock and power only
         caught: list[tuple[str, list[str]]] = []
         with warnings.catch_warnings():
             warnings.simplefilter("always")
@@ -249,6 +254,8 @@ def timed_steps(
         marks.append(_mark())
         torch.cuda.synchronize()
         times = [a.elapsed_time(b) / 1000 for a, b in zip(marks, marks[1:])]
+    if clocks is not None:
+        clocks.stop()
     return times[args.warmup :], syncs, step_stats, host[args.warmup :]
 
 
