@@ -88,7 +88,7 @@ def _run(path, config, force, optim):
     from torch.distributed.tensor import DTensor
 
     from moeshard.ep import apply_ep
-    from moeshard.fsdp_moe import build_optimizer, num_items_for_global_mean, shard_model
+    from moeshard.fsdp_moe import build_optimizer, num_items_for_global_mean, shard_model, split_master
     from moeshard.fsdp_moe.testing import full_tensors
     from moeshard.meshes import build_meshes
     from moeshard.models.qwen3moe import (
@@ -177,8 +177,9 @@ def _run(path, config, force, optim):
             local = opt.optimizers[0]
             for fqn, p in model.named_parameters():
                 if ".mlp.experts." in fqn:
-                    master = local.state[p]["master"].to_local()
-                    assert torch.equal(p.to_local(), master.to(p.dtype)), fqn
+                    master = local.master(p).to_local()  # bf16: held split, the parameter its high half
+                    cast = split_master(master)[0] if p.dtype == torch.bfloat16 else master.to(p.dtype)
+                    assert torch.equal(p.to_local(), cast), fqn
         dist.all_reduce(loss_sum)
         steps.append((loss_sum.item() / W, norm.item(), _np(grads), _np(full_tensors(model, optimizer=opt)), grad_info))
     layout["kinds"] = kinds

@@ -30,6 +30,13 @@ def _case(n, grad_dtype, seed):
     return p, grad, m, v
 
 
+def _cast(master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 master as LocalExpertAdamW's parameter holds it in ``dtype``."""
+    from moeshard.fsdp_moe._adamw_step import split_master
+
+    return split_master(master)[0] if dtype == torch.bfloat16 else master.to(dtype)
+
+
 def check_kernel(device: str) -> int:
     """The triton kernels against the CPU tensor operations (torch's for-loop AdamW), for a few variants."""
     from moeshard.fsdp_moe import _triton
@@ -78,6 +85,7 @@ def check_kernel(device: str) -> int:
             copy.cpu(), got[0].cpu().to(torch.bfloat16), rtol=0 if exact else 8e-3, atol=0 if exact else 1e-30
         )
         cases += 1
+    cases += _check_split_kernel(device)
     # The clipping norm's sum of squares: factors and multipliers applied per tensor.
     g = torch.Generator().manual_seed(0)
     xs = [
@@ -91,18 +99,55 @@ def check_kernel(device: str) -> int:
     return cases + 1
 
 
+def _check_split_kernel(device: str) -> int:
+    """Masters held split (a bf16 compute dtype): the split step gives the float32 step's masters bit for bit, on the
+    tensor operations (CPU) and in the kernel (against the float32 kernel), with the parameter their high half."""
+    from moeshard.fsdp_moe import _triton, joined_master, split_master
+    from moeshard.fsdp_moe._adamw_step import adamw_step, adamw_step_split
+
+    cases = 0
+    for n, mult in ((5000, None), (4096, 0.7)):
+        kw = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=5)
+        p, grad, m, v = _case(n, torch.bfloat16, seed=n + 1)
+        bits = p.view(torch.int32)
+        bits[:16] = (bits[:16] & ~0xFFFF) | 0x8000  # ties of the rounding to bf16: away from zero, not to even
+        hi, lo = split_master(p)
+        assert torch.equal(joined_master(hi, lo), p) and bool((lo[:16] == -0x8000).all())
+        assert torch.equal(hi[16:], p[16:].to(torch.bfloat16)) and not torch.equal(hi[:16], p[:16].to(torch.bfloat16))
+        mult_t = torch.tensor(mult) if mult is not None else None
+        ref = [t.clone() for t in (p, m, v)]
+        adamw_step(ref[0], grad, ref[1], ref[2], None, grad_factor=0.5, grad_mult=mult_t, **kw)
+        split = [t.clone() for t in (hi, lo, m, v)]
+        adamw_step_split(*split[:2], grad, *split[2:], grad_factor=0.5, grad_mult=mult_t, **kw)
+        assert torch.equal(joined_master(*split[:2]), ref[0]) and torch.equal(split[2], ref[1])
+        assert torch.equal(split[0], split_master(ref[0])[0])
+        # The kernels: the split one against the float32 one, bit for bit.
+        hyper = dict(decay=1 - 3e-3 * 0.1, beta1=0.9, beta2=0.95, eps=1e-8)
+        hyper.update(step_size=3e-3 / (1 - 0.9**5), bias_correction2_sqrt=(1 - 0.95**5) ** 0.5)
+        mult_d = mult_t.to(device) if mult_t is not None else None
+        f32 = [t.clone().to(device) for t in (p, m, v)]
+        _triton.adamw_update(f32[0], grad.to(device), f32[1], f32[2], None, 0.5, mult_d, None, **hyper)
+        got = [t.clone().to(device) for t in (hi, lo, m, v)]
+        _triton.adamw_update_split(*got[:2], grad.to(device), *got[2:], 0.5, mult_d, **hyper)
+        assert torch.equal(joined_master(*got[:2]).cpu(), f32[0].cpu()), "split masters differ from float32 ones"
+        assert torch.equal(got[2].cpu(), f32[1].cpu()) and torch.equal(got[3].cpu(), f32[2].cpu())
+        assert torch.equal(got[0].cpu(), split_master(f32[0].cpu())[0])
+        cases += 1
+    return cases
+
+
 def test_kernel_in_the_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}  # decided when triton is first imported: a fresh process
     run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "checked 4 cases" in run.stdout
+    assert "checked 6 cases" in run.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_on_cuda():
     pytest.importorskip("triton")
-    assert check_kernel("cuda") == 4
+    assert check_kernel("cuda") == 6
 
 
 # ---- on the toy model, EP 2 x ep_fsdp 1 on 2 gloo processes ------------------------------------------------------
@@ -187,10 +232,10 @@ def _compare(config):
     got = _train(model, opt, meshes, micro=micro)
     local = opt.optimizers[0]
     assert isinstance(local, LocalExpertAdamW)
-    # after the steps the parameters the forward uses are the masters, cast
-    masters_cast = all(
-        torch.equal(p.to_local(), local.state[p]["master"].to_local().to(p.dtype)) for p in experts.values()
-    )
+    # after the steps the parameters the forward uses are the masters, cast (bf16: the high halves of the masters
+    # held split, rounded to nearest with ties away from zero)
+    masters_cast = all(torch.equal(p.to_local(), _cast(local.master(p).to_local(), p.dtype)) for p in experts.values())
+    masters_cast &= all(("master_low" in local.state[p]) == (p.dtype == torch.bfloat16) for p in experts.values())
     grad_types = {n: type(p.grad).__name__ for n, p in experts.items()}  # (None after zero_grad)
     # the later micro-batches' expert gradients are added into param.grad by the dispatcher (the hand-off)
     from moeshard.fsdp_moe._local_experts import local_experts_state

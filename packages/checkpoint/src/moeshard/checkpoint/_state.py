@@ -14,7 +14,8 @@ from moeshard.checkpoint._resume import load_checkpoint
 def model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     """``{"model": ..., "optimizer": ...}`` of a model sharded by ``moeshard.fsdp_moe.shard_model`` (experts in
     their global shape), ready for :func:`save_checkpoint`: a checkpoint written under one EP size / world size
-    loads under any other. The tensors alias the live ones (nothing is copied).
+    loads under any other. The tensors alias the live ones (nothing is copied), except the float32 masters a
+    ``LocalExpertAdamW`` holds split (a bf16 compute dtype), joined into new tensors while the dict lives.
 
     ``optimizer``: a torch optimizer, a ``LocalExpertAdamW`` or an ``OptimizersContainer`` (see
     ``moeshard.fsdp_moe.get_state_dict``). Call it once the optimizer has stepped (or loaded a state): before that,

@@ -22,6 +22,7 @@ one-pass CUDA update) for the rest, in one :class:`OptimizersContainer`. Example
     save_checkpoint("ckpt/step_100", model, optim)           # loads into any EP size / world size
 """
 
+from moeshard.fsdp_moe._adamw_step import joined_master, split_master
 from moeshard.fsdp_moe._clip import clip_grad_norm_, get_total_norm
 from moeshard.fsdp_moe._local_adamw import LocalExpertAdamW
 from moeshard.fsdp_moe._local_experts import defer_expert_weight_grads
@@ -61,10 +62,12 @@ __all__ = [
     "get_state_dict",
     "get_total_norm",
     "grouped_grad_accumulation",
+    "joined_master",
     "load_checkpoint",
     "num_items_for_global_mean",
     "reduced_grad_target",
     "save_checkpoint",
     "set_state_dict",
     "shard_model",
+    "split_master",
 ]

@@ -14,7 +14,17 @@ from torch.distributed.tensor import DTensor
 
 from moeshard.fsdp_moe._local_experts import scaled
 
-__all__ = ["UNSUPPORTED", "adamw_step", "check_group", "hyper_parameters", "local_tensor", "triton_available"]
+__all__ = [
+    "UNSUPPORTED",
+    "adamw_step",
+    "adamw_step_split",
+    "check_group",
+    "hyper_parameters",
+    "joined_master",
+    "local_tensor",
+    "split_master",
+    "triton_available",
+]
 
 
 # Group options of torch's AdamW the one-pass update does not implement (each must be falsy).
@@ -86,43 +96,106 @@ def adamw_step(
     """One AdamW step of ``master`` (float32, in place) from ``grad * grad_factor * grad_mult``; ``out`` (the
     compute-dtype parameter, or None) receives the new master, cast. The triton pass on CUDA where the tensors are
     contiguous, torch's for-loop AdamW's tensor operations otherwise."""
-    bias_correction1 = 1 - beta1**step
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    hyper = _step_hyper(lr, beta1, beta2, eps, weight_decay, step)
     contiguous = master.is_contiguous() and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous()
     if master.is_cuda and contiguous and (out is None or out.is_contiguous()) and triton_available():
         from moeshard.fsdp_moe import _triton
 
-        _triton.adamw_update(
-            master,
-            grad.contiguous(),
-            exp_avg,
-            exp_avg_sq,
-            out,
-            grad_factor,
-            grad_mult,
-            None,
-            decay=1 - lr * weight_decay,
-            beta1=beta1,
-            beta2=beta2,
-            step_size=step_size,
-            bias_correction2_sqrt=bias_correction2_sqrt,
-            eps=eps,
-        )
+        _triton.adamw_update(master, grad.contiguous(), exp_avg, exp_avg_sq, out, grad_factor, grad_mult, None, **hyper)
         return
+    _adamw_ops(master, grad, exp_avg, exp_avg_sq, grad_factor, grad_mult, **hyper)
+    if out is not None:
+        out.copy_(master)
+
+
+@torch.no_grad()
+def adamw_step_split(
+    hi: torch.Tensor,
+    lo: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    grad_factor: float,
+    grad_mult: torch.Tensor | None,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+) -> None:
+    """:func:`adamw_step` of a float32 master held split (:func:`split_master`: ``hi`` the bf16 parameter, ``lo``
+    the int16 low halves), both updated in place: the same float32 arithmetic, so the same master bit for bit; the
+    parameter is the new master rounded to nearest with ties away from zero (round-to-even differs at ties)."""
+    hyper = _step_hyper(lr, beta1, beta2, eps, weight_decay, step)
+    contiguous = all(t.is_contiguous() for t in (hi, lo, exp_avg, exp_avg_sq))
+    if hi.is_cuda and contiguous and triton_available():
+        from moeshard.fsdp_moe import _triton
+
+        _triton.adamw_update_split(hi, lo, grad.contiguous(), exp_avg, exp_avg_sq, grad_factor, grad_mult, **hyper)
+        return
+    master = joined_master(hi, lo)
+    _adamw_ops(master, grad, exp_avg, exp_avg_sq, grad_factor, grad_mult, **hyper)
+    new_hi, new_lo = split_master(master)
+    hi.copy_(new_hi)
+    lo.copy_(new_lo)
+
+
+def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 tensor held as ``(hi, lo)``: ``hi`` bf16 (the value rounded to nearest, ties away from zero) and
+    ``lo`` int16, with ``bits(master) == bits(hi) << 16 + lo`` exactly (int32 arithmetic); 4 bytes per element, as
+    the float32 master alone, where the master and a bf16 copy of it take 6."""
+    bits = master.view(torch.int32).to(torch.int64)
+    hi = (bits + 0x8000) >> 16
+    lo = bits - (hi << 16)
+    # (a master at the top of the float32 range whose high half rounds past it is a NaN already)
+    return hi.to(torch.int16).view(torch.bfloat16), lo.to(torch.int16)
+
+
+def joined_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The float32 tensor that :func:`split_master` split into ``hi`` and ``lo`` (a new tensor)."""
+    bits = (hi.view(torch.int16).to(torch.int32) << 16) + lo.to(torch.int32)
+    return bits.view(torch.float32)
+
+
+def _step_hyper(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> dict[str, float]:
+    return {
+        "decay": 1 - lr * weight_decay,
+        "beta1": beta1,
+        "beta2": beta2,
+        "step_size": lr / (1 - beta1**step),
+        "bias_correction2_sqrt": (1 - beta2**step) ** 0.5,
+        "eps": eps,
+    }
+
+
+def _adamw_ops(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad_factor: float,
+    grad_mult: torch.Tensor | None,
+    *,
+    decay: float,
+    beta1: float,
+    beta2: float,
+    step_size: float,
+    bias_correction2_sqrt: float,
+    eps: float,
+) -> None:
     # The float32 path's gradient (the master-mode backward's cast-and-scale, then the in-place clip), then
     # torch's _single_tensor_adam, operation for operation.
     g = scaled(grad, grad_factor, master.dtype)
     if grad_mult is not None:
         g.mul_(grad_mult.to(g.device))
-    if weight_decay != 0:
-        master.mul_(1 - lr * weight_decay)
+    if decay != 1:
+        master.mul_(decay)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
     master.addcdiv_(exp_avg, denom, value=-step_size)
-    if out is not None:
-        out.copy_(master)
 
 
 @functools.cache

@@ -163,8 +163,10 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
 
     ``optimizer``: a torch optimizer, a ``LocalExpertAdamW`` or an ``OptimizersContainer``; required where the
     model's local experts are updated by a LocalExpertAdamW (it holds their float32 weights). The tensors alias the
-    live parameters, masters and optimizer state (nothing is copied), so ``dcp.load`` into this dict writes them in
-    place; call :func:`set_state_dict` after it all the same.
+    live parameters, masters and optimizer state (nothing is copied), except the masters a LocalExpertAdamW holds
+    split (a bf16 compute dtype), which are joined into new float32 tensors (``LocalExpertAdamW.master``: 4 bytes
+    per expert parameter on the device while the dict lives); ``dcp.load`` into this dict writes the rest in place,
+    and :func:`set_state_dict` after it splits those masters back.
 
     Returns:
         ``{"model": ..., "optimizer": ...}`` (no ``"optimizer"`` key without an optimizer).
@@ -175,7 +177,7 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     msd = get_model_state_dict(model)
     for opt in fused:
         for fqn, p in _fused_params(opt):
-            msd[fqn] = opt.state[p]["master"]
+            msd[fqn] = opt.master(p)
     for fqn, meta in info.expert_params.items():
         msd[fqn] = _to_global(msd[fqn], meta, info.meshes)
     out: dict[str, Any] = {MODEL_KEY: msd}

@@ -68,7 +68,7 @@ def full_tensors(
             if t is not None and id(param) in in_compute:
                 t = dtensor_like(scaled(t.to_local(), in_compute[id(param)].scale, torch.float32), t)
         else:
-            t = fused[id(param)].state[param]["master"] if id(param) in fused else param.detach()
+            t = fused[id(param)].master(param) if id(param) in fused else param.detach()
         if t is None:
             continue
         meta = info.expert_params.get(fqn) if info is not None else None

@@ -212,8 +212,11 @@ def plan_report(
     budget = expert_grad_budget(t, ratio)
     if micro_batches > 1 and u.fused_numel and budget is not None and ratio <= budget:
         fused_grads = int(fused_grads * ratio)
+    # Local experts the fused pass updates in bf16 hold their float32 masters split: the bf16 parameter (counted with
+    # the compute copies below) and 2 bytes of low halves (moeshard.fsdp_moe.split_master), not 4 bytes of master.
+    split_numel = u.fused_numel if compute_bytes == 2 else 0
     est = MemoryEstimate(
-        params=4 * local_numel,
+        params=4 * local_numel - 2 * split_numel,
         grads=4 * (local_numel - u.fused_numel) + fused_grads,
         optimizer=8 * local_numel,
         # Where no unit reshards after forward (one rank, or parallel.reshard_after_forward false with the experts
