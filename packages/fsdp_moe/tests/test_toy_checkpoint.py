@@ -3,7 +3,8 @@ checkpointing wrappers in the FQNs), loaded without them with EP 4 x 1, EP 1 x 4
 EP 1 x 2 (2 processes); parameters and optimizer state are identical. And between fused and unfused expert
 updates (``build_optimizer(..., fuse_local_experts=...)``): saved with LocalExpertAdamW at EP 4 x 1, loaded by
 torch's AdamW at EP 2 x 2, 1 x 4 and 4 x 1 and by LocalExpertAdamW at EP 2 x 1 (2 processes); saved unfused at
-EP 2 x 2, loaded fused at EP 4 x 1; each continues with the saving run's numbers."""
+EP 2 x 2, loaded fused at EP 4 x 1; each continues with the saving run's numbers. With bf16 compute, where the
+fused update holds its masters split, a checkpoint holds float32 masters and a load continues bit for bit."""
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ def _batch(seed):
     return ids, ids.clone()
 
 
-def _build(ep_size, seed, lr, wrap=False, fuse=None):
+def _build(ep_size, seed, lr, wrap=False, fuse=None, bf16=False):
     """``fuse`` None: torch's AdamW as is; True: ``build_optimizer``'s default (LocalExpertAdamW beside OnePassAdamW);
     False: ``build_optimizer(..., fuse_local_experts=False, fused=False)`` (torch's for-loop AdamW alone), so the
     checkpoints also move between OnePassAdamW and torch's AdamW."""
@@ -38,7 +39,13 @@ def _build(ep_size, seed, lr, wrap=False, fuse=None):
 
         for i, layer in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(layer)
-    shard_model(model, meshes, ep_info=ep_info)
+    if bf16:  # bf16 compute: LocalExpertAdamW holds the experts' float32 masters split
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        shard_model(model, meshes, ep_info=ep_info, mp_policy=mp)
+    else:
+        shard_model(model, meshes, ep_info=ep_info)
     if fuse is None:
         return meshes, model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     from moeshard.fsdp_moe import build_optimizer
@@ -185,3 +192,31 @@ def test_checkpoints_move_between_fused_and_unfused_expert_updates(tmp_path):
     kinds, snap = run_distributed(_load_fused_on_two, 2, str(tmp_path / "fused"))[0]
     assert kinds == ["LocalExpertAdamW", "OnePassAdamW"]
     _same(snap, out["saved"], "world 2, EP 2 x 1 fused")
+
+
+def _split_masters_round_trip(path):
+    from moeshard.fsdp_moe import LocalExpertAdamW, load_checkpoint, save_checkpoint
+
+    meshes, model, opt = _build(2, seed=0, lr=1e-2, fuse=True, bf16=True)  # EP 2 x 1, bf16 compute
+    local = next(o for o in opt.optimizers if isinstance(o, LocalExpertAdamW))
+    split = all("master_low" in local.state[p] for g in local.param_groups for p in g["params"])
+    _step(model, opt, meshes, seed=1)
+    save_checkpoint(path, model, opt)
+    saved = _snapshot(model, opt)
+    _step(model, opt, meshes, seed=2)
+    after = _snapshot(model, opt)
+    meshes, model, opt = _build(2, seed=7, lr=5e-3, fuse=True, bf16=True)  # other weights and lr
+    load_checkpoint(path, model, opt)
+    loaded = _snapshot(model, opt)
+    _step(model, opt, meshes, seed=2)
+    return split, saved, after, loaded, _snapshot(model, opt)
+
+
+def test_split_masters_are_saved_as_float32_and_continue_bit_for_bit(tmp_path):
+    split, saved, after, loaded, next_ = run_distributed(_split_masters_round_trip, 2, str(tmp_path))[0]
+    assert split
+    meta = FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
+    assert meta["model.layers.0.experts.gate_up_proj"].properties.dtype == torch.float32
+    assert not [k for k in meta if "master" in k]
+    _same(loaded, saved, "loading split masters")
+    _same(next_, after, "the step after the load")
