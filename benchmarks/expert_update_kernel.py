@@ -8,10 +8,10 @@ cast-and-scale into float32 (6), the clip norm's read (4) and torch's fused Adam
 (32: it writes the clipped gradient back). Prints the time and bandwidth of each; also the one-pass update of a
 float32 parameter with a float32 gradient (``OnePassAdamW``, 28 B/param) and a device-to-device copy for the
 ceiling. ``--sweep``: the update's kernel at other block sizes and warp counts (the shipped ones: 2048, 8 warps).
-``--split``: also a probe of masters held split, the bf16 parameter as the high half of each float32 master and an
-int16 tensor of the low halves (the bf16 copy rounded to nearest, ties away from zero, so the float32 master is
-exactly ``bits(bf16) << 16 + int16(low)``): 26 bytes per parameter and no float32 master; checked against the
-shipped kernel (the same masters bit for bit, the bf16 copies equal but for ties) before it is timed. Not shipped.
+``--split``: also the update of masters held split (``_triton.adamw_update_split``, what ``LocalExpertAdamW`` runs
+with a bf16 compute dtype): the bf16 parameter as the high half of each float32 master and an int16 tensor of the
+low halves (``moeshard.fsdp_moe.split_master``), 26 bytes per parameter; checked against the float32 kernel (the
+same masters bit for bit, the bf16 copies equal but for ties) before it is timed.
 """
 
 from __future__ import annotations
@@ -19,48 +19,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton
-import triton.language as tl
 
-from moeshard.fsdp_moe import _triton
-
-
-@triton.jit
-def _split_adamw_kernel(hi_ptr, lo_ptr, g_ptr, m_ptr, v_ptr, n, g_scale, decay, beta2, one_minus_beta1,
-                        one_minus_beta2, step_size, bias_correction2_sqrt, eps, BLOCK: tl.constexpr):  # fmt: skip
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * g_scale
-    hi = tl.load(hi_ptr + offs, mask=mask, other=0, eviction_policy="evict_first").to(tl.int32)
-    lo = tl.load(lo_ptr + offs, mask=mask, other=0, eviction_policy="evict_first").to(tl.int32)
-    p = ((hi << 16) + lo).to(tl.float32, bitcast=True)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
-    p = p * decay
-    m = m + one_minus_beta1 * (g - m)
-    v = v * beta2 + one_minus_beta2 * (g * g)
-    denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
-    p = p - step_size * (m / denom)
-    bits = p.to(tl.int32, bitcast=True)
-    hi = (bits + 0x8000) >> 16
-    lo = bits - (hi << 16)
-    tl.store(hi_ptr + offs, hi.to(tl.int16), mask=mask)
-    tl.store(lo_ptr + offs, lo.to(tl.int16), mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
-
-
-def split(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(hi as bf16, lo as int16)`` with ``bits(master) == bits(hi) << 16 + lo`` (finite masters)."""
-    bits = master.view(torch.int32).to(torch.int64)
-    hi = (bits + 0x8000) >> 16
-    lo = bits - (hi << 16)
-    return hi.to(torch.int16).view(torch.bfloat16), lo.to(torch.int16)
-
-
-def joined(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    bits = (hi.view(torch.int16).to(torch.int64) << 16) + lo.to(torch.int64)
-    return bits.to(torch.int32).view(torch.float32)
+from moeshard.fsdp_moe import _triton, joined_master, split_master
 
 
 def timed(fn, reps: int = 10) -> float:
@@ -137,35 +97,28 @@ def main() -> None:
 
 
 def split_probe(param, g16, m, v, copy, kw) -> None:
-    """The split masters' update against the shipped one: checked, then timed."""
+    """The split masters' update against the float32 one: checked, then timed."""
     n = param.numel()
-    scalars = (kw["decay"], kw["beta2"], 1 - kw["beta1"], 1 - kw["beta2"], kw["step_size"],
-               kw["bias_correction2_sqrt"], kw["eps"])  # fmt: skip
     master = (param * 0.02).contiguous()
-    assert torch.equal(joined(*split(master)), master)
+    assert torch.equal(joined_master(*split_master(master)), master)
     ref, ref_m, ref_v = master.clone(), m.clone(), v.clone()
-    hi, lo = split(master)
+    hi, lo = split_master(master)
     sm, sv = m.clone(), v.clone()
     for _ in range(3):
         _triton.adamw_update(ref, g16, ref_m, ref_v, copy, 0.5, None, None, **kw)
-        _split_adamw_kernel[(triton.cdiv(n, 1024),)](hi.view(torch.int16), lo, g16, sm, sv, n, 0.5, *scalars,
-                                                     BLOCK=1024, num_warps=8)  # fmt: skip
-    assert torch.equal(joined(hi, lo), ref), "split masters differ from the float32 ones"
+        _triton.adamw_update_split(hi, lo, g16, sm, sv, 0.5, None, **kw)
+    assert torch.equal(joined_master(hi, lo), ref), "split masters differ from the float32 ones"
     assert torch.equal(sm, ref_m) and torch.equal(sv, ref_v)
     ties = (ref.view(torch.int32) & 0xFFFF) == 0x8000
     differ = hi.view(torch.int16) != copy.view(torch.int16)
     assert bool((differ & ~ties).sum() == 0), "bf16 copies differ away from ties"
     print(f"split masters: equal to the float32 path after 3 steps; bf16 copies differ at {int(differ.sum())} ties "
           f"of {n:,}")  # fmt: skip
-
-    def run():
-        _split_adamw_kernel[(triton.cdiv(n, 1024),)](hi.view(torch.int16), lo, g16, sm, sv, n, 0.5, *scalars,
-                                                     BLOCK=1024, num_warps=8)  # fmt: skip
-
     for name, fn, nbytes in (
-        ("shipped update, bf16 grad + bf16 copy (28 B/param)", lambda: _triton.adamw_update(
+        ("float32 master, bf16 grad + bf16 copy (28 B/param)", lambda: _triton.adamw_update(
             ref, g16, ref_m, ref_v, copy, 0.5, None, None, **kw), 28),
-        ("split masters, bf16 grad (26 B/param)", run, 26),
+        ("split masters, bf16 grad (26 B/param)", lambda: _triton.adamw_update_split(
+            hi, lo, g16, sm, sv, 0.5, None, **kw), 26),
     ):  # fmt: skip
         ms = timed(fn)
         print(f"{name:52s} {ms:7.3f} ms  {nbytes * n / ms / 1e9:6.2f} TB/s")
