@@ -12,7 +12,7 @@ the gradient (2), the master and both moments and writes the master, both moment
 clipping norm's read of the gradient (2), 30 bytes per parameter (28 where the step formed the gradients from kept
 factors: their sum of squares comes from the forming grouped GEMM, see ``_grad_records``).
 
-With a bf16 compute dtype the masters are held split (:func:`~moeshard.fsdp_moe._adamw_step.split_master`): the
+With a bf16 compute dtype the masters are held split (:func:`~moeshard.fsdp_moe.split_master`): the
 bf16 parameter is each float32 master's high half (rounded to nearest, ties away from zero) and the state holds the
 int16 low halves, so that ``bits(master) = bits(param) << 16 + low`` exactly. The pass reads and writes 2 + 2 bytes
 of master instead of 4 and writes no separate copy: 28 bytes per parameter with the clipping norm's read (26 where
