@@ -146,10 +146,12 @@ def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A float32 tensor held as ``(hi, lo)``: ``hi`` bf16 (the value rounded to nearest, ties away from zero) and
     ``lo`` int16, with ``bits(master) == bits(hi) << 16 + lo`` exactly (int32 arithmetic); 4 bytes per element, as
     the float32 master alone, where the master and a bf16 copy of it take 6."""
-    bits = master.view(torch.int32).to(torch.int64)
-    hi = (bits + 0x8000) >> 16
-    lo = bits - (hi << 16)
-    # (a master at the top of the float32 range whose high half rounds past it is a NaN already)
+    bits = master.view(torch.int32)
+    low = bits & 0xFFFF  # the low 16 bits, 0..65535
+    up = low >= 0x8000  # rounded up: the high half one more, the low half negative (no int32 overflow either way)
+    hi = (bits >> 16) + up
+    lo = low - up * 0x10000
+    # (a NaN whose high half rounds past 0x7FFF wraps to another NaN's or -0's bits; every number stays exact)
     return hi.to(torch.int16).view(torch.bfloat16), lo.to(torch.int16)
 
 

@@ -182,8 +182,8 @@ class LocalExpertAdamW(torch.optim.Optimizer):
         local = p.to_local()
         state = self.state[p]
         state["step"] = torch.zeros((), dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(local)
-        state["exp_avg_sq"] = torch.zeros_like(local)
+        state["exp_avg"] = dtensor_like(torch.zeros_like(local), p)
+        state["exp_avg_sq"] = dtensor_like(torch.zeros_like(local), p)
         if compute == torch.bfloat16:
             # Held split: the parameter is the master's high half, the state its low half (see split_master).
             hi, lo = split_master(local)
@@ -196,7 +196,6 @@ class LocalExpertAdamW(torch.optim.Optimizer):
                 p.grad = None
                 torch.utils.swap_tensors(p, nn.Parameter(dtensor_like(local.to(compute), p), p.requires_grad))
             state["master"] = master
-        state["exp_avg"], state["exp_avg_sq"] = (dtensor_like(t, p) for t in (state["exp_avg"], state["exp_avg_sq"]))
         st.in_compute_dtype.add(name)  # from now on the forward uses the parameter as it is
 
     @torch.no_grad()

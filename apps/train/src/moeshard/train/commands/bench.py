@@ -85,24 +85,21 @@ def main(argv: list[str]) -> int:
 
     back_to_back = not args.isolated_steps and device.type == "cuda"
     saves = Saves(args, job) if args.checkpoint_every else None
-    clocks = ClockSampler(device)  # started by timed_steps after warm-up
-    try:
-        if args.data and args.preload:
-            with real_batches(args, job, world, mb) as loader:
-                data = [micro for _, micro in loader]  # the same rows, all made before the timed loop
-            times, syncs, step_stats, host = timed_steps(args, job, data, device, back_to_back, saves, clocks)
-        elif args.data:
-            # Real rows through the training job's loader: prepared in a background thread while the steps run.
-            with real_batches(args, job, world, mb) as loader:
-                times, syncs, step_stats, host = timed_steps(
-                    args, job, (micro for _, micro in loader), device, back_to_back, saves, clocks
-                )
-        else:
-            # Made before the timed loop (a training loop's data loader prepares them in the background).
-            data = [batches() for _ in range(args.steps)]
-            times, syncs, step_stats, host = timed_steps(args, job, data, device, back_to_back, saves, clocks)
-    finally:
-        clocks.stop()  # also where a step raised: no sampling process left behind
+    clocks = ClockSampler(device)  # started and stopped by timed_steps around the timed steps
+    if args.data and args.preload:
+        with real_batches(args, job, world, mb) as loader:
+            data = [micro for _, micro in loader]  # the same rows, all made before the timed loop
+        times, syncs, step_stats, host = timed_steps(args, job, data, device, back_to_back, saves, clocks)
+    elif args.data:
+        # Real rows through the training job's loader: prepared in a background thread while the steps run.
+        with real_batches(args, job, world, mb) as loader:
+            times, syncs, step_stats, host = timed_steps(
+                args, job, (micro for _, micro in loader), device, back_to_back, saves, clocks
+            )
+    else:
+        # Made before the timed loop (a training loop's data loader prepares them in the background).
+        data = [batches() for _ in range(args.steps)]
+        times, syncs, step_stats, host = timed_steps(args, job, data, device, back_to_back, saves, clocks)
     if saves is not None:
         saves.finish()
     losses = [stats.read().loss for stats in step_stats]  # read after the timed steps

@@ -214,48 +214,50 @@ def timed_steps(
     if back_to_back:
         torch.cuda.synchronize()
         dist.barrier()
-    for step, micro in zip(range(args.steps), data):
-        if not back_to_back:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dist.barrier()
-        count = step >= args.warmup and device.type == "cuda"
-        if step == args.warmup and clocks is not None:
-            clocks.start()  # the timed steps' clock and power only
-        caught: list[tuple[str, list[str]]] = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            # Keep each sync warning's Python stack: the warning's own location is often inside torch.
-            warnings.showwarning = lambda msg, *a, _c=caught, **k: _c.append(
-                (str(msg), traceback.format_stack(limit=12))
-            )
-            if count:
-                torch.cuda.set_sync_debug_mode("warn")
-            if back_to_back:
-                marks.append(_mark())
-            t0 = time.perf_counter()
-            stats = train_step(job, micro, before_update=before_update)
-            host.append(time.perf_counter() - t0)
-            if count:
-                torch.cuda.set_sync_debug_mode("default")
-            if saves is not None:
-                saves.after_step(step + 1)
+    try:
+        for step, micro in zip(range(args.steps), data):
             if not back_to_back:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-        step_stats.append(stats)
-        if step >= args.warmup:
-            found = [stack for msg, stack in caught if "synchroniz" in msg]
-            syncs.append(len(found))
-            if step == args.warmup and dist.get_rank() == 0:
-                _print_sync_sites(found)
-    if back_to_back:
-        marks.append(_mark())
-        torch.cuda.synchronize()
-        times = [a.elapsed_time(b) / 1000 for a, b in zip(marks, marks[1:])]
-    if clocks is not None:
-        clocks.stop()
+                dist.barrier()
+            count = step >= args.warmup and device.type == "cuda"
+            if step == args.warmup and clocks is not None:
+                clocks.start()  # the timed steps' clock and power only
+            caught: list[tuple[str, list[str]]] = []
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                # Keep each sync warning's Python stack: the warning's own location is often inside torch.
+                warnings.showwarning = lambda msg, *a, _c=caught, **k: _c.append(
+                    (str(msg), traceback.format_stack(limit=12))
+                )
+                if count:
+                    torch.cuda.set_sync_debug_mode("warn")
+                if back_to_back:
+                    marks.append(_mark())
+                t0 = time.perf_counter()
+                stats = train_step(job, micro, before_update=before_update)
+                host.append(time.perf_counter() - t0)
+                if count:
+                    torch.cuda.set_sync_debug_mode("default")
+                if saves is not None:
+                    saves.after_step(step + 1)
+                if not back_to_back:
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+            step_stats.append(stats)
+            if step >= args.warmup:
+                found = [stack for msg, stack in caught if "synchroniz" in msg]
+                syncs.append(len(found))
+                if step == args.warmup and dist.get_rank() == 0:
+                    _print_sync_sites(found)
+        if back_to_back:
+            marks.append(_mark())
+            torch.cuda.synchronize()
+            times = [a.elapsed_time(b) / 1000 for a, b in zip(marks, marks[1:])]
+    finally:
+        if clocks is not None:
+            clocks.stop()  # the timed steps' samples only; also where a step raised
     return times[args.warmup :], syncs, step_stats, host[args.warmup :]
 
 
