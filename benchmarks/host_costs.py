@@ -54,7 +54,7 @@ def main() -> None:
     x = torch.randn(T, D, device=dev, dtype=bf)
     order, inv, counts = _route_triton.route(ids, E)
     offs = counts.cumsum(0).to(torch.int32)
-    xs = _triton.expand_rows(x, order, K)
+    xs = _triton.expand_rows(x, order, inv, K)
     h = torch.randn(N, 2 * Fd, device=dev, dtype=bf)
     a = _triton.gated(h)
     y = torch.randn(N, D, device=dev, dtype=bf)
@@ -84,7 +84,7 @@ def main() -> None:
         "F.grouped_mm weight grad (writes)": lambda: F.grouped_mm(h.transpose(0, 1), xs, offs=offs),
         "triton no-op kernel, 3 args": lambda: _noop[(1,)](small, 1024, BLOCK=1024),
         "route (3 triton kernels + 5 allocations)": lambda: _route_triton.route(ids, E),
-        "expand_rows (triton)": lambda: _triton.expand_rows(x, order, K),
+        "expand_rows (triton)": lambda: _triton.expand_rows(x, order, inv, K),
         "gated SwiGLU (triton)": lambda: _triton.gated(h),
         "SwiGLU backward (triton)": lambda: _triton.silu_gated_backward(h, a),
         "weighted SwiGLU (triton)": lambda: _triton.silu_weighted_gated(h, s),

@@ -44,7 +44,7 @@ def check_kernels(device: str, dtype: torch.dtype, D: int) -> None:
     y = torch.randn(T * K, D, generator=g).to(device, dtype)
     ulp = 0 if dtype == torch.float32 else 1e-2
 
-    assert torch.equal(tk.expand_rows(x, order, K), x[order // K])
+    assert torch.equal(tk.expand_rows(x, order, inv, K), x[order // K])
     # a token's copies added in float32 and rounded once (the combine, and the copies' gradient sum): as the float32
     # sum cast by torch (round to nearest even) on the GPU; triton's interpreter rounds by truncation, so on CPU
     # within one bf16 ulp
@@ -80,7 +80,11 @@ def check_bad_shapes() -> None:
     with pytest.raises(ValueError, match="T\\*K"):
         tk.gather_sum(torch.zeros(6, 4), torch.arange(5), 2)
     with pytest.raises(ValueError, match="rows, D"):
-        tk.expand_rows(torch.zeros(6), torch.arange(6), 2)
+        tk.expand_rows(torch.zeros(6), torch.arange(6), torch.arange(6), 2)
+    with pytest.raises(ValueError, match="inverse differ"):
+        tk.expand_rows(torch.zeros(3, 4), torch.arange(4), torch.arange(6), 2)
+    with pytest.raises(ValueError, match="rows of x"):
+        tk.expand_rows(torch.zeros(4, 4), torch.arange(6), torch.arange(6), 2)
     with pytest.raises(ValueError, match="2F"):
         tk.silu_gated(torch.zeros(6, 5))
     with pytest.raises(ValueError, match="expected"):

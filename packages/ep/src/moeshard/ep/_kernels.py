@@ -93,8 +93,9 @@ def weighted_gated_backward(
     return grad_h, (g_NF * gated_NF).sum(dim=-1), a_NF
 
 
-def expand_rows(x_TD: torch.Tensor, order_N: torch.Tensor, K: int) -> torch.Tensor:
-    """``x[order // K]``: each token's row once per routed copy, in expert order."""
+def expand_rows(x_TD: torch.Tensor, order_N: torch.Tensor, inv_N: torch.Tensor, K: int) -> torch.Tensor:
+    """``x[order // K]``: each token's row once per routed copy, in expert order (``inv_N``, the inverse of
+    ``order_N``, is for the tiers that write token by token)."""
     return x_TD.index_select(0, torch.div(order_N, K, rounding_mode="floor"))
 
 
@@ -180,7 +181,7 @@ class Kernels:
         tier: ``"eager"``, ``"compiled"`` or ``"triton"``.
         gated: ``(activation, h_NX) -> a_NF``.
         gated_backward: ``(activation, h_NX, grad_NF) -> grad_NX``.
-        expand_rows: ``(x_TD, order_N, K) -> x_sorted_ND``.
+        expand_rows: ``(x_TD, order_N, inv_N, K) -> x_sorted_ND``.
         gather_sum: ``(grad_ND, inv_N, K) -> grad_TD`` (the backward of ``expand_rows``).
         weighted_gated: ``(activation, h_NX, s_N) -> a_NF``, the gated activation times each row's routing weight.
         weighted_gated_backward: ``(activation, h_NX, grad_NF, s_N, need_a) -> (grad_NX, grad_s_N, a_NF | None)``

@@ -89,7 +89,7 @@ class _ExpandRows(torch.autograd.Function):
         ctx.K, ctx.kernels = K, kernels
         ctx.w_meta = None if w_TK is None else (w_TK.shape, w_TK.dtype)
         w_sorted_N = None if w_TK is None else w_TK.reshape(-1).index_select(0, order_N).float()
-        return kernels.expand_rows(x_TD, order_N, K), w_sorted_N
+        return kernels.expand_rows(x_TD, order_N, inv_N, K), w_sorted_N
 
     @staticmethod
     def backward(ctx, grad_ND, grad_w_N):  # noqa: D102
@@ -128,7 +128,7 @@ class _SumCopies(torch.autograd.Function):
     def forward(  # noqa: D102
         ctx, y_sorted_ND, order_N, inv_N, K: int, kernels: Kernels, out_dtype: torch.dtype, compute: bool
     ):
-        ctx.save_for_backward(order_N)
+        ctx.save_for_backward(order_N, inv_N)
         ctx.K, ctx.kernels, ctx.dtype = K, kernels, y_sorted_ND.dtype
         if not compute:
             return y_sorted_ND.new_empty((y_sorted_ND.shape[0] // K, y_sorted_ND.shape[1]), dtype=out_dtype)
@@ -136,8 +136,8 @@ class _SumCopies(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_TD):  # noqa: D102
-        (order_N,) = ctx.saved_tensors
-        gy = ctx.kernels.expand_rows(g_TD.to(ctx.dtype).contiguous(), order_N, ctx.K)
+        order_N, inv_N = ctx.saved_tensors
+        gy = ctx.kernels.expand_rows(g_TD.to(ctx.dtype).contiguous(), order_N, inv_N, ctx.K)
         return gy, None, None, None, None, None, None
 
 

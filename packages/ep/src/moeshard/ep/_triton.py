@@ -51,12 +51,15 @@ def _gather_sum_kernel(src_ptr, inv_ptr, out_ptr, D: tl.constexpr, K: tl.constex
 
 
 @triton.jit
-def _expand_rows_kernel(x_ptr, order_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
+def _expand_rows_kernel(x_ptr, inv_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr, BLOCK_D: tl.constexpr):
+    # out[inv[t*K+k]] = x[t]: a program owns a token (and a block of D), reads its row once and writes its K copies
+    t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
-    t = tl.load(order_ptr + n).to(tl.int64) // K
-    tl.store(out_ptr + n * D + offs, tl.load(x_ptr + t * D + offs, mask=mask), mask=mask)
+    row = tl.load(x_ptr + t * D + offs, mask=mask)
+    for k in tl.static_range(K):
+        n = tl.load(inv_ptr + t * K + k).to(tl.int64)
+        tl.store(out_ptr + n * D + offs, row, mask=mask)
 
 
 @triton.jit
@@ -269,11 +272,19 @@ def gather_sum(grad_ND: torch.Tensor, inv_N: torch.Tensor, K: int) -> torch.Tens
     return out
 
 
-def expand_rows(x_TD: torch.Tensor, order_N: torch.Tensor, K: int) -> torch.Tensor:
-    """``x[order // K]``: each token's row once per routed copy, in expert order, ``[N, D]``."""
-    x_TD, order_N = _check(x_TD, order_N, K)
-    N, D = order_N.numel(), x_TD.shape[1]
+def expand_rows(x_TD: torch.Tensor, order_N: torch.Tensor, inv_N: torch.Tensor, K: int) -> torch.Tensor:
+    """``x[order // K]``: each token's row once per routed copy, in expert order, ``[N, D]``.
+
+    Written token by token through the inverse ``inv_N`` (copy ``t*K+k`` goes to row ``inv[t*K+k]``): each row of
+    ``x`` is read once, where a program per copy reads it K times (at T·D beyond the L2 cache, from memory each
+    time: 2·N·D element moves instead of (T + N)·D). ``order_N`` only checks the shapes."""
+    x_TD, inv_N = _check(x_TD, inv_N, K)
+    if order_N.shape != inv_N.shape:
+        raise ValueError(f"order and its inverse differ in shape: {tuple(order_N.shape)} and {tuple(inv_N.shape)}")
+    N, D = inv_N.numel(), x_TD.shape[1]
+    if N // K != x_TD.shape[0]:
+        raise ValueError(f"expected {N // K} rows of x for {N} copies (K={K}), got {x_TD.shape[0]}")
     out = torch.empty((N, D), dtype=x_TD.dtype, device=x_TD.device)
     if N and D:
-        _expand_rows_kernel[(N, triton.cdiv(D, _BLOCK_D))](x_TD, order_N, out, D, K=K, BLOCK_D=_BLOCK_D)
+        _expand_rows_kernel[(N // K, triton.cdiv(D, _BLOCK_D))](x_TD, inv_N, out, D, K=K, BLOCK_D=_BLOCK_D)
     return out
