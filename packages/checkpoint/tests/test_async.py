@@ -100,6 +100,64 @@ def test_the_stager_reuses_its_buffers_and_copies_the_values_of_the_moment(world
     assert stager.allocated_bytes == 0
 
 
+def _split(master: torch.Tensor):
+    from moeshard.fsdp_moe import SplitMaster, split_master
+
+    return SplitMaster(*split_master(master))
+
+
+def test_split_masters_are_written_as_the_float32_masters_they_stand_for(world_of_one, tmp_path):
+    """A ``SplitMaster`` entry (``model_state(..., masters="split")``) is written as its float32 master: through
+    the stager (joined into its host buffer) and by a save without one (joined before DCP writes)."""
+    g = torch.Generator().manual_seed(0)
+    masters = {"a": torch.randn(5, 7, generator=g), "b": torch.randn(300, generator=g) * 1e4}
+    state = {"model": {k: _split(m) for k, m in masters.items()} | {"c": torch.ones(3)}}
+    assert ckpt.state_bytes(state) == (35 + 300 + 3) * 4
+    stager = Stager(torch.device("cpu"))
+    staged = stager.stage(state)
+    for k, m in masters.items():
+        assert staged["model"][k].dtype == torch.float32 and torch.equal(staged["model"][k], m)
+    assert staged["model"]["c"].data_ptr() != state["model"]["c"].data_ptr()
+    group = dist.new_group(backend="gloo")
+    pending = ckpt.start_async_save(
+        tmp_path / "bg", 1, state, {"step": 1}, {}, keep_last=2, group=group, stager=stager
+    )  # fmt: skip
+    saved = [pending.wait(), ckpt.save_checkpoint(tmp_path / "fg", 1, state, {"step": 1}, {}, keep_last=2)]
+    for s in saved:
+        back = {"model": {"a": torch.zeros(5, 7), "b": torch.zeros(300), "c": torch.zeros(3)}}
+        ckpt.load_checkpoint(s.path, back)
+        for k, m in masters.items():
+            assert torch.equal(back["model"][k], m), (s.path, k)
+        assert s.bytes == (35 + 300 + 3) * 4
+    stager.release()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_split_masters_are_joined_one_at_a_time(world_of_one):
+    """On CUDA the stager joins split masters into one scratch the size of the largest: the device holds that,
+    not every joined master at once, and the host buffers get the masters' bits."""
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    masters = [torch.randn(n << 20, device=dev) for n in (16, 64, 32, 64)]  # 176 Mi elements, 0.7 GiB joined
+    state = {"model": {f"w{i}": _split(m) for i, m in enumerate(masters)}}
+    expected = [m.cpu() for m in masters]
+    del masters
+    stager = Stager(dev)
+    stager.allocate(state)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev)
+    staged = stager.stage(state).result()
+    peak = torch.cuda.max_memory_allocated(dev) - before
+    assert peak <= (64 << 20) * 4 + (1 << 20), peak  # one scratch of the largest piece
+    for i, t in enumerate(expected):
+        assert torch.equal(staged["model"][f"w{i}"], t)
+    torch.cuda.synchronize()
+    probe = torch.empty(1, device=dev)  # an allocation takes in the frees the side stream's copies held back
+    assert torch.cuda.memory_allocated(dev) <= before + probe.untyped_storage().nbytes() + 512  # the scratch freed
+    stager.release()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_staging_blocks_the_host_for_milliseconds_and_the_step_waits_on_the_device(world_of_one):
     dev = torch.device("cuda", 0)

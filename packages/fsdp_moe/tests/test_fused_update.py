@@ -140,7 +140,7 @@ def test_split_masters_are_exact():
     """``split_master`` / ``joined_master`` round-trip every float32 bit pattern of a number exactly (zeros,
     infinities, the largest finite values, subnormals, ties of the rounding), and the high half is the
     round-to-nearest bf16 value, ties away from zero."""
-    from moeshard.fsdp_moe import joined_master, split_master
+    from moeshard.fsdp_moe import SplitMaster, join_master_into, joined_master, joined_masters, split_master
 
     special = [0.0, -0.0, float("inf"), -float("inf"), 3.4028235e38, -3.4028235e38, 1e-45, -1e-45, 1.1754944e-38]
     x = torch.cat([torch.tensor(special), torch.randn(20000, generator=torch.Generator().manual_seed(3)) * 1e3])
@@ -153,6 +153,18 @@ def test_split_masters_are_exact():
     assert torch.equal(hi[~ties], x[~ties].to(torch.bfloat16))
     away = hi[ties].float().abs() > x[ties].abs()
     assert bool(away.all()) and bool((lo[ties] == -0x8000).all())
+    # joined in place (what a checkpoint stager does, one master at a time): the same bits
+    out = torch.full_like(x, float("nan"))
+    assert join_master_into(hi, lo, out) is out and torch.equal(out.view(torch.int32), bits)
+    with pytest.raises(ValueError, match="float32 of shape"):
+        join_master_into(hi, lo, torch.empty(3))
+    # as a state dict entry: float32 to whoever copies it, joined on demand
+    entry = SplitMaster(hi, lo)
+    assert entry.dtype == torch.float32 and entry.shape == entry.local_shape == x.shape
+    assert torch.equal(entry.join().view(torch.int32), bits)
+    assert torch.equal(joined_masters({"a": [entry, 1]})["a"][0].view(torch.int32), bits)
+    with pytest.raises(ValueError, match="bfloat16 and lo int16"):
+        SplitMaster(x, lo)
 
 
 def test_kernel_in_the_interpreter():

@@ -194,6 +194,29 @@ def test_checkpoints_move_between_fused_and_unfused_expert_updates(tmp_path):
     _same(snap, out["saved"], "world 2, EP 2 x 1 fused")
 
 
+def _split_entries_join_to_the_joined_dict(model, opt):
+    """``get_state_dict(masters="split")``: a SplitMaster where (and only where) the joined dict has a new float32
+    master, of the same global layout; its halves alias the live parameter and low halves; joined, the same bits."""
+    from torch.distributed.tensor import DTensor
+
+    from moeshard.fsdp_moe import SplitMaster, get_state_dict, joined_masters
+
+    joined, split = get_state_dict(model, opt), get_state_dict(model, opt, masters="split")
+    entries = {k: v for k, v in split["model"].items() if isinstance(v, SplitMaster)}
+    assert entries and set(entries) == {k for k in joined["model"] if ".experts." in k}
+    for fqn, entry in entries.items():
+        want = joined["model"][fqn]
+        assert isinstance(entry.hi, DTensor) and entry.shape == want.shape and entry.hi.placements == want.placements
+        live = dict(model.named_parameters())[fqn].to_local()
+        assert entry.hi.to_local().data_ptr() == live.data_ptr()
+        assert torch.equal(entry.join().to_local().view(torch.int32), want.to_local().view(torch.int32))
+    same = joined_masters(split)
+    for fqn, want in joined["model"].items():
+        assert torch.equal(same["model"][fqn].to_local(), want.to_local()), fqn
+    assert split["optimizer"]["state"].keys() == joined["optimizer"]["state"].keys()
+    return len(entries)
+
+
 def _split_masters_round_trip(path):
     from moeshard.fsdp_moe import LocalExpertAdamW, load_checkpoint, save_checkpoint
 
@@ -201,6 +224,7 @@ def _split_masters_round_trip(path):
     local = next(o for o in opt.optimizers if isinstance(o, LocalExpertAdamW))
     split = all("master_low" in local.state[p] for g in local.param_groups for p in g["params"])
     _step(model, opt, meshes, seed=1)
+    split = split and _split_entries_join_to_the_joined_dict(model, opt) == 4
     save_checkpoint(path, model, opt)
     saved = _snapshot(model, opt)
     _step(model, opt, meshes, seed=2)

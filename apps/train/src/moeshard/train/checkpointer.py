@@ -38,7 +38,7 @@ from moeshard.train.run import Callback, Job, StepStats, lr_at
 
 def app_state(job: Job) -> dict[str, Any]:
     """Model and optimizer state for DCP (layout independent, see ``moeshard.checkpoint.model_state``)."""
-    return model_state(job.model, job.optimizer)
+    return model_state(job.model, job.optimizer, masters="split")
 
 
 def job_state(job: Job, step: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from moeshard.checkpoint._errors import CheckpointSaveError
 from moeshard.checkpoint._space import METADATA_ALLOWANCE, agree_sizes, check_room_for_save, human
 from moeshard.checkpoint._stage import Stager, state_bytes
+from moeshard.fsdp_moe import joined_masters
 
 WriterFactory = Callable[[Path, int], StorageWriter]
 
@@ -206,11 +207,12 @@ def save_checkpoint(
     error, staging_s, t1 = None, 0.0, time.perf_counter()
     try:
         _write_small(tmp, extra, rank_state)
-        state = app_state
         if stager is not None and stager.cuda:
             staged = stager.stage(app_state)
             state = staged.result()
             staging_s, t1 = time.perf_counter() - t1, time.perf_counter()
+        else:
+            state = joined_masters(app_state)  # DCP writes tensors: split masters joined (all at once) here
         dcp.save(state, storage_writer=(writer_factory or options.writer)(tmp, step))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn of any rank's failure
         error = e

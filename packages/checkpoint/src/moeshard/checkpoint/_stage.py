@@ -10,23 +10,34 @@ before the optimizer step overwrites what they read. On the CPU the copy is a pl
 
 The staged tensors own their storage (nothing is a view of a larger buffer), so DCP's ``FileSystemWriter`` writes
 them as they are, without the copy it makes of a view.
+
+A float32 master held split (``moeshard.fsdp_moe.SplitMaster``, from ``model_state(..., masters="split")``) is
+staged as the float32 tensor it stands for: on CUDA each is joined on the side stream into one scratch tensor (the
+size of the largest such piece, reused from one master to the next) and copied from there, so a save never holds
+more than one joined master on the device; on the CPU it is joined into its host buffer.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import copy
+import math
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
+from moeshard.fsdp_moe import SplitMaster
+
 _PIN_MIN_BYTES = 1 << 20  # smaller tensors (scalars, norms) copy as fast unpinned
 
 
 def state_bytes(state: Any) -> int:
-    """Bytes of this rank's tensors in a (nested) state dict: DTensors count their local piece."""
+    """Bytes of this rank's tensors in a (nested) state dict: DTensors count their local piece, a split master the
+    float32 tensor it stands for."""
+    if isinstance(state, SplitMaster):
+        return math.prod(state.local_shape) * 4
     if isinstance(state, DTensor):
         local = state._local_tensor
         return local.numel() * local.element_size()
@@ -37,6 +48,18 @@ def state_bytes(state: Any) -> int:
     if isinstance(state, (list, tuple)):
         return sum(state_bytes(v) for v in state)
     return 0
+
+
+def _split_masters(state: Any):
+    """The :class:`SplitMaster` entries of a nested state dict."""
+    if isinstance(state, SplitMaster):
+        yield state
+    elif isinstance(state, dict):
+        for v in state.values():
+            yield from _split_masters(v)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            yield from _split_masters(v)
 
 
 class Stager(AsyncStager):
@@ -59,6 +82,7 @@ class Stager(AsyncStager):
         self._registered: list[int] = []
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._event: torch.cuda.Event | None = None
+        self._scratch: torch.Tensor | None = None  # split masters are joined here on CUDA, during stage()
         self._pool = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moeshard-stage") if self.cuda else None
         )
@@ -73,21 +97,25 @@ class Stager(AsyncStager):
         self._walk(state, (), copy_into=False)
         return self.allocated_bytes
 
-    def _buffer(self, path: tuple, t: torch.Tensor) -> torch.Tensor:
-        """The host buffer for the tensor (its local piece for a DTensor) at ``path``; a new one when the shape or
-        dtype changed."""
+    def _buffer(self, path: tuple, t: torch.Tensor | SplitMaster) -> torch.Tensor:
+        """The host buffer for the tensor (its local piece for a DTensor; the float32 tensor a split master stands
+        for) at ``path``; a new one when the shape or dtype changed."""
         buf = self._buffers.get(path)
-        local = t._local_tensor if isinstance(t, DTensor) else t
+        like = t.hi if isinstance(t, SplitMaster) else t  # the layout (a DTensor's spec) to copy
+        shape = (
+            t.local_shape if isinstance(t, SplitMaster) else (t._local_tensor if isinstance(t, DTensor) else t).shape
+        )
+        dtype = t.dtype
         held = buf._local_tensor if isinstance(buf, DTensor) else buf
-        if held is not None and held.shape == local.shape and held.dtype == local.dtype:
+        if held is not None and held.shape == shape and held.dtype == dtype:
             return buf
-        if isinstance(t, DTensor):
+        if isinstance(like, DTensor):
             # torch's own way (``_create_cpu_state_dict``): a CPU DTensor of the same spec, its local piece a copy
             # of exactly its size; made once, so its copy costs nothing per save.
-            buf = t.detach().to("cpu", copy=True)  # copy: a CPU state's buffer must never alias it
+            buf = like.detach().to("cpu", dtype=dtype, copy=True)  # copy: a CPU state's buffer must never alias it
             target = buf._local_tensor
         else:
-            buf = target = torch.empty(local.shape, dtype=local.dtype)
+            buf = target = torch.empty(shape, dtype=dtype)
         nbytes = target.numel() * target.element_size()
         if self.pinned and nbytes >= _PIN_MIN_BYTES:
             err = torch.cuda.cudart().cudaHostRegister(target.data_ptr(), nbytes, 0)
@@ -105,6 +133,19 @@ class Stager(AsyncStager):
 
     def _walk(self, obj: Any, path: tuple, *, copy_into: bool) -> Any:
         """A copy of ``obj`` whose tensors are the host buffers (filled when ``copy_into``); other values copied."""
+        if isinstance(obj, SplitMaster):
+            buf = self._buffer(path, obj)
+            if copy_into:
+                dst = buf._local_tensor if isinstance(buf, DTensor) else buf
+                hi = obj.hi._local_tensor if isinstance(obj.hi, DTensor) else obj.hi
+                if not hi.is_cuda:
+                    obj.join_into(dst)
+                    return buf
+                # joined into the scratch (on the side stream, after the previous master's copy out of it)
+                out = self._scratch[: dst.numel()].view(dst.shape)
+                obj.join_into(out)
+                dst.copy_(out, non_blocking=self.cuda)
+            return buf
         if isinstance(obj, torch.Tensor):
             buf = self._buffer(path, obj)
             if copy_into:
@@ -129,8 +170,17 @@ class Stager(AsyncStager):
             return self._walk(state_dict, (), copy_into=True)
         compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)  # after the optimizer step that made this state, without a host wait
-        with torch.cuda.stream(self._stream):
-            staged = self._walk(state_dict, (), copy_into=True)
+        largest = max((math.prod(m.local_shape) for m in _split_masters(state_dict)), default=0)
+        if largest:
+            # Allocated on the compute stream, so that once the side stream's copies out of it ran it is the
+            # compute stream's memory again (not held by the side stream's pool).
+            self._scratch = torch.empty(largest, dtype=torch.float32, device=self.device)
+            self._scratch.record_stream(self._stream)
+        try:
+            with torch.cuda.stream(self._stream):
+                staged = self._walk(state_dict, (), copy_into=True)
+        finally:
+            self._scratch = None
         event = torch.cuda.Event()
         event.record(self._stream)
         self._event = event

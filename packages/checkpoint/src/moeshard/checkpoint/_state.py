@@ -11,11 +11,17 @@ from torch import nn
 from moeshard.checkpoint._resume import load_checkpoint
 
 
-def model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+def model_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, masters: str = "joined"
+) -> dict[str, Any]:
     """``{"model": ..., "optimizer": ...}`` of a model sharded by ``moeshard.fsdp_moe.shard_model`` (experts in
     their global shape), ready for :func:`save_checkpoint`: a checkpoint written under one EP size / world size
     loads under any other. The tensors alias the live ones (nothing is copied), except the float32 masters a
-    ``LocalExpertAdamW`` holds split (a bf16 compute dtype), joined into new tensors while the dict lives.
+    ``LocalExpertAdamW`` holds split (a bf16 compute dtype): ``masters="joined"`` joins them into new tensors
+    while the dict lives (4 bytes per expert parameter on the device; what a load into the dict needs);
+    ``masters="split"`` leaves a ``moeshard.fsdp_moe.SplitMaster`` in their place, which :func:`save_checkpoint`
+    and :func:`start_async_save` stage one at a time through the :class:`Stager` (on CUDA, one joined master on the
+    device at a time; without a stager on CUDA, all at once before the write).
 
     ``optimizer``: a torch optimizer, a ``LocalExpertAdamW`` or an ``OptimizersContainer`` (see
     ``moeshard.fsdp_moe.get_state_dict``). Call it once the optimizer has stepped (or loaded a state): before that,
@@ -23,7 +29,7 @@ def model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     """
     from moeshard.fsdp_moe import get_state_dict
 
-    return get_state_dict(model, optimizer)
+    return get_state_dict(model, optimizer, masters=masters)
 
 
 def load_model_state(

@@ -22,7 +22,7 @@ one-pass CUDA update) for the rest, in one :class:`OptimizersContainer`. Example
     save_checkpoint("ckpt/step_100", model, optim)           # loads into any EP size / world size
 """
 
-from moeshard.fsdp_moe._adamw_step import joined_master, split_master
+from moeshard.fsdp_moe._adamw_step import join_master_into, joined_master, split_master
 from moeshard.fsdp_moe._clip import clip_grad_norm_, get_total_norm
 from moeshard.fsdp_moe._local_adamw import LocalExpertAdamW
 from moeshard.fsdp_moe._local_experts import defer_expert_weight_grads
@@ -43,9 +43,18 @@ from moeshard.fsdp_moe._shard import (
     get_sharding_info,
     shard_model,
 )
-from moeshard.fsdp_moe._state_dict import get_state_dict, load_checkpoint, save_checkpoint, set_state_dict
+from moeshard.fsdp_moe._state_dict import (
+    MASTERS,
+    SplitMaster,
+    get_state_dict,
+    joined_masters,
+    load_checkpoint,
+    save_checkpoint,
+    set_state_dict,
+)
 
 __all__ = [
+    "MASTERS",
     "FSDPUnits",
     "LocalExpertAdamW",
     "OnePassAdamW",
@@ -53,6 +62,7 @@ __all__ = [
     "ReducedGrad",
     "ReducedGradTarget",
     "ShardingInfo",
+    "SplitMaster",
     "Stage",
     "build_optimizer",
     "clip_grad_norm_",
@@ -62,7 +72,9 @@ __all__ = [
     "get_state_dict",
     "get_total_norm",
     "grouped_grad_accumulation",
+    "join_master_into",
     "joined_master",
+    "joined_masters",
     "load_checkpoint",
     "num_items_for_global_mean",
     "reduced_grad_target",

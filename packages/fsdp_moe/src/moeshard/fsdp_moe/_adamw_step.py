@@ -20,6 +20,7 @@ __all__ = [
     "adamw_step_split",
     "check_group",
     "hyper_parameters",
+    "join_master_into",
     "joined_master",
     "local_tensor",
     "split_master",
@@ -159,6 +160,21 @@ def joined_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """The float32 tensor that :func:`split_master` split into ``hi`` and ``lo`` (a new tensor)."""
     bits = (hi.view(torch.int16).to(torch.int32) << 16) + lo.to(torch.int32)
     return bits.view(torch.float32)
+
+
+def join_master_into(hi: torch.Tensor, lo: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`joined_master` written into ``out`` (float32, the halves' shape and device) in place, without
+    temporaries: the same int32 arithmetic, so the same bits. Returns ``out``."""
+    if out.dtype != torch.float32 or out.shape != hi.shape or out.device != hi.device:
+        raise ValueError(
+            f"join_master_into: out must be float32 of shape {tuple(hi.shape)} on {hi.device}, got "
+            f"{out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+    bits = out.view(torch.int32)
+    bits.copy_(hi.view(torch.int16))  # sign-extended, as joined_master's .to(torch.int32)
+    bits.bitwise_left_shift_(16)
+    bits.add_(lo)
+    return out
 
 
 def _step_hyper(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> dict[str, float]:

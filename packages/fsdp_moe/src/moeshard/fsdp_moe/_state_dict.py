@@ -39,18 +39,96 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Shard
 
 from moeshard.ep import EPParamMeta
+from moeshard.fsdp_moe._adamw_step import join_master_into, joined_master, local_tensor
 from moeshard.fsdp_moe._local_adamw import LocalExpertAdamW
 from moeshard.fsdp_moe._local_experts import dtensor_like, local_experts_state
 from moeshard.fsdp_moe._optim import OptimizersContainer
 from moeshard.fsdp_moe._shard import EXPERT_DIM, ShardingInfo, clean_fqn, get_sharding_info
 from moeshard.meshes import ParallelMeshes
 
-__all__ = ["get_state_dict", "load_checkpoint", "save_checkpoint", "set_state_dict"]
+__all__ = [
+    "MASTERS",
+    "SplitMaster",
+    "get_state_dict",
+    "joined_masters",
+    "load_checkpoint",
+    "save_checkpoint",
+    "set_state_dict",
+]
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
 # Placements on the expert mesh ("ep_fsdp", "ep"): ep_fsdp shards dim 1, ep shards dim 0 (the experts).
 EXPERT_PLACEMENTS = (Shard(EXPERT_DIM), Shard(0))
+
+
+MASTERS = ("joined", "split")
+"""Values of :func:`get_state_dict`'s ``masters``."""
+
+
+class SplitMaster:
+    """A float32 master held split (a bf16 compute dtype, see :func:`split_master`), as a state dict entry.
+
+    ``get_state_dict(..., masters="split")`` puts one where the float32 master would be, so that whatever copies
+    the state (``moeshard.checkpoint.Stager``) joins the masters one tensor at a time, where ``"joined"`` makes all
+    of them at once: 4 bytes per expert parameter on the device while the dict lives (for a background save, while
+    the next steps run).
+
+    Attributes:
+        hi: the bf16 parameter (the live tensor; a DTensor of the entry's global shape for experts).
+        lo: the int16 low halves, laid out like ``hi``.
+    """
+
+    __slots__ = ("hi", "lo")
+
+    def __init__(self, hi: torch.Tensor, lo: torch.Tensor) -> None:
+        if hi.dtype != torch.bfloat16 or lo.dtype != torch.int16 or hi.shape != lo.shape or type(hi) is not type(lo):
+            raise ValueError(
+                f"SplitMaster: hi must be bfloat16 and lo int16 of the same shape and kind, got {type(hi).__name__} "
+                f"{hi.dtype} {tuple(hi.shape)} and {type(lo).__name__} {lo.dtype} {tuple(lo.shape)}"
+            )
+        self.hi, self.lo = hi, lo
+
+    @property
+    def shape(self) -> torch.Size:
+        """The master's (global) shape."""
+        return self.hi.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """torch.float32: the master's dtype, whatever the halves'."""
+        return torch.float32
+
+    @property
+    def local_shape(self) -> torch.Size:
+        """The shape of this rank's piece (the halves' local tensors)."""
+        return local_tensor(self.hi).shape
+
+    def join(self) -> torch.Tensor:
+        """The float32 master, laid out like :attr:`hi` (a new tensor)."""
+        joined = joined_master(local_tensor(self.hi), local_tensor(self.lo))
+        return dtensor_like(joined, self.hi) if isinstance(self.hi, DTensor) else joined
+
+    def join_into(self, out: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the master written into ``out`` (float32, :attr:`local_shape`, on the halves'
+        device), without temporaries. Returns ``out``."""
+        return join_master_into(local_tensor(self.hi), local_tensor(self.lo), out)
+
+    def __repr__(self) -> str:
+        return f"SplitMaster(shape={tuple(self.shape)}, local_shape={tuple(self.local_shape)})"
+
+
+def joined_masters(state: Any) -> Any:
+    """``state`` (a nested dict / list) with every :class:`SplitMaster` joined (:meth:`SplitMaster.join`); the
+    rest as it is (containers rebuilt, tensors not copied)."""
+    if isinstance(state, SplitMaster):
+        return state.join()
+    if isinstance(state, dict):
+        return {k: joined_masters(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        out = [joined_masters(v) for v in state]
+        return tuple(out) if isinstance(state, tuple) else out
+    return state
 
 
 def _info(model: nn.Module) -> ShardingInfo:
@@ -158,28 +236,48 @@ def _fused_params(opt: LocalExpertAdamW):
             yield opt.fqn(p), p
 
 
-def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+def get_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, masters: str = "joined"
+) -> dict[str, Any]:
     """A DCP-ready state dict of a model sharded by ``shard_model`` (and its optimizer), experts in global shape.
 
     ``optimizer``: a torch optimizer, a ``LocalExpertAdamW`` or an ``OptimizersContainer``; required where the
     model's local experts are updated by a LocalExpertAdamW (it holds their float32 weights). The tensors alias the
     live parameters, masters and optimizer state (nothing is copied), except the masters a LocalExpertAdamW holds
-    split (a bf16 compute dtype), which are joined into new float32 tensors (``LocalExpertAdamW.master``: 4 bytes
-    per expert parameter on the device while the dict lives); ``dcp.load`` into this dict writes the rest in place,
-    and :func:`set_state_dict` after it splits those masters back.
+    split (a bf16 compute dtype). ``masters="joined"`` (the default) joins those into new float32 tensors
+    (``LocalExpertAdamW.master``: 4 bytes per expert parameter on the device while the dict lives); ``dcp.load``
+    into this dict writes the rest in place, and :func:`set_state_dict` after it splits those masters back.
+    ``masters="split"`` puts a :class:`SplitMaster` there instead (its halves alias the live tensors): for a saver
+    that joins them one at a time (``moeshard.checkpoint``'s ``Stager``, or :func:`joined_masters` first); DCP
+    itself takes tensors only.
 
     Returns:
         ``{"model": ..., "optimizer": ...}`` (no ``"optimizer"`` key without an optimizer).
+
+    Raises:
+        ValueError: ``masters`` not in :data:`MASTERS`.
     """
+    if masters not in MASTERS:
+        raise ValueError(f"get_state_dict: masters={masters!r} is not one of {MASTERS}")
     info = _info(model)
     children = _children(optimizer)
     fused = _masters(model, children)
     msd = get_model_state_dict(model)
     for opt in fused:
         for fqn, p in _fused_params(opt):
-            msd[fqn] = opt.master(p)
+            low = opt.state[p].get("master_low")
+            if masters == "split" and low is not None:
+                hi = p.detach()
+                low = dtensor_like(local_tensor(low), hi) if isinstance(hi, DTensor) else low
+                meta = info.expert_params.get(fqn)
+                if meta is not None:
+                    hi, low = _to_global(hi, meta, info.meshes), _to_global(low, meta, info.meshes)
+                msd[fqn] = SplitMaster(hi, low)
+            else:
+                msd[fqn] = opt.master(p)
     for fqn, meta in info.expert_params.items():
-        msd[fqn] = _to_global(msd[fqn], meta, info.meshes)
+        if not isinstance(msd[fqn], SplitMaster):
+            msd[fqn] = _to_global(msd[fqn], meta, info.meshes)
     out: dict[str, Any] = {MODEL_KEY: msd}
     if optimizer is None:
         return out
