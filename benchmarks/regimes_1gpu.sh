@@ -4,6 +4,8 @@
 # speaks the same flags) for the regimes named in OLD_RUNS. JSON in $OUT; a table at the end.
 #   mkdir -p .bench_old && git archive <commit> packages apps | tar -x -C .bench_old
 #   RUNS="mb4 mb4_selective mb4_full mb2" OLD_RUNS="mb2" bash benchmarks/regimes_1gpu.sh
+# ROUNDS=N (default 1): N rounds, old and new in turn in each (files *_r1 ... *_rN), so that the machine's drift
+# over a call (power, clock, host) falls on both trees; the table adds each regime's median over the rounds.
 # EXTRA: more job keys for every run, e.g. the expert shapes one GPU of EP 8 runs (16 local experts, ~2,048 rows
 # each at micro-batch 1): EXTRA="--model.overrides.num_experts=16" (the all-to-all is not modelled).
 set -u
@@ -35,6 +37,9 @@ bench() {  # bench NAME TREE REGIME
   grep "SM clock" "/tmp/$1.log" | tail -n 1 | sed "s/^/  /"  # the power cap's hold on the timed steps
   grep -q "tok/s/GPU" "/tmp/$1.log" || tail -n 15 "/tmp/$1.log"
 }
-for r in ${OLD_RUNS:-}; do bench "old_$r" "$OLD" "$r"; done
-for r in ${RUNS:-mb4 mb1}; do bench "new_$r" "$PWD" "$r"; done
+for round in $(seq 1 "${ROUNDS:-1}"); do
+  tag=$([ "${ROUNDS:-1}" -gt 1 ] && echo "_r$round")
+  for r in ${OLD_RUNS:-}; do bench "old_$r$tag" "$OLD" "$r"; done
+  for r in ${RUNS:-mb4 mb1}; do bench "new_$r$tag" "$PWD" "$r"; done
+done
 python3 "$(dirname "${BASH_SOURCE[0]}")/bench_table.py" "$OUT"

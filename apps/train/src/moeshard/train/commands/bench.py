@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
     if (args.profile or args.trace) and device.type == "cuda":
         profile_step(args, job, batches)
     result = _result(args, job, device, world, mb, back_to_back, times, syncs, losses, host)
-    result.update(clocks.summary())
+    result.update(clocks.summary(step_s=result["step_time_s_median"]))
     if saves is not None:
         result.update(save_cost(args, times, saves))
     if dist.get_rank() == 0:
@@ -325,7 +325,8 @@ def _report(result: dict, out: str | None, isolated: bool) -> None:
         print(
             f"SM clock {r['gpu_sm_clock_mhz_mean']:.0f} MHz (min {r['gpu_sm_clock_mhz_min']:.0f}, max "
             f"{r['gpu_sm_clock_mhz_max_possible']:.0f}) | {r['gpu_power_w_mean']:.0f} W of {r['gpu_power_limit_w']:.0f}, "
-            f"power-capped in {100 * r['gpu_power_capped_share']:.0f}% of samples"
+            f"power-capped in {100 * r['gpu_power_capped_share']:.0f}% of samples | ~{r['gpu_energy_j_per_step']:.0f} J "
+            "per step"
         )
     if "save_cost_s_median" in r:
         cost = r["save_cost_s_median"]
