@@ -109,14 +109,25 @@ def _split(master: torch.Tensor):
 def test_split_masters_are_written_as_the_float32_masters_they_stand_for(world_of_one, tmp_path):
     """A ``SplitMaster`` entry (``model_state(..., masters="split")``) is written as its float32 master: through
     the stager (joined into its host buffer) and by a save without one (joined before DCP writes)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from moeshard.fsdp_moe import SplitMaster
+
     g = torch.Generator().manual_seed(0)
     masters = {"a": torch.randn(5, 7, generator=g), "b": torch.randn(300, generator=g) * 1e4}
     state = {"model": {k: _split(m) for k, m in masters.items()} | {"c": torch.ones(3)}}
-    assert ckpt.state_bytes(state) == (35 + 300 + 3) * 4
+    mesh = init_device_mesh("cpu", (1,))  # a DTensor entry, as the experts' (global shape, placements kept)
+    hi, lo = (DTensor.from_local(t, mesh, [Shard(0)]) for t in (state["model"]["a"].hi, state["model"]["a"].lo))
+    state["model"]["d"] = SplitMaster(hi, lo)
+    masters["d"] = masters["a"]
+    assert ckpt.state_bytes(state) == (35 + 300 + 3 + 35) * 4
     stager = Stager(torch.device("cpu"))
     staged = stager.stage(state)
+    assert isinstance(staged["model"]["d"], DTensor) and staged["model"]["d"].placements == (Shard(0),)
     for k, m in masters.items():
-        assert staged["model"][k].dtype == torch.float32 and torch.equal(staged["model"][k], m)
+        got = staged["model"][k].to_local() if k == "d" else staged["model"][k]
+        assert got.dtype == torch.float32 and torch.equal(got, m), k
     assert staged["model"]["c"].data_ptr() != state["model"]["c"].data_ptr()
     group = dist.new_group(backend="gloo")
     pending = ckpt.start_async_save(
@@ -124,11 +135,11 @@ def test_split_masters_are_written_as_the_float32_masters_they_stand_for(world_o
     )  # fmt: skip
     saved = [pending.wait(), ckpt.save_checkpoint(tmp_path / "fg", 1, state, {"step": 1}, {}, keep_last=2)]
     for s in saved:
-        back = {"model": {"a": torch.zeros(5, 7), "b": torch.zeros(300), "c": torch.zeros(3)}}
+        back = {"model": {"a": torch.zeros(5, 7), "b": torch.zeros(300), "c": torch.zeros(3), "d": torch.zeros(5, 7)}}
         ckpt.load_checkpoint(s.path, back)
         for k, m in masters.items():
             assert torch.equal(back["model"][k], m), (s.path, k)
-        assert s.bytes == (35 + 300 + 3) * 4
+        assert s.bytes == (35 + 300 + 3 + 35) * 4
     stager.release()
 
 
