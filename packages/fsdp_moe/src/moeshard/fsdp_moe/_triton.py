@@ -27,6 +27,17 @@ _ADD_BLOCK = 4096
 
 
 @triton.jit
+def _adamw_math(p, g, m, v, decay, beta2, one_minus_beta1, one_minus_beta2, step_size, bias_correction2_sqrt, eps):
+    # torch's for-loop AdamW in float32: decay, the first moment's lerp (weight below 0.5), the second moment, the
+    # step; both kernels below, so a master held split moves as a float32 one, bit for bit
+    p = p * decay
+    m = m + one_minus_beta1 * (g - m)
+    v = v * beta2 + one_minus_beta2 * (g * g)
+    denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
+    return p - step_size * (m / denom), m, v
+
+
+@triton.jit
 def _adamw_kernel(
     p_ptr,
     g_ptr,
@@ -59,11 +70,9 @@ def _adamw_kernel(
     p = tl.load(p_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
     m = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
     v = tl.load(v_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
-    p = p * decay
-    m = m + one_minus_beta1 * (g - m)  # torch's lerp for a weight below 0.5
-    v = v * beta2 + one_minus_beta2 * (g * g)
-    denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
-    p = p - step_size * (m / denom)
+    p, m, v = _adamw_math(
+        p, g, m, v, decay, beta2, one_minus_beta1, one_minus_beta2, step_size, bias_correction2_sqrt, eps
+    )
     tl.store(p_ptr + offs, p, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
@@ -157,11 +166,9 @@ def _split_adamw_kernel(
     p = ((hi << 16) + lo).to(tl.float32, bitcast=True)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
     v = tl.load(v_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
-    p = p * decay
-    m = m + one_minus_beta1 * (g - m)
-    v = v * beta2 + one_minus_beta2 * (g * g)
-    denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
-    p = p - step_size * (m / denom)
+    p, m, v = _adamw_math(
+        p, g, m, v, decay, beta2, one_minus_beta1, one_minus_beta2, step_size, bias_correction2_sqrt, eps
+    )
     bits = p.to(tl.int32, bitcast=True)
     hi = (bits + 0x8000) >> 16
     lo = bits - (hi << 16)
