@@ -214,6 +214,12 @@ def _split_entries_join_to_the_joined_dict(model, opt):
     for fqn, want in joined["model"].items():
         assert torch.equal(same["model"][fqn].to_local(), want.to_local()), fqn
     assert split["optimizer"]["state"].keys() == joined["optimizer"]["state"].keys()
+    try:
+        get_state_dict(model, opt, masters="halves")
+    except ValueError as e:
+        assert "masters='halves' is not one of ('joined', 'split')" in str(e)
+    else:
+        raise AssertionError("masters='halves' was taken")
     return len(entries)
 
 
