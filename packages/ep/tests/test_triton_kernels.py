@@ -238,3 +238,37 @@ if __name__ == "__main__":  # the interpreter run of test_kernels_match_eager_in
     routes = check_route("cpu")
     check_weighted_bad_shapes()
     print(f"checked {len(CASES)} cases, {routes} routes, {check_weighted_gated('cpu')} weighted cases")
+
+
+def test_kernels_compile_for_hopper():
+    """Every kernel here compiles for sm_90 without a GPU (the interpreter checks values, not the lowering)."""
+    tk = _triton_module()
+    bf, i64, f32 = (torch.empty(0, dtype=d, device="meta") for d in (torch.bfloat16, torch.int64, torch.float32))
+    from moeshard.ep.testing import compile_for_hopper
+
+    kernels = [
+        compile_for_hopper(tk._expand_rows_kernel, bf, i64, bf, D=2048, K=8, BLOCK_D=1024),
+        compile_for_hopper(tk._gather_sum_kernel, bf, i64, bf, D=2048, K=8, BLOCK_D=1024),
+        compile_for_hopper(tk._silu_gated_kernel, bf, bf, 1 << 20, F=768, BLOCK=1024),
+        compile_for_hopper(tk._silu_gated_backward_kernel, bf, bf, bf, 1 << 20, F=768, BLOCK=1024),
+        compile_for_hopper(tk._silu_weighted_gated_kernel, bf, f32, bf, 1 << 20, F=768, BLOCK=1024),
+        *(
+            compile_for_hopper(
+                tk._silu_weighted_gated_backward_kernel,
+                bf,
+                bf,
+                f32,
+                bf,
+                f32,
+                bf,
+                1 << 17,
+                F=768,
+                BLOCK_R=4,
+                BLOCK_F=1024,
+                NEED_A=need_a,
+                num_warps=8,
+            )  # fmt: skip
+            for need_a in (False, True)
+        ),
+    ]
+    assert all(k.asm["cubin"] for k in kernels)

@@ -167,6 +167,48 @@ def test_split_masters_are_exact():
         SplitMaster(x, lo)
 
 
+def test_kernels_compile_for_hopper():
+    """The update kernels (every variant the optimizers launch) and the sums compile for sm_90 without a GPU: the
+    lowering and the PTX assembler, which the interpreter never runs."""
+    pytest.importorskip("triton")
+    from moeshard.ep.testing import compile_for_hopper
+    from moeshard.fsdp_moe import _triton as ft
+
+    f32, bf, i16, i64 = (
+        torch.empty(0, dtype=d, device="meta") for d in (torch.float32, torch.bfloat16, torch.int16, torch.int64)
+    )
+    hyper = (1.0, 0.99, 0.95, 0.1, 0.05, 1e-3, 0.9, 1e-8)  # g_scale, decay, beta2, 1 - beta1, 1 - beta2, step, bc2, eps
+    kernels = [
+        compile_for_hopper(
+            ft._adamw_kernel,
+            f32,
+            g,
+            f32,
+            f32,
+            bf,
+            f32,
+            f32,
+            1 << 20,
+            *hyper,
+            HAS_COPY=copy,
+            HAS_MULT=True,
+            HAS_GS=gs,
+            BLOCK=1024,
+            num_warps=8,
+        )  # fmt: skip
+        for g, copy, gs in ((bf, True, False), (f32, False, False), (f32, False, True))
+    ]
+    kernels.append(
+        compile_for_hopper(
+            ft._split_adamw_kernel, i16, i16, bf, f32, f32, f32, 1 << 20, *hyper, HAS_MULT=True, BLOCK=1024
+        )
+    )
+    kernels.append(compile_for_hopper(ft._sum_of_squares_kernel, bf, f32, f32, 1 << 20, 1.0, HAS_MULT=True, BLOCK=8192))
+    kernels.append(compile_for_hopper(ft._add_into_float32_kernel, i64, 3, HALF=False, T_POW2=4, BLOCK=4096))
+    kernels.append(compile_for_hopper(ft._scaled_add_kernel, f32, f32, f32, 1 << 20, BLOCK=4096))
+    assert all(k.asm["cubin"] for k in kernels)
+
+
 def test_kernel_in_the_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}  # decided when triton is first imported: a fresh process

@@ -50,6 +50,19 @@ def test_matches_ce_chunk_in_the_interpreter():
     assert f"checked {len(CASES)} cases" in run.stdout
 
 
+def test_kernel_compiles_for_hopper():
+    """The kernel at the model's shapes compiles for sm_90 without a GPU (lowering and PTX, which the interpreter
+    never runs)."""
+    from moeshard.ep.testing import compile_for_hopper
+    from moeshard.models.common._lm_loss_triton import _BLOCK_V, _ce_kernel
+
+    bf, i64, f32 = (torch.empty(0, dtype=d, device="meta") for d in (torch.bfloat16, torch.int64, torch.float32))
+    k = compile_for_hopper(
+        _ce_kernel, bf, i64, bf, f32, 151936, 151936, 151936, IGNORE=-100, BLOCK_V=_BLOCK_V, num_warps=8
+    )
+    assert k.asm["cubin"]
+
+
 def test_cpu_tensors_take_the_eager_function():
     from moeshard.models.common._lm_loss_triton import ce_chunk_triton
 

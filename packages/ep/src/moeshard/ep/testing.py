@@ -25,6 +25,7 @@ from moeshard.ep._plan import ParallelPlan
 __all__ = [
     "ToyExperts",
     "ToyMoE",
+    "compile_for_hopper",
     "count_host_syncs",
     "interpreter_numpy_fix",
     "reference_routed_experts",
@@ -174,3 +175,48 @@ def interpreter_numpy_fix() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     ti._patch_lang_tensor = patched
+
+
+_TRITON_TYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.bool: "i1",
+}
+
+
+def compile_for_hopper(fn, *args, num_warps: int = 4, **constexprs):
+    """Compile the triton kernel ``fn`` for an H100/H200 (sm_90) on a machine without a GPU, with the PTX assembler
+    the triton wheel brings: what triton's interpreter does not check (types, layouts, lowering, assembly).
+
+    ``args``: one example per runtime argument, in order: a tensor (any device, ``meta`` too) stands for a pointer
+    to its dtype, an int for an int64 and a float for a float32; ``constexprs`` by name. Returns the compiled
+    kernel (``.asm["ptx"]``, ``.asm["cubin"]``). Raises what triton's compiler raises."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    params = list(inspect.signature(fn.fn).parameters)
+    names = [n for n in params if n not in constexprs]
+    if len(names) != len(args):
+        raise ValueError(f"{fn.fn.__name__} takes {len(names)} runtime arguments {names}, got {len(args)}")
+    examples = dict(zip(names, args))
+    signature = {}
+    for name in params:  # in the kernel's order
+        a = examples.get(name)
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif isinstance(a, torch.Tensor):
+            signature[name] = "*" + _TRITON_TYPES[a.dtype]
+        elif isinstance(a, bool) or not isinstance(a, (int, float)):
+            raise TypeError(f"{name}: a tensor, an int or a float stands for a runtime argument, got {a!r}")
+        else:
+            signature[name] = "i64" if isinstance(a, int) else "fp32"
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
