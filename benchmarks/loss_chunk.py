@@ -35,33 +35,10 @@ C, V = 4096, 151936
 def _ce_persistent_kernel(
     logits_ptr, targets_ptr, grad_ptr, loss_ptr, C, V, stride_l, stride_g, IGNORE: tl.constexpr, BLOCK_V: tl.constexpr
 ):
-    # the shipped _ce_kernel's two passes, for rows pid, pid + P, pid + 2P, ...
+    # the shipped kernel's row (lt._ce_row), for rows pid, pid + P, pid + 2P, ...
     zero = tl.program_id(0).to(tl.int64) * 0  # rows as int64 (the interpreter's loop variable is a Python int)
     for r in range(tl.program_id(0), C, tl.num_programs(0)):
-        row = zero + r
-        x_row = logits_ptr + row * stride_l
-        target = tl.load(targets_ptr + row)
-        valid = target != IGNORE
-        safe = tl.where(valid, target, 0)
-        m = tl.full([], float("-inf"), tl.float32)
-        s = tl.full([], 0.0, tl.float32)
-        for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            x = tl.load(x_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-            m = m_new
-        lse = m + tl.log(s)
-        picked = tl.load(x_row + safe).to(tl.float32)
-        tl.store(loss_ptr + row, tl.where(valid, lse - picked, 0.0))
-        keep = tl.where(valid, 1.0, 0.0)
-        g_row = grad_ptr + row * stride_g
-        for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            inside = offs < V
-            x = tl.load(x_row + offs, mask=inside, other=0.0).to(tl.float32)
-            g = (tl.exp(x - lse) - tl.where(offs == safe, 1.0, 0.0)) * keep
-            tl.store(g_row + offs, g.to(grad_ptr.dtype.element_ty), mask=inside)
+        lt._ce_row(logits_ptr, targets_ptr, grad_ptr, loss_ptr, zero + r, V, stride_l, stride_g, IGNORE, BLOCK_V)
 
 
 def persistent(logits, targets, programs: int, block: int = 4096, warps: int = 8):

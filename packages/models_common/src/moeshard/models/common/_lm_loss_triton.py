@@ -26,10 +26,9 @@ _BLOCK_V = 4096
 
 
 @triton.jit
-def _ce_kernel(
-    logits_ptr, targets_ptr, grad_ptr, loss_ptr, V, stride_l, stride_g, IGNORE: tl.constexpr, BLOCK_V: tl.constexpr
-):
-    row = tl.program_id(0).to(tl.int64)
+def _ce_row(logits_ptr, targets_ptr, grad_ptr, loss_ptr, row, V, stride_l, stride_g, IGNORE: tl.constexpr,
+            BLOCK_V: tl.constexpr):  # fmt: skip
+    # One row (int64): its loss and its logits' gradient.
     x_row = logits_ptr + row * stride_l
     target = tl.load(targets_ptr + row)
     valid = target != IGNORE
@@ -55,6 +54,14 @@ def _ce_kernel(
         x = tl.load(x_row + offs, mask=inside, other=0.0).to(tl.float32)
         g = (tl.exp(x - lse) - tl.where(offs == safe, 1.0, 0.0)) * keep
         tl.store(g_row + offs, g.to(grad_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _ce_kernel(
+    logits_ptr, targets_ptr, grad_ptr, loss_ptr, V, stride_l, stride_g, IGNORE: tl.constexpr, BLOCK_V: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    _ce_row(logits_ptr, targets_ptr, grad_ptr, loss_ptr, row, V, stride_l, stride_g, IGNORE, BLOCK_V)
 
 
 def ce_chunk_triton(logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
