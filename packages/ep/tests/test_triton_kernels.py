@@ -271,4 +271,40 @@ def test_kernels_compile_for_hopper():
             for need_a in (False, True)
         ),
     ]
+    from moeshard.ep import _route_triton as rt
+
+    i32 = torch.empty(0, dtype=torch.int32, device="meta")
+    kernels += [
+        compile_for_hopper(rt._count_kernel, i64, i32, 1 << 17, E=128, BLOCK=rt._BLOCK),
+        compile_for_hopper(rt._scan_kernel, i32, i64, i32, 2048, E=128, E_POW2=128, ROWS=rt._SCAN_TILE // 128),
+        compile_for_hopper(rt._place_kernel, i64, i32, i32, i64, i64, 1 << 17, E=128, BLOCK=rt._BLOCK),
+    ]
+    # the experts' weight gradients, four parts summed, written with their squares: by pointers, and by TMA (the
+    # kernel Hopper runs: its output through a host descriptor)
+    from moeshard.ep import _wgrad_triton as wg
+
+    parts = [bf, bf, i32, 1536, 2048] * wg.MAX_PARTS
+    for tma, configs in ((False, wg.CONFIGS), (True, wg.TMA_CONFIGS)):
+        for cfg in configs.values():
+            tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_K", "BLOCK_R")}
+            out_desc = f"tensordesc<bf16[1,{cfg['BLOCK_M']},{cfg['BLOCK_K']}]>" if tma else bf
+            kernels.append(
+                compile_for_hopper(
+                    wg._wgrad_parts_kernel,
+                    *parts,
+                    bf,
+                    out_desc,
+                    f32,
+                    1536,
+                    2048,
+                    1.0,
+                    PARTS=wg.MAX_PARTS,
+                    ACCUMULATE=True,
+                    TMA=tma,
+                    PRECISION="tf32",
+                    SQUARES=True,
+                    num_warps=cfg["num_warps"],
+                    **tiles,
+                )  # fmt: skip
+            )
     assert all(k.asm["cubin"] for k in kernels)

@@ -194,7 +194,8 @@ def compile_for_hopper(fn, *args, num_warps: int = 4, **constexprs):
     the triton wheel brings: what triton's interpreter does not check (types, layouts, lowering, assembly).
 
     ``args``: one example per runtime argument, in order: a tensor (any device, ``meta`` too) stands for a pointer
-    to its dtype, an int for an int64 and a float for a float32; ``constexprs`` by name. Returns the compiled
+    to its dtype, an int for an int32 (an int64 beyond 32 bits), a float for a float32, and a string is triton's type itself (e.g. a host
+    tensor descriptor's, ``"tensordesc<bf16[1,128,128]>"``); ``constexprs`` by name. Returns the compiled
     kernel (``.asm["ptx"]``, ``.asm["cubin"]``). Raises what triton's compiler raises.
 
     Specialised as a launch specialises it: pointers aligned to 16 bytes (as torch allocates) and ints that are
@@ -218,10 +219,13 @@ def compile_for_hopper(fn, *args, num_warps: int = 4, **constexprs):
             continue
         if isinstance(a, torch.Tensor):
             signature[name] = "*" + _TRITON_TYPES[a.dtype]
+        elif isinstance(a, str):
+            signature[name] = a
         elif isinstance(a, bool) or not isinstance(a, (int, float)):
-            raise TypeError(f"{name}: a tensor, an int or a float stands for a runtime argument, got {a!r}")
+            raise TypeError(f"{name}: a tensor, an int, a float or a type stands for a runtime argument, got {a!r}")
         else:
-            signature[name] = "i64" if isinstance(a, int) else "fp32"
+            # as a launch types it: an int that fits 32 bits is an int32
+            signature[name] = ("i32" if -(2**31) <= a < 2**31 else "i64") if isinstance(a, int) else "fp32"
         if isinstance(a, torch.Tensor) or (isinstance(a, int) and a % 16 == 0):
             attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
