@@ -139,12 +139,13 @@ class Stager(AsyncStager):
                 dst = buf._local_tensor if isinstance(buf, DTensor) else buf
                 hi = obj.hi._local_tensor if isinstance(obj.hi, DTensor) else obj.hi
                 if not hi.is_cuda:
-                    obj.join_into(dst)
-                    return buf
-                # joined into the scratch (on the side stream, after the previous master's copy out of it)
-                out = self._scratch[: dst.numel()].view(dst.shape)
-                obj.join_into(out)
-                dst.copy_(out, non_blocking=self.cuda)
+                    obj.join_into(dst)  # in the host buffer itself
+                elif self._scratch is None:  # device halves given to a stager of the CPU: joined, then copied
+                    dst.copy_(obj.join_into(torch.empty(dst.shape, dtype=torch.float32, device=hi.device)))
+                else:  # joined into the scratch (on the side stream, after the previous master's copy out of it)
+                    out = self._scratch[: dst.numel()].view(dst.shape)
+                    obj.join_into(out)
+                    dst.copy_(out, non_blocking=True)
             return buf
         if isinstance(obj, torch.Tensor):
             buf = self._buffer(path, obj)
