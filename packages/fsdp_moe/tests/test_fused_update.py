@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import itertools
 import os
+import pickle
 import subprocess
 import sys
 
@@ -165,6 +166,8 @@ def test_split_masters_are_exact():
     assert torch.equal(joined_masters({"a": [entry, 1]})["a"][0].view(torch.int32), bits)
     with pytest.raises(ValueError, match="bfloat16 and lo int16"):
         SplitMaster(x, lo)
+    with pytest.raises(TypeError, match="not a checkpoint value: join the masters first"):
+        pickle.dumps({"w": entry})  # what DCP does with a value that is not a tensor
 
 
 def test_kernels_compile_for_hopper():

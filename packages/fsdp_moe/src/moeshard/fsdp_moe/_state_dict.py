@@ -117,6 +117,13 @@ class SplitMaster:
     def __repr__(self) -> str:
         return f"SplitMaster(shape={tuple(self.shape)}, local_shape={tuple(self.local_shape)})"
 
+    def __reduce__(self):
+        # DCP writes a value that is not a tensor by pickling it: it would store this object, not the master.
+        raise TypeError(
+            "a SplitMaster is not a checkpoint value: join the masters first (joined_masters(state), or "
+            "get_state_dict(..., masters='joined')), or save through moeshard.checkpoint's Stager"
+        )
+
 
 def joined_masters(state: Any) -> Any:
     """``state`` (a nested dict / list) with every :class:`SplitMaster` joined (:meth:`SplitMaster.join`); the
