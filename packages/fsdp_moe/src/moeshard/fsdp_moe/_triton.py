@@ -27,14 +27,42 @@ _ADD_BLOCK = 4096
 
 
 @triton.jit
-def _adamw_math(p, g, m, v, decay, beta2, one_minus_beta1, one_minus_beta2, step_size, bias_correction2_sqrt, eps):
+def _scaled_grad(g_ptr, mult_ptr, offs, mask, g_scale, HAS_MULT: tl.constexpr):
+    # the gradient in float32, times the divide factor and (HAS_MULT) the clip coefficient read on the device
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * g_scale
+    if HAS_MULT:
+        g = g * tl.load(mult_ptr)
+    return g
+
+
+@triton.jit
+def _adamw_update(
+    p,
+    g,
+    m_ptr,
+    v_ptr,
+    offs,
+    mask,
+    decay,
+    beta2,
+    one_minus_beta1,
+    one_minus_beta2,
+    step_size,
+    bias_correction2_sqrt,
+    eps,
+):
     # torch's for-loop AdamW in float32: decay, the first moment's lerp (weight below 0.5), the second moment, the
-    # step; both kernels below, so a master held split moves as a float32 one, bit for bit
+    # step; the moments read and written here, the new master returned. Both kernels below, so a master held split
+    # moves as a float32 one, bit for bit.
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
     p = p * decay
     m = m + one_minus_beta1 * (g - m)
     v = v * beta2 + one_minus_beta2 * (g * g)
     denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
-    return p - step_size * (m / denom), m, v
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    return p - step_size * (m / denom)
 
 
 @triton.jit
@@ -62,20 +90,15 @@ def _adamw_kernel(
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * g_scale
-    if HAS_MULT:
-        g = g * tl.load(mult_ptr)
+    g = _scaled_grad(g_ptr, mult_ptr, offs, mask, g_scale, HAS_MULT)
     if HAS_GS:
         g = g / tl.load(gs_ptr)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
-    p, m, v = _adamw_math(
-        p, g, m, v, decay, beta2, one_minus_beta1, one_minus_beta2, step_size, bias_correction2_sqrt, eps
-    )
+    p = _adamw_update(
+        p, g, m_ptr, v_ptr, offs, mask, decay, beta2, one_minus_beta1, one_minus_beta2, step_size,
+        bias_correction2_sqrt, eps,
+    )  # fmt: skip
     tl.store(p_ptr + offs, p, mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
     if HAS_COPY:
         tl.store(copy_ptr + offs, p.to(copy_ptr.dtype.element_ty), mask=mask)
 
@@ -158,24 +181,19 @@ def _split_adamw_kernel(
     # half rounded to nearest with ties away from zero.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32) * g_scale
-    if HAS_MULT:
-        g = g * tl.load(mult_ptr)
+    g = _scaled_grad(g_ptr, mult_ptr, offs, mask, g_scale, HAS_MULT)
     hi = tl.load(hi_ptr + offs, mask=mask, other=0, eviction_policy="evict_first").to(tl.int32)
     lo = tl.load(lo_ptr + offs, mask=mask, other=0, eviction_policy="evict_first").to(tl.int32)
     p = ((hi << 16) + lo).to(tl.float32, bitcast=True)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
-    p, m, v = _adamw_math(
-        p, g, m, v, decay, beta2, one_minus_beta1, one_minus_beta2, step_size, bias_correction2_sqrt, eps
-    )
+    p = _adamw_update(
+        p, g, m_ptr, v_ptr, offs, mask, decay, beta2, one_minus_beta1, one_minus_beta2, step_size,
+        bias_correction2_sqrt, eps,
+    )  # fmt: skip
     bits = p.to(tl.int32, bitcast=True)
     hi = (bits + 0x8000) >> 16
     lo = bits - (hi << 16)
     tl.store(hi_ptr + offs, hi.to(tl.int16), mask=mask)
     tl.store(lo_ptr + offs, lo.to(tl.int16), mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
 
 
 def adamw_update_split(
