@@ -86,7 +86,7 @@ def test_parallelize_gives_the_head_the_kernel_with_the_triton_tier_on_cuda(monk
             _compile(model, kernels)  # step 3 of parallelize; nothing compiles before a call
             assert (model.lm_head.chunk_loss is ce_chunk_triton) == (cuda and kernels == "triton")
     lines = ParallelOptions(compile=True, ep=EPOptions(kernels="triton")).describe()
-    assert "compile: attention half of each decoder layer, loss chunk (a triton kernel on CUDA)" in lines
+    assert "compile: attention half of each decoder layer, final norm, loss chunk (a triton kernel on CUDA)" in lines
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -28,6 +28,7 @@ from moeshard.fsdp_moe._local_adamw import LocalExpertAdamW
 from moeshard.fsdp_moe._local_experts import defer_expert_weight_grads
 from moeshard.fsdp_moe._loss import num_items_for_global_mean
 from moeshard.fsdp_moe._one_pass_adamw import OnePassAdamW
+from moeshard.fsdp_moe._one_rank import OneRankReduceScatter, reduce_in_place_on_one_rank
 from moeshard.fsdp_moe._optim import OptimizersContainer, build_optimizer
 from moeshard.fsdp_moe._reduced_grad import (
     ReducedGrad,
@@ -58,6 +59,7 @@ __all__ = [
     "FSDPUnits",
     "LocalExpertAdamW",
     "OnePassAdamW",
+    "OneRankReduceScatter",
     "OptimizersContainer",
     "ReducedGrad",
     "ReducedGradTarget",
@@ -77,6 +79,7 @@ __all__ = [
     "joined_masters",
     "load_checkpoint",
     "num_items_for_global_mean",
+    "reduce_in_place_on_one_rank",
     "reduced_grad_target",
     "save_checkpoint",
     "set_state_dict",

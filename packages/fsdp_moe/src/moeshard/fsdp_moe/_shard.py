@@ -27,6 +27,7 @@ from torch.distributed.tensor import Shard
 
 from moeshard.ep import EPInfo, EPParamMeta, ParallelPlan, fqn_matches
 from moeshard.fsdp_moe._local_experts import keep_experts_local, local_experts_state
+from moeshard.fsdp_moe._one_rank import reduce_in_place_on_one_rank
 from moeshard.meshes import ParallelMeshes
 
 __all__ = ["FSDPUnits", "ShardingInfo", "Stage", "clean_fqn", "default_mp_policy", "get_sharding_info", "shard_model"]
@@ -239,6 +240,9 @@ def _divide_factors(module: FSDPModule, meshes: ParallelMeshes, mesh_size: int) 
     # (Experts kept out of FSDP on a one-rank ep_fsdp mesh apply the same factor W in their cast's backward.)
     if mesh_size > 1 and dist.get_backend() == "gloo":
         module.set_force_sum_reduction_for_comms(True)
+    # On one rank the "reduce-scatter" is FSDP2's copy of its input buffer into its output buffer: made a no-op.
+    if mesh_size == 1:
+        reduce_in_place_on_one_rank(module)
 
 
 def shard_model(

@@ -58,7 +58,7 @@ class ParallelOptions:
             ``moeshard.ep.apply_ep``.
         compile: ``torch.compile`` each decoder layer's ``attention_half`` (norms, projections, RoPE, attention,
             residual and the MoE block's router: one graph, shared by all layers; flex_attention for packed rows
-            on CUDA runs inside it), the
+            on CUDA runs inside it), the final norm, the
             LM head's loss chunk (rows dynamic; with the ``"triton"`` kernel tier of ``ep`` on CUDA a Triton kernel
             instead, two passes over the logits where the compiled chunk makes three) and the cast-and-scale of the
             gradients of experts kept out of FSDP.
@@ -185,7 +185,7 @@ class ParallelOptions:
         return dataclasses.replace(self.ep, recompute=self.selective_recompute)
 
     def describe(self) -> list[str]:
-        """The options as lines for ``plan``, e.g. ``compile: attention half of each decoder layer, loss chunk``."""
+        """The options as lines for ``plan``, e.g. ``compile: attention half of each decoder layer, final norm, loss chunk``."""
         dtype = {"auto": "auto (bfloat16 on CUDA, float32 elsewhere)"}.get(self.param_dtype, self.param_dtype)
         if self.prefetch_depth == 0:
             prefetch = "off (FSDP's default order)"
@@ -200,7 +200,7 @@ class ParallelOptions:
             f"ep: {self.ep_options().describe()}",
             "compile: "
             + (
-                "attention half of each decoder layer, loss chunk"
+                "attention half of each decoder layer, final norm, loss chunk"
                 + (" (a triton kernel on CUDA)" if self.ep.kernels == "triton" else "")
                 if self.compile
                 else "off"
@@ -268,7 +268,8 @@ def parallelize(
        (:func:`apply_activation_checkpointing`: no wrapper module, FQNs kept); ``"selective"`` is an EP option of
        step 1 (the experts' intermediates recomputed).
     3. **Compile**: ``layer.attention_half = torch.compile(layer.attention_half)`` on each decoder layer (an
-       instance attribute: FQNs and the state dict unchanged) and ``moeshard.ep.compile_rows_dynamic`` on the
+       instance attribute: FQNs and the state dict unchanged), the final norm's ``forward`` likewise, and
+       ``moeshard.ep.compile_rows_dynamic`` on the
        head's loss chunk (with ``ep.kernels="triton"``, the head's Triton loss-chunk kernel). Nothing compiles until the first forward. The compiled region lies inside the layer's
        forward, so FSDP's hooks (after step 4) run outside it and it sees plain gathered parameters; under
        checkpointing the recomputation runs the compiled graph again. The routed experts stay eager: they sync
@@ -366,6 +367,10 @@ def _compile(model: MoECausalLM, kernels: str) -> None:
     for layer in model.model.layers:
         # At the call site, from outside (the bound method, compiled): every layer shares one graph.
         layer.attention_half = torch.compile(layer.attention_half)
+    # The final norm, which no layer's graph holds: eager, its float32 statistics are ~8 kernels over the
+    # [tokens, D] rows forward and ~15 backward (~2 ms per step of 16k tokens of the 30B-A3B geometry on one H200),
+    # compiled one pass each way.
+    model.model.norm.forward = torch.compile(model.model.norm.forward)
     # The row count varies (the last chunk), the vocabulary width never does.
     if kernels == "triton" and torch.cuda.is_available():
         try:
