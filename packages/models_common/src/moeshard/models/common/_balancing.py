@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeshard.models.common._expert_load import GlobalExpertCounts, expert_counts
+from moeshard.models.common._expert_load import GlobalExpertCounts, expert_counts, weighted_counts
 from moeshard.models.common._moe import routers
 from moeshard.models.common._sequence_balance import sequence_balancing_loss, sequence_rows
 
@@ -239,9 +239,7 @@ def load_balancing_loss(
         weight_N = torch.ones(ids_NK.shape[0], dtype=torch.float32, device=device)
     else:
         weight_N = attention_mask_BS.reshape(-1).to(device, torch.float32).repeat(len(router_logits))
-    tokens_per_expert_E = torch.zeros(num_experts, dtype=torch.float32, device=device).scatter_add_(
-        0, ids_NK.reshape(-1), weight_N.repeat_interleave(top_k)
-    )
+    tokens_per_expert_E = weighted_counts(ids_NK.reshape(-1), weight_N.repeat_interleave(top_k), num_experts)
     prob_per_expert_E = (probs_NE.float() * weight_N[:, None]).sum(dim=0)
     rows = weight_N.sum()
     return num_experts * torch.sum((tokens_per_expert_E / rows) * (prob_per_expert_E / rows))
