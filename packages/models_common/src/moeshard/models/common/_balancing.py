@@ -258,7 +258,10 @@ def load_balancing_loss(
     else:
         _, ids_NK = torch.topk(probs_NE, top_k, dim=-1)
         tokens_per_expert_E = weighted_counts(ids_NK.reshape(-1), weight_N.repeat_interleave(top_k), num_experts)
-    prob_per_expert_E = (probs_NE.float() * weight_N[:, None]).sum(dim=0)
+    if attention_mask_BS is None:  # one float32 reduction of the 16-bit probabilities, no float32 copy of them
+        prob_per_expert_E = probs_NE.sum(dim=0, dtype=torch.float32)
+    else:
+        prob_per_expert_E = (probs_NE.float() * weight_N[:, None]).sum(dim=0)
     rows = weight_N.sum()
     return num_experts * torch.sum((tokens_per_expert_E / rows) * (prob_per_expert_E / rows))
 
