@@ -276,7 +276,12 @@ def test_kernels_compile_for_hopper():
     i32 = torch.empty(0, dtype=torch.int32, device="meta")
     kernels += [
         compile_for_hopper(rt._count_kernel, i64, i32, 1 << 17, E=128, BLOCK=rt._BLOCK),
-        compile_for_hopper(rt._scan_kernel, i32, i64, i32, 2048, E=128, E_POW2=128, ROWS=rt._SCAN_TILE // 128),
+        *(
+            compile_for_hopper(
+                rt._scan_kernel, i32, i64, i32, 2048, E=e, TILE_E=rt.scan_tile(e), ROWS=rt._SCAN_TILE // rt.scan_tile(e)
+            )
+            for e in (128, 8192)
+        ),
         compile_for_hopper(rt._place_kernel, i64, i32, i32, i64, i64, 1 << 17, E=128, BLOCK=rt._BLOCK),
     ]
     # the experts' weight gradients, four parts summed, written with their squares: by pointers, and by TMA (the

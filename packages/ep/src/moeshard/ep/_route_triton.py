@@ -21,9 +21,11 @@ import triton.language as tl
 __all__ = ["MAX_EXPERTS", "route"]
 
 _BLOCK = 64  # copies per program of the count and place kernels (the place kernel compares them pairwise)
-_SCAN_TILE = 8192  # histogram entries per step of the scan kernel
+_SCAN_TILE = 8192  # histogram entries per step of a scan program
+_SCAN_PROGRAMS = 16  # the most programs of the scan (tiles of experts)
 MAX_EXPERTS = _SCAN_TILE
-"""The most experts the kernels take (the scan holds one row of the histogram); more go the sort path."""
+"""The most experts the kernels take (a scan program holds rows of its tile of experts, at most 16 tiles); more go
+the sort path."""
 
 
 @triton.jit
@@ -37,12 +39,15 @@ def _count_kernel(ids_ptr, hist_ptr, N, E: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _scan_kernel(hist_ptr, counts_ptr, first_ptr, NB, E: tl.constexpr, E_POW2: tl.constexpr, ROWS: tl.constexpr):
-    # One program: hist[b, e] becomes the copies of expert e in blocks before b; counts[e] the total (int64),
-    # first[e] the sorted position of expert e's first copy.
-    experts = tl.arange(0, E_POW2)
+def _scan_kernel(hist_ptr, counts_ptr, first_ptr, NB, E: tl.constexpr, TILE_E: tl.constexpr, ROWS: tl.constexpr):
+    # Program p takes the experts [p*TILE_E, (p+1)*TILE_E): hist[b, e] becomes the copies of expert e in blocks
+    # before b, counts[e] the total (int64). first[e] (zeroed) becomes the sorted position of expert e's first copy
+    # by atomic adds: this tile's copies of the experts before e, and every earlier tile's total, which that tile's
+    # program adds to each later expert (integers: order-free, exact).
+    p = tl.program_id(0)
+    experts = p * TILE_E + tl.arange(0, TILE_E)
     in_e = experts < E
-    carry = tl.zeros([E_POW2], dtype=tl.int32)
+    carry = tl.zeros([TILE_E], dtype=tl.int32)
     for start in range(0, NB, ROWS):
         rows = start + tl.arange(0, ROWS)
         mask = (rows < NB)[:, None] & in_e[None, :]
@@ -51,7 +56,11 @@ def _scan_kernel(hist_ptr, counts_ptr, first_ptr, NB, E: tl.constexpr, E_POW2: t
         tl.store(ptrs, tl.cumsum(h, axis=0) - h + carry[None, :], mask=mask)
         carry += tl.sum(h, axis=0)
     tl.store(counts_ptr + experts, carry.to(tl.int64), mask=in_e)
-    tl.store(first_ptr + experts, tl.cumsum(carry, axis=0) - carry, mask=in_e)
+    tl.atomic_add(first_ptr + experts, tl.cumsum(carry, axis=0) - carry, mask=in_e)
+    total = tl.zeros([TILE_E], dtype=tl.int32) + tl.sum(carry, axis=0)
+    for start in range((p + 1) * TILE_E, E, TILE_E):
+        later = start + tl.arange(0, TILE_E)
+        tl.atomic_add(first_ptr + later, total, mask=later < E)
 
 
 @triton.jit
@@ -72,6 +81,11 @@ def _place_kernel(ids_ptr, base_ptr, first_ptr, order_ptr, inv_ptr, N, E: tl.con
     tl.store(order_ptr + dest, offs.to(tl.int64), mask=valid)
 
 
+def scan_tile(num_experts: int) -> int:
+    """Experts per program of the scan: at least 8 (32-byte rows of the histogram), at most 16 programs."""
+    return max(8, triton.next_power_of_2(num_experts) // _SCAN_PROGRAMS)
+
+
 def route(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(order_N, inv_N, counts_E)`` of the copies ``topk_ids_TK`` (expert ids in ``[0, num_experts)``).
 
@@ -89,13 +103,15 @@ def route(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     order_N = torch.empty(N, dtype=torch.int64, device=dev)
     inv_N = torch.empty(N, dtype=torch.int64, device=dev)
     counts_E = torch.empty(E, dtype=torch.int64, device=dev)
-    first_E = torch.empty(E, dtype=torch.int32, device=dev)
     NB = triton.cdiv(N, _BLOCK)
-    hist_BE = torch.zeros((NB, E), dtype=torch.int32, device=dev)
+    zeroed = torch.zeros(NB * E + E, dtype=torch.int32, device=dev)  # the histogram and first, one memset
+    hist_BE, first_E = zeroed[: NB * E].view(NB, E), zeroed[NB * E :]
     if N:
         _count_kernel[(NB,)](ids_N, hist_BE, N, E=E, BLOCK=_BLOCK)
-    E_POW2 = triton.next_power_of_2(E)
-    _scan_kernel[(1,)](hist_BE, counts_E, first_E, NB, E=E, E_POW2=E_POW2, ROWS=max(1, _SCAN_TILE // E_POW2))
+    tile_e = scan_tile(E)
+    _scan_kernel[(triton.cdiv(E, tile_e),)](
+        hist_BE, counts_E, first_E, NB, E=E, TILE_E=tile_e, ROWS=max(1, _SCAN_TILE // tile_e)
+    )
     if N:
         _place_kernel[(NB,)](ids_N, hist_BE, first_E, order_N, inv_N, N, E=E, BLOCK=_BLOCK)
     return order_N, inv_N, counts_E
