@@ -211,13 +211,13 @@ class Balancing:
 
 @functools.cache
 def _counts_kernel() -> tuple | None:
-    """``(topk_counts, MAX_EXPERTS)`` of the Triton counts kernel, or None where triton cannot be imported (asked
-    only for CUDA tensors)."""
+    """``(topk_counts, MAX_EXPERTS, MAX_TOP_K)`` of the Triton counts kernel, or None where triton cannot be imported
+    (asked only for CUDA tensors)."""
     try:
-        from moeshard.models.common._topk_counts_triton import MAX_EXPERTS, topk_counts
+        from moeshard.models.common._topk_counts_triton import MAX_EXPERTS, MAX_TOP_K, topk_counts
     except ImportError:
         return None
-    return topk_counts, MAX_EXPERTS
+    return topk_counts, MAX_EXPERTS, MAX_TOP_K
 
 
 def load_balancing_loss(
@@ -251,7 +251,7 @@ def load_balancing_loss(
     else:
         weight_N = attention_mask_BS.reshape(-1).to(device, torch.float32).repeat(len(router_logits))
     kernel = _counts_kernel() if probs_NE.is_cuda else None
-    if kernel is not None and num_experts <= kernel[1]:
+    if kernel is not None and num_experts <= kernel[1] and top_k <= kernel[2]:
         # torch.topk's selection counted in one kernel (0.91 + 0.11 + 0.30 ms per step eagerly, 8 layers of 16k
         # tokens on one H200): the same counts, ties filled in index order as CUDA's topk fills them.
         tokens_per_expert_E = kernel[0](probs_NE.detach(), weight_N, top_k)

@@ -29,6 +29,8 @@ _BLOCK_N = 64
 _BLOCK_ELEMENTS = 8192
 MAX_EXPERTS = 1024
 """The most experts :func:`topk_counts` takes (a row of ``[BLOCK_N, E]`` lives in registers)."""
+MAX_TOP_K = 32
+"""The largest ``top_k`` it takes (one unrolled round per selected expert)."""
 
 
 @triton.jit
@@ -63,14 +65,17 @@ def topk_counts(probs_NE: torch.Tensor, weight_N: torch.Tensor, top_k: int) -> t
     on CPU under triton's interpreter.
 
     Raises:
-        ValueError: not ``[N, E]`` and ``[N]``, more than :data:`MAX_EXPERTS` experts, or ``top_k`` not in 1..E."""
+        ValueError: not ``[N, E]`` and ``[N]``, more than :data:`MAX_EXPERTS` experts, or ``top_k`` not in
+            1..min(E, :data:`MAX_TOP_K`)."""
     if probs_NE.dim() != 2 or weight_N.shape != probs_NE.shape[:1]:
         raise ValueError(
             f"probs must be [N, E] and weight [N], got {tuple(probs_NE.shape)} and {tuple(weight_N.shape)}"
         )
     n, e = probs_NE.shape
-    if e > MAX_EXPERTS or not 1 <= top_k <= e:
-        raise ValueError(f"topk_counts takes 1 <= top_k <= E <= {MAX_EXPERTS}, got top_k={top_k} and E={e}")
+    if e > MAX_EXPERTS or not 1 <= top_k <= min(e, MAX_TOP_K):
+        raise ValueError(
+            f"topk_counts takes 1 <= top_k <= min(E, {MAX_TOP_K}) and E <= {MAX_EXPERTS}, got top_k={top_k} and E={e}"
+        )
     probs_NE = probs_NE if probs_NE.stride(-1) == 1 else probs_NE.contiguous()
     partial = torch.zeros(COUNT_LANES * e, dtype=torch.float32, device=probs_NE.device)
     block_e = triton.next_power_of_2(e)
