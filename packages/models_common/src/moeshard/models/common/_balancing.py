@@ -35,6 +35,7 @@ from torch import nn
 from moeshard.models.common._expert_load import GlobalExpertCounts, expert_counts, weighted_counts
 from moeshard.models.common._moe import routers
 from moeshard.models.common._sequence_balance import sequence_balancing_loss, sequence_rows
+from moeshard.models.common._topk import KERNEL_MAX_EXPERTS, KERNEL_MAX_TOP_K
 
 __all__ = [
     "SCOPES",
@@ -211,13 +212,13 @@ class Balancing:
 
 @functools.cache
 def _counts_kernel() -> tuple | None:
-    """``(topk_counts, MAX_EXPERTS, MAX_TOP_K)`` of the Triton counts kernel, or None where triton cannot be imported
-    (asked only for CUDA tensors)."""
+    """``(topk_counts, most experts, largest top_k)`` of the Triton counts kernel, or None where triton cannot be
+    imported (asked only for CUDA tensors)."""
     try:
-        from moeshard.models.common._topk_counts_triton import MAX_EXPERTS, MAX_TOP_K, topk_counts
+        from moeshard.models.common._topk_triton import topk_counts
     except ImportError:
         return None
-    return topk_counts, MAX_EXPERTS, MAX_TOP_K
+    return topk_counts, KERNEL_MAX_EXPERTS, KERNEL_MAX_TOP_K
 
 
 def load_balancing_loss(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from moeshard.models.common._fa4 import fa4_applies, fa4_backward, fa4_forward, fa4_unavailable
+from moeshard.models.common._topk import row_topk
 
 __all__ = [
     "KEPT_CAUSAL",
@@ -371,7 +372,7 @@ def _kept_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     active = _ACTIVE[0]
     if active is not None and active[1] == "replay":
         return active[0]._replay("kept_topk", (*scores.shape[:-1], k), scores)
-    values, ids = torch.topk(scores, k, dim=-1)
+    values, ids = row_topk(scores, k)
     if active is not None:
         active[0]._push((values.clone(), ids))  # the values copied: backward reads only the ids (_kept_linear)
     return values, ids

@@ -19,6 +19,7 @@ from torch import nn
 
 from moeshard.ep import LocalDispatch
 from moeshard.models.common._kept import kept_topk
+from moeshard.models.common._topk import row_topk
 
 __all__ = ["SCORING_FUNCS", "Experts", "GroupLimitedRouter", "MoEBlock", "Router", "TopKRouter", "routers"]
 
@@ -95,8 +96,7 @@ class TopKRouter(Router):
     def _topk(self, scores_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.keep_selection:  # inside a checkpointed layer that keeps it: the recompute replays the forward's
             return kept_topk(scores_TE, self.top_k)
-        values_TK, ids_TK = torch.topk(scores_TE, self.top_k, dim=-1)
-        return values_TK, ids_TK
+        return row_topk(scores_TE, self.top_k)
 
     @torch.no_grad()
     def select_ids(self, logits_TE: torch.Tensor) -> torch.Tensor:
