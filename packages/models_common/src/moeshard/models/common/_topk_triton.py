@@ -12,7 +12,7 @@ into registers and selects each row's K largest in K rounds; the scores are read
 The selection is ``torch.topk``'s on CUDA: every value above the K-th largest, then values equal to it in index
 order (its ``gatherTopK`` fills the ties it needs with the first ones it sees). :func:`topk_ids` lists a row's ids
 by value, descending, equal values by index; ``torch.topk`` sorts its selection by value too, with an order among
-equal values of its own. Rows holding a NaN select nothing they can count on (``torch.topk`` ranks NaN first).
+equal values of its own. What a row holding a NaN selects is not defined here (``torch.topk`` ranks NaN first).
 Both functions also run under triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the CPU
 tests check them.
 """
