@@ -57,6 +57,9 @@ def check(device: str) -> None:
         strided = torch.cat([probs, probs[:, :3]], dim=1)[:, :e]  # rows with a stride of their own
         assert torch.equal(topk_counts(strided, weight, k).cpu(), want)
         assert torch.equal(topk_ids(strided, k).cpu(), want_ids)
+    # NaN ranks first, as torch.topk ranks it; -inf values still give distinct ids of the row (never a padded column)
+    odd = torch.tensor([[0.1, float("nan"), 0.3, 0.2, 0.0], [float("-inf")] * 5, [0.5, float("-inf"), 0.2, 1.0, 0.2]])
+    assert topk_ids(odd.to(device), 3).cpu().tolist() == [[1, 2, 3], [0, 1, 2], [3, 0, 2]]
     # The values gathered at the ids differentiate as torch.topk's (distinct float32 scores: no tie to order).
     scores = torch.randn(40, 128, generator=torch.Generator().manual_seed(5)).to(device).requires_grad_()
     ids = torch.ops.moeshard.topk_ids(scores.detach(), 8)

@@ -12,7 +12,8 @@ into registers and selects each row's K largest in K rounds; the scores are read
 The selection is ``torch.topk``'s on CUDA: every value above the K-th largest, then values equal to it in index
 order (its ``gatherTopK`` fills the ties it needs with the first ones it sees). :func:`topk_ids` lists a row's ids
 by value, descending, equal values by index; ``torch.topk`` sorts its selection by value too, with an order among
-equal values of its own. What a row holding a NaN selects is not defined here (``torch.topk`` ranks NaN first).
+equal values of its own. NaN ranks above every value, as in ``torch.topk``, and a row of ``-inf`` values still
+gives k distinct ids.
 Both functions also run under triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how the CPU
 tests check them.
 """
@@ -34,35 +35,36 @@ _BLOCK_ELEMENTS = 8192
 
 
 @triton.jit
-def _take_largest(x, cols, BLOCK_E: tl.constexpr):
-    # One round: each row's largest value's column (the lowest index holding it), and x without it.
-    top = tl.max(x, axis=1)
-    first = tl.min(tl.where(x == top[:, None], cols[None, :], BLOCK_E), axis=1)
-    return first, tl.where(cols[None, :] == first[:, None], float("-inf"), x)
+def _take_largest(x, free, cols, BLOCK_E: tl.constexpr):
+    # One round: each row's largest value among its free columns, the lowest index holding it, and the free columns
+    # without it. Free columns only: a row of -inf values still gives K distinct columns of its own.
+    masked = tl.where(free, x, float("-inf"))
+    top = tl.max(masked, axis=1)
+    first = tl.min(tl.where(free & (masked == top[:, None]), cols[None, :], BLOCK_E), axis=1)
+    return first, free & (cols[None, :] != first[:, None])
 
 
 @triton.jit
 def _load_rows(scores_ptr, pid, N, E, stride, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
-    # The program's block of rows in float32 (exact: the 16-bit values' order and ties are kept), -inf outside.
+    # The program's block of rows in float32 (exact: the 16-bit values' order and ties are kept), NaN as +inf (ranked
+    # first, as torch.topk ranks it), and which columns are free: the row's E, none outside the rows.
     rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_E)
     inside = rows < N
-    x = tl.load(
-        scores_ptr + rows[:, None] * stride + cols[None, :],
-        mask=inside[:, None] & (cols < E)[None, :],
-        other=float("-inf"),
-    ).to(tl.float32)
-    return x, rows, cols, inside
+    free = inside[:, None] & (cols < E)[None, :]
+    x = tl.load(scores_ptr + rows[:, None] * stride + cols[None, :], mask=free, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)
+    return x, free, rows, cols, inside
 
 
 @triton.jit
 def _topk_counts_kernel(probs_ptr, weight_ptr, counts_ptr, N, E, stride, K: tl.constexpr, LANES: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
-    x, rows, cols, inside = _load_rows(probs_ptr, pid, N, E, stride, BLOCK_N, BLOCK_E)
+    x, free, rows, cols, inside = _load_rows(probs_ptr, pid, N, E, stride, BLOCK_N, BLOCK_E)
     chosen = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.int32)
     for _ in tl.static_range(K):
-        first, x = _take_largest(x, cols, BLOCK_E)
+        first, free = _take_largest(x, free, cols, BLOCK_E)
         chosen = tl.where(cols[None, :] == first[:, None], 1, chosen)
     weight = tl.load(weight_ptr + rows, mask=inside, other=0.0)
     per_expert = tl.sum(tl.where(chosen != 0, weight[:, None], 0.0), axis=0)
@@ -73,9 +75,9 @@ def _topk_counts_kernel(probs_ptr, weight_ptr, counts_ptr, N, E, stride, K: tl.c
 def _topk_ids_kernel(scores_ptr, ids_ptr, N, E, stride, K: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_E: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
-    x, rows, cols, inside = _load_rows(scores_ptr, pid, N, E, stride, BLOCK_N, BLOCK_E)
+    x, free, rows, cols, inside = _load_rows(scores_ptr, pid, N, E, stride, BLOCK_N, BLOCK_E)
     for k in tl.static_range(K):
-        first, x = _take_largest(x, cols, BLOCK_E)
+        first, free = _take_largest(x, free, cols, BLOCK_E)
         tl.store(ids_ptr + rows * K + k, first.to(tl.int64), mask=inside)
 
 
