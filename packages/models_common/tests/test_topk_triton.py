@@ -69,6 +69,11 @@ def check(device: str) -> None:
     want_values, want_ids = torch.topk(scores, 8, dim=-1)
     (want_grad,) = torch.autograd.grad(want_values, scores, upstream)
     assert torch.equal(ids, want_ids) and torch.equal(values, want_values) and torch.equal(grad, want_grad)
+    # Traced whole by torch.compile (the custom op's fake shape; no graph break), as in the compiled attention half
+    select = torch.compile(
+        lambda s: s.gather(-1, torch.ops.moeshard.topk_ids(s.detach(), 8)), fullgraph=True, backend="aot_eager"
+    )
+    assert torch.equal(select(scores), want_values)
     assert torch.equal(
         topk_counts(torch.zeros(0, 8, device=device), torch.zeros(0, device=device), 2).cpu(), torch.zeros(8)
     )
