@@ -75,18 +75,29 @@ def test_parallelize_gives_the_head_the_kernel_with_the_triton_tier_on_cuda(monk
     from types import SimpleNamespace
 
     from moeshard.ep import EPOptions
-    from moeshard.models.common import LMHead, ParallelOptions
+    from moeshard.models.common import LMHead, ParallelOptions, TopKRouter
     from moeshard.models.common._layers import RMSNorm
     from moeshard.models.common._lm_loss_triton import ce_chunk_triton
     from moeshard.models.common._parallelize import _compile
+    from moeshard.models.common._topk_triton import topk_ids_op
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = TopKRouter(8, 4, 2, True)
+
+        def attention_half(self, x):
+            return x
 
     for cuda in (True, False):  # without CUDA the tier means the compiled function, as moeshard.ep's tier does
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
         for kernels in ("triton", "compiled"):
-            decoder = SimpleNamespace(layers=[], compiled_attention=False, norm=RMSNorm(8, 1e-6))
+            decoder = SimpleNamespace(layers=[Layer()], compiled_attention=False, norm=RMSNorm(8, 1e-6))
             model = SimpleNamespace(model=decoder, lm_head=LMHead(8, 16))
             _compile(model, kernels)  # step 3 of parallelize; nothing compiles before a call
-            assert (model.lm_head.chunk_loss is ce_chunk_triton) == (cuda and kernels == "triton")
+            triton_tier = cuda and kernels == "triton"
+            assert (model.lm_head.chunk_loss is ce_chunk_triton) == triton_tier
+            assert (decoder.layers[0].router.topk_kernel is topk_ids_op) == triton_tier  # the routers' selection
             assert "forward" in vars(decoder.norm)  # the final norm's forward, compiled on the instance
     lines = ParallelOptions(compile=True, ep=EPOptions(kernels="triton")).describe()
     assert "compile: attention half of each decoder layer, final norm, loss chunk (a triton kernel on CUDA)" in lines

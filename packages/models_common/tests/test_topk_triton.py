@@ -1,7 +1,7 @@
-"""The row-wise top-k kernels against ``torch.topk``: the routers' ids (``topk_ids``, through the custom op
-``moeshard::topk_ids``) and the load-balancing loss's counts (``topk_counts``). Interpreted on CPU (a child process
-with ``TRITON_INTERPRET=1``) against a top-k whose ties go to the lower index, compiled for sm_90 without a GPU, and on
-CUDA against ``torch.topk`` itself, in ``row_topk`` and inside ``load_balancing_loss``."""
+"""The row-wise top-k kernels against ``torch.topk``: the routers' ids (``topk_ids``) and the load-balancing loss's
+counts (``topk_counts``). Interpreted on CPU (a child process with ``TRITON_INTERPRET=1``) against a top-k whose ties
+go to the lower index, compiled for sm_90 without a GPU, and on CUDA against ``torch.topk`` itself, in ``row_topk``
+(also compiled) and inside ``load_balancing_loss``."""
 
 from __future__ import annotations
 
@@ -42,15 +42,15 @@ CASES = [
 
 
 def check(device: str) -> None:
-    import moeshard.models.common._topk  # noqa: F401  (registers moeshard::topk_ids)
-    from moeshard.models.common._topk_triton import topk_counts, topk_ids
+    from moeshard.models.common._topk import row_topk
+    from moeshard.models.common._topk_triton import topk_counts, topk_ids, topk_ids_op
 
     for i, (n, e, k, dtype) in enumerate(CASES):
         probs = tie_heavy(n, e, dtype, seed=i, device=device)
         weight = (torch.arange(n) % 7 != 3).float().to(device)  # a padding mask's zeros
         want_ids = lowest_index_topk(probs.cpu(), k)
         assert torch.equal(topk_ids(probs, k).cpu(), want_ids), i  # the order too: by value, equal values by index
-        assert torch.equal(torch.ops.moeshard.topk_ids(probs, k).cpu(), want_ids), i
+        assert torch.equal(topk_ids_op(probs, k).cpu(), want_ids), i
         got = topk_counts(probs, weight, k)
         want = counts_of(want_ids, weight.cpu(), e)
         assert torch.equal(got.cpu(), want), (i, (got.cpu() - want).abs().max())
@@ -62,17 +62,18 @@ def check(device: str) -> None:
     assert topk_ids(odd.to(device), 3).cpu().tolist() == [[1, 2, 3], [0, 1, 2], [3, 0, 2]]
     # The values gathered at the ids differentiate as torch.topk's (distinct float32 scores: no tie to order).
     scores = torch.randn(40, 128, generator=torch.Generator().manual_seed(5)).to(device).requires_grad_()
-    ids = torch.ops.moeshard.topk_ids(scores.detach(), 8)
+    ids = topk_ids(scores.detach(), 8)
     values = scores.gather(-1, ids)
     upstream = torch.randn(40, 8).to(device)
     (grad,) = torch.autograd.grad(values, scores, upstream)
     want_values, want_ids = torch.topk(scores, 8, dim=-1)
     (want_grad,) = torch.autograd.grad(want_values, scores, upstream)
     assert torch.equal(ids, want_ids) and torch.equal(values, want_values) and torch.equal(grad, want_grad)
-    # Traced whole by torch.compile (the custom op's fake shape; no graph break), as in the compiled attention half
-    select = torch.compile(
-        lambda s: s.gather(-1, torch.ops.moeshard.topk_ids(s.detach(), 8)), fullgraph=True, backend="aot_eager"
-    )
+    # row_topk with the kernel: CPU tensors take torch.topk (the kernel is for CUDA ones)
+    for got, want in zip(row_topk(scores.detach(), 8, topk_ids_op), (want_values, want_ids)):
+        assert torch.equal(got, want)
+    # The op traced whole by torch.compile (its fake shape; no graph break), as in the compiled attention half
+    select = torch.compile(lambda s: s.gather(-1, topk_ids_op(s.detach(), 8)), fullgraph=True, backend="aot_eager")
     assert torch.equal(select(scores), want_values)
     assert torch.equal(
         topk_counts(torch.zeros(0, 8, device=device), torch.zeros(0, device=device), 2).cpu(), torch.zeros(8)
@@ -133,8 +134,10 @@ def test_router_selection_is_torch_topks_on_cuda():
     logits = (torch.randn(16384, 128, generator=g) * 0.02).to(torch.bfloat16)  # bf16 logits: ties in the probs
     probs = torch.softmax(logits.cuda(), dim=-1, dtype=torch.float32)
     want_values, want_ids = torch.topk(probs, 8, dim=-1)
-    for fn in (row_topk, torch.compile(row_topk, fullgraph=True)):
-        values, ids = fn(probs, 8)
+    from moeshard.models.common._topk_triton import topk_ids_op
+
+    for fn in (row_topk, torch.compile(row_topk, fullgraph=True)):  # compiled: the op breaks no graph
+        values, ids = fn(probs, 8, topk_ids_op)
         assert torch.equal(values, want_values)
         assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
         assert torch.equal(ids.cpu(), lowest_index_topk(probs.cpu(), 8))

@@ -368,18 +368,21 @@ def kept_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("moeshard::kept_topk", mutates_args=())
-def _kept_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _kept_topk(scores: torch.Tensor, k: int, by_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
     active = _ACTIVE[0]
     if active is not None and active[1] == "replay":
         return active[0]._replay("kept_topk", (*scores.shape[:-1], k), scores)
-    values, ids = row_topk(scores, k)
+    kernel = None
+    if by_kernel:
+        from moeshard.models.common._topk_triton import topk_ids as kernel
+    values, ids = row_topk(scores, k, kernel)
     if active is not None:
         active[0]._push((values.clone(), ids))  # the values copied: backward reads only the ids (_kept_linear)
     return values, ids
 
 
 @_kept_topk.register_fake
-def _(scores: torch.Tensor, k: int):
+def _(scores: torch.Tensor, k: int, by_kernel: bool):
     shape = (*scores.shape[:-1], k)
     return scores.new_empty(shape), scores.new_empty(shape, dtype=torch.int64)
 
@@ -393,15 +396,15 @@ def _topk_setup(ctx, inputs, output) -> None:
 def _topk_backward(ctx, grad_values, _grad_ids):
     (ids,) = ctx.saved_tensors
     if grad_values is None:
-        return None, None
-    return grad_values.new_zeros(ctx.shape).scatter(-1, ids, grad_values), None
+        return None, None, None
+    return grad_values.new_zeros(ctx.shape).scatter(-1, ids, grad_values), None, None
 
 
 _kept_topk.register_autograd(_topk_backward, setup_context=_topk_setup)
 
 
-def kept_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kept_topk(scores: torch.Tensor, k: int, *, by_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(scores, k, dim=-1)`` (values and int64 indices, sorted), kept and replayed as
     :func:`kept_causal_attention`: a checkpointed layer's recompute takes its router's selection from the forward
-    instead of selecting again."""
-    return _kept_topk(scores, int(k))
+    instead of selecting again. ``by_kernel``: select with the Triton kernel where ``row_topk`` would (CUDA)."""
+    return _kept_topk(scores, int(k), bool(by_kernel))

@@ -19,7 +19,7 @@ from torch import nn
 
 from moeshard.ep import LocalDispatch
 from moeshard.models.common._kept import kept_topk
-from moeshard.models.common._topk import row_topk
+from moeshard.models.common._topk import TopkIds, row_topk
 
 __all__ = ["SCORING_FUNCS", "Experts", "GroupLimitedRouter", "MoEBlock", "Router", "TopKRouter", "routers"]
 
@@ -74,6 +74,7 @@ class TopKRouter(Router):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.bias: torch.Tensor | None = None
         self.keep_selection = False  # full checkpointing that keeps: the top-k through kept_topk (replayed)
+        self.topk_kernel: TopkIds | None = None  # the selection's Triton kernel (parallelize, "triton" tier, CUDA)
 
     @property
     def selection_bias(self) -> torch.Tensor | None:
@@ -95,8 +96,8 @@ class TopKRouter(Router):
 
     def _topk(self, scores_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.keep_selection:  # inside a checkpointed layer that keeps it: the recompute replays the forward's
-            return kept_topk(scores_TE, self.top_k)
-        return row_topk(scores_TE, self.top_k)
+            return kept_topk(scores_TE, self.top_k, by_kernel=self.topk_kernel is not None)
+        return row_topk(scores_TE, self.top_k, self.topk_kernel)
 
     @torch.no_grad()
     def select_ids(self, logits_TE: torch.Tensor) -> torch.Tensor:

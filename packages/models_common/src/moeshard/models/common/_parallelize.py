@@ -355,9 +355,10 @@ def _hand_over_float32_grads(model: MoECausalLM) -> None:
 
 
 def _compile(model: MoECausalLM, kernels: str) -> None:
-    """Step 3 of :func:`parallelize`: each layer's attention half and the head's loss chunk, compiled; with the
-    ``"triton"`` kernel tier on a machine with CUDA, the loss chunk's Triton kernel instead (as ``moeshard.ep``'s
-    tier: without CUDA, the compiled function, and triton is not imported).
+    """Step 3 of :func:`parallelize`: each layer's attention half, the final norm and the head's loss chunk,
+    compiled; with the ``"triton"`` kernel tier on a machine with CUDA, the loss chunk's Triton kernel instead and the
+    routers' (``TopKRouter``) top-k by its Triton kernel (as ``moeshard.ep``'s tier: without CUDA, the compiled
+    function and ``torch.topk``, and triton is not imported).
 
     Raises:
         ImportError: the ``"triton"`` tier on a machine with CUDA where triton cannot be imported."""
@@ -375,13 +376,18 @@ def _compile(model: MoECausalLM, kernels: str) -> None:
     if kernels == "triton" and torch.cuda.is_available():
         try:
             from moeshard.models.common._lm_loss_triton import ce_chunk_triton
+            from moeshard.models.common._topk_triton import topk_ids_op
         except ImportError as e:
             raise ImportError(
-                "the 'triton' kernel tier (EPOptions(kernels='triton')) computes the LM head's loss chunk with a "
-                "triton kernel, but triton cannot be imported: install it (pip install triton) or use "
-                "kernels='compiled'"
+                "the 'triton' kernel tier (EPOptions(kernels='triton')) computes the LM head's loss chunk and the "
+                "routers' top-k with triton kernels, but triton cannot be imported: install it (pip install triton) "
+                "or use kernels='compiled'"
             ) from e
         model.lm_head.chunk_loss = ce_chunk_triton
+        for layer in model.model.layers:
+            for module in layer.modules():
+                if isinstance(module, TopKRouter):  # the selection by the kernel (an opaque op in the compiled half)
+                    module.topk_kernel = topk_ids_op
     else:
         model.lm_head.chunk_loss = compile_rows_dynamic(model.lm_head.chunk_loss)
 

@@ -28,7 +28,7 @@ from moeshard.models.common._expert_load import COUNT_LANES
 from moeshard.models.common._topk import KERNEL_MAX_EXPERTS as MAX_EXPERTS
 from moeshard.models.common._topk import KERNEL_MAX_TOP_K as MAX_TOP_K
 
-__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "topk_counts", "topk_ids"]
+__all__ = ["MAX_EXPERTS", "MAX_TOP_K", "topk_counts", "topk_ids", "topk_ids_op"]
 
 _BLOCK_N = 64
 _BLOCK_ELEMENTS = 8192
@@ -115,6 +115,18 @@ def topk_ids(scores_NE: torch.Tensor, top_k: int) -> torch.Tensor:
             scores_NE, ids, n, e, scores_NE.stride(0), K=top_k, BLOCK_N=block_n, BLOCK_E=block_e, num_warps=4
         )
     return ids
+
+
+@torch.library.custom_op("moeshard::topk_ids", mutates_args=())
+def topk_ids_op(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`topk_ids` as the custom op ``moeshard::topk_ids``, opaque to ``torch.compile``: what the routers call
+    inside the compiled attention half (a launch there breaks no graph; the kept ops are called the same way)."""
+    return topk_ids(scores, k)
+
+
+@topk_ids_op.register_fake
+def _(scores: torch.Tensor, k: int) -> torch.Tensor:
+    return scores.new_empty((*scores.shape[:-1], k), dtype=torch.int64)
 
 
 def topk_counts(probs_NE: torch.Tensor, weight_N: torch.Tensor, top_k: int) -> torch.Tensor:
