@@ -4,8 +4,9 @@
 
 ms per call (``do_bench`` median), each pair checked for the same result first:
 
-- the routers' top-k at one layer's shape (``[tokens, 128]`` float32): ``torch.topk`` against ``row_topk`` (the
-  Triton selection's ids, the values gathered); the same values and ids per row;
+- the routers' top-k at one layer's shape (``[tokens, 128]`` float32): ``torch.topk`` against ``row_topk`` with the
+  kernel's op (the Triton selection's ids, the values gathered; eagerly, so with the op's Python launch); the same
+  values and ids per row;
 - the load-balancing loss's counts over all layers' rows (``[layers x tokens, 128]`` bf16 probabilities, top-8):
   ``torch.topk`` and a scatter into 128 bins against ``topk_counts``; the same counts;
 - the route's scan (``[tokens x 8 / 64, 128]`` histogram): the one-program scan of ep 0.4.5 (kept here to compare)
@@ -25,7 +26,7 @@ from triton.testing import do_bench
 from moeshard.ep import _route_triton
 from moeshard.models.common._layers import RMSNorm
 from moeshard.models.common._topk import row_topk
-from moeshard.models.common._topk_triton import topk_counts
+from moeshard.models.common._topk_triton import topk_counts, topk_ids_op
 
 
 @triton.jit
@@ -90,7 +91,7 @@ def main() -> None:
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     timed(
         "routers' top-k, one layer",
-        {"torch.topk": lambda: torch.topk(probs, K, dim=-1), "row_topk": lambda: row_topk(probs, K)},
+        {"torch.topk": lambda: torch.topk(probs, K, dim=-1), "row_topk": lambda: row_topk(probs, K, topk_ids_op)},
         lambda a, b: torch.equal(a[0], b[0]) and torch.equal(a[1].sort(-1).values, b[1].sort(-1).values),
     )
     all_probs = torch.softmax((torch.randn(L * T, E, device=dev, generator=g) * 0.02).bfloat16(), dim=-1)
