@@ -26,6 +26,7 @@ Legend: T tokens, B rows (sequences) of a micro-batch, S tokens per row, K top-k
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,7 @@ from torch import nn
 from moeshard.models.common._expert_load import GlobalExpertCounts, expert_counts, weighted_counts
 from moeshard.models.common._moe import routers
 from moeshard.models.common._sequence_balance import sequence_balancing_loss, sequence_rows
-from moeshard.models.common._topk import KERNEL_MAX_EXPERTS, KERNEL_MAX_TOP_K
+from moeshard.models.common._topk import kernel_takes
 
 __all__ = [
     "SCOPES",
@@ -211,14 +212,14 @@ class Balancing:
 
 
 @functools.cache
-def _counts_kernel() -> tuple | None:
-    """``(topk_counts, most experts, largest top_k)`` of the Triton counts kernel, or None where triton cannot be
-    imported (asked only for CUDA tensors)."""
+def _counts_kernel() -> Callable | None:
+    """The Triton counts kernel (``_topk_triton.topk_counts``), or None where triton cannot be imported (asked only
+    for CUDA tensors)."""
     try:
         from moeshard.models.common._topk_triton import topk_counts
     except ImportError:
         return None
-    return topk_counts, KERNEL_MAX_EXPERTS, KERNEL_MAX_TOP_K
+    return topk_counts
 
 
 def load_balancing_loss(
@@ -251,11 +252,11 @@ def load_balancing_loss(
         weight_N = torch.ones(probs_NE.shape[0], dtype=torch.float32, device=device)
     else:
         weight_N = attention_mask_BS.reshape(-1).to(device, torch.float32).repeat(len(router_logits))
-    kernel = _counts_kernel() if probs_NE.is_cuda else None
-    if kernel is not None and num_experts <= kernel[1] and top_k <= kernel[2]:
+    kernel = _counts_kernel() if probs_NE.is_cuda and kernel_takes(num_experts, top_k) else None
+    if kernel is not None:
         # torch.topk's selection counted in one kernel (0.91 + 0.11 + 0.30 ms per step eagerly, 8 layers of 16k
         # tokens on one H200): the same counts, ties filled in index order as CUDA's topk fills them.
-        tokens_per_expert_E = kernel[0](probs_NE.detach(), weight_N, top_k)
+        tokens_per_expert_E = kernel(probs_NE.detach(), weight_N, top_k)
     else:
         _, ids_NK = torch.topk(probs_NE, top_k, dim=-1)
         tokens_per_expert_E = weighted_counts(ids_NK.reshape(-1), weight_N.repeat_interleave(top_k), num_experts)

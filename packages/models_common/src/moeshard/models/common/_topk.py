@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["KERNEL_MAX_EXPERTS", "KERNEL_MAX_TOP_K", "TopkIds", "row_topk"]
+__all__ = ["KERNEL_MAX_EXPERTS", "KERNEL_MAX_TOP_K", "TopkIds", "kernel_takes", "row_topk"]
 
 KERNEL_MAX_EXPERTS = 1024
 """The most experts the Triton top-k kernels take (a block of rows lives in registers)."""
@@ -26,20 +26,19 @@ TopkIds = Callable[[torch.Tensor, int], torch.Tensor]
 ``topk_ids_op``, or its ``topk_ids`` outside compiled code)."""
 
 
+def kernel_takes(num_experts: int, k: int) -> bool:
+    """Whether the Triton top-k kernels take rows of ``num_experts`` scores and ``k`` selected: at most
+    :data:`KERNEL_MAX_EXPERTS` experts and ``1 <= k <= min(num_experts, KERNEL_MAX_TOP_K)``."""
+    return num_experts <= KERNEL_MAX_EXPERTS and 1 <= k <= min(num_experts, KERNEL_MAX_TOP_K)
+
+
 def row_topk(scores_TE: torch.Tensor, k: int, kernel: TopkIds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(scores_TE, k, dim=-1)``: values and int64 ids, sorted by value. With ``kernel`` and a CUDA
     ``[T, E]`` tensor (at most :data:`KERNEL_MAX_EXPERTS` experts, ``k`` up to :data:`KERNEL_MAX_TOP_K`) the ids come
     from the kernel: the same selection as ``torch.topk`` on CUDA, equal values listed by index (where ``torch.topk``
     has an order of its own among them), in one launch instead of a radix select and a sort (0.12 ms per layer of
     16,384 tokens and 128 experts on one H200). Elsewhere ``torch.topk`` itself."""
-    e = scores_TE.shape[-1]
-    if (
-        kernel is not None
-        and scores_TE.is_cuda
-        and scores_TE.dim() == 2
-        and e <= KERNEL_MAX_EXPERTS
-        and k <= min(e, KERNEL_MAX_TOP_K)
-    ):
+    if kernel is not None and scores_TE.is_cuda and scores_TE.dim() == 2 and kernel_takes(scores_TE.shape[-1], k):
         ids_TK = kernel(scores_TE.detach(), int(k))
         return scores_TE.gather(-1, ids_TK), ids_TK
     return torch.topk(scores_TE, k, dim=-1)

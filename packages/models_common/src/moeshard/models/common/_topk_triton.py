@@ -27,6 +27,7 @@ import triton.language as tl
 from moeshard.models.common._expert_load import COUNT_LANES
 from moeshard.models.common._topk import KERNEL_MAX_EXPERTS as MAX_EXPERTS
 from moeshard.models.common._topk import KERNEL_MAX_TOP_K as MAX_TOP_K
+from moeshard.models.common._topk import kernel_takes
 
 __all__ = ["MAX_EXPERTS", "MAX_TOP_K", "topk_counts", "topk_ids", "topk_ids_op"]
 
@@ -85,7 +86,7 @@ def _check(scores_NE: torch.Tensor, top_k: int, name: str) -> None:
     if scores_NE.dim() != 2:
         raise ValueError(f"{name}: scores must be [N, E], got {tuple(scores_NE.shape)}")
     e = scores_NE.shape[1]
-    if e > MAX_EXPERTS or not 1 <= top_k <= min(e, MAX_TOP_K):
+    if not kernel_takes(e, top_k):
         raise ValueError(
             f"{name} takes 1 <= top_k <= min(E, {MAX_TOP_K}) and E <= {MAX_EXPERTS}, got top_k={top_k} and E={e}"
         )
