@@ -284,3 +284,21 @@ def test_real_trackers_in_their_offline_modes(capsys, tmp_path):
         client = MlflowClient(tracking_uri=f"sqlite:///{out.resolve() / 'mlflow.db'}")
         assert [m.step for m in client.get_metric_history(ids["mlflow"], "loss")] == [1, 2]
         assert client.get_run(ids["mlflow"]).data.params["train.steps"] == "2"
+
+
+def test_launch_local_picks_a_free_port_below_the_ephemeral_range():
+    """The agents' store port: never one the kernel hands to a bind of port 0 (a concurrent gloo or torchrun process
+    could take it before the agents bind it), and never one already bound."""
+    import random
+    import socket
+
+    from moeshard.train.cluster import launch_local
+
+    top = min(launch_local._ephemeral_low(), 32768) - 1
+    ports = {launch_local.rendezvous_port() for _ in range(20)}
+    assert all(1024 <= p <= top for p in ports), ports
+    with socket.socket() as held:  # a taken port is skipped: the same draws, with the first one bound elsewhere
+        first = random.Random(7).randint(top - 12287, top)
+        held.bind(("127.0.0.1", first))
+        port = launch_local.rendezvous_port(random.Random(7))
+        assert port != first and 1024 <= port <= top

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 GRACE_S = 60.0  # after one agent fails, how long the others get to notice and stop
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # torchrun's default and SLURM's early warning
@@ -48,6 +50,36 @@ def agent_command(nnodes: int, nproc_per_node: int, port: int, run_id: str, max_
     ]
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to a bind of port 0 (Linux's default where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def rendezvous_port(rng: random.Random | None = None) -> int:
+    """A free port on 127.0.0.1 for the agents' store, below the kernel's ephemeral range (20480-32767 by default).
+
+    The port is free when chosen and bound by an agent a moment later. A port from the ephemeral range could be
+    handed in between to any process that binds port 0 (gloo's pair sockets, another torchrun's store): then no
+    agent can host the store and all of them time out as clients (seen once in a run of the CI script: two 60 s
+    waits, then a failed job). Below the range only a process that names its port can take it."""
+    rng = rng or random.SystemRandom()
+    top = min(_ephemeral_low(), 32768) - 1
+    for _ in range(100):
+        port = rng.randint(max(1024, top - 12287), max(1024, top))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    with socket.socket() as s:  # every try taken: the kernel's choice
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main(argv: list[str]) -> int:
     """Start the node agents and wait; the exit code is the first non-zero one."""
     parser = argparse.ArgumentParser(prog="moeshard-train launch-local")
@@ -57,9 +89,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("job_args", nargs=argparse.REMAINDER, help="arguments after -- go to the job")
     args = parser.parse_args(argv)
     job_args = args.job_args[1:] if args.job_args[:1] == ["--"] else args.job_args
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = rendezvous_port()
     env = {
         **os.environ,
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
