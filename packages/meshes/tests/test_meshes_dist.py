@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from moeshard.meshes import build_meshes, fake_process_group
-from moeshard.meshes.testing import DistributedTestError, run_distributed
+from moeshard.meshes.testing import DistributedRerunWarning, DistributedTestError, run_distributed
 
 
 def _groups_by_all_gather():
@@ -66,8 +66,11 @@ def test_build_meshes_needs_process_group():
         build_meshes(ep_size=1)
 
 
-def _fails_on_rank_one():
+def _fails_on_rank_one(count):
     if dist.get_rank() == 1:
+        with open(count, "a") as f:
+            f.write("run\n")
+        print("rank one prints before it fails")
         raise ValueError("boom on rank one")
     dist.barrier()  # the others block on the failed rank: the harness must not hang
 
@@ -79,10 +82,46 @@ def _hangs():
         time.sleep(3600)
 
 
-def test_harness_reports_failing_rank_traceback():
+def _crashes(count, times):
+    """Rank 1 aborts (a crash in native code: SIGABRT, no Python error) in its first ``times`` runs."""
+    import os
+
+    if dist.get_rank() == 1:
+        with open(count, "a") as f:
+            f.write("run\n")
+        with open(count) as f:
+            runs = len(f.readlines())
+        if runs <= times:
+            print(f"rank one about to crash in run {runs}", flush=True)
+            os.abort()
+    dist.barrier()
+    return dist.get_rank()
+
+
+def _runs(path):
+    with open(path) as f:
+        return len(f.readlines())
+
+
+def test_harness_reports_failing_rank_traceback(tmp_path):
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_fails_on_rank_one, 2, timeout=60)
-    assert "rank 1 failed" in str(info.value) and "boom on rank one" in str(info.value)
+        run_distributed(_fails_on_rank_one, 2, str(tmp_path / "count"), timeout=60)
+    message = str(info.value)
+    assert "rank 1 failed" in message and "boom on rank one" in message
+    assert "rank one prints before it fails" in message  # the rank's own output, read back
+    assert _runs(tmp_path / "count") == 1  # a Python error never reruns
+
+
+def test_harness_reruns_a_crash_once_with_its_report(tmp_path):
+    with pytest.warns(DistributedRerunWarning) as record:
+        assert run_distributed(_crashes, 2, str(tmp_path / "count"), 1, timeout=60) == [0, 1]
+    assert _runs(tmp_path / "count") == 2
+    (warning,) = record
+    message = str(warning.message)
+    assert "process exited with code -6" in message and "rank one about to crash in run 1" in message
+    assert "Fatal Python error: Aborted" in message  # faulthandler's stack of the crash
+    with pytest.raises(DistributedTestError, match="about to crash in run 3"):  # a crash with no rerun left fails
+        run_distributed(_crashes, 2, str(tmp_path / "count"), 9, timeout=60, reruns_after_crash=0)
 
 
 def test_harness_times_out_on_hang():

@@ -13,7 +13,11 @@ Each rank gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (f
 default gloo process group already initialised through a TCPStore on a free port (no port races), and one
 thread. On success the harness runs ``barrier`` then ``destroy_process_group`` (gloo aborts at exit
 otherwise). A failure on any rank fails the call with that rank's traceback; a hang fails after ``timeout``
-seconds with every live rank's Python stack printed to stderr. The ranks are forked from a fork server that
+seconds with every live rank's Python stack. Each rank's stdout and stderr go to a file of its own, whose last lines
+the failure's message carries for every rank that failed or hung (what native code printed too: a crash's message and
+the Python stack where it happened). A rank ended by a signal without a Python error (a crash in native code) runs
+the whole call again once (``reruns_after_crash``), with a :class:`DistributedRerunWarning` carrying the crash's
+report. The ranks are forked from a fork server that
 imported torch's distributed modules once (:data:`PRELOAD`), each with the caller's environment, working
 directory and ``sys.path``, as a spawned process would have them (spawned where forking is not available).
 
@@ -35,6 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
@@ -42,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["DistributedTestError", "run_distributed", "run_side_by_side"]
+__all__ = ["DistributedRerunWarning", "DistributedTestError", "run_distributed", "run_side_by_side"]
 
 _LOADED: dict[str, Any] = {}
 PRELOAD = (
@@ -59,6 +64,11 @@ per rank on a small CPU that a spawned rank would pay each time."""
 
 class DistributedTestError(AssertionError):
     """One or more ranks failed or hung; the message holds their tracebacks."""
+
+
+class DistributedRerunWarning(UserWarning):
+    """A rank of :func:`run_distributed` crashed in native code and the call ran again; the message holds the
+    crash's report."""
 
 
 def _resolve(path: str, module_name: str, qualname: str) -> Callable[..., Any]:
@@ -78,7 +88,14 @@ def _resolve(path: str, module_name: str, qualname: str) -> Callable[..., Any]:
     return obj
 
 
-def _worker(rank, world_size, ranks_per_node, port, backend, fn_ref, args, kwargs, results, timeout, caller):
+def _worker(rank, world_size, ranks_per_node, port, backend, fn_ref, args, kwargs, results, timeout, caller, log):
+    # This rank's stdout and stderr go to its own file (what native code prints too: an abort's message, a hang's
+    # stacks), which the caller reads back where the rank fails; a forked child would otherwise write to the fds
+    # the fork server was started with (a test's capture that may be gone).
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
     # A forked child has the fork server's environment, directory and path: this rank takes the caller's (its
     # environment with the call's extra variables), as a spawned one would have them.
     environ, cwd, path = caller
@@ -96,6 +113,7 @@ def _worker(rank, world_size, ranks_per_node, port, backend, fn_ref, args, kwarg
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
+    faulthandler.enable()  # a crash in native code prints the Python stack where it happened
     faulthandler.dump_traceback_later(max(timeout - 5.0, 1.0), exit=False)  # a hang shows where it hangs
     try:
         fn = _resolve(*fn_ref)
@@ -110,6 +128,8 @@ def _worker(rank, world_size, ranks_per_node, port, backend, fn_ref, args, kwarg
         results.put((rank, False, traceback.format_exc()))
     finally:
         faulthandler.cancel_dump_traceback_later()
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def _td(seconds: float):
@@ -128,41 +148,61 @@ def _context():
     return ctx
 
 
-def run_distributed(
-    fn: Callable[..., Any],
-    world_size: int,
-    *args: Any,
-    ranks_per_node: int | None = None,
-    timeout: float = 240.0,
-    backend: str = "gloo",
-    env: dict[str, str] | None = None,
-    **kwargs: Any,
-) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` new processes and return each rank's result.
+class _Attempt:
+    """What one launch of the ranks gave: results by rank, failures by rank, ranks that did not finish, and the
+    ranks that a signal ended without a report (a crash in native code)."""
 
-    Args:
-        fn: a module-level function (each rank loads it from its source file); it runs with the default
-            process group initialised.
-        world_size: number of processes.
-        ranks_per_node: ``LOCAL_WORLD_SIZE`` given to each rank (stands in for GPUs per node);
-            defaults to ``world_size`` (one node).
-        timeout: seconds before a hang fails the call.
-        backend: process-group backend (``gloo`` on CPU).
-        env: extra environment variables for every rank.
+    def __init__(self) -> None:
+        self.outputs: dict[int, Any] = {}
+        self.errors: dict[int, str] = {}
+        self.missing: list[int] = []
+        self.crashed: list[int] = []
+        self.logs: dict[int, str] = {}
 
-    Returns:
-        The picklable return values, indexed by rank.
+    def report(self, name: str, world_size: int, timeout: float) -> str:
+        parts = [f"--- rank {r} failed ---\n{self.errors[r]}" for r in sorted(self.errors)]
+        if self.missing:
+            parts.append(
+                f"--- ranks {self.missing} did not finish within {timeout:.0f}s "
+                "(hung or blocked on a failed rank; their stacks are in their output below) ---"
+            )
+        for r in sorted({*self.errors, *self.missing}):
+            if self.logs.get(r, "").strip():
+                parts.append(f"--- rank {r}'s output (last {_LOG_LINES} lines) ---\n{self.logs[r]}")
+        return f"{name} on {world_size} processes:\n" + "\n".join(parts)
 
-    Raises:
-        DistributedTestError: a rank raised (its traceback is in the message) or the run timed out.
-    """
-    ranks_per_node = ranks_per_node or world_size
-    path = os.path.abspath(fn.__code__.co_filename)
-    fn_ref = (path, fn.__module__, fn.__qualname__)
+
+_LOG_LINES = 60
+
+
+def _tail(path: str, lines: int = _LOG_LINES) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _dead(procs: list[Any], attempt: _Attempt) -> None:
+    """Record the ranks that exited with an error and no report; those a signal ended (a crash) as crashed."""
+    for r, p in enumerate(procs):
+        code = p.exitcode
+        if code in (None, 0) or r in attempt.outputs or r in attempt.errors:
+            continue
+        attempt.errors[r] = f"process exited with code {code} without reporting"
+        if code < 0:
+            attempt.crashed.append(r)
+
+
+def _attempt(fn_ref, world_size, ranks_per_node, timeout, backend, env, args, kwargs) -> _Attempt:
+    attempt = _Attempt()
     # The parent owns the store on port 0 (the OS picks a free port), so concurrent tests never collide.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=_td(timeout))
     ctx = _context()
     results = ctx.Queue()
+    logdir = tempfile.mkdtemp(prefix="moeshard-ranks-")
+    logs = [os.path.join(logdir, f"rank{r}.log") for r in range(world_size)]
+    caller = ({**os.environ, **(env or {})}, os.getcwd(), list(sys.path))
     procs = [
         ctx.Process(
             target=_worker,
@@ -177,18 +217,18 @@ def run_distributed(
                 kwargs,
                 results,
                 timeout,
-                ({**os.environ, **(env or {})}, os.getcwd(), list(sys.path)),
+                caller,
+                logs[r],
             ),
             daemon=True,
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
-    outputs: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
+    outputs, errors = attempt.outputs, attempt.errors
     try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
         while len(outputs) + len(errors) < world_size:
             remaining = deadline - time.monotonic()
             if errors:  # the other ranks are probably blocked on the failed one: give them a moment, then stop
@@ -198,16 +238,14 @@ def run_distributed(
             try:
                 rank, ok, payload = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
-                dead = [r for r in dead if r not in errors]
-                for r in dead:
-                    errors[r] = f"process exited with code {procs[r].exitcode} without reporting"
+                _dead(procs, attempt)
                 continue
             if ok:
                 outputs[rank] = pickle.loads(payload)
             else:
                 errors[rank] = payload
     finally:
+        _dead(procs, attempt)  # before the live ones are terminated
         for p in procs:
             if p.is_alive():
                 p.terminate()
@@ -216,16 +254,69 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
         del store
-    if errors or len(outputs) < world_size:
-        missing = [r for r in range(world_size) if r not in outputs and r not in errors]
-        parts = [f"--- rank {r} failed ---\n{errors[r]}" for r in sorted(errors)]
-        if missing:
-            parts.append(
-                f"--- ranks {missing} did not finish within {timeout:.0f}s "
-                "(hung or blocked on a failed rank; their stacks were dumped to stderr) ---"
-            )
-        raise DistributedTestError(f"{fn.__qualname__} on {world_size} processes:\n" + "\n".join(parts))
-    return [outputs[r] for r in range(world_size)]
+        attempt.missing = [r for r in range(world_size) if r not in outputs and r not in errors]
+        attempt.logs = {r: _tail(logs[r]) for r in range(world_size) if r not in outputs}
+        with contextlib.suppress(OSError):
+            for log in logs:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(log)
+            os.rmdir(logdir)
+    return attempt
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    ranks_per_node: int | None = None,
+    timeout: float = 240.0,
+    backend: str = "gloo",
+    env: dict[str, str] | None = None,
+    reruns_after_crash: int = 1,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` new processes and return each rank's result.
+
+    Args:
+        fn: a module-level function (each rank loads it from its source file); it runs with the default
+            process group initialised.
+        world_size: number of processes.
+        ranks_per_node: ``LOCAL_WORLD_SIZE`` given to each rank (stands in for GPUs per node);
+            defaults to ``world_size`` (one node).
+        timeout: seconds before a hang fails the call.
+        backend: process-group backend (``gloo`` on CPU).
+        env: extra environment variables for every rank.
+        reruns_after_crash: how many times the whole call is run again where a rank was ended by a signal
+            without a Python error (a crash in native code: gloo once aborted a rank on a loaded 2-core machine
+            where the same test then passed), each time with a :class:`DistributedRerunWarning` that carries the
+            crash's report (the ranks' last output, with the Python stack where it happened). A Python error or a
+            hang alone never reruns (ranks blocked on a crashed one do). ``0``: a crash fails the call.
+
+    Returns:
+        The picklable return values, indexed by rank.
+
+    Raises:
+        DistributedTestError: a rank raised or crashed (its traceback or its last output is in the message) or
+            the run timed out.
+    """
+    if reruns_after_crash < 0:
+        raise ValueError(f"reruns_after_crash={reruns_after_crash} must be >= 0")
+    ranks_per_node = ranks_per_node or world_size
+    path = os.path.abspath(fn.__code__.co_filename)
+    fn_ref = (path, fn.__module__, fn.__qualname__)
+    for left in range(reruns_after_crash, -1, -1):
+        attempt = _attempt(fn_ref, world_size, ranks_per_node, timeout, backend, env, args, kwargs)
+        if not attempt.errors and not attempt.missing:
+            return [attempt.outputs[r] for r in range(world_size)]
+        report = attempt.report(fn.__qualname__, world_size, timeout)
+        if not attempt.crashed or left == 0:
+            raise DistributedTestError(report)
+        warnings.warn(
+            f"rank(s) {attempt.crashed} crashed; running the call again ({left} rerun(s) left):\n{report}",
+            DistributedRerunWarning,
+            stacklevel=2,
+        )
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def run_side_by_side(
