@@ -127,7 +127,9 @@ def main() -> None:
     timed(
         "final norm, forward + backward",
         {"eager": step(norm.forward), "compiled": step(compiled)},
-        lambda a, b: all(torch.allclose(p.float(), q.float(), rtol=2e-2, atol=2e-2) for p, q in zip(a, b)),
+        # bf16 results of different reduction orders (the weight's gradient sums 16,384 rows): equal to a relative
+        # norm of the difference, not elementwise
+        lambda a, b: all(((p.float() - q.float()).norm() / q.float().norm()).item() < 1e-2 for p, q in zip(a, b)),
     )
 
 
