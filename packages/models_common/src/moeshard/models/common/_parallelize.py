@@ -425,18 +425,12 @@ def apply_activation_checkpointing(model: MoECausalLM, *, keep_attention: bool =
 
 
 def _checkpointed(forward, layer: torch.nn.Module, keep_attention: bool):
-    found: list[list[ExpertDispatch]] = []  # the layer's dispatchers, looked up at its first forward
-
     def contexts():
-        # Looked up at the first call (a walk over the layer's modules costs the host ~30 us a layer, each forward):
-        # the dispatchers apply_ep installed, before or after this. The routed experts' output only flows into
-        # additions in a decoder layer (shared experts, the residual), which save nothing for backward: the
-        # recompute leaves out their down projections, the way back and the combine.
-        if not found:
-            found.append(
-                [m.dispatch for m in layer.modules() if isinstance(getattr(m, "dispatch", None), ExpertDispatch)]
-            )
-        record, replay = recompute_contexts(found[0], discard_outputs=True)
+        # Looked up at each call: the dispatchers apply_ep installed, whenever it ran. The routed experts' output
+        # only flows into additions in a decoder layer (shared experts, the residual), which save nothing for
+        # backward: the recompute leaves out their down projections, the way back and the combine.
+        dispatchers = [m.dispatch for m in layer.modules() if isinstance(getattr(m, "dispatch", None), ExpertDispatch)]
+        record, replay = recompute_contexts(dispatchers, discard_outputs=True)
         if not keep_attention:
             return record, replay
         keep = AttentionKeep()  # per call: what it keeps lives as long as this checkpoint's graph
@@ -446,10 +440,7 @@ def _checkpointed(forward, layer: torch.nn.Module, keep_attention: bool):
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        # determinism_check="none": torch's check of the recompute takes every saved tensor's metadata in forward
-        # (a Python call under no_grad per tensor, ~40 a layer, on the host path of a launch-bound forward); the
-        # replayed route and kept outputs check their own shapes.
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, determinism_check="none", **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
     return run
 
