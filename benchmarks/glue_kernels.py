@@ -9,8 +9,8 @@ ms per call (``do_bench`` median), each pair checked for the same result first:
   values and ids per row;
 - the load-balancing loss's counts over all layers' rows (``[layers x tokens, 128]`` bf16 probabilities, top-8):
   ``torch.topk`` and a scatter into 128 bins against ``topk_counts``; the same counts;
-- the route's scan (``[tokens x 8 / 64, 128]`` histogram): the one-program scan of ep 0.4.5 (kept here to compare)
-  against the shipped tiles; the same offsets, counts and first positions;
+- the route's scan (``[tokens x 8 / 64, 128]`` histogram): the one-program scan of ep 0.4.5 (the shipped kernel with
+  one tile of all experts) against the shipped tiles; the same offsets, counts and first positions;
 - the final norm (``[tokens, 2048]`` bf16), forward and backward: eager against ``torch.compile``.
 """
 
@@ -20,7 +20,6 @@ import argparse
 
 import torch
 import triton
-import triton.language as tl
 from triton.testing import do_bench
 
 from moeshard.ep import _route_triton
@@ -29,47 +28,25 @@ from moeshard.models.common._topk import row_topk
 from moeshard.models.common._topk_triton import topk_counts, topk_ids_op
 
 
-@triton.jit
-def _one_program_scan(hist_ptr, counts_ptr, first_ptr, NB, E: tl.constexpr, E_POW2: tl.constexpr, ROWS: tl.constexpr):
-    # ep 0.4.5's scan: one program over the whole histogram.
-    experts = tl.arange(0, E_POW2)
-    in_e = experts < E
-    carry = tl.zeros([E_POW2], dtype=tl.int32)
-    for start in range(0, NB, ROWS):
-        rows = start + tl.arange(0, ROWS)
-        mask = (rows < NB)[:, None] & in_e[None, :]
-        ptrs = hist_ptr + rows[:, None] * E + experts[None, :]
-        h = tl.load(ptrs, mask=mask, other=0)
-        tl.store(ptrs, tl.cumsum(h, axis=0) - h + carry[None, :], mask=mask)
-        carry += tl.sum(h, axis=0)
-    tl.store(counts_ptr + experts, carry.to(tl.int64), mask=in_e)
-    tl.store(first_ptr + experts, tl.cumsum(carry, axis=0) - carry, mask=in_e)
-
-
 def scans(hist: torch.Tensor) -> dict:
+    """The shipped scan in tiles of experts, and ep 0.4.5's one program over all experts: the same kernel with one
+    tile as wide as the experts (its first positions then come from that tile alone, as ep 0.4.5 stored them)."""
     nb, e = hist.shape
 
-    def old():
-        h, counts, first = (
-            hist.clone(),
-            torch.empty(e, dtype=torch.int64, device=hist.device),
-            torch.empty_like(hist[0]),
-        )
-        _one_program_scan[(1,)](h, counts, first, nb, E=e, E_POW2=e, ROWS=8192 // e)
-        return h, counts, first
+    def launch(tile: int):
+        def run():
+            z = torch.zeros(nb * e + e, dtype=torch.int32, device=hist.device)
+            h, first = z[: nb * e].view(nb, e), z[nb * e :]
+            h.copy_(hist)
+            counts = torch.empty(e, dtype=torch.int64, device=hist.device)
+            _route_triton._scan_kernel[(triton.cdiv(e, tile),)](
+                h, counts, first, nb, E=e, TILE_E=tile, ROWS=_route_triton._SCAN_TILE // tile
+            )
+            return h, counts, first
 
-    def new():
-        z = torch.zeros(nb * e + e, dtype=torch.int32, device=hist.device)
-        h, first = z[: nb * e].view(nb, e), z[nb * e :]
-        h.copy_(hist)
-        counts = torch.empty(e, dtype=torch.int64, device=hist.device)
-        tile = _route_triton.scan_tile(e)
-        _route_triton._scan_kernel[(triton.cdiv(e, tile),)](
-            h, counts, first, nb, E=e, TILE_E=tile, ROWS=_route_triton._SCAN_TILE // tile
-        )
-        return h, counts, first
+        return run
 
-    return {"one program (ep 0.4.5)": old, "tiles (shipped)": new}
+    return {"one program (ep 0.4.5)": launch(e), "tiles (shipped)": launch(_route_triton.scan_tile(e))}
 
 
 def timed(name: str, fns: dict, same) -> None:
