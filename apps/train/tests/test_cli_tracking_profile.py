@@ -77,6 +77,12 @@ def test_bench_profiles_steps_back_to_back_and_refuses_none(capsys):
     with pytest.raises(SystemExit):
         _parse_args(["--trace-steps", "0"])
     assert "--trace-steps must be at least 1, got 0" in capsys.readouterr().err
+    # one step from the empty launch queue that follows the timed loop runs first, recorded by nothing
+    assert _parse_args([])[0].trace_warmup == 1
+    assert _parse_args(["--trace-warmup", "0"])[0].trace_warmup == 0
+    with pytest.raises(SystemExit):
+        _parse_args(["--trace-warmup", "-1"])
+    assert "--trace-warmup must be at least 0, got -1" in capsys.readouterr().err
 
 
 def test_config_show_explains_every_key(capsys, tmp_path):

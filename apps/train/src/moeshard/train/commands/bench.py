@@ -213,8 +213,16 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         type=int,
         default=1,
         metavar="N",
-        help="profile N steps back to back (default 1); the first starts from an empty launch queue, the later ones "
-        "show the steady state (benchmarks/trace_summary.py --skip-ms leaves the first out)",
+        help="profile N steps back to back (default 1), after --trace-warmup steps that the trace leaves out",
+    )
+    p.add_argument(
+        "--trace-warmup",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N steps under the profiler's warm-up phase (recorded by nothing) before the traced ones, back to "
+        "back with them: the first step after the timed loop starts from an empty launch queue, so with N >= 1 the "
+        "trace holds steady steps only (default 1; 0: trace that first step too)",
     )
     p.add_argument(
         "--trace-gpu-only",
@@ -225,6 +233,8 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args, rest = p.parse_known_args(argv)
     if args.trace_steps < 1:
         p.error(f"--trace-steps must be at least 1, got {args.trace_steps}")
+    if args.trace_warmup < 0:
+        p.error(f"--trace-warmup must be at least 0, got {args.trace_warmup}")
     overrides = []
     for item in rest:
         flag = item.split("=", 1)[0]

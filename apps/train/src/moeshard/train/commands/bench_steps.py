@@ -11,7 +11,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -271,22 +271,34 @@ def _print_sync_sites(found: list[list[str]]) -> None:
 
 
 def profile_step(args: argparse.Namespace, job: Job, batches: Callable[[], list[Batch]]) -> None:
-    """Profile ``--trace-steps`` more steps (CUDA only), back to back as the timed ones (one synchronisation, after
-    the last); rank 0 writes ``--trace`` and ``--profile`` and prints the kernel table.
+    """Profile ``--trace-steps`` steps (CUDA only) after ``--trace-warmup`` more, all back to back as the timed ones
+    (one synchronisation, after the last); rank 0 writes ``--trace`` and ``--profile`` and prints the kernel table.
 
-    The first profiled step starts from an empty launch queue (the timed loop synchronised at its end): its first
-    forward has none of the lead that the previous step's optimizer gives a back-to-back step, so where the host is
-    near the device's pace, the steps after it are the ones that show the steady state."""
-    from torch.profiler import ProfilerActivity, profile
+    The first step after the timed loop starts from an empty launch queue (the loop synchronised at its end): its
+    first forward has none of the lead that the previous step's optimizer gives a back-to-back step, so where the
+    host is near the device's pace it idles where a training loop's steps do not. The warm-up steps run under the
+    profiler's warm-up phase (``torch.profiler.schedule``), which records nothing: with one or more, the trace holds
+    steady steps only."""
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     from moeshard.train.run import train_step
 
-    activities = [ProfilerActivity.CUDA] if args.trace_gpu_only else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    micro = [batches() for _ in range(args.trace_steps)]  # made first, as the timed loop's
-    with profile(activities=activities) as prof:
-        for m in micro:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    if args.trace_gpu_only:
+        activities = [ProfilerActivity.CUDA]
+    warm, active = args.trace_warmup, args.trace_steps
+    micro = [batches() for _ in range(warm + active)]  # made first, as the timed loop's
+    done: list[Any] = []
+    plan = schedule(wait=0, warmup=warm, active=active, repeat=1) if warm else None
+    with profile(activities=activities, schedule=plan, on_trace_ready=done.append if warm else None) as prof:
+        for i, m in enumerate(micro):
             train_step(job, m)
-        torch.cuda.synchronize()
+            if i == len(micro) - 1:
+                torch.cuda.synchronize()  # the last traced step's kernels, before the profiler stops
+            if warm:
+                prof.step()
+    if warm and not done:
+        raise RuntimeError(f"the profiler recorded no steps (warm-up {warm}, traced {active})")
     if dist.get_rank() == 0 and args.trace:
         prof.export_chrome_trace(args.trace)
     if dist.get_rank() == 0 and args.profile:
