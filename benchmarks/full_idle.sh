@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One H200, one call: where full checkpointing's forward idles (8 layers of 30B-A3B, EP 1, compile, triton tier,
-# micro-batch 4). GPU-only traces of three steps back to back, summarised without the first (which starts from an
-# empty launch queue), full checkpointing and none; a CPU + CUDA trace of full checkpointing with the host's work
-# before each long idle gap (benchmarks/trace_summary.py --gap-hosts; the profiler slows the host, so it names the
-# host work, not its length); then benchmarks/host_phases.py with stack samples, full checkpointing.
+# micro-batch 4). GPU-only traces of two steady steps (bench leaves out the first step after its timed loop, which
+# starts from an empty launch queue), full checkpointing and none; a CPU + CUDA trace of full checkpointing with the
+# host's work around each idle gap (benchmarks/host_gaps.py; the profiler slows the host, so it names the host work,
+# not its length); then benchmarks/host_phases.py with stack samples, full checkpointing.
 #   bash benchmarks/full_idle.sh        (summaries in $OUT)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -17,16 +17,14 @@ trace() {  # name, activation checkpointing, extra bench flags
   echo "$1: $(grep 'tok/s/GPU' "$OUT/$1.log" | tail -n 1)"
 }
 for ac in ${GPU_AC-none full}; do
-  trace "gpu_$ac" "$ac" --trace-steps 3 --trace-gpu-only
-  python3 benchmarks/trace_summary.py "/tmp/t_gpu_$ac.json.gz" --skip-ms "${SKIP_MS:-240}" --top 20 \
-    > "$OUT/sum_gpu_$ac.txt" 2>&1
+  trace "gpu_$ac" "$ac" --trace-steps 2 --trace-gpu-only
+  python3 benchmarks/trace_summary.py "/tmp/t_gpu_$ac.json.gz" --top 20 > "$OUT/sum_gpu_$ac.txt" 2>&1
   sed -n 1,4p "$OUT/sum_gpu_$ac.txt"; grep -A 16 "compute-stream idle per" "$OUT/sum_gpu_$ac.txt"
 done
 if [ -n "${CPU_AC-full}" ]; then
   trace "cpu_full" full --trace-steps 2
-  python3 benchmarks/trace_summary.py /tmp/t_cpu_full.json.gz --skip-ms "${SKIP_MS:-240}" --top 20 --gap-hosts 12 \
-    > "$OUT/sum_cpu_full.txt" 2>&1
-  grep -A 120 "compute-stream idle per" "$OUT/sum_cpu_full.txt"
+  python3 benchmarks/host_gaps.py /tmp/t_cpu_full.json.gz --min-gap-ms 0.1 > "$OUT/gaps_cpu_full.txt" 2>&1
+  head -n 60 "$OUT/gaps_cpu_full.txt"
 fi
 for ac in ${PHASES_AC-full}; do
   HOST_PHASES_SAMPLE=1 timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \

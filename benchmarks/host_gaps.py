@@ -4,7 +4,9 @@
 
 For each idle gap of the compute stream longer than ``--min-gap-ms`` that no collective explains, the host time
 between the launch of the kernel before the gap and the launch of the kernel after it, split into the top-level
-CPU ops of the launching thread in that interval (by name, summed). Then the same summed over all such gaps.
+CPU ops of the launching thread in that interval (by name, summed), and the launch's lag: how long after the gap's
+start the kernel after it was launched (positive: the host was behind, it paced the gap; negative: the kernel was
+queued in time and the gap is the device's own). Then the same summed over all such gaps.
 Host times are those of a profiled run (recording CPU ops slows the host), so read them as proportions.
 """
 
@@ -94,10 +96,11 @@ def main() -> None:
         spent["(no op: Python between ops)"] += outside
         total["(no op: Python between ops)"] += outside
         if i < args.top:
-            host = (lb["ts"] - la["ts"]) / 1e3
+            host, lag = (lb["ts"] - la["ts"]) / 1e3, (lb["ts"] - (a["ts"] + a["dur"])) / 1e3
             print(
                 f"\n{gap / 1e3:.2f} ms idle at +{(a['ts'] + a['dur'] - t0) / 1e3:.1f} ms; host {host:.2f} ms between "
-                f"launches of '{a['name'][:50]}' and '{b['name'][:50]}'"
+                f"launches of '{a['name'][:50]}' and '{b['name'][:50]}', the second launched {lag:+.2f} ms after "
+                "the gap's start"
             )
             for name, us in sorted(spent.items(), key=lambda kv: -kv[1])[:8]:
                 print(f"    {us / 1e3:6.2f} ms  {name[:100]}")

@@ -96,13 +96,6 @@ def main() -> None:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--window-ms", type=float, default=10.0, help="the compute stream's idle time per window")
     p.add_argument("--skip-ms", type=float, default=0.0, help="leave out the kernels that start this early")
-    p.add_argument(
-        "--gap-hosts",
-        type=int,
-        default=0,
-        help="for this many longest idle gaps: when the kernel after the gap was launched, and the host's CPU ops "
-        "between the launch before it and its own (a CPU trace: bench --trace without --trace-gpu-only)",
-    )
     args = p.parse_args()
     opener = gzip.open if args.trace.endswith(".gz") else open
     with opener(args.trace, "rt") as f:
@@ -219,53 +212,6 @@ def main() -> None:
             f"  {(e - s) / 1e3:6.2f} ms at +{(s - t0) / 1e3:6.1f} ms  comm {covered((s, e), comm) / 1e3:5.2f}  "
             f"after {before!r} before {after!r}"
         )
-    if args.gap_hosts:
-        gap_hosts(events, by_stream[compute_sid], idle, t0, args.gap_hosts)
-
-
-def gap_hosts(events: list[dict], compute: list[dict], idle: list[tuple[float, float]], t0: float, n: int) -> None:
-    """For the ``n`` longest idle gaps: the lag of the launch of the kernel after the gap behind the gap's start
-    (positive: the host launched it only after the stream ran dry, so the host paced it) and the CPU ops that ran
-    on the launching thread between the previous compute-stream kernel's launch and this one's (the host's work in
-    between, longest first; nested ops count inside their parents)."""
-    launches = {
-        e["args"]["correlation"]: e
-        for e in events
-        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
-    }
-    ops: dict[object, list[dict]] = defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", "python_function"):
-            ops[(e.get("pid"), e.get("tid"))].append(e)
-    by_start = sorted(compute, key=lambda k: k["ts"])
-    index = {id(k): i for i, k in enumerate(by_start)}
-    start_of = {k["ts"]: k for k in by_start}
-    print(f"the {n} longest idle gaps, host side (lag: the launch after the gap's start):")
-    for s, e in sorted(idle, key=lambda iv: iv[0] - iv[1])[:n]:
-        k = start_of.get(e)
-        if k is None:
-            continue
-        i = index[id(k)]
-        launch = launches.get(k.get("args", {}).get("correlation"))
-        prev = launches.get(by_start[i - 1].get("args", {}).get("correlation")) if i > 0 else None
-        if launch is None:
-            print(f"  {(e - s) / 1e3:5.2f} ms at +{(s - t0) / 1e3:6.1f}: launch not in the trace")
-            continue
-        lag = launch["ts"] - s
-        a = prev["ts"] if prev is not None else launch["ts"] - 2e3
-        thread = (launch.get("pid"), launch.get("tid"))
-        between = [
-            o for o in ops[thread] if o["ts"] < launch["ts"] and o["ts"] + o.get("dur", 0) > a and o.get("dur", 0) > 20
-        ]
-        between.sort(key=lambda o: -min(o["ts"] + o["dur"], launch["ts"]) + max(o["ts"], a))
-        host = (launch["ts"] - a) / 1e3
-        print(
-            f"  {(e - s) / 1e3:5.2f} ms at +{(s - t0) / 1e3:6.1f} ms, launch lag {lag / 1e3:+.2f} ms, host "
-            f"{host:.2f} ms since the previous launch; kernel {k['name'][:60]!r}"
-        )
-        for o in between[:8]:
-            inside = (min(o["ts"] + o["dur"], launch["ts"]) - max(o["ts"], a)) / 1e3
-            print(f"      {inside:6.2f} ms  {o['name'][:110]}")
 
 
 if __name__ == "__main__":
