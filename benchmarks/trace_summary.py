@@ -2,9 +2,10 @@
 
     python3 benchmarks/trace_summary.py step.json.gz [--top 40] [--skip-ms 300]
 
-``--skip-ms`` leaves out the kernels that start in the trace's first milliseconds: with ``bench --trace-steps N``
-(N steps back to back), about one step's length leaves out the first step, which starts from an empty launch queue,
-and the figures are then those of the N - 1 steady steps together.
+``--skip-ms`` leaves out the kernels that start in the trace's first milliseconds. ``bench --trace`` already leaves
+out the first step after its timed loop, which starts from an empty launch queue (``--trace-warmup``, default 1);
+for a trace made with ``--trace-warmup 0``, about one step's length leaves that step out here, and the figures are
+then those of the steady steps after it.
 
 Prints: the step's GPU span; per stream, the busy time (union of its kernels); the compute stream's idle time
 split into "waiting while a collective runs" (exposed communication) and "nothing runs at all" (launch gaps,
