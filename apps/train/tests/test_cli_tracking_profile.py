@@ -85,6 +85,36 @@ def test_bench_profiles_steps_back_to_back_and_refuses_none(capsys):
     assert "--trace-warmup must be at least 0, got -1" in capsys.readouterr().err
 
 
+def test_bench_trace_leaves_out_the_warm_up_steps(tmp_path, monkeypatch):
+    # The steps run under the profiler's warm-up phase are in no trace: only the --trace-steps after them are.
+    import torch
+    from torch.profiler import record_function
+
+    import moeshard.train.run
+    from moeshard.train.commands.bench import _parse_args
+    from moeshard.train.commands.bench_steps import profile_step
+
+    ran: list[int] = []
+
+    def train_step(job, micro):
+        with record_function(f"bench_step_{micro}"):
+            torch.ones(8) @ torch.ones(8)
+        ran.append(micro)
+
+    monkeypatch.setattr(moeshard.train.run, "train_step", train_step)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    for warmup, traced in ((1, 2), (2, 1), (0, 2)):
+        ran.clear()
+        counter = iter(range(10))
+        path = tmp_path / f"w{warmup}.json"
+        args = _parse_args(["--trace", str(path), "--trace-steps", str(traced), "--trace-warmup", str(warmup)])[0]
+        profile_step(args, None, counter.__next__)
+        names = {e["name"] for e in json.loads(path.read_text())["traceEvents"]}
+        steps = sorted(int(n.rsplit("_", 1)[1]) for n in names if n.startswith("bench_step_"))
+        assert ran == list(range(warmup + traced))
+        assert steps == list(range(warmup, warmup + traced)), (warmup, traced, steps)
+
+
 def test_config_show_explains_every_key(capsys, tmp_path):
     rows = describe_keys(JobConfig())
     assert [key for key, _, _, meaning in rows if not meaning] == []  # every key has its one line
