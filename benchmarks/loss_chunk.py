@@ -38,7 +38,20 @@ def _ce_persistent_kernel(
     # the shipped kernel's row (lt._ce_row), for rows pid, pid + P, pid + 2P, ...
     zero = tl.program_id(0).to(tl.int64) * 0  # rows as int64 (the interpreter's loop variable is a Python int)
     for r in range(tl.program_id(0), C, tl.num_programs(0)):
-        lt._ce_row(logits_ptr, targets_ptr, grad_ptr, loss_ptr, zero + r, V, stride_l, stride_g, IGNORE, BLOCK_V)
+        lt._ce_row(
+            logits_ptr,
+            targets_ptr,
+            grad_ptr,
+            loss_ptr,
+            loss_ptr,
+            zero + r,
+            V,
+            stride_l,
+            stride_g,
+            IGNORE,
+            BLOCK_V,
+            False,
+        )
 
 
 def persistent(logits, targets, programs: int, block: int = 4096, warps: int = 8):

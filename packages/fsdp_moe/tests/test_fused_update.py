@@ -209,6 +209,7 @@ def test_kernels_compile_for_hopper():
     kernels.append(compile_for_hopper(ft._sum_of_squares_kernel, bf, f32, f32, 1 << 20, 1.0, HAS_MULT=True, BLOCK=8192))
     kernels.append(compile_for_hopper(ft._add_into_float32_kernel, i64, 3, HALF=False, T_POW2=4, BLOCK=4096))
     kernels.append(compile_for_hopper(ft._scaled_add_kernel, f32, f32, f32, 1 << 20, BLOCK=4096))
+    kernels += [compile_for_hopper(ft._scale_kernel, x, x, 1 << 20, 256, BLOCK=4096) for x in (f32, bf)]
     assert all(k.asm["cubin"] for k in kernels)
 
 

@@ -1,7 +1,7 @@
 """``grouped_grad_accumulation``: FSDP2's float32 accumulation of bfloat16 gradients over micro-batches, done by one
 Triton kernel per unit, gives FSDP2's own sums bit for bit (2 gloo ranks, triton interpreted on CPU; on
 CUDA checked by the benchmark's losses, ``benchmarks/NOTES.md``); and the kernel itself on odd shapes and both 16-bit
-dtypes, and ``scaled_add_`` (interpreted, and compiled on CUDA)."""
+dtypes, and ``scaled_add_`` and ``scale_`` (interpreted, and compiled on CUDA)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def check_kernel(device: str) -> None:
     with pytest.raises(ValueError, match="16-bit tensors into float32"):
         add_into_float32([dsts[0]], [srcs[1]])
     check_scaled_add(device)
+    check_scale(device)
 
 
 def check_scaled_add(device: str) -> None:
@@ -49,6 +50,34 @@ def check_scaled_add(device: str) -> None:
         scaled_add_(acc[:, :2], grad[:, :2], factor)
 
 
+def check_scale(device: str) -> None:
+    """``scale_`` (``ReducedGrad.add_`` with a scale and no held gradient): the product in float32 for both dtypes,
+    more blocks than programs (each program takes several), a partial last block, and the tensor's bits unchanged
+    where the factor is one."""
+    from moeshard.fsdp_moe._triton import _ADD_BLOCK, _programs, scale_
+
+    g = torch.Generator().manual_seed(2)
+    blocks = 3 * _programs(torch.device(device)) + 1
+    for n in (1, 5000, blocks * _ADD_BLOCK - 7):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(n, generator=g).to(device, dtype)
+            for value in (0.37, 1.0, 3.0):
+                factor = torch.tensor([value], device=device, dtype=dtype)
+                want = (x.float() * factor.float()).to(dtype)
+                got = scale_(x.clone(), factor)
+                assert got.dtype == dtype
+                if value == 1.0 or dtype == torch.float32:
+                    assert torch.equal(got, want), (n, dtype, value)
+                else:  # the interpreter's float32 -> bf16 cast may round the other way: one bf16 ulp at most
+                    torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
+    special = torch.tensor([float("nan"), -0.0, float("inf"), 1e-45], device=device)
+    assert torch.equal(
+        scale_(special.clone(), torch.ones(1, device=device)).view(torch.int32), special.view(torch.int32)
+    )
+    with pytest.raises(ValueError, match="contiguous tensor and a one-element factor"):
+        scale_(torch.zeros(4, 4, device=device)[:, :2], torch.ones(1, device=device))
+
+
 def _run(install: bool):
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -57,6 +86,9 @@ def _run(install: bool):
 
     rank = dist.get_rank()
     if install and rank == 0:
+        from moeshard.ep.testing import interpreter_numpy_fix
+
+        interpreter_numpy_fix()  # scale_'s runtime loop bound
         check_kernel("cpu")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))

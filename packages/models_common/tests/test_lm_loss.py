@@ -78,9 +78,9 @@ def test_a_chunk_gradient_is_freed_before_the_next_chunk_logits():
     assert LOSS_CHUNK_TOKENS == 4096  # the head's chunk, which plan's loss-head term counts
     previous: list[weakref.ref] = []
 
-    def chunk_loss(logits_CV, targets_C):
+    def chunk_loss(logits_CV, targets_C, grad_scale):
         assert all(ref() is None for ref in previous), "an earlier chunk's gradient is still alive"
-        loss, grad_CV = ce_chunk(logits_CV, targets_C)
+        loss, grad_CV = ce_chunk(logits_CV, targets_C, grad_scale)
         previous.append(weakref.ref(grad_CV))
         return loss, grad_CV
 
@@ -90,3 +90,81 @@ def test_a_chunk_gradient_is_freed_before_the_next_chunk_logits():
     t = torch.randint(0, 30, (20,), generator=g)
     linear_cross_entropy(h, w, t, chunk_size=6, chunk_loss=chunk_loss).backward()
     assert len(previous) == 4
+
+
+class _Holder:
+    """A gradient target that records what the head hands over (``ReducedGrad``'s interface)."""
+
+    dtype = torch.float32
+
+    def __init__(self):
+        self.calls = []
+
+    def add_(self, grad, scale=None):
+        self.calls.append((grad.clone(), scale.clone()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("divisor", [None, 7, "tensor"])
+def test_the_divisor_is_folded_into_the_logit_gradient(dtype, divisor):
+    # bf16 and float32 logits: each chunk's gradient comes scaled by 1 / divisor (before its rounding), so the
+    # backward of the plain loss hands the weight's float32 gradient over with a factor of exactly one, and with
+    # the loss doubled, exactly two; float16 would flush small entries: scaled after the GEMMs, as before.
+    from moeshard.models.common import ce_chunk
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(24, 16, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(40, 16, generator=g).to(dtype).requires_grad_()
+    t = torch.randint(0, 40, (24,), generator=g)
+    t[[1, 9]] = -100
+    num_items = torch.tensor(16383.0) if divisor == "tensor" else divisor  # 16,383: a divisor bf16 cannot hold
+    d = {None: 22, 7: 7, "tensor": 16383}[divisor]
+    scales = []
+
+    def chunk_loss(logits_CV, targets_C, grad_scale):
+        scales.append(grad_scale)
+        return ce_chunk(logits_CV, targets_C, grad_scale)
+
+    folds = dtype != torch.float16
+    grads = {}
+    for mult in (1.0, 2.0):
+        holder = _Holder()
+        h.grad = None
+        loss = linear_cross_entropy(
+            h, w, t, num_items, chunk_size=10, chunk_loss=chunk_loss, grad_target=lambda _, holder=holder: holder
+        )
+        (loss * mult + h.float().sum() * 0).backward()
+        (grad_w, factor), *more = holder.calls
+        assert not more and w.grad is None
+        want_factor = torch.tensor(mult / d) if not folds else torch.tensor(mult)
+        assert torch.equal(factor, want_factor.float()), (factor, want_factor)
+        grads[mult] = (h.grad, grad_w * factor)
+    assert len(scales) == 6
+    for s in scales:
+        if folds:
+            assert s.dtype == torch.float32 and torch.equal(s, torch.tensor(1.0 / d, dtype=torch.float32))
+        else:
+            assert s is None
+    if folds:  # a factor of two on gradients that hold their scale: exact (float16's are near its subnormals)
+        assert torch.equal(grads[2.0][0], grads[1.0][0] * 2) and torch.equal(grads[2.0][1], grads[1.0][1] * 2)
+    logits = (h.detach() @ w.detach().t()).float()
+    ref_w = ((torch.softmax(logits, -1) - F.one_hot(t.clamp_min(0), 40)) * (t != -100)[:, None] / d).t() @ h.float()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3  # bf16 and float16: the logit gradient rounded to 8 or 11 bits
+    torch.testing.assert_close(grads[1.0][1], ref_w.detach(), rtol=tol, atol=tol)
+
+
+def test_no_scale_without_a_gradient():
+    # evaluation (no grad) and inputs without gradients: the chunks get no scale, and no reciprocal is made
+    seen = []
+
+    def chunk_loss(logits_CV, targets_C, grad_scale):
+        seen.append(grad_scale)
+        return ce_chunk_any(logits_CV, targets_C, grad_scale)
+
+    from moeshard.models.common import ce_chunk as ce_chunk_any
+
+    h, w, t = torch.randn(4, 8).bfloat16(), torch.randn(10, 8).bfloat16(), torch.arange(4)
+    with torch.no_grad():
+        linear_cross_entropy(h.requires_grad_(), w, t, 3, chunk_loss=chunk_loss)
+    linear_cross_entropy(h.detach(), w, t, 3, chunk_loss=chunk_loss)
+    assert seen == [None, None]

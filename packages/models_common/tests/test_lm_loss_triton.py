@@ -37,6 +37,15 @@ def check(device: str, dtype: torch.dtype, c: int, v: int) -> None:
     torch.testing.assert_close(launch(strided, targets)[0], ce_chunk(strided, targets)[0], rtol=1e-5, atol=1e-4)
     empty = launch(torch.zeros(0, v, dtype=dtype, device=device), targets[:0])
     assert empty[0].item() == 0 and empty[1].shape == (0, v)
+    # With the loss's divisor folded in: the same loss, the gradient times the scale in float32 before its rounding.
+    scale = torch.tensor(1 / 16383, device=device)
+    scaled_loss, scaled = launch(logits, targets, scale)
+    want_scaled = ce_chunk(logits, targets, scale)[1]
+    assert torch.equal(scaled_loss, loss) and scaled.dtype == dtype
+    torch.testing.assert_close(scaled.float(), want_scaled.float(), rtol=max(tol, 1e-5), atol=max(tol, 1e-6) * 1e-4)
+    torch.testing.assert_close(scaled.float(), (grad.float() * scale).to(dtype).float(), rtol=2 * tol + 1e-6, atol=0)
+    with pytest.raises(ValueError, match="grad_scale must be one element"):
+        launch(logits, targets, torch.ones(2, device=device))
 
 
 CASES = [(torch.float32, 5, 300), (torch.bfloat16, 7, 5000)]  # V: inside one block, over two with a partial one
@@ -57,17 +66,21 @@ def test_kernel_compiles_for_hopper():
     from moeshard.models.common._lm_loss_triton import _BLOCK_V, _ce_kernel
 
     bf, i64, f32 = (torch.empty(0, dtype=d, device="meta") for d in (torch.bfloat16, torch.int64, torch.float32))
-    k = compile_for_hopper(
-        _ce_kernel, bf, i64, bf, f32, 151936, 151936, 151936, IGNORE=-100, BLOCK_V=_BLOCK_V, num_warps=8
-    )
-    assert k.asm["cubin"]
+    for has_scale in (False, True):
+        k = compile_for_hopper(
+            _ce_kernel, bf, i64, bf, f32, f32, 151936, 151936, 151936, IGNORE=-100, BLOCK_V=_BLOCK_V,
+            HAS_SCALE=has_scale, num_warps=8,
+        )  # fmt: skip
+        assert k.asm["cubin"]
 
 
 def test_cpu_tensors_take_the_eager_function():
     from moeshard.models.common._lm_loss_triton import ce_chunk_triton
 
-    logits, targets = torch.randn(3, 11), torch.tensor([1, -100, 4])
+    logits, targets, scale = torch.randn(3, 11), torch.tensor([1, -100, 4]), torch.tensor(0.25)
     for a, b in zip(ce_chunk_triton(logits, targets), ce_chunk(logits, targets)):
+        assert torch.equal(a, b)
+    for a, b in zip(ce_chunk_triton(logits, targets, scale), ce_chunk(logits, targets, scale)):
         assert torch.equal(a, b)
 
 

@@ -56,13 +56,18 @@ class ReducedGrad:
         """Add ``grad`` (the reduce dtype and the parameter's shape), times the one-element tensor ``scale`` if
         given, to the held gradient; where none is held, ``grad`` (scaled in place) becomes it, without a copy (the
         caller gives it up). A scaled add into a held CUDA gradient is one pass (``_triton.scaled_add_``: read both,
-        write one); eager torch would take two (the vectorised ``_foreach_mul_``, then the add)."""
+        write one); eager torch would take two (the vectorised ``_foreach_mul_``, then the add). Scaling a CUDA
+        gradient in place costs no pass where ``scale`` is one (``_triton.scale_``: a gradient that holds its scale
+        already, as the LM head's does)."""
         self._check(grad)
         held = self.held()
-        if scale is not None and held is not None and held.is_cuda and _triton_importable():
+        if scale is not None and grad.is_cuda and _triton_importable():
             from moeshard.fsdp_moe import _triton
 
-            _triton.scaled_add_(held, grad, scale.to(held.dtype))
+            if held is not None:
+                _triton.scaled_add_(held, grad, scale.to(held.dtype))
+            else:
+                self._param.unsharded_accumulated_grad = _triton.scale_(grad, scale.to(grad.dtype))
             return
         if scale is not None:
             torch._foreach_mul_([grad], scale.to(grad.dtype))

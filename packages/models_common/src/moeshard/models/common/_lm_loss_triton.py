@@ -26,9 +26,9 @@ _BLOCK_V = 4096
 
 
 @triton.jit
-def _ce_row(logits_ptr, targets_ptr, grad_ptr, loss_ptr, row, V, stride_l, stride_g, IGNORE: tl.constexpr,
-            BLOCK_V: tl.constexpr):  # fmt: skip
-    # One row (int64): its loss and its logits' gradient.
+def _ce_row(logits_ptr, targets_ptr, grad_ptr, loss_ptr, scale_ptr, row, V, stride_l, stride_g,
+            IGNORE: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SCALE: tl.constexpr):  # fmt: skip
+    # One row (int64): its loss and its logits' gradient (times the float32 at scale_ptr with HAS_SCALE).
     x_row = logits_ptr + row * stride_l
     target = tl.load(targets_ptr + row)
     valid = target != IGNORE
@@ -45,8 +45,10 @@ def _ce_row(logits_ptr, targets_ptr, grad_ptr, loss_ptr, row, V, stride_l, strid
     lse = m + tl.log(s)
     picked = tl.load(x_row + safe).to(tl.float32)
     tl.store(loss_ptr + row, tl.where(valid, lse - picked, 0.0))
-    # Pass 2: d(loss)/d logits = softmax - one_hot(target), zero on an ignored row.
+    # Pass 2: d(loss)/d logits = softmax - one_hot(target), zero on an ignored row; scaled before the rounding.
     keep = tl.where(valid, 1.0, 0.0)
+    if HAS_SCALE:
+        keep = keep * tl.load(scale_ptr).to(tl.float32)
     g_row = grad_ptr + row * stride_g
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
@@ -57,24 +59,37 @@ def _ce_row(logits_ptr, targets_ptr, grad_ptr, loss_ptr, row, V, stride_l, strid
 
 
 @triton.jit
-def _ce_kernel(
-    logits_ptr, targets_ptr, grad_ptr, loss_ptr, V, stride_l, stride_g, IGNORE: tl.constexpr, BLOCK_V: tl.constexpr
-):
+def _ce_kernel(logits_ptr, targets_ptr, grad_ptr, loss_ptr, scale_ptr, V, stride_l, stride_g, IGNORE: tl.constexpr,
+               BLOCK_V: tl.constexpr, HAS_SCALE: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    _ce_row(logits_ptr, targets_ptr, grad_ptr, loss_ptr, row, V, stride_l, stride_g, IGNORE, BLOCK_V)
+    _ce_row(
+        logits_ptr, targets_ptr, grad_ptr, loss_ptr, scale_ptr, row, V, stride_l, stride_g, IGNORE, BLOCK_V, HAS_SCALE
+    )
 
 
-def ce_chunk_triton(logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`ce_chunk`'s result (summed cross-entropy, gradient w.r.t. the logits in their dtype) by one Triton
-    kernel for CUDA tensors (:func:`launch`); CPU tensors go through :func:`ce_chunk`."""
-    return launch(logits_CV, targets_C) if logits_CV.is_cuda else ce_chunk(logits_CV, targets_C)
+def ce_chunk_triton(
+    logits_CV: torch.Tensor, targets_C: torch.Tensor, grad_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ce_chunk`'s result (summed cross-entropy, gradient w.r.t. the logits in their dtype, times
+    ``grad_scale`` before its rounding) by one Triton kernel for CUDA tensors (:func:`launch`); CPU tensors go
+    through :func:`ce_chunk`."""
+    if logits_CV.is_cuda:
+        return launch(logits_CV, targets_C, grad_scale)
+    return ce_chunk(logits_CV, targets_C, grad_scale)
 
 
-def launch(logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def launch(
+    logits_CV: torch.Tensor, targets_C: torch.Tensor, grad_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel on ``logits_CV`` wherever it is (CUDA, or CPU under triton's interpreter, as the tests run it)."""
     if logits_CV.dim() != 2 or targets_C.shape != logits_CV.shape[:1]:
         raise ValueError(
             f"logits must be [C, V] and targets [C], got {tuple(logits_CV.shape)} and {tuple(targets_C.shape)}"
+        )
+    if grad_scale is not None and (grad_scale.numel() != 1 or grad_scale.device != logits_CV.device):
+        raise ValueError(
+            f"grad_scale must be one element on the logits' device ({logits_CV.device}), got "
+            f"{grad_scale.numel()} elements on {grad_scale.device}"
         )
     logits_CV = logits_CV if logits_CV.stride(-1) == 1 else logits_CV.contiguous()
     c, v = logits_CV.shape
@@ -86,11 +101,13 @@ def launch(logits_CV: torch.Tensor, targets_C: torch.Tensor) -> tuple[torch.Tens
             targets_C.contiguous(),
             grad_CV,
             loss_C,
+            loss_C if grad_scale is None else grad_scale.float(),  # not read without HAS_SCALE
             v,
             logits_CV.stride(0),
             grad_CV.stride(0),
             IGNORE=IGNORE_INDEX,
             BLOCK_V=_BLOCK_V,
+            HAS_SCALE=grad_scale is not None,
             num_warps=8,
         )
     return loss_C.sum(), grad_CV
