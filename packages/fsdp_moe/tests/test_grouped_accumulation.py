@@ -132,3 +132,39 @@ def test_same_sums_as_fsdp2_in_the_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_on_cuda():
     check_kernel("cuda")
+
+
+def _product_case(device: str) -> None:
+    from types import SimpleNamespace
+
+    from moeshard.fsdp_moe import ReducedGrad
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(6, 5, generator=g).bfloat16().to(device), torch.randn(6, 3, generator=g).bfloat16().to(device)
+    param = SimpleNamespace(
+        reduce_dtype=torch.float32,
+        _unsharded_param=torch.empty(5, 3, dtype=torch.bfloat16, device=device),
+        unsharded_accumulated_grad=None,
+    )
+    held = ReducedGrad(param)
+    product = a.float().t() @ b.float()
+    held.add_product_(a.clone(), b, scale=torch.ones(1, device=device))  # none held: the product becomes it
+    first = param.unsharded_accumulated_grad
+    assert first.dtype == torch.float32 and first.shape == (5, 3)
+    torch.testing.assert_close(first, product, rtol=2**-7, atol=1e-2)  # CPU: the bf16 product is rounded once
+    held.add_product_(a.clone(), b, scale=torch.full((1,), 2.0, device=device))  # into the held one, scaled
+    assert param.unsharded_accumulated_grad is first
+    torch.testing.assert_close(first, 3 * product, rtol=2**-7, atol=3e-2)
+    with pytest.raises(ValueError, match=r"\[M, N\] = \(5, 3\)"):
+        held.add_product_(a, b[:, :2])
+
+
+def test_a_product_added_into_the_held_gradient():
+    # ReducedGrad.add_product_ (the LM head's later micro-batches): a^T b, times the scale, becomes or joins the
+    # float32 gradient FSDP2 holds, with no other tensor; on CUDA in the GEMM's epilogue
+    _product_case("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_product_added_into_the_held_gradient_on_cuda():
+    _product_case("cuda")

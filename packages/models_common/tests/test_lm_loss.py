@@ -168,3 +168,40 @@ def test_no_scale_without_a_gradient():
         linear_cross_entropy(h.requires_grad_(), w, t, 3, chunk_loss=chunk_loss)
     linear_cross_entropy(h.detach(), w, t, 3, chunk_loss=chunk_loss)
     assert seen == [None, None]
+
+
+def test_one_chunk_adds_its_product_into_a_held_gradient():
+    # A target that holds a gradient already (FSDP2 between micro-batches that do not reduce) and a micro-batch of
+    # one chunk: the head keeps the chunk's logit gradient and backward adds g^T h into the held gradient (the
+    # target's add_product_); two chunks, or no held gradient, hand over the float32 product as before.
+    class Held(_Holder):
+        def __init__(self, held):
+            super().__init__()
+            self.grad, self.products = held, 0
+
+        def held(self):
+            return self.grad
+
+        def add_product_(self, a, b, scale=None):
+            self.products += 1
+            self.grad += scale * (a.float().t() @ b.float())
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(12, 16, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(40, 16, generator=g).bfloat16().requires_grad_()
+    t = torch.randint(0, 40, (12,), generator=g)
+    want = None
+    for chunk, held in ((16, None), (16, torch.ones(40, 16)), (8, torch.ones(40, 16))):
+        target = Held(held)
+        loss = linear_cross_entropy(h, w, t, 12, chunk_size=chunk, grad_target=lambda _, target=target: target)
+        (2 * loss).backward(retain_graph=True)
+        if held is None:
+            (grad, factor), *_ = target.calls
+            want = grad * factor
+            continue
+        assert target.products == (1 if chunk == 16 else 0) and len(target.calls) == 1 - target.products
+        got = target.grad - 1 if target.products else target.calls[0][0] * target.calls[0][1]
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-4)  # bf16 products on CPU: rounded per chunk
+        if target.products:
+            with pytest.raises(RuntimeError, match="ran twice"):
+                loss.backward()

@@ -5,6 +5,8 @@ bfloat16 compute with float32 reduction, two micro-batches, FSDP2 reducing every
 - the two gradients are handed over in every backward (autograd never writes them in bfloat16);
 - they equal those of autograd's path (the same run with the targets removed) to one bfloat16 rounding, and every
   other gradient and the losses are bit for bit the same;
+- where FSDP2 holds the head's gradient from the first micro-batch (reducing only the last), the second one's is
+  added into it by one product in backward (``ReducedGrad.add_product_``), not handed over as a tensor;
 - with float32 compute (the CPU default) the targets answer None: nothing is handed over;
 - the loss's float32 divisor (``num_items_in_batch`` as a tensor, as the trainer passes it) reaches the model
   unrounded: FSDP2's forward-input cast, which would round it to bfloat16, is off.
@@ -30,6 +32,7 @@ def _variant(path, ids_BS, param_dtype: str, handed: bool, sync_every: bool):
     model.to_empty(device="cpu")
     load_hf_weights(model, path, ep_info=par.ep_info)
     answers = {name: 0 for name in HANDED}
+    products = {name: 0 for name in HANDED}
     for name, module in zip(HANDED, (model.model.embed_tokens, model.lm_head)):
         target = module.grad_target
         assert target is not None, name
@@ -37,6 +40,14 @@ def _variant(path, ids_BS, param_dtype: str, handed: bool, sync_every: bool):
         def counted(weight, target=target, name=name):
             answer = target(weight)
             answers[name] += answer is not None
+            if answer is not None:
+                add_product = answer.add_product_
+
+                def add_product_(*args, name=name, add_product=add_product, **kwargs):
+                    products[name] += 1
+                    return add_product(*args, **kwargs)
+
+                answer.add_product_ = add_product_
             return answer
 
         module.grad_target = counted if handed else None
@@ -50,6 +61,7 @@ def _variant(path, ids_BS, param_dtype: str, handed: bool, sync_every: bool):
         losses.append(loss.detach())
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     asked = dict(answers)  # the training passes' answers (the head asks in its forward, which the checks below run)
+    asked["products"] = dict(products)
     with torch.no_grad():  # a divisor bfloat16 cannot hold: 48 * (1 + 2**-8) = 48.1875 rounds to 48.25
         divisor = torch.tensor(share * (1 + 2**-8), dtype=torch.float32)
         by_int, by_tensor = (
@@ -84,7 +96,11 @@ def runs(hf_dir):
 def test_handed_over_in_float32(runs, every):
     losses, grads, answers, _ = runs[(True, every)]
     plain_losses, plain_grads, plain_answers, _ = runs[(False, every)]
+    products = answers.pop("products")
     assert answers == {name: 2 for name in HANDED}  # both weights, both micro-batches
+    # the head's second micro-batch, where FSDP2 holds the first one's gradient: one product added in backward
+    assert products == {"model.embed_tokens.weight": 0, "lm_head.weight": 0 if every else 1}
+    assert plain_answers.pop("products") == {name: 0 for name in HANDED}
     assert plain_answers == {name: 0 for name in HANDED}
     assert torch.equal(losses, plain_losses)
     assert grads.keys() == plain_grads.keys()
@@ -100,6 +116,7 @@ def test_handed_over_in_float32(runs, every):
 
 def test_nothing_handed_over_in_float32_compute(runs):
     _, _, answers, _ = runs["float32"]
+    assert answers.pop("products") == {name: 0 for name in HANDED}
     assert answers == {name: 0 for name in HANDED}
 
 

@@ -76,6 +76,40 @@ class ReducedGrad:
         else:
             held.add_(grad)
 
+    def add_product_(self, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Add ``a^T @ b`` (``a`` ``[C, M]``, ``b`` ``[C, N]``, one dtype; ``[M, N]`` the parameter's shape), times
+        the one-element tensor ``scale`` if given, to the held gradient, in the reduce dtype; where none is held the
+        product becomes it. On CUDA with 16-bit factors the float32 product is added by the GEMM's epilogue
+        (``addmm`` with ``out_dtype=float32``): no product tensor and no separate pass (the LM head's later
+        micro-batches). ``scale`` is applied to ``a``, in place (the caller gives it up), and on CUDA not at all
+        where it is one (``_triton.scale_``)."""
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0] or (a.shape[1], b.shape[1]) != tuple(self.shape):
+            raise ValueError(
+                f"add_product_ needs a [C, M] and b [C, N] with [M, N] = {tuple(self.shape)} (the unsharded "
+                f"parameter's shape), got {tuple(a.shape)} and {tuple(b.shape)}"
+            )
+        if scale is not None:
+            scale = scale.reshape(()).to(a.dtype)
+            if a.is_cuda and a.is_contiguous() and _triton_importable():
+                from moeshard.fsdp_moe import _triton
+
+                _triton.scale_(a, scale)
+            else:
+                torch._foreach_mul_([a], scale)
+        held = self.held()
+        half = a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype
+        if held is None:
+            if a.is_cuda and half:
+                held = torch.empty(self.shape, dtype=self.dtype, device=a.device)
+                torch.mm(a.t(), b, out_dtype=self.dtype, out=held)
+            else:
+                held = (a.t() @ b).to(self.dtype)
+            self._param.unsharded_accumulated_grad = held
+        elif a.is_cuda and half:
+            torch.addmm(held, a.t(), b, out_dtype=self.dtype, out=held)
+        else:
+            held.add_((a.t() @ b).to(self.dtype))
+
     def zeros_if_none(self) -> torch.Tensor:
         """The held gradient, a new zero one first where none is held (for callers that add into parts of it)."""
         held = self.held()

@@ -16,6 +16,8 @@ torch's fused kernel does; the optimizer passes none.) The kernels also run unde
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -385,7 +387,12 @@ def _programs(device: torch.device) -> int:
     """One wave of 8-warp programs: 8 per SM on CUDA (a fixed 8 in the interpreter)."""
     if device.type != "cuda":
         return 8
-    return 8 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def scale_(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ class MemoryEstimate:
     held_grads: int = 0
     loss_head: int = 0
     reduce_buffers: int = 0
+    loss_head_adds: bool = False  # the head adds its weight gradient into a held one in backward (loss_head_bytes)
 
     @property
     def total(self) -> int:
@@ -114,15 +115,28 @@ def activation_bytes_per_token(
     return layers * (attn + moe) + head
 
 
-def loss_head_bytes(config: Any, compute_bytes: int, tokens: int) -> int:
+def loss_head_bytes(config: Any, compute_bytes: int, tokens: int, held: bool = False) -> int:
     """What the chunked loss head (``moeshard.models.common.linear_cross_entropy``) holds at the forward's end
     beyond the per-token activations: the ``[V, D]`` weight gradient it computes in forward and keeps for backward
     (float32: it is handed to FSDP2's float32 gradient, or kept in float32 compute), and one chunk's logits and
-    their gradient (``2 x chunk x V`` in the compute dtype) while the last chunk's loss is computed."""
+    their gradient (``2 x chunk x V`` in the compute dtype) while the last chunk's loss is computed.
+
+    ``held``: FSDP2 holds the head's float32 gradient from an earlier micro-batch (several micro-batches with
+    ``gradient_sync: last_micro_batch``). A bf16 micro-batch of one chunk then keeps its logit gradient for backward,
+    which adds its product into the held gradient, and makes no ``[V, D]`` float32 gradient of its own."""
     from moeshard.models.common import LOSS_CHUNK_TOKENS
 
     v, d = config.vocab_size, config.hidden_size
-    return 4 * v * d + 2 * min(LOSS_CHUNK_TOKENS, tokens) * v * compute_bytes
+    chunk = 2 * min(LOSS_CHUNK_TOKENS, tokens) * v * compute_bytes
+    return chunk if head_adds_in_backward(compute_bytes, tokens, held) else 4 * v * d + chunk
+
+
+def head_adds_in_backward(compute_bytes: int, tokens: int, held: bool) -> bool:
+    """Whether the loss head's micro-batch keeps its logit gradient and adds its weight-gradient product into the
+    float32 gradient FSDP2 holds (see :func:`loss_head_bytes`): bf16 compute, one chunk, a gradient held."""
+    from moeshard.models.common import LOSS_CHUNK_TOKENS
+
+    return held and compute_bytes == 2 and tokens <= LOSS_CHUNK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -206,6 +220,7 @@ def plan_report(
     tokens = mb * cfg.data.seq_len
     t, opts = cfg.train, parallel.options  # the options as ParallelOptions reads them (true: full)
     micro_batches = max(1, t.global_batch_size // world // mb)
+    deferred_sync = gradient_sync(t, world) == "last_micro_batch"
     fused_grads = compute_bytes * u.fused_numel
     # train.expert_weight_grads: the local experts' gradients kept as factors where train_step defers them
     ratio = kept_factor_ratio(mcfg, tokens, micro_batches, meshes.ep_size, opts.ep.dispatch)
@@ -229,8 +244,9 @@ def plan_report(
         )
         * tokens,
         micro_batches=micro_batches,
-        held_grads=u.held_grads if gradient_sync(t, world) == "last_micro_batch" else 0,
-        loss_head=loss_head_bytes(mcfg, compute_bytes, tokens),
+        held_grads=u.held_grads if deferred_sync else 0,
+        loss_head=loss_head_bytes(mcfg, compute_bytes, tokens, held=micro_batches > 1 and deferred_sync),
+        loss_head_adds=head_adds_in_backward(compute_bytes, tokens, micro_batches > 1 and deferred_sync),
     )
     if table:
         lines.append("")
@@ -257,7 +273,12 @@ def _memory_lines(
     )
     for k in ("params", "grads", "optimizer", "unsharded", "activations"):
         lines.append(f"  {k:12s} {_size(getattr(est, k))}")
-    lines.append(f"  {'loss head':12s} {_size(est.loss_head)}  ([V, D] float32 weight gradient, one chunk's logits)")
+    kept = (
+        "one chunk's logits and their gradient, its product added into the held gradient in backward"
+        if est.loss_head_adds
+        else "[V, D] float32 weight gradient, one chunk's logits"
+    )
+    lines.append(f"  {'loss head':12s} {_size(est.loss_head)}  ({kept})")
     lines.append(f"  {'reduce bufs':12s} {_size(est.reduce_buffers)}  (the largest stage's, in backward)")
     if est.held_grads and est.micro_batches > 1:
         dtype = "fp32" if expert_reduce_bytes == 4 else "fp32, experts' bf16"

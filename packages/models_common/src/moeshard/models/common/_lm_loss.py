@@ -16,6 +16,12 @@ receives over that (a loss multiplied by 2, say), so the gradients are right for
 unit case is free: no pass over the ``[V, D]`` float32 weight gradient (0.68 ms per step on one H200 at Qwen3's
 vocabulary, measured as the head's gradient scale) where the weight's owner skips a factor of one on the device.
 
+Where the weight's owner already holds a float32 gradient (FSDP2 between micro-batches that do not reduce) and the
+micro-batch is one chunk, the chunk's logit gradient is kept for backward instead of its ``[V, D]`` product, and
+backward adds the product into the held gradient in the GEMM's epilogue: no fresh float32 ``[V, D]`` buffer and no
+pass adding it in (micro-batch 1 of 4,096 tokens; the kept ``[C, V]`` bf16 is the size of the float32 ``[V, D]`` at
+``C = 2D``).
+
 The per-chunk loss and logit gradient is :func:`ce_chunk`, passed in as ``chunk_loss`` so that a compiled version
 can replace it (``parallelize`` does that on the model's head) without a global switch.
 """
@@ -95,12 +101,29 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     ) -> torch.Tensor:
         N = h_ND.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # Where the weight's owner takes its gradient in float32 (FSDP2's reduce dtype), the float32 sum is kept for
+        # backward and handed over there, scaled; otherwise it is rounded to the weight's dtype here.
+        target = grad_target(w_VD) if need_w and grad_target is not None else None
+        if target is not None and target.dtype != torch.float32:
+            target = None
+        # One chunk whose owner holds a float32 gradient already (a later micro-batch that does not reduce): its
+        # logit gradient is kept instead, and backward adds its product into the held gradient in the GEMM itself.
+        # The same bytes held from forward to backward at C = 2D (a [C, V] bf16 against a [V, D] float32), no new
+        # float32 [V, D] buffer, and no separate pass to add one into the other.
+        defer = (
+            target is not None
+            and grad_scale is not None
+            and 0 < N <= chunk
+            and callable(getattr(target, "add_product_", None))
+            and target.held() is not None
+        )
         grad_h_ND = torch.empty_like(h_ND) if need_h else None
         # Written by the first chunk's GEMM, accumulated by the others' (zeroed here only when there is no chunk).
-        grad_w_VD = torch.empty(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need_w else None
-        if need_w and N == 0:
+        grad_w_VD = torch.empty(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need_w and not defer else None
+        if grad_w_VD is not None and N == 0:
             grad_w_VD.zero_()
         loss = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+        ctx.deferred = None
         for start in range(0, N, chunk):
             h_CD = h_ND[start : start + chunk]
             t_C = targets_N[start : start + chunk]
@@ -108,36 +131,36 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             loss += loss_C
             if need_h:
                 torch.mm(g_CV, w_VD, out=grad_h_ND[start : start + chunk])
-            if need_w:
+            if defer:
+                ctx.deferred = g_CV
+            elif need_w:
                 _accumulate_mm(grad_w_VD, g_CV.t(), h_CD, first=start == 0)
             # Dropped before the next chunk's logits exist: else three [C, V] buffers are alive at once (the next
             # chunk's logits and both chunks' gradients), one more than a chunk needs.
             del g_CV
-        # Where the weight's owner takes its gradient in float32 (FSDP2's reduce dtype), the float32 sum is kept for
-        # backward and handed over there, scaled; otherwise it is rounded to the weight's dtype here.
-        target = grad_target(w_VD) if need_w and grad_target is not None else None
-        if target is not None and target.dtype != grad_w_VD.dtype:
-            target = None
         ctx.target, ctx.grad_w_fp32 = target, grad_w_VD if target is not None else None
         keep_w = None if grad_w_VD is None or target is not None else grad_w_VD.to(w_VD.dtype)
-        ctx.save_for_backward(grad_h_ND, keep_w, grad_scale)
+        ctx.save_for_backward(grad_h_ND, keep_w, grad_scale, h_ND if defer else None)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):  # noqa: D102
-        grad_h_ND, grad_w_VD, grad_scale = ctx.saved_tensors
+        grad_h_ND, grad_w_VD, grad_scale, h_ND = ctx.saved_tensors
         # The gradients hold grad_scale already: what is left is the incoming gradient over it, exactly 1 where the
         # loss is the sum over the divisor and nothing scales it after (1/d over fl(1/d), both correctly rounded).
         if grad_scale is not None:
             grad_loss = grad_loss / grad_scale
         if ctx.target is not None:
-            grad_w_fp32, ctx.grad_w_fp32 = ctx.grad_w_fp32, None
-            if grad_w_fp32 is None:
+            grad_w_fp32, deferred, ctx.grad_w_fp32, ctx.deferred = ctx.grad_w_fp32, ctx.deferred, None, None
+            if grad_w_fp32 is None and deferred is None:
                 raise RuntimeError(
                     "backward through the LM head's chunked loss ran twice: its weight gradient was handed to its "
                     "owner the first time (run backward once per forward, or use a head without a gradient target)"
                 )
-            ctx.target.add_(grad_w_fp32, scale=grad_loss)  # scaled and added in one pass where one is held
+            if deferred is not None:  # held += factor * g^T h, in the GEMM's epilogue (the factor is one: no pass)
+                ctx.target.add_product_(deferred, h_ND, scale=grad_loss)
+            else:
+                ctx.target.add_(grad_w_fp32, scale=grad_loss)  # scaled and added in one pass where one is held
         return *_scaled(grad_h_ND, grad_w_VD, factor=grad_loss), None, None, None, None, None
 
 
@@ -183,7 +206,9 @@ def linear_cross_entropy(
         grad_target: ``target(w_VD) -> ReducedGrad | None`` (``moeshard.fsdp_moe.reduced_grad_target`` of the head's
             FSDP unit): where it answers a float32 holder, the weight's float32 gradient sum is scaled in backward
             and added there (FSDP2 reduces it as its own float32 gradient) and autograd gets none for ``w_VD``; it
-            is never rounded to the weight's dtype. None (or an answer of None): the gradient goes to autograd.
+            is never rounded to the weight's dtype. Where the holder holds a gradient already and the tokens are
+            one chunk, backward adds the chunk's product into it in one GEMM (``add_product_``) instead. None (or an
+            answer of None): the gradient goes to autograd.
 
     Returns:
         The scalar loss in float32.
