@@ -38,14 +38,17 @@ def test_all_ignored_is_zero_not_nan():
 
 def test_backward_scaling_per_dtype():
     # The head's backward scales its saved gradients by the incoming one: one pass per dtype, None passed through,
-    # the factor taken in each gradient's dtype (what lets the device's _foreach_mul vectorise).
+    # the product in float32 with the float32 factor (a 16-bit gradient never takes a rounded factor).
     from moeshard.models.common._lm_loss import _scaled
 
     g16, g32 = torch.randn(5, 3).bfloat16(), torch.randn(4)
     factor = torch.tensor(1 / 3)
     a, none, b = _scaled(g16, None, g32, factor=factor)
     assert none is None and a.dtype == torch.bfloat16 and b.dtype == torch.float32
-    assert torch.equal(a, g16 * factor.bfloat16()) and torch.equal(b, g32 * factor)
+    assert torch.equal(a, (g16.float() * factor).bfloat16()) and torch.equal(b, g32 * factor)
+    ones = torch.full((64,), 1.5).bfloat16()
+    by_300, by_301 = (_scaled(ones, factor=torch.tensor(1 / n))[0] for n in (300, 301))
+    assert not torch.equal(by_300, by_301)  # bf16(1/300) == bf16(1/301): a rounded factor would not tell them apart
 
 
 @pytest.mark.parametrize(
