@@ -157,6 +157,14 @@ def _product_case(device: str) -> None:
     torch.testing.assert_close(first, 3 * product, rtol=2**-7, atol=3e-2)
     with pytest.raises(ValueError, match=r"\[M, N\] = \(5, 3\)"):
         held.add_product_(a, b[:, :2])
+    # the factor in float32: 1.5 / 301 rounded once (a factor rounded to bf16 first is 1/300's: another value)
+    param.unsharded_accumulated_grad = None
+    one, ones = torch.full((1, 5), 1.5).bfloat16().to(device), torch.ones(1, 3).bfloat16().to(device)
+    held.add_product_(one.clone(), ones, scale=torch.tensor(1 / 301, device=device))
+    want = (one.float() * (1 / 301)).bfloat16().float().t() @ ones.float()
+    assert torch.equal(param.unsharded_accumulated_grad, want)
+    rounded = torch.tensor(1 / 301).bfloat16().float().to(device)
+    assert not torch.equal(want, (one.float() * rounded).bfloat16().float().t() @ ones.float())
 
 
 def test_a_product_added_into_the_held_gradient():

@@ -81,15 +81,15 @@ class ReducedGrad:
         the one-element tensor ``scale`` if given, to the held gradient, in the reduce dtype; where none is held the
         product becomes it. On CUDA with 16-bit factors the float32 product is added by the GEMM's epilogue
         (``addmm`` with ``out_dtype=float32``): no product tensor and no separate pass (the LM head's later
-        micro-batches). ``scale`` is applied to ``a``, in place (the caller gives it up), and on CUDA not at all
-        where it is one (``_triton.scale_``)."""
+        micro-batches). ``scale`` is applied to ``a``, in place (the caller gives it up; the product in float32 with
+        the float32 factor, rounded once), and on CUDA not at all where it is one (``_triton.scale_``)."""
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0] or (a.shape[1], b.shape[1]) != tuple(self.shape):
             raise ValueError(
                 f"add_product_ needs a [C, M] and b [C, N] with [M, N] = {tuple(self.shape)} (the unsharded "
                 f"parameter's shape), got {tuple(a.shape)} and {tuple(b.shape)}"
             )
         if scale is not None:
-            scale = scale.reshape(()).to(a.dtype)
+            scale = scale.reshape(()).float()  # the product in float32: a 16-bit a never takes a rounded factor
             if a.is_cuda and a.is_contiguous() and _triton_importable():
                 from moeshard.fsdp_moe import _triton
 
