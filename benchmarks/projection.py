@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import math
 
-from moeshard.train.commands.plan import GiB, plan_report
+from moeshard.train.commands.plan import plan_report
+from moeshard.train.commands.plan_memory import GiB
 from moeshard.train.config import load_config, resolve_model_config
 from moeshard.train.observe.comm import a2a_rows_per_token
 

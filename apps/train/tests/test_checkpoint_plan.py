@@ -125,6 +125,12 @@ def test_plan_memory_follows_the_policies():
     assert short.loss_head == 4 * vocab * d + 2 * 2048 * vocab * 2
     once, once_comm = _memory("train.micro_batch_size=2", "train.gradient_sync=last_micro_batch")
     assert once.held_grads > 0 and once.total == accumulating.total + once.held_grads
+    assert not once.loss_head_adds  # two chunks per micro-batch: the head writes its float32 product
+    # One chunk per micro-batch with FSDP2 holding the head's gradient: the chunk's logit gradient is kept and its
+    # product added in backward, no [V, D] float32 tensor (every micro-batch reducing: none held, the tensor is made)
+    short_once, _ = _memory("data.seq_len=1024", "train.micro_batch_size=2", "train.gradient_sync=last_micro_batch")
+    assert short_once.loss_head_adds and short_once.loss_head == 2 * 2048 * vocab * 2
+    assert not short.loss_head_adds
     _, accumulating_comm = _memory("train.micro_batch_size=2")
     for key, value in accumulating_comm.items():  # one reduce-scatter per step instead of one per micro-batch
         assert once_comm[key] == (value / 2 if key[0] == "reduce_scatter" else value), key

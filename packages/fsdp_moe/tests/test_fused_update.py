@@ -175,6 +175,7 @@ def test_kernels_compile_for_hopper():
     lowering and the PTX assembler, which the interpreter never runs."""
     pytest.importorskip("triton")
     from moeshard.ep.testing import compile_for_hopper
+    from moeshard.fsdp_moe import _grad_triton as gt
     from moeshard.fsdp_moe import _triton as ft
 
     f32, bf, i16, i64 = (
@@ -207,9 +208,9 @@ def test_kernels_compile_for_hopper():
         )
     )
     kernels.append(compile_for_hopper(ft._sum_of_squares_kernel, bf, f32, f32, 1 << 20, 1.0, HAS_MULT=True, BLOCK=8192))
-    kernels.append(compile_for_hopper(ft._add_into_float32_kernel, i64, 3, HALF=False, T_POW2=4, BLOCK=4096))
-    kernels.append(compile_for_hopper(ft._scaled_add_kernel, f32, f32, f32, 1 << 20, BLOCK=4096))
-    kernels += [compile_for_hopper(ft._scale_kernel, x, x, 1 << 20, 256, BLOCK=4096) for x in (f32, bf)]
+    kernels.append(compile_for_hopper(gt._add_into_float32_kernel, i64, 3, HALF=False, T_POW2=4, BLOCK=4096))
+    kernels.append(compile_for_hopper(gt._scaled_add_kernel, f32, f32, f32, 1 << 20, BLOCK=4096))
+    kernels += [compile_for_hopper(gt._scale_kernel, x, x, 1 << 20, 256, BLOCK=4096) for x in (f32, bf)]
     assert all(k.asm["cubin"] for k in kernels)
 
 

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 
 def check_kernel(device: str) -> None:
-    from moeshard.fsdp_moe._triton import add_into_float32
+    from moeshard.fsdp_moe._grad_triton import add_into_float32
 
     g = torch.Generator().manual_seed(0)
     shapes = [(5000,), (3, 7), (0,), (4096,), (2, 4097)]
@@ -35,7 +35,7 @@ def check_kernel(device: str) -> None:
 def check_scaled_add(device: str) -> None:
     """``scaled_add_`` (``ReducedGrad.add_`` with a scale, into a held CUDA gradient) against the two eager passes
     it replaces, with a partial last block."""
-    from moeshard.fsdp_moe._triton import scaled_add_
+    from moeshard.fsdp_moe._grad_triton import scaled_add_
 
     g = torch.Generator().manual_seed(1)
     for n in (1, 4096, 5000):
@@ -54,7 +54,7 @@ def check_scale(device: str) -> None:
     """``scale_`` (``ReducedGrad.add_`` with a scale and no held gradient): the product in float32 for both dtypes,
     more blocks than programs (each program takes several), a partial last block, and the tensor's bits unchanged
     where the factor is one."""
-    from moeshard.fsdp_moe._triton import _ADD_BLOCK, _programs, scale_
+    from moeshard.fsdp_moe._grad_triton import _ADD_BLOCK, _programs, scale_
 
     g = torch.Generator().manual_seed(2)
     blocks = 3 * _programs(torch.device(device)) + 1
@@ -82,7 +82,7 @@ def _run(install: bool):
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from moeshard.fsdp_moe import _triton, grouped_grad_accumulation
+    from moeshard.fsdp_moe import _grad_triton, grouped_grad_accumulation
 
     rank = dist.get_rank()
     if install and rank == 0:
@@ -100,8 +100,8 @@ def _run(install: bool):
     if install:
         assert grouped_grad_accumulation(model, interpreted=True) == 2  # the two layers' units (the root has none)
         assert grouped_grad_accumulation(model, interpreted=True) == 0  # already set up
-        add = _triton.add_into_float32
-        _triton.add_into_float32 = lambda d, s: (calls.append(len(d)), add(d, s))[1]
+        add = _grad_triton.add_into_float32
+        _grad_triton.add_into_float32 = lambda d, s: (calls.append(len(d)), add(d, s))[1]
     g = torch.Generator().manual_seed(rank + 1)
     xs = [torch.randn(4, 16, generator=g) for _ in range(3)]
     try:
@@ -110,7 +110,7 @@ def _run(install: bool):
             model(x).float().pow(2).mean().backward()
     finally:
         if install:
-            _triton.add_into_float32 = add
+            _grad_triton.add_into_float32 = add
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     return grads, calls
 

@@ -55,22 +55,19 @@ class ReducedGrad:
     def add_(self, grad: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """Add ``grad`` (the reduce dtype and the parameter's shape), times the one-element tensor ``scale`` if
         given, to the held gradient; where none is held, ``grad`` (scaled in place) becomes it, without a copy (the
-        caller gives it up). A scaled add into a held CUDA gradient is one pass (``_triton.scaled_add_``: read both,
-        write one); eager torch would take two (the vectorised ``_foreach_mul_``, then the add). Scaling a CUDA
-        gradient in place costs no pass where ``scale`` is one (``_triton.scale_``: a gradient that holds its scale
-        already, as the LM head's does)."""
+        caller gives it up). A scaled add into a held CUDA gradient is one pass (``_grad_triton.scaled_add_``: read
+        both, write one); eager torch would take two (the vectorised ``_foreach_mul_``, then the add). Scaling a CUDA
+        gradient in place costs no pass where ``scale`` is one (``_grad_triton.scale_``: a gradient that holds its
+        scale already, as the LM head's does)."""
         self._check(grad)
         held = self.held()
-        if scale is not None and grad.is_cuda and _triton_importable():
-            from moeshard.fsdp_moe import _triton
+        if scale is not None and held is not None and held.is_cuda and _triton_importable():
+            from moeshard.fsdp_moe import _grad_triton
 
-            if held is not None:
-                _triton.scaled_add_(held, grad, scale.to(held.dtype))
-            else:
-                self._param.unsharded_accumulated_grad = _triton.scale_(grad, scale.to(grad.dtype))
+            _grad_triton.scaled_add_(held, grad, scale.to(held.dtype))
             return
         if scale is not None:
-            torch._foreach_mul_([grad], scale.to(grad.dtype))
+            _scale_in_place(grad, scale)
         if held is None:
             self._param.unsharded_accumulated_grad = grad
         else:
@@ -82,20 +79,14 @@ class ReducedGrad:
         product becomes it. On CUDA with 16-bit factors the float32 product is added by the GEMM's epilogue
         (``addmm`` with ``out_dtype=float32``): no product tensor and no separate pass (the LM head's later
         micro-batches). ``scale`` is applied to ``a``, in place (the caller gives it up; the product in float32 with
-        the float32 factor, rounded once), and on CUDA not at all where it is one (``_triton.scale_``)."""
+        the float32 factor, rounded once), and on CUDA not at all where it is one (``_grad_triton.scale_``)."""
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0] or (a.shape[1], b.shape[1]) != tuple(self.shape):
             raise ValueError(
                 f"add_product_ needs a [C, M] and b [C, N] with [M, N] = {tuple(self.shape)} (the unsharded "
                 f"parameter's shape), got {tuple(a.shape)} and {tuple(b.shape)}"
             )
         if scale is not None:
-            scale = scale.reshape(()).float()  # the product in float32: a 16-bit a never takes a rounded factor
-            if a.is_cuda and a.is_contiguous() and _triton_importable():
-                from moeshard.fsdp_moe import _triton
-
-                _triton.scale_(a, scale)
-            else:
-                torch._foreach_mul_([a], scale)
+            _scale_in_place(a, scale)
         held = self.held()
         half = a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype
         if held is None:
@@ -126,6 +117,18 @@ class ReducedGrad:
             )
 
 
+def _scale_in_place(t: torch.Tensor, scale: torch.Tensor) -> None:
+    """``t *= scale`` (a one-element tensor), the product in float32 with the float32 factor: a 16-bit ``t`` never
+    takes a rounded factor. On CUDA ``_grad_triton.scale_``, which makes no pass where the factor is one."""
+    scale = scale.reshape(()).float()
+    if t.is_cuda and t.is_contiguous() and _triton_importable():
+        from moeshard.fsdp_moe import _grad_triton
+
+        _grad_triton.scale_(t, scale)
+    else:
+        torch._foreach_mul_([t], scale)
+
+
 ReducedGradTarget = Callable[[torch.Tensor], "ReducedGrad | None"]
 """``target(weight) -> ReducedGrad | None``, asked with the tensor a module's forward received as its weight (the
 unsharded parameter): where to put that weight's gradient in the reduce dtype (the module's backward then returns
@@ -149,7 +152,7 @@ def grouped_grad_accumulation(module: nn.Module, *, interpreted: bool = False) -
     gradient in its reduce dtype and, after each later backward, adds autograd's bfloat16 gradient into it
     (``FSDPParam.accumulate_unsharded_grad_if_needed``): one unvectorised mixed-dtype kernel per parameter (on one
     H200, the ~73 adds per micro-batch of 8 Qwen3-30B-A3B layers ran at about half the memory bound). Here each
-    unit's post-backward first adds all of them with one Triton kernel (``_triton.add_into_float32``; the same
+    unit's post-backward first adds all of them with one Triton kernel (``_grad_triton.add_into_float32``; the same
     float32 sums) and clears the bfloat16 gradients it added, so FSDP2 finds nothing left to add and goes on as it
     would (its reduce, where this backward reduces, takes the held sums).
 
@@ -197,9 +200,9 @@ def _accumulate(fsdp_params: list[Any], interpreted: bool) -> None:
         params.append(param)
     if not dsts or not _triton_importable():
         return
-    from moeshard.fsdp_moe import _triton
+    from moeshard.fsdp_moe import _grad_triton
 
-    _triton.add_into_float32(dsts, srcs)
+    _grad_triton.add_into_float32(dsts, srcs)
     for param in params:
         param.grad = None
 
@@ -207,7 +210,7 @@ def _accumulate(fsdp_params: list[Any], interpreted: bool) -> None:
 @functools.cache
 def _triton_importable() -> bool:
     try:
-        from moeshard.fsdp_moe import _triton  # noqa: F401
+        from moeshard.fsdp_moe import _grad_triton  # noqa: F401
     except ImportError:
         return False
     return True

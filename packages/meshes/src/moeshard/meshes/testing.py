@@ -290,8 +290,8 @@ def run_distributed(
             without a Python error (a crash in native code: a rank of a gloo test was once ended by SIGABRT, cause
             unknown, on a 2-core machine where the same test passes run after run), each time with a
             :class:`DistributedRerunWarning` that carries the crash's report (the ranks' last output, with the
-            Python stack where it happened). A Python error or a
-            hang alone never reruns (ranks blocked on a crashed one do). ``0``: a crash fails the call.
+            Python stack where it happened). A Python error or a hang alone never reruns (ranks blocked on a crashed
+            one do). ``0``: a crash fails the call.
 
     Returns:
         The picklable return values, indexed by rank.

@@ -271,8 +271,9 @@ def _print_sync_sites(found: list[list[str]]) -> None:
 
 
 def profile_step(args: argparse.Namespace, job: Job, batches: Callable[[], list[Batch]]) -> None:
-    """Profile ``--trace-steps`` steps (bench runs it on CUDA) after ``--trace-warmup`` more, all back to back as the timed ones
-    (one synchronisation, after the last); rank 0 writes ``--trace`` and ``--profile`` and prints the kernel table.
+    """Profile ``--trace-steps`` steps (bench runs it on CUDA) after ``--trace-warmup`` more, all back to back as the
+    timed ones (one synchronisation, after the last); rank 0 writes ``--trace`` and ``--profile`` and prints the
+    kernel table.
 
     The first step after the timed loop starts from an empty launch queue (the loop synchronised at its end): its
     first forward has none of the lead that the previous step's optimizer gives a back-to-back step, so where the

@@ -11,6 +11,13 @@ from typing import Any, NamedTuple
 
 import torch
 
+from moeshard.train.commands.plan_memory import (
+    MemoryEstimate,
+    activation_bytes_per_token,
+    head_adds_in_backward,
+    loss_head_bytes,
+    memory_lines,
+)
 from moeshard.train.config import (
     JobConfig,
     expert_grad_budget,
@@ -20,43 +27,6 @@ from moeshard.train.config import (
     parallel_options,
     resolve_model_config,
 )
-
-GiB = 2**30
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes per rank; ``total`` is what to compare with the peak allocated memory."""
-
-    params: int
-    grads: int
-    optimizer: int
-    unsharded: int
-    activations: int
-    micro_batches: int = 1
-    held_grads: int = 0
-    loss_head: int = 0
-    reduce_buffers: int = 0
-    loss_head_adds: bool = False  # the head adds its weight gradient into a held one in backward (loss_head_bytes)
-
-    @property
-    def total(self) -> int:
-        """The peak. The forward's end holds the saved activations and the loss head's (``loss_head``); backward
-        holds the gradients and, where a stage's gradients are reduced, its reduce buffers (``reduce_buffers``).
-        With one micro-batch per step the two do not add up: the activations are freed as the gradients appear.
-        With several, the gradients of the earlier micro-batches are alive beside the last one's activations, and
-        with ``train.gradient_sync: last_micro_batch`` also FSDP's unsharded float32 gradients (``held_grads``).
-        (One H200, 8 layers, EP 1, 4 x 4096 tokens per step, 128 and 16 experts: within 1.6% of the measured peak
-        allocated at micro-batch 4, 2 and 1 and with selective and full checkpointing; see benchmarks/NOTES.md.)"""
-        saved = self.activations + self.loss_head
-        base = self.params + self.optimizer + self.unsharded
-        if self.micro_batches > 1:
-            return base + self.grads + self.held_grads + max(saved, self.reduce_buffers)
-        return base + max(saved, self.grads + self.reduce_buffers)
-
-
-def _size(n: float) -> str:
-    return f"{n / GiB:8.2f} GiB" if n >= GiB / 10 else f"{n / 2**20:8.2f} MiB"
 
 
 def _placement(p: Any, expert_meta: Any) -> str:
@@ -75,68 +45,6 @@ def _local(p: Any) -> torch.Size:
     from torch.distributed.tensor import DTensor
 
     return p.to_local().shape if isinstance(p, DTensor) else p.shape
-
-
-def activation_bytes_per_token(
-    config: Any,
-    compute_bytes: int,
-    activation_checkpointing: str = "none",
-    selective_recompute: str = "activation",
-    keep_attention: bool = False,
-) -> int:
-    """Saved activations per token of one training micro-batch, all layers + the loss head.
-
-    Without activation checkpointing every layer keeps its activations; with ``full``, each layer keeps only its
-    input (and with ``keep_attention`` what the family says its layer keeps, ``ModelFamily.kept_attention_per_token``:
-    the attention's output and log-sum-exp, the output projection's output; packed rows recompute the attention, so
-    there the estimate is high by the attention's part) and one layer at a time is recomputed in backward; with
-    ``selective`` every layer keeps its activations but the routed copies' gated activation (``activation``: ``F``
-    elements per copy) or also their gate/up output (``mlp``: ``3F``). A routed copy keeps ``D + 3F``: its row into
-    the experts, the gate/up output and the gated activation (the expert pass applies the routing weight, so nothing
-    of its output is kept for that gradient).
-    The loss head is chunked (the trainer never holds the ``[tokens, vocab]`` logits): per token it keeps the
-    hidden states and their gradient (its ``[V, D]`` weight gradient and one chunk's logits are
-    :func:`loss_head_bytes`).
-    """
-    from moeshard.train.families import family_of, routed_experts
-
-    d, e, k, f = config.hidden_size, routed_experts(config), config.num_experts_per_tok, config.moe_intermediate_size
-    attn_elems, mlp_elems = family_of(config).activations_per_token(config)  # the family's attention, shared experts
-    attn = compute_bytes * (4 * d + attn_elems) + 4 * config.num_attention_heads  # norms, projections, sdpa out + lse
-    moe = compute_bytes * (2 * d + k * (d + 3 * f) + mlp_elems) + 4 * (2 * e + 3 * k)  # dispatch ... router
-    if activation_checkpointing == "selective":
-        moe -= compute_bytes * k * (f if selective_recompute == "activation" else 3 * f)
-    head = 2 * d * compute_bytes
-    layers = config.num_hidden_layers
-    if activation_checkpointing == "full":
-        kept = family_of(config).kept_attention_per_token if keep_attention else None
-        kept_elems, kept_floats = kept(config) if kept is not None else (0, 0)
-        return layers * ((d + kept_elems) * compute_bytes + 4 * kept_floats) + (attn + moe) + head
-    return layers * (attn + moe) + head
-
-
-def loss_head_bytes(config: Any, compute_bytes: int, tokens: int, held: bool = False) -> int:
-    """What the chunked loss head (``moeshard.models.common.linear_cross_entropy``) holds at the forward's end
-    beyond the per-token activations: the ``[V, D]`` weight gradient it computes in forward and keeps for backward
-    (float32: it is handed to FSDP2's float32 gradient, or kept in float32 compute), and one chunk's logits and
-    their gradient (``2 x chunk x V`` in the compute dtype) while the last chunk's loss is computed.
-
-    ``held``: FSDP2 holds the head's float32 gradient from an earlier micro-batch (several micro-batches with
-    ``gradient_sync: last_micro_batch``). A bf16 micro-batch of one chunk then keeps its logit gradient for backward,
-    which adds its product into the held gradient, and makes no ``[V, D]`` float32 gradient of its own."""
-    from moeshard.models.common import LOSS_CHUNK_TOKENS
-
-    v, d = config.vocab_size, config.hidden_size
-    chunk = 2 * min(LOSS_CHUNK_TOKENS, tokens) * v * compute_bytes
-    return chunk if head_adds_in_backward(compute_bytes, tokens, held) else 4 * v * d + chunk
-
-
-def head_adds_in_backward(compute_bytes: int, tokens: int, held: bool) -> bool:
-    """Whether the loss head's micro-batch keeps its logit gradient and adds its weight-gradient product into the
-    float32 gradient FSDP2 holds (see :func:`loss_head_bytes`): bf16 compute, one chunk, a gradient held."""
-    from moeshard.models.common import LOSS_CHUNK_TOKENS
-
-    return held and compute_bytes == 2 and tokens <= LOSS_CHUNK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -251,43 +159,12 @@ def plan_report(
     if table:
         lines.append("")
     lines.append(f"parameters: {total_numel / 1e9:.3f} B in total, {local_numel / 1e6:.2f} M on rank {rank}")
-    lines += _memory_lines(est, opts, mb, cfg.data.seq_len, compute_bytes, expert_reduce_bytes)
+    lines += memory_lines(est, opts, mb, cfg.data.seq_len, compute_bytes, expert_reduce_bytes)
     lines.append("")
     comm = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, u.once_numel)
     bound = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, u.once_numel, uniform_routing=False)
     lines += comm_estimate_lines(comm, bound)
     return PlanReport("\n".join(lines), est, comm, bound)
-
-
-def _memory_lines(
-    est: MemoryEstimate, opts: Any, mb: int, seq_len: int, compute_bytes: int, expert_reduce_bytes: int
-) -> list[str]:
-    """The memory estimate's lines of the report."""
-    lines: list[str] = []
-    ac = {"none": "no", "full": "full", "selective": f"selective ({opts.selective_recompute})"}
-    ac = ac[opts.activation_checkpointing]
-    lines.append(
-        f"estimated memory per rank (micro batch {mb} x seq {seq_len} x {est.micro_batches} per step, "
-        f"{ac} activation checkpointing, {'bf16' if compute_bytes == 2 else 'fp32'} compute, fp32 master weights, "
-        "AdamW):"
-    )
-    for k in ("params", "grads", "optimizer", "unsharded", "activations"):
-        lines.append(f"  {k:12s} {_size(getattr(est, k))}")
-    kept = (
-        "one chunk's logits and their gradient, its product added into the held gradient in backward"
-        if est.loss_head_adds
-        else "[V, D] float32 weight gradient, one chunk's logits"
-    )
-    lines.append(f"  {'loss head':12s} {_size(est.loss_head)}  ({kept})")
-    lines.append(f"  {'reduce bufs':12s} {_size(est.reduce_buffers)}  (the largest stage's, in backward)")
-    if est.held_grads and est.micro_batches > 1:
-        dtype = "fp32" if expert_reduce_bytes == 4 else "fp32, experts' bf16"
-        lines.append(
-            f"  {'held grads':12s} {_size(est.held_grads)}  (gradient_sync last_micro_batch: unsharded {dtype})"
-        )
-    held = "alive together" if est.micro_batches > 1 else "not alive together"
-    lines.append(f"  {'total':12s} {_size(est.total)}  (peak: activations and gradients are {held})")
-    return lines
 
 
 def _parameter_rows(model: torch.nn.Module, info: Any, lines: list[str] | None) -> tuple[int, int]:
