@@ -93,7 +93,9 @@ def main() -> None:
         def run():
             grad = torch.empty_like(logits)
             loss = torch.empty(C, dtype=torch.float32, device="cuda")
-            lt._ce_kernel[(C,)](logits, targets, grad, loss, V, V, V, IGNORE=-100, BLOCK_V=block, num_warps=warps)
+            lt._ce_kernel[(C,)](
+                logits, targets, grad, loss, loss, V, V, V, IGNORE=-100, BLOCK_V=block, HAS_SCALE=False, num_warps=warps
+            )
             return loss.sum(), grad
 
         return run
