@@ -131,6 +131,15 @@ def test_plan_memory_follows_the_policies():
     short_once, _ = _memory("data.seq_len=1024", "train.micro_batch_size=2", "train.gradient_sync=last_micro_batch")
     assert short_once.loss_head_adds and short_once.loss_head == 2 * 2048 * vocab * 2
     assert not short.loss_head_adds
+    # The triton tier's loss kernel (compile on, bf16) writes each chunk's gradient over its logits: one [C, V] less
+    over, _ = _memory("parallel.compile=true", "parallel.ep.kernels=triton")
+    assert over.loss_head_over_logits and over.loss_head == base.loss_head - 4096 * vocab * 2
+    assert not base.loss_head_over_logits and not _memory("parallel.ep.kernels=triton")[0].loss_head_over_logits
+    over_once, _ = _memory(
+        "data.seq_len=1024", "train.micro_batch_size=2", "train.gradient_sync=last_micro_batch",
+        "parallel.compile=true", "parallel.ep.kernels=triton",
+    )  # fmt: skip
+    assert over_once.loss_head_adds and over_once.loss_head == 2048 * vocab * 2  # the kept gradient is the buffer
     _, accumulating_comm = _memory("train.micro_batch_size=2")
     for key, value in accumulating_comm.items():  # one reduce-scatter per step instead of one per micro-batch
         assert once_comm[key] == (value / 2 if key[0] == "reduce_scatter" else value), key

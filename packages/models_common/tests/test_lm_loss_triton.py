@@ -33,7 +33,8 @@ def check(device: str, dtype: torch.dtype, c: int, v: int) -> None:
     tol = 0 if dtype == torch.float32 else 8e-3  # one bf16 rounding apart at most
     torch.testing.assert_close(grad.float(), want_grad.float(), rtol=max(tol, 1e-5), atol=max(tol, 1e-6))
     assert torch.all(grad[::3] == 0)  # ignored rows: no gradient
-    strided = torch.randn(c, v + 5, generator=g).to(device, dtype)[:, :v]  # a view with a row stride of its own
+    wide = torch.randn(c, v + 5, generator=g).to(device, dtype)
+    strided = wide[:, :v]  # a view with a row stride of its own
     torch.testing.assert_close(launch(strided, targets)[0], ce_chunk(strided, targets)[0], rtol=1e-5, atol=1e-4)
     empty = launch(torch.zeros(0, v, dtype=dtype, device=device), targets[:0])
     assert empty[0].item() == 0 and empty[1].shape == (0, v)
@@ -46,6 +47,19 @@ def check(device: str, dtype: torch.dtype, c: int, v: int) -> None:
     torch.testing.assert_close(scaled.float(), (grad.float() * scale).to(dtype).float(), rtol=2 * tol + 1e-6, atol=0)
     with pytest.raises(ValueError, match="grad_scale must be one element"):
         launch(logits, targets, torch.ones(2, device=device))
+    # Over the logits: the same loss and bits, in their storage (rows read before written, each by its program).
+    for s in (None, scale):
+        temp = logits.clone()
+        over_loss, over = launch(temp, targets, s, in_place=True)
+        assert over.data_ptr() == temp.data_ptr() and torch.equal(over_loss, loss)
+        assert torch.equal(over, grad if s is None else scaled)
+    base = wide.clone()  # rows with a stride of their own: written in place, the columns past V untouched
+    over = launch(base[:, :v], targets, in_place=True)[1]
+    assert over.data_ptr() == base.data_ptr() and torch.equal(over, launch(strided, targets)[1])
+    assert torch.equal(base[:, v:], wide[:, v:])
+    temp = strided.t().contiguous().t()  # columns apart (stride(-1) != 1): written over a contiguous copy
+    over = launch(temp, targets, in_place=True)[1]
+    assert torch.equal(temp, strided) and torch.equal(over, launch(strided, targets)[1])
 
 
 CASES = [(torch.float32, 5, 300), (torch.bfloat16, 7, 5000)]  # V: inside one block, over two with a partial one
@@ -75,12 +89,36 @@ def test_kernel_compiles_for_hopper():
 
 
 def test_cpu_tensors_take_the_eager_function():
-    from moeshard.models.common._lm_loss_triton import ce_chunk_triton
+    from moeshard.models.common._lm_loss_triton import ce_chunk_triton, ce_chunk_triton_
 
     logits, targets, scale = torch.randn(3, 11), torch.tensor([1, -100, 4]), torch.tensor(0.25)
     for a, b in zip(ce_chunk_triton(logits, targets), ce_chunk(logits, targets)):
         assert torch.equal(a, b)
     for a, b in zip(ce_chunk_triton(logits, targets, scale), ce_chunk(logits, targets, scale)):
+        assert torch.equal(a, b)
+    temp = logits.clone()
+    loss, grad = ce_chunk_triton_(temp, targets, scale)  # over the logits: the same results, in their storage
+    assert grad is temp and torch.equal(loss, ce_chunk(logits, targets)[0])
+    assert torch.equal(grad, ce_chunk(logits, targets, scale)[1])
+
+
+def test_the_head_with_the_gradient_over_its_logits():
+    """The chunked head with ``ce_chunk_triton_`` (the CPU path: the gradient copied over the logits) gives the
+    loss and gradients of ``ce_chunk``, over several chunks and with a held float32 target."""
+    from moeshard.models.common import linear_cross_entropy
+    from moeshard.models.common._lm_loss_triton import ce_chunk_triton_
+
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(10, 8, generator=g, dtype=torch.float64), torch.randn(30, 8, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 30, (10,), generator=g)
+    t[2] = -100
+    results = []
+    for chunk_loss in (ce_chunk, ce_chunk_triton_):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = linear_cross_entropy(hh, ww, t, 7, chunk_size=4, chunk_loss=chunk_loss)
+        loss.backward()
+        results.append((loss, hh.grad, ww.grad))
+    for a, b in zip(*results):
         assert torch.equal(a, b)
 
 
@@ -90,7 +128,7 @@ def test_parallelize_gives_the_head_the_kernel_with_the_triton_tier_on_cuda(monk
     from moeshard.ep import EPOptions
     from moeshard.models.common import LMHead, ParallelOptions, TopKRouter
     from moeshard.models.common._layers import RMSNorm
-    from moeshard.models.common._lm_loss_triton import ce_chunk_triton
+    from moeshard.models.common._lm_loss_triton import ce_chunk_triton_
     from moeshard.models.common._parallelize import _compile
     from moeshard.models.common._topk_triton import topk_ids_op
 
@@ -109,7 +147,7 @@ def test_parallelize_gives_the_head_the_kernel_with_the_triton_tier_on_cuda(monk
             model = SimpleNamespace(model=decoder, lm_head=LMHead(8, 16))
             _compile(model, kernels)  # step 3 of parallelize; nothing compiles before a call
             triton_tier = cuda and kernels == "triton"
-            assert (model.lm_head.chunk_loss is ce_chunk_triton) == triton_tier
+            assert (model.lm_head.chunk_loss is ce_chunk_triton_) == triton_tier  # the gradient over the logits
             assert (decoder.layers[0].router.topk_kernel is topk_ids_op) == triton_tier  # the routers' selection
             assert "forward" in vars(decoder.norm)  # the final norm's forward, compiled on the instance
     lines = ParallelOptions(compile=True, ep=EPOptions(kernels="triton")).describe()

@@ -16,6 +16,7 @@ from moeshard.train.commands.plan_memory import (
     activation_bytes_per_token,
     head_adds_in_backward,
     loss_head_bytes,
+    loss_head_over_logits,
     memory_lines,
 )
 from moeshard.train.config import (
@@ -153,8 +154,11 @@ def plan_report(
         * tokens,
         micro_batches=micro_batches,
         held_grads=u.held_grads if deferred_sync else 0,
-        loss_head=loss_head_bytes(mcfg, compute_bytes, tokens, held=micro_batches > 1 and deferred_sync),
+        loss_head=loss_head_bytes(
+            mcfg, compute_bytes, tokens, micro_batches > 1 and deferred_sync, loss_head_over_logits(opts, compute_bytes)
+        ),
         loss_head_adds=head_adds_in_backward(compute_bytes, tokens, micro_batches > 1 and deferred_sync),
+        loss_head_over_logits=loss_head_over_logits(opts, compute_bytes),
     )
     if table:
         lines.append("")

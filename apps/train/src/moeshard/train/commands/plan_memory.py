@@ -25,6 +25,7 @@ class MemoryEstimate:
     loss_head: int = 0
     reduce_buffers: int = 0
     loss_head_adds: bool = False  # the head adds its weight gradient into a held one in backward (loss_head_bytes)
+    loss_head_over_logits: bool = False  # a chunk's logit gradient is written over its logits (loss_head_bytes)
 
     @property
     def total(self) -> int:
@@ -84,7 +85,7 @@ def activation_bytes_per_token(
     return layers * (attn + moe) + head
 
 
-def loss_head_bytes(config: Any, compute_bytes: int, tokens: int, held: bool = False) -> int:
+def loss_head_bytes(config: Any, compute_bytes: int, tokens: int, held: bool = False, over_logits: bool = False) -> int:
     """What the chunked loss head (``moeshard.models.common.linear_cross_entropy``) holds at the forward's end
     beyond the per-token activations: the ``[V, D]`` weight gradient it computes in forward and keeps for backward
     (float32: it is handed to FSDP2's float32 gradient, or kept in float32 compute), and one chunk's logits and
@@ -92,12 +93,21 @@ def loss_head_bytes(config: Any, compute_bytes: int, tokens: int, held: bool = F
 
     ``held``: FSDP2 holds the head's float32 gradient from an earlier micro-batch (several micro-batches with
     ``gradient_sync: last_micro_batch``). A bf16 micro-batch of one chunk then keeps its logit gradient for backward,
-    which adds its product into the held gradient, and makes no ``[V, D]`` float32 gradient of its own."""
+    which adds its product into the held gradient, and makes no ``[V, D]`` float32 gradient of its own.
+    ``over_logits``: the loss kernel writes the gradient over the logits (:func:`loss_head_over_logits`), one
+    ``chunk x V`` buffer instead of two."""
     from moeshard.models.common import LOSS_CHUNK_TOKENS
 
     v, d = config.vocab_size, config.hidden_size
-    chunk = 2 * min(LOSS_CHUNK_TOKENS, tokens) * v * compute_bytes
+    chunk = (1 if over_logits else 2) * min(LOSS_CHUNK_TOKENS, tokens) * v * compute_bytes
     return chunk if head_adds_in_backward(compute_bytes, tokens, held) else 4 * v * d + chunk
+
+
+def loss_head_over_logits(opts: Any, compute_bytes: int) -> bool:
+    """Whether the head's loss chunk writes its gradient over its logits: the triton tier's kernel
+    (``moeshard.models.common.ce_chunk_triton_``), which ``parallelize`` gives the head with ``compile`` on CUDA
+    (bf16 compute)."""
+    return bool(opts.compile) and opts.ep.kernels == "triton" and compute_bytes == 2
 
 
 def head_adds_in_backward(compute_bytes: int, tokens: int, held: bool) -> bool:
@@ -122,10 +132,15 @@ def memory_lines(
     )
     for k in ("params", "grads", "optimizer", "unsharded", "activations"):
         lines.append(f"  {k:12s} {_size(getattr(est, k))}")
+    chunk = (
+        "one chunk's logit gradient, over its logits"
+        if est.loss_head_over_logits
+        else ("one chunk's logits and their gradient")
+    )
     kept = (
-        "one chunk's logits and their gradient, its product added into the held gradient in backward"
+        f"{chunk}, its product added into the held gradient in backward"
         if est.loss_head_adds
-        else "[V, D] float32 weight gradient, one chunk's logits"
+        else f"[V, D] float32 weight gradient, {chunk}"
     )
     lines.append(f"  {'loss head':12s} {_size(est.loss_head)}  ({kept})")
     lines.append(f"  {'reduce bufs':12s} {_size(est.reduce_buffers)}  (the largest stage's, in backward)")

@@ -64,7 +64,10 @@ def ce_chunk(
 
 ChunkLoss = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
 """``(logits_CV, targets_C, grad_scale) -> (summed loss, d loss / d logits_CV times grad_scale)``, as
-:func:`ce_chunk`; ``grad_scale`` is None or a one-element float32 tensor."""
+:func:`ce_chunk`; ``grad_scale`` is None or a one-element float32 tensor. The logits are a temporary of the call
+(:func:`linear_cross_entropy` computes each chunk's for it alone), so a chunk loss may write the gradient over them
+and return that storage (``ce_chunk_triton_``, the triton tier's on CUDA): one ``[C, V]`` buffer per chunk, not
+two."""
 
 _FOLDS_SCALE = (torch.bfloat16, torch.float32)
 """Logit dtypes whose gradient takes the loss's divisor before rounding: float32's exponent range, so a softmax
@@ -135,8 +138,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 ctx.deferred = g_CV
             elif need_w:
                 _accumulate_mm(grad_w_VD, g_CV.t(), h_CD, first=start == 0)
-            # Dropped before the next chunk's logits exist: else three [C, V] buffers are alive at once (the next
-            # chunk's logits and both chunks' gradients), one more than a chunk needs.
+            # Dropped before the next chunk's logits exist: else the next chunk's logits and gradient are alive
+            # beside this chunk's gradient, one [C, V] buffer more than a chunk needs.
             del g_CV
         ctx.target, ctx.grad_w_fp32 = target, grad_w_VD if target is not None else None
         keep_w = None if grad_w_VD is None or target is not None else grad_w_VD.to(w_VD.dtype)

@@ -375,7 +375,7 @@ def _compile(model: MoECausalLM, kernels: str) -> None:
     # The row count varies (the last chunk), the vocabulary width never does.
     if kernels == "triton" and torch.cuda.is_available():
         try:
-            from moeshard.models.common._lm_loss_triton import ce_chunk_triton
+            from moeshard.models.common._lm_loss_triton import ce_chunk_triton_
             from moeshard.models.common._topk_triton import topk_ids_op
         except ImportError as e:
             raise ImportError(
@@ -383,7 +383,7 @@ def _compile(model: MoECausalLM, kernels: str) -> None:
                 "routers' top-k with triton kernels, but triton cannot be imported: install it (pip install triton) "
                 "or use kernels='compiled'"
             ) from e
-        model.lm_head.chunk_loss = ce_chunk_triton
+        model.lm_head.chunk_loss = ce_chunk_triton_  # the gradient over the chunk's logits: one [C, V] buffer
         for layer in model.model.layers:
             for module in layer.modules():
                 if isinstance(module, TopKRouter):  # the selection by the kernel (an opaque op in the compiled half)
