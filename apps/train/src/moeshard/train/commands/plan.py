@@ -139,6 +139,8 @@ def plan_report(
     # Local experts the fused pass updates in bf16 hold their float32 masters split: the bf16 parameter (counted with
     # the compute copies below) and 2 bytes of low halves (moeshard.fsdp_moe.split_master), not 4 bytes of master.
     split_numel = u.fused_numel if compute_bytes == 2 else 0
+    head_held = micro_batches > 1 and deferred_sync  # FSDP2 holds the head's float32 gradient between micro-batches
+    over_logits = loss_head_over_logits(opts, compute_bytes)
     est = MemoryEstimate(
         params=4 * local_numel - 2 * split_numel,
         grads=4 * (local_numel - u.fused_numel) + fused_grads,
@@ -154,11 +156,9 @@ def plan_report(
         * tokens,
         micro_batches=micro_batches,
         held_grads=u.held_grads if deferred_sync else 0,
-        loss_head=loss_head_bytes(
-            mcfg, compute_bytes, tokens, micro_batches > 1 and deferred_sync, loss_head_over_logits(opts, compute_bytes)
-        ),
-        loss_head_adds=head_adds_in_backward(compute_bytes, tokens, micro_batches > 1 and deferred_sync),
-        loss_head_over_logits=loss_head_over_logits(opts, compute_bytes),
+        loss_head=loss_head_bytes(mcfg, compute_bytes, tokens, head_held, over_logits),
+        loss_head_adds=head_adds_in_backward(compute_bytes, tokens, head_held),
+        loss_head_over_logits=over_logits,
     )
     if table:
         lines.append("")

@@ -132,11 +132,8 @@ def memory_lines(
     )
     for k in ("params", "grads", "optimizer", "unsharded", "activations"):
         lines.append(f"  {k:12s} {_size(getattr(est, k))}")
-    chunk = (
-        "one chunk's logit gradient, over its logits"
-        if est.loss_head_over_logits
-        else ("one chunk's logits and their gradient")
-    )
+    over = est.loss_head_over_logits
+    chunk = "one chunk's logit gradient, over its logits" if over else "one chunk's logits and their gradient"
     kept = (
         f"{chunk}, its product added into the held gradient in backward"
         if est.loss_head_adds
