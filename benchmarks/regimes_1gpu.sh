@@ -13,15 +13,16 @@ OLD=${OLD:-.bench_old}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 path_of() { ls -d "$1"/packages/*/src "$1"/apps/*/src | tr '\n' ':'; }
 flags() {  # the job's keys of one regime:
-  # mb<M>[_selective|_selective_mlp|_selective_activation|_full|_full_recompute|_documents][_fa4]
+  # mb<M>[_selective|_selective_mlp|_selective_activation|_full|_full_recompute|_documents][_fa4][_cpp]
   # (_selective: the tree's default recompute; _full_recompute: full without parallel.keep_attention; documents:
-  # packed, mean DOC_MEAN tokens; _fa4: parallel.attention_kernel=fa4, with benchmarks/fa4_env.sh sourced first)
-  local r=$1 fa4=
+  # packed, mean DOC_MEAN tokens; _fa4: parallel.attention_kernel=fa4, with benchmarks/fa4_env.sh sourced first;
+  # _cpp: Inductor's C++ wrapper, TORCHINDUCTOR_CPP_WRAPPER=1, set in bench)
+  local r=${1%_cpp} fa4=
   if [[ $r == *_fa4 ]]; then r=${r%_fa4}; fa4="--parallel.attention_kernel=fa4"; fi
   local mb=${r%%_*} ac=none docs=
   case $r in
     *_selective) ac=selective ;;
-    *_selective_mlp|*_selective_activation) ac="selective --parallel.selective_recompute=${1##*_}" ;;
+    *_selective_mlp|*_selective_activation) ac="selective --parallel.selective_recompute=${r##*_}" ;;
     *_full) ac=full ;;
     *_full_recompute) ac="full --parallel.keep_attention=false" ;;
     *_documents) docs="--documents ${DOC_MEAN:-1024}" ;;
@@ -30,7 +31,7 @@ flags() {  # the job's keys of one regime:
     "--parallel.activation_checkpointing=$ac $docs $fa4"
 }
 bench() {  # bench NAME TREE REGIME
-  PYTHONPATH="$(path_of "$2")${MOESHARD_EXTRA_PATH:-}" timeout "${T:-200}" python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+  TORCHINDUCTOR_CPP_WRAPPER=$([[ $3 == *_cpp ]] && echo 1 || echo 0) PYTHONPATH="$(path_of "$2")${MOESHARD_EXTRA_PATH:-}" timeout "${T:-200}" python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
     -m moeshard.train bench --steps "${STEPS:-12}" --warmup "${WARMUP:-4}" $(flags "$3") ${EXTRA:-} --out "$OUT/$1.json" 2>&1 \
     | grep -v "UserWarning\|warnings.warn\|_rng_tracker\|AVOID_RECORD\|_warn_once" > "/tmp/$1.log"
   echo "$1: $(grep 'tok/s/GPU' "/tmp/$1.log" | tail -n 1)"
