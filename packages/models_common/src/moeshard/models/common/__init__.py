@@ -39,6 +39,7 @@ from moeshard.models.common._balancing import (
     update_router_bias,
 )
 from moeshard.models.common._causal_lm import DecoderLayer, DecoderModel, MoECausalLM
+from moeshard.models.common._checkpointing import apply_activation_checkpointing
 from moeshard.models.common._evaluation import EvalResult, evaluate
 from moeshard.models.common._fa4 import fa4_unavailable
 from moeshard.models.common._family import ModelFamily
@@ -93,12 +94,8 @@ from moeshard.models.common._moe import (
     TopKRouter,
     routers,
 )
-from moeshard.models.common._parallelize import (
-    Parallelized,
-    ParallelOptions,
-    apply_activation_checkpointing,
-    parallelize,
-)
+from moeshard.models.common._parallel_options import ParallelOptions
+from moeshard.models.common._parallelize import Parallelized, parallelize
 from moeshard.models.common._presets import check_common_config, config_keys, preset_config, sum_over_layers
 from moeshard.models.common._safetensors import INDEX_NAME, CheckpointError, SafetensorsDir, TensorInfo
 
