@@ -316,7 +316,12 @@ def test_local_expert_adamw_same_numbers(results):
                             err = _rel(upd_f[k], upd_ref[k])
                             assert err <= (1e-3 if bf16 else 1e-4), (what, "update", k, err)
                     assert _rel(_all(new[2], grads), _all(old[2], grads)) <= (2e-2 if bf16 else 1e-6), what
-                    assert _rel(_all(upd_f, params), _all(upd_ref, params)) <= (3e-2 if bf16 else 1e-5), what
+                    # bf16's later updates: AdamW's m / sqrt(v) turns a decorrelated gradient of ~1e-12 into an update
+                    # of ~lr either way, so the whole model's update differs by the CPU's kernels' share of such
+                    # elements: step 2's 0.018 with ATEN_CPU_CAPABILITY=default, 0.037 with avx2. The parameters
+                    # they reach stay within 1e-3 of each other (5e-4 and 9e-4 there).
+                    assert _rel(_all(upd_f, params), _all(upd_ref, params)) <= (6e-2 if bf16 else 1e-5), what
+                    assert _rel(_all(new[3], params), _all(old[3], params)) <= (3e-3 if bf16 else 1e-6), what
                     for fqn, info in new[4].items():  # param.grad: the compute dtype, before the divide factor
                         assert info == ("DTensor", (Shard1,), compute), (what, fqn, info)
                     prev_f, prev_ref = new[3], old[3]
