@@ -55,8 +55,18 @@ def check(device: str, dtype: torch.dtype, c: int, v: int) -> None:
         assert torch.equal(over, grad if s is None else scaled)
     base = wide.clone()  # rows with a stride of their own: written in place, the columns past V untouched
     over = launch(base[:, :v], targets, in_place=True)[1]
-    assert over.data_ptr() == base.data_ptr() and torch.equal(over, launch(strided, targets)[1])
+    # The out-of-place gradient's rows (stride V) and these (V + 5) differ in alignment, and triton compiles the two
+    # launches apart: on an H100 97 of 38.9M elements one bf16 rounding apart at V = 151,936, the loss the same.
+    assert over.data_ptr() == base.data_ptr()
+    torch.testing.assert_close(
+        over.float(), launch(strided, targets)[1].float(), rtol=max(tol, 1e-5), atol=max(tol, 1e-6)
+    )
     assert torch.equal(base[:, v:], wide[:, v:])
+    wide16 = torch.randn(c, v + 16, generator=g).to(
+        device, dtype
+    )  # rows as aligned as the out-of-place ones: same bits
+    over16 = launch(wide16.clone()[:, :v], targets, in_place=True)[1]
+    assert torch.equal(over16, launch(wide16[:, :v], targets)[1])
     temp = strided.t().contiguous().t()  # columns apart (stride(-1) != 1): written over a contiguous copy
     over = launch(temp, targets, in_place=True)[1]
     assert torch.equal(temp, strided) and torch.equal(over, launch(strided, targets)[1])
