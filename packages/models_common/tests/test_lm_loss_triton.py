@@ -62,9 +62,8 @@ def check(device: str, dtype: torch.dtype, c: int, v: int) -> None:
         over.float(), launch(strided, targets)[1].float(), rtol=max(tol, 1e-5), atol=max(tol, 1e-6)
     )
     assert torch.equal(base[:, v:], wide[:, v:])
-    wide16 = torch.randn(c, v + 16, generator=g).to(
-        device, dtype
-    )  # rows as aligned as the out-of-place ones: same bits
+    # Rows as aligned as the out-of-place ones (V + 16 columns): the same bits.
+    wide16 = torch.randn(c, v + 16, generator=g).to(device, dtype)
     over16 = launch(wide16.clone()[:, :v], targets, in_place=True)[1]
     assert torch.equal(over16, launch(wide16[:, :v], targets)[1])
     temp = strided.t().contiguous().t()  # columns apart (stride(-1) != 1): written over a contiguous copy
