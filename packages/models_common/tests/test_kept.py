@@ -125,15 +125,6 @@ def test_a_recompute_that_differs_from_its_forward_is_refused():
             kept_causal_attention(q, k, v, 0.3)
 
 
-def test_causal_masks_are_constants_and_projections_need_the_keep():
-    from moeshard.models.common import causal_mask
-
-    assert causal_mask("sdpa", True, True) is causal_mask("sdpa", True, True) is not KEPT_CAUSAL
-    assert KEPT_CAUSAL.keep and not KEPT_CAUSAL.keep_projections
-    with pytest.raises(ValueError, match="keep_projections=True needs keep=True"):
-        causal_mask("sdpa", False, True)
-
-
 def test_where_the_kept_kernels_do_not_apply_attend_is_sdpa():
     q, k, v = _qkv("cpu", torch.float32)
     assert not kept_attention_applies(q, k, v, 0.1)  # dropout

@@ -56,20 +56,16 @@ def test_logits_without_labels(hf_dir, batch):
 
 
 @pytest.mark.parametrize(
-    "padded,keep_attention,keep_projections",
-    [(True, True, True), (False, True, True), (False, True, False), (False, False, True)],
-    ids=["padded", "kept", "kept-output-only", "recomputed"],
+    "padded,keep_attention", [(True, True), (False, True), (False, False)], ids=["padded", "kept", "recomputed"]
 )
-def test_activation_checkpointing_same_loss_and_grads(
-    hf_dir, batch, monkeypatch, padded, keep_attention, keep_projections
-):
+def test_activation_checkpointing_same_loss_and_grads(hf_dir, batch, monkeypatch, padded, keep_attention):
     import moeshard.models.common._kept as kept
 
     ids, mask, labels = batch
     mask = mask if padded else None
     plain, ac = Qwen3MoeForCausalLM.from_pretrained(hf_dir), Qwen3MoeForCausalLM.from_pretrained(hf_dir)
     # from outside the model, as parallelize does
-    apply_activation_checkpointing(ac, keep_attention=keep_attention, keep_projections=keep_projections)
+    apply_activation_checkpointing(ac, keep_attention=keep_attention)
     names = [n for n, _ in ac.named_parameters()]
     assert names == [n for n, _ in plain.named_parameters()]  # FQNs unchanged (FSDP / the plan rely on them)
     loss_plain = plain(ids, labels=labels, attention_mask=mask).loss
@@ -83,9 +79,8 @@ def test_activation_checkpointing_same_loss_and_grads(
     for (name, p), q in zip(plain.named_parameters(), ac.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
     # Kept: each layer's attention kernel ran in the forward only, not again in the recompute, which replayed it
-    # and the output projection (and the q/k/v projections with keep_projections); the MoE layers' recompute
-    # replayed their routers' top-k. A padding mask (SDPA with the mask) recomputes the attention and its
-    # projections; keep_attention=False recomputes them all (keep_projections alone keeps nothing).
+    # and the output projection; the MoE layers' recompute replayed their routers' top-k. A padding mask (SDPA
+    # with the mask) recomputes the attention and its projection; keep_attention=False recomputes all three.
     layers, moe = ac.config.num_hidden_layers, len(ac.config.mlp_only_layers or ())
     moe = layers - moe
     attention = layers if keep_attention and not padded else 0
@@ -94,7 +89,7 @@ def test_activation_checkpointing_same_loss_and_grads(
         k: v
         for k, v in [
             ("kept_causal_attention", attention),
-            ("kept_linear", attention * (4 if keep_projections else 1)),
+            ("kept_linear", attention),
             ("kept_topk", moe if keep_attention else 0),
         ]
         if v

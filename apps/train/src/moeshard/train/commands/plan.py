@@ -151,12 +151,7 @@ def plan_report(
         unsharded=compute_bytes * (u.all_numel if not reshard and u.experts_kept else u.in_flight + u.kept_numel),
         reduce_buffers=u.reduce_buffers,
         activations=activation_bytes_per_token(
-            mcfg,
-            compute_bytes,
-            opts.activation_checkpointing,
-            opts.selective_recompute,
-            opts.keep_attention,
-            opts.keep_projections,
+            mcfg, compute_bytes, opts.activation_checkpointing, opts.selective_recompute, opts.keep_attention
         )
         * tokens,
         micro_batches=micro_batches,

@@ -53,15 +53,13 @@ def activation_bytes_per_token(
     activation_checkpointing: str = "none",
     selective_recompute: str = "activation",
     keep_attention: bool = False,
-    keep_projections: bool = False,
 ) -> int:
     """Saved activations per token of one training micro-batch, all layers + the loss head.
 
     Without activation checkpointing every layer keeps its activations; with ``full``, each layer keeps only its
     input (and with ``keep_attention`` what the family says its layer keeps, ``ModelFamily.kept_attention_per_token``:
-    the attention's output and log-sum-exp, the output projection's output, and with ``keep_projections``
-    ``ModelFamily.kept_projections_per_token``, the q/k/v projections' outputs; packed rows recompute the attention,
-    so there the estimate is high by the attention's part) and one layer at a time is recomputed in backward; with
+    the attention's output and log-sum-exp, the output projection's output; packed rows recompute the attention, so
+    there the estimate is high by the attention's part) and one layer at a time is recomputed in backward; with
     ``selective`` every layer keeps its activations but the routed copies' gated activation (``activation``: ``F``
     elements per copy) or also their gate/up output (``mlp``: ``3F``). A routed copy keeps ``D + 3F``: its row into
     the experts, the gate/up output and the gated activation (the expert pass applies the routing weight, so nothing
@@ -81,11 +79,8 @@ def activation_bytes_per_token(
     head = 2 * d * compute_bytes
     layers = config.num_hidden_layers
     if activation_checkpointing == "full":
-        family = family_of(config)
-        kept = family.kept_attention_per_token if keep_attention else None
+        kept = family_of(config).kept_attention_per_token if keep_attention else None
         kept_elems, kept_floats = kept(config) if kept is not None else (0, 0)
-        projections = family.kept_projections_per_token if keep_attention and keep_projections else None
-        kept_elems += projections(config) if projections is not None else 0
         return layers * ((d + kept_elems) * compute_bytes + 4 * kept_floats) + (attn + moe) + head
     return layers * (attn + moe) + head
 

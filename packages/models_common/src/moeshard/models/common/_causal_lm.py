@@ -111,8 +111,7 @@ class DecoderModel(nn.Module):
     ``"sdpa"`` (default; SDPA's choice, cuDNN's on Hopper) or ``"fa4"`` (FlashAttention 4's, the optional
     ``flash-attn-4`` package; refused with the reason where it cannot run). ``keep_attention`` (set by
     ``apply_activation_checkpointing(keep_attention=True)``): a checkpointed layer keeps that attention's output
-    (``moeshard.models.common.AttentionKeep``), and with ``keep_projections`` its q/k/v projections' outputs too.
-    With either, the layers get a ``CausalMask`` instead of None.
+    (``moeshard.models.common.AttentionKeep``). With either, the layers get a ``CausalMask`` instead of None.
     """
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -124,7 +123,6 @@ class DecoderModel(nn.Module):
         self.document_attention = "auto"
         self.compiled_attention = False
         self.keep_attention = False
-        self.keep_projections = False
         self.causal_attention = "sdpa"
 
     attention_class: type[nn.Module]
@@ -188,9 +186,7 @@ class DecoderModel(nn.Module):
                     "causal_attention) to 'sdpa'"
                 )
             keep = self.keep_attention and kept_attention_device(device, kernel)
-            if not keep and kernel == "sdpa":
-                return None
-            return causal_mask(kernel, keep, keep and self.keep_projections)
+            return causal_mask(kernel, keep) if keep or kernel != "sdpa" else None
         if document_ids_BS.shape[-1] != s:
             raise ValueError(
                 f"document_ids must be [batch, seq_len={s}] like input_ids, got shape {tuple(document_ids_BS.shape)}"

@@ -18,9 +18,7 @@ from moeshard.models.common._moe import TopKRouter
 __all__ = ["apply_activation_checkpointing"]
 
 
-def apply_activation_checkpointing(
-    model: MoECausalLM, *, keep_attention: bool = True, keep_projections: bool = True
-) -> None:
+def apply_activation_checkpointing(model: MoECausalLM, *, keep_attention: bool = True) -> None:
     """Recompute each decoder layer in backward: its ``forward`` becomes (an instance attribute, so FQNs, the state
     dict and FSDP's hooks are untouched) a non-reentrant ``torch.utils.checkpoint`` of itself.
 
@@ -38,11 +36,6 @@ def apply_activation_checkpointing(
     ``ParallelOptions.keep_attention``; the top-k of :class:`TopKRouter`). The EP layers replay their route (the
     copies' order) too, always. The same bits.
 
-    ``keep_projections`` (with ``keep_attention``): each layer also keeps its attention's q/k/v projections' outputs
-    where the rows are plain causal and the family's attention takes them through
-    :func:`moeshard.models.common.attention_input` (Qwen3-MoE), and the recompute runs none of the attention's GEMMs
-    (``ParallelOptions.keep_projections``). The same bits.
-
     Raises:
         ValueError: already applied.
     """
@@ -55,7 +48,6 @@ def apply_activation_checkpointing(
             if isinstance(module, TopKRouter):
                 module.keep_selection = keep_attention
     model.model.keep_attention = keep_attention
-    model.model.keep_projections = keep_attention and keep_projections
 
 
 def _checkpointed(forward, layer: torch.nn.Module, keep_attention: bool):

@@ -41,10 +41,6 @@ class ModelFamily:
             (``ParallelOptions.keep_attention``): the attention's output and log-sum-exp where its kernels apply
             (:func:`kept_attention_applies`), the output projection's output; None: not said (planned as
             ``(0, 0)``).
-        kept_projections_per_token: compute-dtype elements per token and layer that full activation checkpointing
-            keeps beyond those where it also keeps the attention's q/k/v projections' outputs
-            (``ParallelOptions.keep_projections``); None: the family keeps none (its layers do not take their
-            projections through ``attention_input``).
     """
 
     model_class: type[nn.Module]
@@ -54,7 +50,6 @@ class ModelFamily:
     flops_per_token: Callable[[PretrainedConfig, int], float]
     activations_per_token: Callable[[PretrainedConfig], tuple[int, int]]
     kept_attention_per_token: Callable[[PretrainedConfig], tuple[int, int]] | None = None
-    kept_projections_per_token: Callable[[PretrainedConfig], int] | None = None
 
     @property
     def name(self) -> str:

@@ -1,14 +1,11 @@
 """What a checkpointed decoder layer keeps from its forward so that its recompute in backward does not run it again:
-the attention's output, its output projection's output and the router's top-k, and where asked its q/k/v
-projections' outputs.
+the attention's output, its output projection's output and the router's top-k.
 
 Full activation checkpointing recomputes a decoder layer's forward in backward. The attention's backward needs
-q, k, v and the attention's output and log-sum-exp. The last two are what the attention kernel computes; they are
-``H·Dv`` compute-dtype elements and ``H`` float32 per token, where the layer's input is ``D``. The output
-projection's output (``D``) is needed only by the residual and the norm after it, the top-k by the route. q, k and v
-are rebuilt from their projections' outputs by the per-head norms and the rotary embedding; with
-``CausalMask.keep_projections`` those outputs (``H·Dh + 2·G·Dh``) are kept too and the recompute runs none of the
-attention's GEMMs (:func:`kept_linear` for each, whose backward still forms their weights' gradients). :class:`AttentionKeep` records them in the checkpointed
+q, k, v (recomputed: their projections are cheap next to the attention) and the attention's output and
+log-sum-exp. The last two are what the attention kernel computes; they are ``H·Dv`` compute-dtype elements and ``H``
+float32 per token, where the layer's input is ``D``. The output projection's output (``D``) is needed only by the
+residual and the norm after it, the top-k by the route. :class:`AttentionKeep` records them in the checkpointed
 forward and hands them back in the recompute, through custom ops (:func:`kept_causal_attention`,
 :func:`kept_linear`, :func:`kept_topk`), which are opaque to ``torch.compile``: the compiled attention half calls
 them like the kernels they wrap, and they decide at run time whether to compute or to replay.
@@ -52,46 +49,36 @@ Hopper) and ``"fa4"`` (FlashAttention 4's, the optional ``flash-attn-4`` package
 
 class CausalMask:
     """The attention mask of a plain causal attention (no padding, no documents) that runs through
-    :func:`kept_causal_attention`: ``kernel`` (one of ``CAUSAL_KERNELS``), whether a checkpointed layer keeps its
-    output and its output projection's (``keep``), and whether it also keeps its q/k/v projections' outputs
-    (``keep_projections``, only with ``keep``). The model passes one (:func:`causal_mask`) where it would pass None;
-    :func:`attend` reads it as None where the kernel does not apply."""
+    :func:`kept_causal_attention`: ``kernel`` (one of ``CAUSAL_KERNELS``) and whether a checkpointed layer keeps its
+    output (``keep``). The model passes one (:func:`causal_mask`) where it would pass None; :func:`attend` reads it as
+    None where the kernel does not apply."""
 
-    __slots__ = ("kernel", "keep", "keep_projections")
+    __slots__ = ("kernel", "keep")
 
-    def __init__(self, kernel: str, keep: bool, keep_projections: bool = False) -> None:
+    def __init__(self, kernel: str, keep: bool) -> None:
         if kernel not in CAUSAL_KERNELS:
             raise ValueError(f"causal attention kernel must be one of {CAUSAL_KERNELS}, got {kernel!r}")
-        if keep_projections and not keep:
-            raise ValueError("CausalMask: keep_projections=True needs keep=True (a layer that keeps its attention)")
-        self.kernel, self.keep, self.keep_projections = kernel, bool(keep), bool(keep_projections)
+        self.kernel, self.keep = kernel, bool(keep)
 
     def __repr__(self) -> str:
-        return f"CausalMask(kernel={self.kernel!r}, keep={self.keep}, keep_projections={self.keep_projections})"
+        return f"CausalMask(kernel={self.kernel!r}, keep={self.keep})"
 
 
-_MASKS = {
-    (kernel, keep, projections): CausalMask(kernel, keep, projections)
-    for kernel in CAUSAL_KERNELS
-    for keep, projections in ((False, False), (True, False), (True, True))
-}
+_MASKS = {(kernel, keep): CausalMask(kernel, keep) for kernel in CAUSAL_KERNELS for keep in (False, True)}
 
 
-def causal_mask(kernel: str = "sdpa", keep: bool = False, keep_projections: bool = False) -> CausalMask:
-    """The one :class:`CausalMask` of ``kernel``, ``keep`` and ``keep_projections`` (one object each, so a compiled
-    caller that takes it as an argument sees the same constant every step)."""
-    if keep_projections and not keep:
-        raise ValueError("causal_mask: keep_projections=True needs keep=True (a layer that keeps its attention)")
+def causal_mask(kernel: str = "sdpa", keep: bool = False) -> CausalMask:
+    """The one :class:`CausalMask` of ``kernel`` and ``keep`` (one object each, so a compiled caller that takes it
+    as an argument sees the same constant every step)."""
     try:
-        return _MASKS[(kernel, bool(keep), bool(keep_projections))]
+        return _MASKS[(kernel, bool(keep))]
     except KeyError:
         raise ValueError(f"causal attention kernel must be one of {CAUSAL_KERNELS}, got {kernel!r}") from None
 
 
 KEPT_CAUSAL = causal_mask("sdpa", keep=True)
 """The mask the model passes for a plain causal attention under full activation checkpointing that keeps the
-attention's output (``DecoderModel.keep_attention``), with SDPA's kernel (``causal_mask("sdpa", True, True)`` keeps
-the q/k/v projections too)."""
+attention's output (``DecoderModel.keep_attention``), with SDPA's kernel."""
 
 _ACTIVE: list[tuple[AttentionKeep, str] | None] = [None]
 # The keep and mode of the region being run. A process-wide slot, not a thread-local: the recompute runs on
@@ -372,10 +359,8 @@ _kept_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 def kept_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` (``F.linear`` without bias), kept and replayed as :func:`kept_causal_attention`: a checkpointed
-    layer keeps its attention's output projection (``D`` elements per token; the residual and norm after it only
-    need its output) and, with ``CausalMask.keep_projections``, its q/k/v projections, so its recompute runs no GEMM
-    for them. Backward reads ``x`` and ``weight`` only: the gradients are ``F.linear``'s, one call per projection,
-    so autograd sums the input's gradient over them as it does for separate linears (the same bits)."""
+    layer keeps its attention's output projection (``D`` elements per token), so its recompute runs no GEMM for it
+    (the residual and norm after it only need its output)."""
     return _kept_linear(x, weight)
 
 

@@ -245,28 +245,14 @@ def attend(
     )
 
 
-def _keepable(proj: nn.Module) -> bool:
-    return type(proj) is nn.Linear and proj.bias is None
-
-
 def attention_output(o_proj: nn.Module, x_BSX: torch.Tensor, mask_B1SS: object) -> torch.Tensor:
     """``o_proj(x_BSX)``, the attention's output projection, under the mask the layer got: with a :class:`CausalMask`
     that keeps (``KEPT_CAUSAL``: full activation checkpointing that keeps the attention's output), a plain
     ``nn.Linear`` without bias runs as :func:`kept_linear`, so the layer's recompute takes its output from the
     forward instead of running the GEMM."""
-    if isinstance(mask_B1SS, CausalMask) and mask_B1SS.keep and _keepable(o_proj):
+    if isinstance(mask_B1SS, CausalMask) and mask_B1SS.keep and type(o_proj) is nn.Linear and o_proj.bias is None:
         return kept_linear(x_BSX, o_proj.weight)
     return o_proj(x_BSX)
-
-
-def attention_input(proj: nn.Module, x_BSD: torch.Tensor, mask_B1SS: object) -> torch.Tensor:
-    """``proj(x_BSD)``, one of the attention's q/k/v projections, under the mask the layer got: with a
-    :class:`CausalMask` that keeps the projections (``keep_projections``: full activation checkpointing with
-    ``ParallelOptions.keep_projections``), a plain ``nn.Linear`` without bias runs as :func:`kept_linear`, so the
-    layer's recompute takes its output from the forward and runs no GEMM for it."""
-    if isinstance(mask_B1SS, CausalMask) and mask_B1SS.keep_projections and _keepable(proj):
-        return kept_linear(x_BSD, proj.weight)
-    return proj(x_BSD)
 
 
 class DenseMLP(nn.Module):

@@ -56,12 +56,6 @@ class ParallelOptions:
             and value head sizes are equal (Qwen3-MoE; not DeepSeek-V3's MLA, nor packed documents or padding
             masks: those recompute it); the projection wherever the rows are plain causal; the top-k for softmax
             top-k routers. Ignored otherwise.
-        keep_projections: with ``"full"`` and ``keep_attention``, each layer also keeps its attention's q/k/v
-            projections' outputs (``H·Dh + 2·G·Dh`` compute-dtype elements per token: 2.5x the input at
-            Qwen3-30B-A3B's shapes, 5.5x with the above), so the recompute runs none of the attention's GEMMs (it
-            rebuilds q, k and v from them by the per-head norms and rotary). Where the rows are plain causal and the
-            family's attention takes its projections through ``attention_input`` (Qwen3-MoE; DeepSeek-V3's MLA
-            recomputes them). False: the memory back, the three GEMMs again in each layer's recompute.
         attention_kernel: the kernels of a plain causal attention (rows without padding or packed documents):
             ``"sdpa"`` (what ``scaled_dot_product_attention`` picks: cuDNN's on Hopper) or ``"fa4"``
             (FlashAttention 4's, from the optional ``flash-attn-4`` package, ``pip install
@@ -98,7 +92,6 @@ class ParallelOptions:
     compile: bool = False
     activation_checkpointing: Literal[CHECKPOINTING] | bool = "none"
     keep_attention: bool = True
-    keep_projections: bool = True
     attention_kernel: Literal[CAUSAL_KERNELS] = "sdpa"
     selective_recompute: Literal[SELECTIVE] = "activation"
     param_dtype: Literal[PARAM_DTYPES] = "auto"
@@ -128,7 +121,7 @@ class ParallelOptions:
                 f"activation_checkpointing='selective', selective_recompute={self.ep.recompute!r} instead (the "
                 "checkpointing policy is chosen in one place)"
             )
-        for name in ("compile", "keep_attention", "keep_projections", "prefetch_at_host_sync"):
+        for name in ("compile", "keep_attention", "prefetch_at_host_sync"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"ParallelOptions.{name}={value!r} is not allowed: True or False")
@@ -191,9 +184,7 @@ class ParallelOptions:
             "activation checkpointing: "
             + _CHECKPOINTING_LINES[self.activation_checkpointing].format(self)
             + (
-                ", the attention's output, its "
-                + ("q/k/v and output projections" if self.keep_projections else "output projection")
-                + " and the top-k kept"
+                ", the attention's output, its projection and the top-k kept"
                 if self.activation_checkpointing == "full" and self.keep_attention
                 else ""
             ),

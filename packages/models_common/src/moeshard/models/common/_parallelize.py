@@ -114,9 +114,7 @@ def parallelize(
     ep_info = apply_ep(model, model.get_parallel_plan(), ep_mesh, options.ep_options())
     model.model.causal_attention = options.attention_kernel
     if options.activation_checkpointing == "full":
-        apply_activation_checkpointing(
-            model, keep_attention=options.keep_attention, keep_projections=options.keep_projections
-        )
+        apply_activation_checkpointing(model, keep_attention=options.keep_attention)
     if options.compile:
         _compile(model, options.ep.kernels)
     reshard, expert_reshard = options.resharding(meshes.world_size)

@@ -58,7 +58,6 @@ from moeshard.models.qwen3moe.presets import (
     get_preset_config,
     is_moe_layer,
     kept_attention_per_token,
-    kept_projections_per_token,
 )
 
 FAMILY = _ModelFamily(
@@ -69,7 +68,6 @@ FAMILY = _ModelFamily(
     flops_per_token,
     activations_per_token,
     kept_attention_per_token,
-    kept_projections_per_token,
 )
 """Qwen3-MoE as a :class:`moeshard.models.common.ModelFamily` (what a trainer needs, by family name)."""
 
@@ -100,7 +98,6 @@ __all__ = [
     "causal_lm_loss",
     "activations_per_token",
     "kept_attention_per_token",
-    "kept_projections_per_token",
     "check_config",
     "count_parameters",
     "evaluate",

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 from transformers import Qwen3MoeConfig
 
-from moeshard.models.common import RMSNorm, apply_rotary, attend, attention_input, attention_output
+from moeshard.models.common import RMSNorm, apply_rotary, attend, attention_output
 from moeshard.models.qwen3moe.presets import head_dim
 
 __all__ = ["Attention"]
@@ -44,15 +44,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attention output ``[B, S, D]``. ``mask_B1SS``: None (plain causal, SDPA), a boolean mask from
         :func:`build_attention_mask` / :func:`document_causal_mask` (SDPA), or a ``BlockMask`` from
-        :func:`document_block_mask` (flex_attention); a ``CausalMask`` (plain causal rows under a kernel choice or
-        full checkpointing's keep: ``moeshard.models.common.attend``, ``attention_input``, ``attention_output``)."""
+        :func:`document_block_mask` (flex_attention)."""
         b, s, _ = x_BSD.shape
-        q = attention_input(self.q_proj, x_BSD, mask_B1SS)
-        k = attention_input(self.k_proj, x_BSD, mask_B1SS)
-        v = attention_input(self.v_proj, x_BSD, mask_B1SS)
-        q = self.q_norm(q.view(b, s, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(k.view(b, s, -1, self.head_dim)).transpose(1, 2)
-        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)
+        q = self.q_norm(self.q_proj(x_BSD).view(b, s, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x_BSD).view(b, s, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x_BSD).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos_BSDh, sin_BSDh), apply_rotary(k, cos_BSDh, sin_BSDh)
         out_BHSDh = attend(
             q,

@@ -22,7 +22,6 @@ __all__ = [
     "activations_per_token",
     "count_parameters",
     "kept_attention_per_token",
-    "kept_projections_per_token",
     "flops_per_token",
     "get_preset_config",
     "is_moe_layer",
@@ -183,9 +182,3 @@ def kept_attention_per_token(config: Qwen3MoeConfig) -> tuple[int, int]:
     output projection's output (``D``)."""
     h = config.num_attention_heads
     return h * head_dim(config) + config.hidden_size, h
-
-
-def kept_projections_per_token(config: Qwen3MoeConfig) -> int:
-    """Compute-dtype elements per token a layer keeps beyond :func:`kept_attention_per_token` where full activation
-    checkpointing keeps the q/k/v projections' outputs too: ``H·Dh + 2·G·Dh``."""
-    return (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim(config)
