@@ -1,8 +1,9 @@
 """Qwen3-MoE's q path after its projection (per-head RMSNorm over 128, transpose, rotary), compiled, at 4 x 4,096
 tokens x 32 heads: the projection's output from an in-graph GEMM (``F.linear``, as the model runs it) against the
 same output from an opaque custom op (what full checkpointing's keep would hand the compiled half: an extern
-buffer). Inductor fuses the two differently (benchmarks/NOTES.md, "The attention's projections kept"); this times
-the norm-and-rotary kernels alone in each form, and with ``persistent_reductions`` off.
+buffer). On CPU Inductor fuses the two differently; on an H200 both run one persistent reduction (benchmarks/NOTES.md,
+"The attention's projections kept under full checkpointing"). This times the norm-and-rotary kernels alone in each
+form, and with ``persistent_reductions`` off.
     python3 benchmarks/qk_norm_fusion.py
 """
 
