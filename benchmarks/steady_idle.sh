@@ -3,16 +3,16 @@
 # bench's one untraced warm-up step) at each micro-batch size of MBS (8 layers of 30B-A3B, EP 1, compile, triton
 # tier, 4 x 4096 tokens per step), summarised by benchmarks/trace_summary.py. Idle in steady steps is where the host
 # sets the pace; none means the kernels do.
-#   MBS="1 4" EXTRA="--parallel.activation_checkpointing=full" bash benchmarks/steady_idle.sh
+#   MBS="1 4" ACS="none full" TOP=60 bash benchmarks/steady_idle.sh   (ACS: activation_checkpointing values)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source "$(dirname "$0")/gpu_env.sh"
-for mb in ${MBS:-1 4}; do
+for mb in ${MBS:-1 4}; do for ac in ${ACS:-none}; do
   timeout 240 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m moeshard.train bench \
-    --parallel.compile=true --parallel.ep.kernels=triton --train.micro_batch_size="$mb" ${EXTRA:-} --steps 6 \
-    --warmup 3 --trace-steps 2 --trace "/tmp/t_mb$mb.json.gz" --trace-gpu-only --out "$OUT/steady_mb$mb.json" \
-    > "$OUT/steady_mb$mb.log" 2>&1
-  echo "mb$mb: $(grep 'tok/s/GPU' "$OUT/steady_mb$mb.log" | tail -n 1)"
-  python3 benchmarks/trace_summary.py "/tmp/t_mb$mb.json.gz" --top 25 > "$OUT/steady_sum_mb$mb.txt" 2>&1
-  sed -n 1,16p "$OUT/steady_sum_mb$mb.txt"; grep -A 14 "compute-stream idle per" "$OUT/steady_sum_mb$mb.txt"
-done
+    --parallel.compile=true --parallel.ep.kernels=triton --train.micro_batch_size="$mb" --parallel.activation_checkpointing="$ac" ${EXTRA:-} --steps 6 \
+    --warmup 3 --trace-steps 2 --trace "/tmp/t_mb${mb}_$ac.json.gz" --trace-gpu-only --out "$OUT/steady_mb${mb}_$ac.json" \
+    > "$OUT/steady_mb${mb}_$ac.log" 2>&1
+  echo "mb$mb $ac: $(grep 'tok/s/GPU' "$OUT/steady_mb${mb}_$ac.log" | tail -n 1)"
+  python3 benchmarks/trace_summary.py "/tmp/t_mb${mb}_$ac.json.gz" --top "${TOP:-25}" > "$OUT/steady_sum_mb${mb}_$ac.txt" 2>&1
+  sed -n 1,16p "$OUT/steady_sum_mb${mb}_$ac.txt"; grep -A 14 "compute-stream idle per" "$OUT/steady_sum_mb${mb}_$ac.txt"
+done; done
