@@ -1,11 +1,13 @@
 """Where a profiled step's GPU time goes, from a Chrome trace (``moeshard-train bench --trace step.json.gz``).
 
-    python3 benchmarks/trace_summary.py step.json.gz [--top 40] [--skip-ms 300]
+    python3 benchmarks/trace_summary.py step.json.gz [--top 40] [--skip-ms 300] [--steps-between adamw]
 
 ``--skip-ms`` leaves out the kernels that start in the trace's first milliseconds. ``bench --trace`` already leaves
 out the first step after its timed loop, which starts from an empty launch queue (``--trace-warmup``, default 1);
 for a trace made with ``--trace-warmup 0``, about one step's length leaves that step out here, and the figures are
-then those of the steady steps after it.
+then those of the steady steps after it. ``--steps-between adamw`` keeps exactly the whole steps between the first and
+last optimizer ends in the trace (a window of N traced steps can hold parts of N + 1 optimizer passes, the host
+running ahead of the GPU) and gives the categories per step too.
 
 Prints: the step's GPU span; per stream, the busy time (union of its kernels); the compute stream's idle time
 split into "waiting while a collective runs" (exposed communication) and "nothing runs at all" (launch gaps,
@@ -91,12 +93,41 @@ def launch_chains(events: list[dict], depth: int = 4) -> dict[int, str]:
     return chains
 
 
+def between_passes(kernels: list[dict], pattern: str, gap_us: float = 2e4) -> tuple[list[dict], int]:
+    """The kernels from the end of the first optimizer pass to the end of the last, and the whole steps between.
+
+    A pass is a run of kernels whose names match ``pattern`` (case-insensitive) with less than ``gap_us`` between one's
+    end and the next one's start. A trace's window rarely starts or ends at a step's boundary (``bench --trace``
+    records what runs while its active steps are launched, and the host runs ahead of the GPU), so a trace of N steps
+    can hold parts of N + 1 optimizer passes; the kernels between two passes' ends are whole steps."""
+    regex = re.compile(pattern, re.IGNORECASE)
+    ends: list[float] = []
+    last_end = None
+    for k in sorted((k for k in kernels if regex.search(k["name"])), key=lambda k: k["ts"]):
+        if last_end is not None and k["ts"] - last_end >= gap_us:
+            ends.append(last_end)
+        last_end = k["ts"] + k["dur"] if last_end is None else max(last_end, k["ts"] + k["dur"])
+    if last_end is not None:
+        ends.append(last_end)
+    if len(ends) < 2:
+        raise SystemExit(f"--steps-between {pattern!r}: {len(ends)} optimizer pass(es) in the trace, 2 needed")
+    start, stop = ends[0], ends[-1]
+    return [k for k in kernels if k["ts"] >= start and k["ts"] + k["dur"] <= stop], len(ends) - 1
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("trace")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--window-ms", type=float, default=10.0, help="the compute stream's idle time per window")
     p.add_argument("--skip-ms", type=float, default=0.0, help="leave out the kernels that start this early")
+    p.add_argument(
+        "--steps-between",
+        metavar="REGEX",
+        help="keep only the whole steps between the ends of the first and last optimizer passes, a pass being the "
+        "kernels whose names match REGEX (e.g. adamw) with no gap of 20 ms or more among them; figures are then "
+        "also given per step",
+    )
     args = p.parse_args()
     opener = gzip.open if args.trace.endswith(".gz") else open
     with opener(args.trace, "rt") as f:
@@ -113,6 +144,9 @@ def main() -> None:
         raise SystemExit(
             "no GPU kernels in the trace" + (f" after its first {args.skip_ms} ms" if args.skip_ms else "")
         )
+    steps = 1
+    if args.steps_between:
+        kernels, steps = between_passes(kernels, args.steps_between)
     by_stream: dict[object, list[dict]] = defaultdict(list)
     for k in kernels:
         by_stream[(k.get("pid"), k.get("tid"))].append(k)
@@ -120,6 +154,8 @@ def main() -> None:
     t1 = max(k["ts"] + k["dur"] for k in kernels)
     span = t1 - t0
     print(f"GPU span {span / 1e3:.1f} ms, {len(kernels)} kernels")
+    if args.steps_between:
+        print(f"  {steps} whole step(s) between optimizer ends: {span / 1e3 / steps:.1f} ms per step")
     busy = {}
     for sid, ks in by_stream.items():
         busy[sid] = union_length([(k["ts"], k["ts"] + k["dur"]) for k in ks])
@@ -166,10 +202,11 @@ def main() -> None:
         names[k["name"]][1] += 1
     print("kernel time by category (all streams):")
     for cat, t in sorted(cats.items(), key=lambda x: -x[1]):
-        print(f"  {cat:22s} {t / 1e3:8.1f} ms")
+        print(f"  {cat:22s} {t / 1e3:8.1f} ms" + (f"  ({t / 1e3 / steps:.2f} ms per step)" if steps > 1 else ""))
     print(f"top {args.top} kernels:")
     for name, (t, n) in sorted(names.items(), key=lambda x: -x[1][0])[: args.top]:
-        print(f"  {t / 1e3:7.2f} ms {int(n):5d}x  {name[:150]}")
+        per_step = f" ({n / steps:g}/step)" if steps > 1 else ""
+        print(f"  {t / 1e3:7.2f} ms {int(n):5d}x{per_step}  {name[:150]}")
     chains = launch_chains(events)
     memory_bound = {"elementwise (eager)", "copy / cast", "gather / index", "reduce", "other", "sort / scan"}
     by_chain: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
