@@ -1,4 +1,6 @@
-"""No model below the models: ``meshes``, ``ep``, ``fsdp_moe``, ``prefetch`` and ``data`` know no model family.
+"""No model below the models: ``meshes``, ``ep``, ``fsdp_moe``, ``prefetch`` and ``data`` know no model family, and
+the app names one only in ``families.py`` (its table of families; the rest of it reaches the shared
+``moeshard.models.common``).
 
 Their code (names, attributes, imports, and any string naming ``moeshard.models``) mentions no family: experts are
 found through a family's EP plan, never through a family's class or module. Prose (docstrings, comments, messages
@@ -39,6 +41,18 @@ def test_the_package_names_no_model_family(package):
         if FAMILY.search(text) or "moeshard.models" in text
     ]
     assert not hits, "a model family named below the models:\n" + "\n".join(hits)
+
+
+def test_the_app_names_a_family_only_in_its_table_of_families():
+    files = [f for f in sorted((ROOT / "apps/train/src").rglob("*.py")) if f.name != "families.py"]
+    assert files
+    hits = [
+        f"{file.relative_to(ROOT)}:{line}: {text}"
+        for file in files
+        for line, text in _code_names(file.read_text())
+        if FAMILY.search(text) and (text.isidentifier() or re.search(r"moeshard\.models\.(?!common\b)", text))
+    ]
+    assert not hits, "a model family named outside apps/train/src/moeshard/train/families.py:\n" + "\n".join(hits)
 
 
 def test_the_scan_sees_a_family_name():

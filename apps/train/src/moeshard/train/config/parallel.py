@@ -1,4 +1,4 @@
-"""The ``parallel:`` section of the job: ``moeshard.models.qwen3moe.ParallelOptions``, with ``EPOptions`` nested as
+"""The ``parallel:`` section of the job: ``moeshard.models.common.ParallelOptions``, with ``EPOptions`` nested as
 ``parallel.ep``, plus the mesh keys (``ep_size``, ``allow_cross_node_ep``).
 
 Generated from the packages' dataclasses, so nothing is written twice: key names are the fields' names, defaults
@@ -24,7 +24,7 @@ from dataclasses import field
 from typing import Any
 
 from moeshard.ep import EPOptions
-from moeshard.models.qwen3moe import ParallelOptions
+from moeshard.models.common import ParallelOptions
 from moeshard.train.config.parse import ConfigError
 
 __all__ = ["DEPRECATED", "EPConfig", "ParallelConfig", "attribute_docs", "migrate", "parallel_options"]
@@ -98,7 +98,7 @@ _MESH_KEYS = [
 
 ParallelConfig = _section("ParallelConfig", ParallelOptions, _MESH_KEYS, (), {"ep": EPConfig})
 """``parallel``: ``ep_size`` and ``allow_cross_node_ep`` (``moeshard.meshes.build_meshes``), then every field of
-``moeshard.models.qwen3moe.ParallelOptions`` with ``ep`` (:data:`EPConfig`)."""
+``moeshard.models.common.ParallelOptions`` with ``ep`` (:data:`EPConfig`)."""
 
 
 def parallel_options(cfg: Any) -> ParallelOptions:

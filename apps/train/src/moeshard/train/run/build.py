@@ -21,11 +21,11 @@ import torch.distributed as dist
 from moeshard.train.config import JobConfig, parallel_options, resolve_model_config
 
 if TYPE_CHECKING:
-    from transformers import Qwen3MoeConfig
+    from transformers import PretrainedConfig
 
     from moeshard.fsdp_moe import OptimizersContainer
     from moeshard.meshes import ParallelMeshes
-    from moeshard.models.qwen3moe import Balancing, BalancingOptions, Parallelized
+    from moeshard.models.common import Balancing, BalancingOptions, Parallelized
 
 
 def init_distributed() -> torch.device:
@@ -119,16 +119,16 @@ def schedule_change(saved: dict[str, Any], cfg: JobConfig, step: int) -> str | N
     )
 
 
-def aux_loss_coef(cfg: JobConfig, model_config: Qwen3MoeConfig) -> float:
+def aux_loss_coef(cfg: JobConfig, model_config: PretrainedConfig) -> float:
     """``train.aux_loss.coef``, or the model config's ``router_aux_loss_coef`` when it is null."""
     coef = cfg.train.aux_loss.coef
     return float(getattr(model_config, "router_aux_loss_coef", 0.0) if coef is None else coef)
 
 
-def balancing_options(cfg: JobConfig, model_config: Qwen3MoeConfig) -> BalancingOptions:
-    """The ``moeshard.models.qwen3moe.BalancingOptions`` of ``train.aux_loss``, ``train.z_loss_coef`` and
+def balancing_options(cfg: JobConfig, model_config: PretrainedConfig) -> BalancingOptions:
+    """The ``moeshard.models.common.BalancingOptions`` of ``train.aux_loss``, ``train.z_loss_coef`` and
     ``train.router_bias``."""
-    from moeshard.models.qwen3moe import BalancingOptions
+    from moeshard.models.common import BalancingOptions
 
     t = cfg.train
     return BalancingOptions(
@@ -139,7 +139,7 @@ def balancing_options(cfg: JobConfig, model_config: Qwen3MoeConfig) -> Balancing
     )
 
 
-def check_model_fits(cfg: JobConfig, model_config: Qwen3MoeConfig) -> None:
+def check_model_fits(cfg: JobConfig, model_config: PretrainedConfig) -> None:
     """Raises ValueError (naming the key to change) when the data or the layout do not fit the model."""
     if cfg.data.seq_len > model_config.max_position_embeddings:
         raise ValueError(
@@ -166,7 +166,7 @@ class Job:
     device: torch.device
     meshes: ParallelMeshes
     model: torch.nn.Module
-    model_config: Qwen3MoeConfig
+    model_config: PretrainedConfig
     parallel: Parallelized  # FSDP units, prefetch schedule, EP info, options
     optimizer: OptimizersContainer
     scheduler: torch.optim.lr_scheduler.LambdaLR

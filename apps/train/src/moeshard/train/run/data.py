@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any
 from moeshard.data import DataConfig, Dataset, EvalBatches, StepBatches, open_dataset
 
 if TYPE_CHECKING:
-    from transformers import Qwen3MoeConfig
+    from transformers import PretrainedConfig
 
     from moeshard.train.config import JobConfig
 
 
 def build_data(
-    cfg: JobConfig, model_config: Qwen3MoeConfig, world: int
+    cfg: JobConfig, model_config: PretrainedConfig, world: int
 ) -> tuple[Dataset, StepBatches, EvalBatches | None]:
     """The dataset, its step batches over ``world`` ranks and the held-out set (None without ``eval``).
 
