@@ -12,8 +12,8 @@ from this tree, so its version ranges must accept their versions here. Tests tha
 does not declare live in the top-level ``tests/`` and run in ``cross``, which installs everything. torch, which every
 package declares, is installed once into ``.nox/_torch-<pin>-py<X.Y>`` and every session's venv sees it through a
 ``.pth`` file (delete that folder, or change ``MOESHARD_TORCH``, for a fresh one). The packages' declared build
-requirements (hatchling, and what it asks for an editable build) go into each session's venv once, and the editable
-installs build without an isolated environment each.
+requirements (hatchling, and what it asks for an editable build) are installed once too, into ``.nox/_build-*``,
+which only the editable builds see.
 
 Virtual environments are reused between runs (``--no-reuse-existing-virtualenvs`` for a fresh one); pass pytest
 arguments after ``--`` (``python3 -m nox -s ep -- -k dispatch``).
@@ -21,6 +21,7 @@ arguments after ``--`` (``python3 -m nox -s ep -- -k dispatch``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -113,6 +114,12 @@ def _site_packages(session: nox.Session) -> Path | None:
     return None if out is None else Path(out.strip().splitlines()[-1])
 
 
+def _python_version(session: nox.Session) -> str | None:
+    """The session venv's ``X.Y`` (None under ``--no-install``)."""
+    out = session.run_install("python", "-c", "import sys; print('%d.%d' % sys.version_info[:2])", silent=True)
+    return None if out is None else out.strip().splitlines()[-1]
+
+
 def _torch_layer(session: nox.Session) -> None:
     """The pinned torch (and what it brings) installed once into ``.nox/_torch-<pin>-py<X.Y>``, made visible to this
     session's venv by a ``.pth`` file; the venv's own packages come first on ``sys.path``. Every package declares
@@ -121,8 +128,7 @@ def _torch_layer(session: nox.Session) -> None:
     site = _site_packages(session)
     if site is None:
         return
-    version = session.run_install("python", "-c", "import sys; print('%d.%d' % sys.version_info[:2])", silent=True)
-    layer = ROOT / ".nox" / f"_torch-{re.sub(r'[^A-Za-z0-9.]+', '-', TORCH)}-py{version.strip()}"
+    layer = ROOT / ".nox" / f"_torch-{re.sub(r'[^A-Za-z0-9.]+', '-', TORCH)}-py{_python_version(session)}"
     complete = layer / ".complete"
     if not complete.is_file():
         shutil.rmtree(layer, ignore_errors=True)  # a partial one
@@ -131,23 +137,8 @@ def _torch_layer(session: nox.Session) -> None:
     (site / "_moeshard_torch_layer.pth").write_text(f"{layer}\n")
 
 
-def _install(session: nox.Session, folders: list[str], with_test_extra: list[str]) -> None:
-    """The pinned torch first (the shared layer of :func:`_torch_layer`), then ``folders`` editable in one resolve
-    (``with_test_extra`` with their ``test`` extra): each moeshard requirement resolves to this tree's folder, the
-    rest to the index."""
-    _torch_layer(session)
-    if any(r.name == "triton" for f in with_test_extra for r in _requirements(f, ("test",))):
-        probe = "import importlib.util; print(importlib.util.find_spec('triton') is not None)"
-        found = session.run_install("python", "-c", probe, silent=True)  # None under --no-install
-        if found is not None and found.strip().endswith("False"):
-            session.install(*PIP_ARGS, TRITON)  # a CPU torch: the pinned one, not the newest (see TRITON)
-    _build_requirements(session, folders)
-    editable = [a for f in folders for a in ("-e", f"{f}[test]" if f in with_test_extra else f)]
-    session.install(*PIP_ARGS, "--no-build-isolation", *editable)
-
-
-# Asks a folder's build backend what an editable build needs beyond ``build-system.requires`` (PEP 660's hook;
-# hatchling names `editables`). Run in the session's venv, where the declared build requirements are installed.
+# Asks each folder's build backend what an editable build needs beyond ``build-system.requires`` (PEP 660's hook;
+# hatchling names `editables`); run with the build layer on PYTHONPATH.
 _EDITABLE_REQUIRES = """
 import importlib, json, os, sys
 out = set()
@@ -155,25 +146,62 @@ for backend, folder in zip(sys.argv[1::2], sys.argv[2::2]):
     here = os.getcwd()
     os.chdir(folder)
     try:
-        hook = getattr(importlib.import_module(backend), "get_requires_for_build_editable", lambda: [])
-        out.update(hook())
+        out.update(getattr(importlib.import_module(backend), "get_requires_for_build_editable", list)())
     finally:
         os.chdir(here)
 print(json.dumps(sorted(out)))
 """
 
 
-def _build_requirements(session: nox.Session, folders: list[str]) -> None:
+def _build_layer(session: nox.Session, folders: list[str]) -> Path | None:
     """What ``folders`` declare to build with (``build-system.requires``) and what their backend asks for an editable
-    build, installed into the session's venv once, so that each editable install builds without an isolated
-    environment of its own (one per package before: ~5 s each, ~4 minutes over CI's sessions)."""
+    build, installed once into ``.nox/_build-<hash>-py<X.Y>`` (None under ``--no-install``). It is on PYTHONPATH
+    only while the editable installs build, never in a session's venv: hatchling brings ``packaging`` and others,
+    which would hide a package's undeclared import of them."""
     systems = {f: nox.project.load_toml(ROOT / f / "pyproject.toml")["build-system"] for f in folders}
-    session.install(*PIP_ARGS, *sorted({r for s in systems.values() for r in s["requires"]}))
-    args = [a for f, s in systems.items() for a in (s["build-backend"], str(ROOT / f))]
-    out = session.run_install("python", "-c", _EDITABLE_REQUIRES, *args, silent=True)  # None under --no-install
-    extra = json.loads(out.strip().splitlines()[-1]) if out is not None else []
-    if extra:
-        session.install(*PIP_ARGS, *extra)
+    requires = sorted({r for s in systems.values() for r in s["requires"]})
+    backends = sorted({s["build-backend"] for s in systems.values()})
+    version = _python_version(session)
+    if version is None:
+        return None
+    key = hashlib.sha256(json.dumps([requires, backends]).encode()).hexdigest()[:12]
+    layer = ROOT / ".nox" / f"_build-{key}-py{version}"
+    complete = layer / ".complete"
+    if not complete.is_file():
+        shutil.rmtree(layer, ignore_errors=True)  # a partial one
+        session.install(*PIP_ARGS, "--target", str(layer), *requires)
+        args = [a for f, s in systems.items() for a in (s["build-backend"], str(ROOT / f))]
+        out = session.run_install(
+            "python", "-c", _EDITABLE_REQUIRES, *args, env={"PYTHONPATH": str(layer)}, silent=True
+        )
+        extra = json.loads(out.strip().splitlines()[-1])
+        if extra:
+            session.install(*PIP_ARGS, "--target", str(layer), *extra)
+        complete.write_text(json.dumps([requires, backends, extra]) + "\n")
+    return layer
+
+
+def _install(session: nox.Session, folders: list[str], with_test_extra: list[str]) -> None:
+    """The pinned torch first (the shared layer of :func:`_torch_layer`), then ``folders`` editable
+    (``with_test_extra`` with their ``test`` extra), then what they declare, in one resolve from their installed
+    metadata: each moeshard requirement resolves to this tree's folder, the rest to the index.
+
+    The editable installs build without an isolated environment each (~5 s a package, ~50 packages over CI's
+    sessions), from the shared build layer of :func:`_build_layer`, and without dependencies; the second install
+    names the same distributions and extras, so the venv holds what one ``pip install -e`` of them would give."""
+    _torch_layer(session)
+    if any(r.name == "triton" for f in with_test_extra for r in _requirements(f, ("test",))):
+        probe = "import importlib.util; print(importlib.util.find_spec('triton') is not None)"
+        found = session.run_install("python", "-c", probe, silent=True)  # None under --no-install
+        if found is not None and found.strip().endswith("False"):
+            session.install(*PIP_ARGS, TRITON)  # a CPU torch: the pinned one, not the newest (see TRITON)
+    build = _build_layer(session, folders)
+    if build is None:
+        return
+    extra = {f: "[test]" if f in with_test_extra else "" for f in folders}
+    editable = [a for f in folders for a in ("-e", f + extra[f])]
+    session.install(*PIP_ARGS, "--no-deps", "--no-build-isolation", *editable, env={"PYTHONPATH": str(build)})
+    session.install(*PIP_ARGS, *[_project(f)["name"] + extra[f] for f in folders])
 
 
 def _pytest(session: nox.Session, dirs: list[str]) -> None:
