@@ -209,7 +209,10 @@ class Checkpointer(Callback):
         if dist.get_rank() == 0:  # one line per saved checkpoint: step, size, seconds, this rank's write rate
             size = sum(read_marker(path).get("files", {}).values())
             size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
-            rate = f"{saved.gb_per_s:.2f} GB/s per rank" if saved.write_s > 0 else "-"
+            rate = "-"
+            if saved.write_s > 0:  # a small checkpoint's rate in MB/s: 0.00 GB/s says nothing
+                gb = saved.gb_per_s
+                rate = f"{gb:.2f} GB/s per rank" if gb >= 0.1 else f"{gb * 1e3:.1f} MB/s per rank"
             if background:
                 took = (
                     f"{saved.blocking_s:.2f} s blocked; written in {saved.write_s:.1f} s at {rate}, in the background"
