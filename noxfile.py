@@ -153,12 +153,13 @@ print(json.dumps(sorted(out)))
 """
 
 
-def _build_layer(session: nox.Session, folders: list[str]) -> Path | None:
-    """What ``folders`` declare to build with (``build-system.requires``) and what their backend asks for an editable
-    build, installed once into ``.nox/_build-<hash>-py<X.Y>`` (None under ``--no-install``). It is on PYTHONPATH
-    only while the editable installs build, never in a session's venv: hatchling brings ``packaging`` and others,
-    which would hide a package's undeclared import of them."""
-    systems = {f: nox.project.load_toml(ROOT / f / "pyproject.toml")["build-system"] for f in folders}
+def _build_layer(session: nox.Session) -> Path | None:
+    """What every package declares to build with (``build-system.requires``) and what its backend asks for an
+    editable build, installed once into ``.nox/_build-<hash>-py<X.Y>`` (None under ``--no-install``). It is on
+    PYTHONPATH only while the editable installs build, never in a session's venv: hatchling brings ``packaging`` and
+    others, which would hide a package's undeclared import of them. Its name hashes the requirements and backends;
+    delete it for a fresh one after changing a backend's own build configuration."""
+    systems = {f: nox.project.load_toml(ROOT / f / "pyproject.toml")["build-system"] for f in PACKAGES.values()}
     requires = sorted({r for s in systems.values() for r in s["requires"]})
     backends = sorted({s["build-backend"] for s in systems.values()})
     version = _python_version(session)
@@ -195,7 +196,7 @@ def _install(session: nox.Session, folders: list[str], with_test_extra: list[str
         found = session.run_install("python", "-c", probe, silent=True)  # None under --no-install
         if found is not None and found.strip().endswith("False"):
             session.install(*PIP_ARGS, TRITON)  # a CPU torch: the pinned one, not the newest (see TRITON)
-    build = _build_layer(session, folders)
+    build = _build_layer(session)
     if build is None:
         return
     extra = {f: "[test]" if f in with_test_extra else "" for f in folders}
