@@ -122,6 +122,22 @@ def test_padded_rows(tmp_path, write):
     assert b.cu_seqlens.tolist() == [0, 4, 7, 8] and b.max_seqlen == 4
 
 
+def test_padded_rows_always_have_a_target(tmp_path, write):
+    # a record of exactly seq_len tokens plus its EOS, a record of 2·seq_len, an empty one (its lone EOS), a short one
+    docs = [[1, 2, 3, 4], list(range(10, 18)), [], [5, 6]]
+    data = _dataset(tmp_path, write, docs, 4, packing=False)
+    src = data.sources[0]
+    rows = [src.row(i) for i in range(src.num_rows)]
+    assert [r.input_ids.tolist() for r in rows] == [
+        [1, 2, 3, 4],  # the EOS after it would be a row of one token: no row, that EOS is not trained
+        [10, 11, 12, 13],
+        [14, 15, 16, 17],
+        [5, 6, E, E],
+    ]
+    assert all((r.labels != -100).any() for r in rows)
+    assert src.tokens_in_rows(np.arange(src.num_rows)) == 4 + 4 + 4 + 3
+
+
 def test_collate_segments_and_dense_mask():
     r0 = pack_window(np.array([10, 11, 12, E, 20, 21, E, 30, 31]), None, np.array([0, 4, 7]))
     r1 = pack_window(np.arange(9), None, np.array([0]))

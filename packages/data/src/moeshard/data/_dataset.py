@@ -73,7 +73,8 @@ class RowSource:
     """The rows of one token store: packed windows of ``seq_len`` tokens, or padded document pieces.
 
     Packing: row ``i`` is tokens ``[i*S, (i+1)*S)``; the tail of fewer than S tokens is never used; start-up reads
-    nothing. Padded: one row per ``seq_len`` piece of each document; start-up reads the document index (O(documents)).
+    nothing. Padded: one row per ``seq_len`` piece of each document, but for a last piece of a single token (it
+    would predict nothing); start-up reads the document index (O(documents)).
     """
 
     def __init__(self, store: TokenStore, seq_len: int, packing: bool, pad_id: int):
@@ -84,7 +85,10 @@ class RowSource:
         else:
             lengths = store.document_lengths()
             self._doc_end = np.cumsum(lengths)
-            self._pieces_end = np.cumsum(-(-lengths // seq_len))  # ceil
+            # A piece's first token is no target, so a piece of one token predicts nothing: a document's last piece
+            # of one token (a record of k·S tokens plus its EOS, or an empty record's lone EOS) forms no row, and
+            # that EOS goes untrained. ceil((L - 1) / S) pieces of a document of L tokens.
+            self._pieces_end = np.cumsum(-(-np.maximum(lengths - 1, 0) // seq_len))
             self.num_rows = int(self._pieces_end[-1]) if lengths.size else 0
 
     def _piece(self, i: int) -> tuple[int, int]:
