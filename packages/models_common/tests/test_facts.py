@@ -13,9 +13,9 @@ from moeshard.models.common import (
     DenseMLP,
     Experts,
     HFFormat,
+    ModelFamily,
     MoEBlock,
     MoECausalLM,
-    ModelFamily,
     TopKRouter,
     model_facts,
 )
