@@ -62,7 +62,7 @@ def family_name(family: str | None, path: str | None) -> str:
 
 
 def routed_experts(model_config: Any) -> int:
-    """Routed experts per MoE layer of a config (``num_experts``, ``n_routed_experts``: the family's name for it)."""
+    """Routed experts per MoE layer of a config, whatever the family names the field (``hf_format.num_experts``)."""
     return family_of(model_config).hf_format.num_experts(model_config)
 
 

@@ -57,7 +57,7 @@ def activation_bytes_per_token(
     """Saved activations per token of one training micro-batch, all layers + the loss head.
 
     Without activation checkpointing every layer keeps its activations; with ``full``, each layer keeps only its
-    input (and with ``keep_attention`` what the family says its layer keeps, ``ModelFamily.kept_attention_per_token``:
+    input (and with ``keep_attention`` what the family's layer keeps, ``ModelFacts.kept_attention``:
     the attention's output and log-sum-exp, the output projection's output; packed rows recompute the attention, so
     there the estimate is high by the attention's part) and one layer at a time is recomputed in backward; with
     ``selective`` every layer keeps its activations but the routed copies' gated activation (``activation``: ``F``
@@ -68,19 +68,19 @@ def activation_bytes_per_token(
     hidden states and their gradient (its ``[V, D]`` weight gradient and one chunk's logits are
     :func:`loss_head_bytes`).
     """
-    from moeshard.train.families import family_of, routed_experts
+    from moeshard.train.families import family_of
 
-    d, e, k, f = config.hidden_size, routed_experts(config), config.num_experts_per_tok, config.moe_intermediate_size
-    attn_elems, mlp_elems = family_of(config).activations_per_token(config)  # the family's attention, shared experts
-    attn = compute_bytes * (4 * d + attn_elems) + 4 * config.num_attention_heads  # norms, projections, sdpa out + lse
+    facts = family_of(config).facts(config)  # derived from the family's model, whatever its config calls things
+    d, e, k, f = facts.hidden_size, facts.num_experts, facts.top_k, facts.expert_width
+    attn_elems, mlp_elems = facts.attention_activations, facts.mlp_activations  # the attention, shared experts
+    attn = compute_bytes * (4 * d + attn_elems) + 4 * facts.attention_heads  # norms, projections, sdpa out + lse
     moe = compute_bytes * (2 * d + k * (d + 3 * f) + mlp_elems) + 4 * (2 * e + 3 * k)  # dispatch ... router
     if activation_checkpointing == "selective":
         moe -= compute_bytes * k * (f if selective_recompute == "activation" else 3 * f)
     head = 2 * d * compute_bytes
     layers = config.num_hidden_layers
     if activation_checkpointing == "full":
-        kept = family_of(config).kept_attention_per_token if keep_attention else None
-        kept_elems, kept_floats = kept(config) if kept is not None else (0, 0)
+        kept_elems, kept_floats = facts.kept_attention if keep_attention else (0, 0)
         return layers * ((d + kept_elems) * compute_bytes + 4 * kept_floats) + (attn + moe) + head
     return layers * (attn + moe) + head
 

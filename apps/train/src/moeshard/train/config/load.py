@@ -155,14 +155,15 @@ def kept_factor_ratio(config: Any, tokens: int, micro_batches: int, ep_size: int
     computes on average at any EP size. At EP size ``P`` > 1 the ``overlapped`` dispatcher's factors of the rank's
     own copies are views of all the copies it sorted and of their output gradient (those sent to other ranks too),
     which keeping holds: ``N · 2D · (P - 1) / P`` more per micro-batch."""
-    from moeshard.train.families import routed_experts
+    from moeshard.train.families import family_of
 
-    d, k, f = config.hidden_size, config.num_experts_per_tok, config.moe_intermediate_size
+    facts = family_of(config).facts(config)  # the family's model says its shapes, whatever its config calls them
+    d, k, f = facts.hidden_size, facts.top_k, facts.expert_width
     rows = tokens * k
     per_micro_batch = rows * (2 * d + 3 * f)
     if ep_size > 1 and dispatch == "overlapped":
         per_micro_batch += rows * 2 * d * (ep_size - 1) / ep_size
-    local_experts = routed_experts(config) // ep_size
+    local_experts = facts.num_experts // ep_size
     return (micro_batches - 1) * per_micro_batch / max(1, local_experts * 3 * d * f)
 
 

@@ -12,18 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 
-def moe_layer_count(config: Any) -> int:
-    """Number of decoder layers with routed experts (the model family's rule)."""
-    from moeshard.train.families import moe_layers
-
-    return moe_layers(config)
-
-
 def a2a_rows_per_token(config: Any, ep_size: int, uniform: bool = True) -> float:
     """Rows one token sends to the other EP ranks: each of its K routed copies whose expert lives elsewhere
     (every dispatch strategy of moeshard.ep sends copies). Expected value under uniform routing, or the upper
     bound (all K elsewhere)."""
-    k, p = config.num_experts_per_tok, ep_size
+    from moeshard.train.families import family_of
+
+    k, p = family_of(config).facts(config).top_k, ep_size
     return k * (p - 1) / p if uniform else float(k)
 
 
@@ -68,10 +63,10 @@ def estimate_comm_bytes(
     the per-expert row counts (int64) of each forward (the recompute replays them).
     Reduce-scatter is float32, the experts' ``expert_reduce_bytes`` per element.
     """
-    d = config.hidden_size
-    from moeshard.train.families import routed_experts
+    from moeshard.train.families import family_of
 
-    moe_layers = moe_layer_count(config)
+    facts = family_of(config).facts(config)
+    d, moe_layers = facts.hidden_size, facts.moe_layers
     ep_fsdp = world_size // ep_size
     nodes = world_size // ranks_per_node
     out: dict[tuple[str, str], float] = {}
@@ -88,13 +83,13 @@ def estimate_comm_bytes(
     rows = a2a_rows_per_token(config, ep_size, uniform_routing)
     passes = 5 if activation_checkpointing else 4  # hidden states out + partial outputs back, fwd + bwd; AC: out again
     per_row = passes * d * compute_bytes
-    counts = (ep_size - 1) * (routed_experts(config) // ep_size) * 8  # per layer and forward: rows per expert (int64)
+    counts = (ep_size - 1) * (facts.num_experts // ep_size) * 8  # per layer and forward: rows per expert (int64)
     a2a = moe_layers * (tokens_per_rank * rows * per_row + micro_batches * counts)
     ep_nodes = -(-ep_size // ranks_per_node) if ep_size > ranks_per_node else 1
     add("all_to_all", a2a, ep_size, ep_nodes)
 
-    expert_numel = moe_layers * routed_experts(config) * 3 * d * config.moe_intermediate_size
-    dense_numel = _total_numel(config) - expert_numel
+    expert_numel = moe_layers * facts.num_experts * 3 * d * facts.expert_width
+    dense_numel = facts.parameters - expert_numel
     gathers = 2 if reshard_after_forward else 1
     expert_reshard = reshard_after_forward if expert_reshard_after_forward is None else expert_reshard_after_forward
     ep_fsdp_nodes = min(nodes, ep_fsdp)
@@ -107,9 +102,3 @@ def estimate_comm_bytes(
         reductions = micro_batches if reduce_every_micro_batch else 1
         add("reduce_scatter", reductions * numel * reduce_bytes * (group - 1) / group, group, group_nodes)
     return out
-
-
-def _total_numel(config: Any) -> int:
-    from moeshard.train.families import family_of
-
-    return int(family_of(config).count_parameters(config)[0])

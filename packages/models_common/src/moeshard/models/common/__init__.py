@@ -18,7 +18,8 @@
   dequantised, skipped layers named in one line); :func:`save_hf_weights` / :func:`stream_hf_weights` /
   :func:`save_hf_checkpoint` write folders transformers loads.
 - :class:`ModelFamily`: a family's entry points as one value (each family package exports its ``FAMILY``), so a
-  trainer picks a family by name and knows none.
+  trainer picks a family by name and knows none; its :class:`ModelFacts` (parameter and FLOP counts, activation
+  sizes, expert shapes) are derived from the model built on the meta device (:func:`model_facts`), never written.
 
     from moeshard.models.common import load_hf_weights, parallelize
     par = parallelize(model, meshes)                                  # any family's model
@@ -42,6 +43,7 @@ from moeshard.models.common._causal_lm import DecoderLayer, DecoderModel, MoECau
 from moeshard.models.common._checkpointing import apply_activation_checkpointing
 from moeshard.models.common._evaluation import EvalResult, evaluate
 from moeshard.models.common._fa4 import fa4_unavailable
+from moeshard.models.common._facts import ATTENTION_ATTRIBUTES, ModelFacts, model_facts
 from moeshard.models.common._family import ModelFamily
 from moeshard.models.common._head import CausalLMOutput, LMHead, causal_lm_loss
 from moeshard.models.common._hf_load import (
@@ -96,10 +98,11 @@ from moeshard.models.common._moe import (
 )
 from moeshard.models.common._parallel_options import ParallelOptions
 from moeshard.models.common._parallelize import Parallelized, parallelize
-from moeshard.models.common._presets import check_common_config, config_keys, preset_config, sum_over_layers
+from moeshard.models.common._presets import check_common_config, config_keys, preset_config
 from moeshard.models.common._safetensors import INDEX_NAME, CheckpointError, SafetensorsDir, TensorInfo
 
 __all__ = [
+    "ATTENTION_ATTRIBUTES",
     "CAUSAL_KERNELS",
     "EXPERT_LAYOUTS",
     "IGNORE_INDEX",
@@ -126,6 +129,7 @@ __all__ = [
     "LoadReport",
     "MoEBlock",
     "MoECausalLM",
+    "ModelFacts",
     "ModelFamily",
     "ParallelOptions",
     "Parallelized",
@@ -163,6 +167,7 @@ __all__ = [
     "load_hf_config",
     "load_hf_weights",
     "local_region",
+    "model_facts",
     "model_format",
     "parse_size",
     "parallelize",
@@ -174,6 +179,5 @@ __all__ = [
     "save_hf_weights",
     "sequence_balancing_loss",
     "stream_hf_weights",
-    "sum_over_layers",
     "update_router_bias",
 ]

@@ -4,7 +4,8 @@ from moeshard.models.deepseekv3 import FAMILY
 config = FAMILY.preset_config("deepseek-v3-16b", num_hidden_layers=4)     # or FAMILY.load_config(path)
 with torch.device("meta"):
     model = FAMILY.model_class(config)
-total, active = FAMILY.count_parameters(config)
+total, active = FAMILY.count_parameters(config)                          # derived from the model: model_facts
+width = FAMILY.facts(config).expert_width
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from torch import nn
 from transformers import PretrainedConfig
 
+from moeshard.models.common._facts import ModelFacts, model_facts
 from moeshard.models.common._hf_load import HFFormat, load_hf_config
 
 __all__ = ["ModelFamily"]
@@ -26,30 +28,18 @@ __all__ = ["ModelFamily"]
 class ModelFamily:
     """One model family's entry points (each family package exports its ``FAMILY``).
 
+    Its facts (parameter and FLOP counts, activation sizes, expert shapes) are derived from its model
+    (:func:`model_facts`), so a family writes no formula and a trainer reads no config field name.
+
     Attributes:
         model_class: the causal LM class (``model_class(config)``; its ``hf_format`` describes its checkpoints).
         presets: preset name → config fields.
         preset_config: ``preset_config(name, **overrides) -> config`` (``ValueError`` for an unknown name or field).
-        count_parameters: ``(total, active per token)`` of a config.
-        flops_per_token: training FLOPs per token (forward and backward) of a config at a sequence length: 6 x the
-            matmul parameters a token passes through plus causal attention's score and value products (see each
-            family's ``flops_per_token``).
-        activations_per_token: ``(attention, other MLP)`` elements a layer saves per token beyond its norms and
-            routed copies (an estimate for planning memory; the other MLP: shared experts).
-        kept_attention_per_token: ``(compute-dtype, float32)`` elements per token and layer that full activation
-            checkpointing keeps beside the layer's input where it keeps the attention's output
-            (``ParallelOptions.keep_attention``): the attention's output and log-sum-exp where its kernels apply
-            (:func:`kept_attention_applies`), the output projection's output; None: not said (planned as
-            ``(0, 0)``).
     """
 
     model_class: type[nn.Module]
     presets: Mapping[str, Mapping[str, Any]]
     preset_config: Callable[..., PretrainedConfig]
-    count_parameters: Callable[[PretrainedConfig], tuple[int, int]]
-    flops_per_token: Callable[[PretrainedConfig, int], float]
-    activations_per_token: Callable[[PretrainedConfig], tuple[int, int]]
-    kept_attention_per_token: Callable[[PretrainedConfig], tuple[int, int]] | None = None
 
     @property
     def name(self) -> str:
@@ -69,3 +59,17 @@ class ModelFamily:
     def load_config(self, path: str | os.PathLike) -> PretrainedConfig:
         """The checked config of a local HF checkpoint folder of this family (see ``load_hf_config``)."""
         return load_hf_config(path, self.hf_format)
+
+    def facts(self, config: PretrainedConfig) -> ModelFacts:
+        """The :class:`ModelFacts` of this family's model for ``config`` (built on the meta device)."""
+        return model_facts(self.model_class, config)
+
+    def count_parameters(self, config: PretrainedConfig) -> tuple[int, int]:
+        """``(total, active per token)`` parameters of the causal LM for ``config`` (see :class:`ModelFacts`)."""
+        facts = self.facts(config)
+        return facts.parameters, facts.active_parameters
+
+    def flops_per_token(self, config: PretrainedConfig, seq_len: int) -> float:
+        """Training FLOPs per token (forward and backward) at ``seq_len``: 6 x the matmul parameters a token
+        passes through plus causal attention's score and value products (:meth:`ModelFacts.flops_per_token`)."""
+        return self.facts(config).flops_per_token(seq_len)

@@ -33,6 +33,8 @@ class Router(nn.Module):
     selection (``select_ids``) and normalised affinities (``affinities``) as functions of the logits."""
 
     weight: nn.Parameter
+    top_k: int
+    """Experts each token is routed to (what ``model_facts`` counts as active)."""
 
     @property
     def selection_bias(self) -> torch.Tensor | None:

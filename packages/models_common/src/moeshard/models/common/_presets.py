@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-__all__ = ["check_common_config", "config_keys", "preset_config", "sum_over_layers"]
+__all__ = ["check_common_config", "config_keys", "preset_config"]
 
 
 def config_keys(config_class: type[PretrainedConfig], *extra: str) -> frozenset[str]:
@@ -63,12 +63,3 @@ def check_common_config(config: PretrainedConfig, model_type: str, family: str) 
         raise ValueError(f"hidden_act={config.hidden_act!r} is not supported: the experts are SwiGLU; use 'silu'")
     if config.tie_word_embeddings:
         raise ValueError(f"tie_word_embeddings=True is not supported ({family} is untied); set it to False")
-
-
-def sum_over_layers(
-    config: PretrainedConfig, is_moe_layer: Callable[[PretrainedConfig, int], bool], moe: float, dense: float
-) -> float:
-    """``Σ`` over the decoder layers of ``moe`` (a layer with routed experts, by the family's ``is_moe_layer``) or
-    ``dense`` (the others): the per-layer part of a parameter or FLOP count."""
-    n_moe = sum(1 for i in range(config.num_hidden_layers) if is_moe_layer(config, i))
-    return n_moe * moe + (config.num_hidden_layers - n_moe) * dense

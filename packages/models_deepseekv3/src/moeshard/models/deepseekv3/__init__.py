@@ -14,6 +14,8 @@ skipped), and the model's parallel plan for the shared ``parallelize``.
     model.save_pretrained("/ckpt/finetuned")                         # transformers loads it too
 """
 
+from transformers import DeepseekV3Config as _DeepseekV3Config
+
 from moeshard.models.common import GroupLimitedRouter
 from moeshard.models.common import ModelFamily as _ModelFamily
 from moeshard.models.deepseekv3._layers import MLAttention, softmax_scale
@@ -27,26 +29,28 @@ from moeshard.models.deepseekv3._moe import DeepseekV3MoE
 from moeshard.models.deepseekv3._presets import (
     MODEL_TYPE,
     PRESETS,
-    activations_per_token,
     check_config,
-    count_parameters,
-    flops_per_token,
     get_preset_config,
     is_moe_layer,
-    kept_attention_per_token,
     scoring_func,
 )
 
-FAMILY = _ModelFamily(
-    DeepseekV3ForCausalLM,
-    PRESETS,
-    get_preset_config,
-    count_parameters,
-    flops_per_token,
-    activations_per_token,
-    kept_attention_per_token,
-)
+FAMILY = _ModelFamily(DeepseekV3ForCausalLM, PRESETS, get_preset_config)
 """DeepSeek-V3 as a :class:`moeshard.models.common.ModelFamily` (what a trainer needs, by family name)."""
+
+
+def count_parameters(config: _DeepseekV3Config) -> tuple[int, int]:
+    """``(total, active per token)`` parameters of the causal LM for ``config``, derived from the model built on the
+    meta device (``FAMILY.count_parameters``)."""
+    return FAMILY.count_parameters(config)
+
+
+def flops_per_token(config: _DeepseekV3Config, seq_len: int) -> float:
+    """Training FLOPs per token (forward and backward) at ``seq_len`` with causal attention, derived from the model
+    (``FAMILY.flops_per_token``: 6 x its matmul parameters per token + 6 x (S/2) x heads x (q·k + value head sizes)
+    per layer)."""
+    return FAMILY.flops_per_token(config, seq_len)
+
 
 __all__ = [
     "DEEPSEEK_V3_FORMAT",
@@ -59,8 +63,6 @@ __all__ = [
     "DeepseekV3Model",
     "GroupLimitedRouter",
     "MLAttention",
-    "activations_per_token",
-    "kept_attention_per_token",
     "check_config",
     "count_parameters",
     "flops_per_token",

@@ -56,7 +56,9 @@ class MLAttention(nn.Module):
     def __init__(self, config: DeepseekV3Config) -> None:
         super().__init__()
         d, h, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
-        self.num_heads = h
+        self.num_heads = self.num_kv_heads = h  # keys and values are expanded per head
+        self.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim  # these three for model_facts
+        self.v_head_dim = config.v_head_dim
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.q_lora_rank = config.q_lora_rank

@@ -1,4 +1,4 @@
-"""Named DeepSeek-V3 configurations, the checks our model makes on a config, and parameter counts.
+"""Named DeepSeek-V3 configurations, the checks our model makes on a config, and which layers have experts.
 
 Configs are transformers' ``DeepseekV3Config``, so a ``config.json`` of DeepSeek-V3/R1, Kimi K2 or Moonlight reads
 unchanged. One field transformers does not have: ``scoring_func`` (``"sigmoid"``, DeepSeek-V3's and the default,
@@ -6,7 +6,8 @@ or ``"softmax"``, DeepSeek-V2's and TorchTitan's 16B flavor's); the Hub configs 
 
     cfg = get_preset_config("deepseek-v3-16b")                    # TorchTitan's deepseek_v3 16B geometry
     cfg = get_preset_config("tiny", num_hidden_layers=3)          # tests; any field can be overridden
-    total, active = count_parameters(cfg)
+
+Parameter and FLOP counts are derived from the model (``FAMILY.count_parameters``, ``FAMILY.facts``), not written.
 """
 
 from __future__ import annotations
@@ -16,17 +17,13 @@ from typing import Any
 
 from transformers import DeepseekV3Config
 
-from moeshard.models.common import SCORING_FUNCS, check_common_config, config_keys, preset_config, sum_over_layers
+from moeshard.models.common import SCORING_FUNCS, check_common_config, config_keys, preset_config
 
 __all__ = [
     "MODEL_TYPE",
     "PRESETS",
     "ROPE_TYPES",
-    "activations_per_token",
-    "kept_attention_per_token",
     "check_config",
-    "count_parameters",
-    "flops_per_token",
     "get_preset_config",
     "is_moe_layer",
     "scoring_func",
@@ -185,75 +182,3 @@ def check_config(config: DeepseekV3Config) -> None:
                 f"topk_group={topk_group} must be in [1, n_group={g}] and keep at least num_experts_per_tok={k} "
                 f"experts ({topk_group} groups x {e // g})"
             )
-
-
-def count_parameters(config: DeepseekV3Config) -> tuple[int, int]:
-    """``(total, active_per_token)`` parameter counts of the causal LM, from the config alone.
-
-    Active counts what one token touches: embeddings, head, attention, norms, routers, dense MLPs, the shared
-    experts and ``num_experts_per_tok`` routed experts per MoE layer. Multi-token-prediction layers are not built and
-    not counted.
-    """
-    d, h = config.hidden_size, config.num_attention_heads
-    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
-    if config.q_lora_rank:
-        q = d * config.q_lora_rank + config.q_lora_rank + config.q_lora_rank * h * qk
-    else:
-        q = d * h * qk
-    kv = d * (config.kv_lora_rank + config.qk_rope_head_dim) + config.kv_lora_rank
-    kv += config.kv_lora_rank * h * (config.qk_nope_head_dim + config.v_head_dim)
-    attn = q + kv + h * config.v_head_dim * d
-    if config.attention_bias:
-        attn += (config.q_lora_rank or 0) + config.kv_lora_rank + config.qk_rope_head_dim + d
-    norms = 2 * d
-    expert = 3 * config.moe_intermediate_size * d
-    base = 2 * config.vocab_size * d + d + config.num_hidden_layers * (attn + norms)  # embeddings, head, norms
-    router, shared = config.n_routed_experts * (d + 1), config.n_shared_experts * expert  # weight, correction bias
-    dense = 3 * config.intermediate_size * d
-    total = base + sum_over_layers(config, is_moe_layer, router + shared + config.n_routed_experts * expert, dense)
-    active = base + sum_over_layers(config, is_moe_layer, router + shared + config.num_experts_per_tok * expert, dense)
-    return int(total), int(active)
-
-
-def flops_per_token(config: DeepseekV3Config, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward) at ``seq_len`` with causal attention, MLA counted from its real
-    projections: ``6 · (matmul parameters a token passes through) + 6 · L · (S/2) · H · ((Dn + Dr) + Dv)``.
-
-    Matmul parameters per token: MLA's ``q_proj`` (or ``q_a_proj`` + ``q_b_proj``), ``kv_a_proj_with_mqa``,
-    ``kv_b_proj`` (keys and values expanded per token, as the training path computes them) and ``o_proj``; the
-    router, ``num_experts_per_tok`` routed experts and the shared experts of an MoE layer, or the dense MLP; the LM
-    head. Scores ``q·k`` use the query/key width ``Dn + Dr``, the value product the value width ``Dv``.
-    """
-    d, h = config.hidden_size, config.num_attention_heads
-    qk, dv = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
-    q = d * h * qk if not config.q_lora_rank else d * config.q_lora_rank + config.q_lora_rank * h * qk
-    kv = d * (config.kv_lora_rank + config.qk_rope_head_dim) + config.kv_lora_rank * h * (config.qk_nope_head_dim + dv)
-    attn = q + kv + h * dv * d
-    expert = 3 * d * config.moe_intermediate_size
-    moe = (config.num_experts_per_tok + config.n_shared_experts) * expert + d * config.n_routed_experts
-    mlps = sum_over_layers(config, is_moe_layer, moe, 3 * d * config.intermediate_size)
-    matmul = d * config.vocab_size + config.num_hidden_layers * attn + mlps
-    scores = config.num_hidden_layers * (seq_len / 2) * h * (qk + dv)
-    return 6 * matmul + 6 * scores
-
-
-def activations_per_token(config: DeepseekV3Config) -> tuple[int, int]:
-    """Elements per token a layer saves for backward beyond its norms and routed copies (an estimate for ``plan``):
-    ``(MLA: the query LoRA's output and its norm, the key/value latent and its norm, the expanded keys and values,
-    the rotated queries and keys, the attention output; the shared experts' gate, up and activation)``."""
-    h = config.num_attention_heads
-    qk, dv = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
-    latents = 2 * (config.q_lora_rank or 0) + 2 * (config.kv_lora_rank + config.qk_rope_head_dim)
-    attention = latents + h * (config.qk_nope_head_dim + dv) + 2 * h * qk + h * qk + h * dv
-    return attention, 3 * config.n_shared_experts * config.moe_intermediate_size
-
-
-def kept_attention_per_token(config: DeepseekV3Config) -> tuple[int, int]:
-    """``(compute-dtype, float32)`` elements per token a layer keeps beside its input under full activation
-    checkpointing that keeps the attention's output: the output projection's output (``D``), and the attention's
-    output (``H·Dv``) and log-sum-exp (``H``) only where MLA's query/key head size equals its value head size (in no
-    preset: the attention is recomputed)."""
-    h, d = config.num_attention_heads, config.hidden_size
-    if config.qk_nope_head_dim + config.qk_rope_head_dim != config.v_head_dim:
-        return d, 0
-    return h * config.v_head_dim + d, h

@@ -11,6 +11,8 @@ Qwen3-MoE's attention, MoE block, presets and checkpoint format; the rest (the c
     model.save_pretrained("/ckpt/finetuned")                         # transformers loads it too
 """
 
+from transformers import Qwen3MoeConfig as _Qwen3MoeConfig
+
 from moeshard.models.common import (
     IGNORE_INDEX,
     Balancing,
@@ -51,25 +53,27 @@ from moeshard.models.qwen3moe.moe import SparseMoeBlock
 from moeshard.models.qwen3moe.presets import (
     MODEL_TYPE,
     PRESETS,
-    activations_per_token,
     check_config,
-    count_parameters,
-    flops_per_token,
     get_preset_config,
     is_moe_layer,
-    kept_attention_per_token,
 )
 
-FAMILY = _ModelFamily(
-    Qwen3MoeForCausalLM,
-    PRESETS,
-    get_preset_config,
-    count_parameters,
-    flops_per_token,
-    activations_per_token,
-    kept_attention_per_token,
-)
+FAMILY = _ModelFamily(Qwen3MoeForCausalLM, PRESETS, get_preset_config)
 """Qwen3-MoE as a :class:`moeshard.models.common.ModelFamily` (what a trainer needs, by family name)."""
+
+
+def count_parameters(config: _Qwen3MoeConfig) -> tuple[int, int]:
+    """``(total, active per token)`` parameters of the causal LM for ``config``, derived from the model built on the
+    meta device (``FAMILY.count_parameters``)."""
+    return FAMILY.count_parameters(config)
+
+
+def flops_per_token(config: _Qwen3MoeConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward and backward) at ``seq_len`` with causal attention, derived from the model
+    (``FAMILY.flops_per_token``: 6 x its matmul parameters per token + 6 x (S/2) x heads x (q·k + value head sizes)
+    per layer)."""
+    return FAMILY.flops_per_token(config, seq_len)
+
 
 __all__ = [
     "FAMILY",
@@ -96,8 +100,6 @@ __all__ = [
     "TopKRouter",
     "apply_activation_checkpointing",
     "causal_lm_loss",
-    "activations_per_token",
-    "kept_attention_per_token",
     "check_config",
     "count_parameters",
     "evaluate",

@@ -1,10 +1,11 @@
-"""Named Qwen3-MoE configurations, the checks our model makes on a config, and parameter counts.
+"""Named Qwen3-MoE configurations, the checks our model makes on a config, and which layers have experts.
 
 Configs are transformers' ``Qwen3MoeConfig``, so a ``config.json`` from the Hub reads unchanged::
 
     cfg = get_preset_config("qwen3-30b-a3b")                      # the real 30B-A3B
     cfg = get_preset_config("tiny", num_hidden_layers=2)          # tests; any field can be overridden
-    total, active = count_parameters(cfg)
+
+Parameter and FLOP counts are derived from the model (``FAMILY.count_parameters``, ``FAMILY.facts``), not written.
 """
 
 from __future__ import annotations
@@ -13,16 +14,12 @@ from typing import Any
 
 from transformers import Qwen3MoeConfig
 
-from moeshard.models.common import check_common_config, config_keys, preset_config, sum_over_layers
+from moeshard.models.common import check_common_config, config_keys, preset_config
 
 __all__ = [
     "MODEL_TYPE",
     "PRESETS",
     "check_config",
-    "activations_per_token",
-    "count_parameters",
-    "kept_attention_per_token",
-    "flops_per_token",
     "get_preset_config",
     "is_moe_layer",
 ]
@@ -132,53 +129,3 @@ def check_config(config: Qwen3MoeConfig) -> None:
         )
     if config.decoder_sparse_step < 1:
         raise ValueError(f"decoder_sparse_step={config.decoder_sparse_step} must be >= 1")
-
-
-def count_parameters(config: Qwen3MoeConfig) -> tuple[int, int]:
-    """``(total, active_per_token)`` parameter counts of the causal LM, from the config alone.
-
-    Active counts what one token touches: embeddings, head, attention, norms, routers, dense MLPs and
-    ``num_experts_per_tok`` experts per MoE layer (the embedding row and all of the head, as usually reported).
-    """
-    d, hd = config.hidden_size, head_dim(config)
-    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    attn = d * q + 2 * d * kv + q * d + 2 * hd  # q, k, v, o projections and the q/k norms
-    if config.attention_bias:
-        attn += q + 2 * kv + d
-    norms = 2 * d
-    expert = 3 * config.moe_intermediate_size * d
-    base = 2 * config.vocab_size * d + d + config.num_hidden_layers * (attn + norms)  # embeddings, head, norms
-    router, dense = config.num_experts * d, 3 * config.intermediate_size * d
-    total = base + sum_over_layers(config, is_moe_layer, router + config.num_experts * expert, dense)
-    active = base + sum_over_layers(config, is_moe_layer, router + config.num_experts_per_tok * expert, dense)
-    return int(total), int(active)
-
-
-def flops_per_token(config: Qwen3MoeConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward) at ``seq_len`` with causal attention:
-    ``6 · (matmul parameters a token passes through: q/k/v/o, routers, top-k experts or the dense MLP, the head)
-    + 6 · L · (S/2) · H · (Dh + Dh)`` (scores and values, half the keys on average)."""
-    d, hd = config.hidden_size, head_dim(config)
-    attn = d * config.num_attention_heads * hd * 2 + d * config.num_key_value_heads * hd * 2
-    moe = config.num_experts_per_tok * 3 * d * config.moe_intermediate_size + d * config.num_experts
-    mlps = sum_over_layers(config, is_moe_layer, moe, 3 * d * config.intermediate_size)
-    matmul = d * config.vocab_size + config.num_hidden_layers * attn + mlps
-    scores = config.num_hidden_layers * (seq_len / 2) * config.num_attention_heads * 2 * hd
-    return 6 * matmul + 6 * scores
-
-
-def activations_per_token(config: Qwen3MoeConfig) -> tuple[int, int]:
-    """Elements per token a layer saves for backward beyond its norms and routed copies (an estimate for ``plan``):
-    ``(attention: q, k, v projections and rotations, the attention output, 3·q + 2·kv; the MoE layer's other MLPs:
-    none in Qwen3-MoE)``."""
-    hd = head_dim(config)
-    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    return 3 * q + 2 * kv, 0
-
-
-def kept_attention_per_token(config: Qwen3MoeConfig) -> tuple[int, int]:
-    """``(compute-dtype, float32)`` elements per token a layer keeps beside its input under full activation
-    checkpointing that keeps the attention's output: the output (``H·Dh``) and its log-sum-exp (``H``), and the
-    output projection's output (``D``)."""
-    h = config.num_attention_heads
-    return h * head_dim(config) + config.hidden_size, h

@@ -1,0 +1,189 @@
+"""A family's facts (parameter counts, FLOPs per token, activation sizes, the MoE shapes) derived from its model.
+
+The causal LM is built on the meta device (no memory, no init), so one computation serves every family: adding a
+family writes no formula. What the module tree cannot say, the attention modules declare as attributes:
+``num_heads`` and ``num_kv_heads`` (the heads of the queries and of the keys the attention kernel reads) and
+``qk_head_dim`` / ``v_head_dim`` (head sizes of ``q·k`` and of the values; MLA's differ).
+
+    facts = model_facts(Qwen3MoeForCausalLM, config)
+    facts.parameters, facts.active_parameters, facts.flops_per_token(4096), facts.expert_width
+
+Counting rules (each is the family's model, not its config's field names):
+
+- parameters: every tensor a checkpoint holds, parameters and persistent buffers (DeepSeek-V3's router
+  correction bias is a stored buffer).
+- active parameters: all of them but the routed experts, of which each token uses ``top_k / num_experts``.
+- matmul parameters per token: the weights with two or more dims outside embedding lookups (the LM head is a
+  matmul, the token embedding is not), routed experts scaled by ``top_k / num_experts`` as above.
+- FLOPs per token (training): ``6 · matmul parameters + 6 · (S/2) · Σ_layers H · (Dqk + Dv)``, causal attention's
+  score and value products over half the keys on average.
+- activations per token of one MoE layer (an estimate for planning memory, beside the layer norms and routed
+  copies the planner counts itself): for the attention and for the MoE block's other modules (shared experts),
+  each leaf module's output but the block's last one's, the last one's input (each is what the op after it keeps
+  for backward), and for the attention the query and keys its kernel reads (rotated copies, new tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from moeshard.models.common._moe import Experts, MoEBlock
+
+__all__ = ["ATTENTION_ATTRIBUTES", "ModelFacts", "model_facts"]
+
+ATTENTION_ATTRIBUTES = ("num_heads", "num_kv_heads", "qk_head_dim", "v_head_dim")
+"""What every family's attention module declares for :func:`model_facts` (ints)."""
+
+_TOKENS = 2  # tokens of the meta forward that measures per-token sizes (any count gives the same widths)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a trainer needs to know of a model, derived from it by :func:`model_facts` (never from field names).
+
+    Attributes:
+        parameters: all parameters (and stored buffers) of the causal LM.
+        active_parameters: those one token touches: all but the routed experts, ``top_k`` of those per MoE layer.
+        matmul_parameters: weights a token passes through in matmuls (the LM head, not the embedding lookup),
+            routed experts counted ``top_k`` per MoE layer.
+        attention_width: ``Σ_layers heads · (qk_head_dim + v_head_dim)``: causal attention's FLOPs per key.
+        layers: decoder layers.
+        moe_layers: decoder layers with routed experts.
+        hidden_size: the model's width ``D``.
+        num_experts: routed experts per MoE layer ``E`` (of the first MoE layer; 0 without one, as ``top_k`` and
+            ``expert_width``).
+        top_k: routed experts per token ``K``.
+        expert_width: one routed expert's intermediate width ``F``.
+        attention_heads: the attention's query heads ``H`` (of the first layer).
+        attention_activations: elements per token the attention of the first MoE layer keeps for backward (see the
+            module docstring).
+        mlp_activations: elements per token the MoE block's modules other than the routed experts and the router
+            keep for backward (shared experts; 0 where there are none).
+        kept_attention: ``(compute-dtype, float32)`` elements per token and layer that full activation
+            checkpointing keeps beside the layer's input where it keeps the attention's output: the output and its
+            log-sum-exp where the kept kernels apply (one head size for q, k and v), and the output projection's
+            output; only the latter otherwise.
+    """
+
+    parameters: int
+    active_parameters: int
+    matmul_parameters: int
+    attention_width: int
+    layers: int
+    moe_layers: int
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    expert_width: int
+    attention_heads: int
+    attention_activations: int
+    mlp_activations: int
+    kept_attention: tuple[int, int]
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward and backward) at ``seq_len`` with causal attention:
+        ``6 · matmul_parameters + 6 · (seq_len / 2) · attention_width``."""
+        return 6 * self.matmul_parameters + 6 * (seq_len / 2) * self.attention_width
+
+
+def model_facts(model_class: type[nn.Module], config: PretrainedConfig) -> ModelFacts:
+    """The :class:`ModelFacts` of ``model_class(config)`` (a ``MoECausalLM``), built on the meta device.
+
+    Raises:
+        ValueError: the config is refused by the model (its family's check), or the model's attention does not
+            declare :data:`ATTENTION_ATTRIBUTES`.
+
+    Example::
+
+        facts = model_facts(DeepseekV3ForCausalLM, get_preset_config("deepseek-v3-16b"))
+        facts.active_parameters, facts.flops_per_token(4096)
+    """
+    with torch.device("meta"):
+        model = model_class(config)
+    layers = list(model.model.layers)
+    blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, MoEBlock)]
+    routed = sum(_numel(b.experts) for b in blocks)
+    routed_active = sum(_numel(b.experts) // b.experts.num_experts * b.gate.top_k for b in blocks)
+    stored = sum(t.numel() for t in model.state_dict().values())
+    matmul = routed_active + sum(
+        p.numel()
+        for m in model.modules()
+        if not isinstance(m, (Experts, nn.Embedding))
+        for p in m.parameters(recurse=False)
+        if p.dim() >= 2
+    )
+    attentions = [_attention_dims(layer.self_attn) for layer in layers]
+    # Activations of an MoE layer (what the planner multiplies by the layers); a model without one: its first layer.
+    i = next((i for i, layer in enumerate(layers) if isinstance(layer.mlp, MoEBlock)), 0)
+    heads, kv_heads, qk, v = attentions[i]
+    d = model.lm_head.weight.shape[1]
+    attn_elems, out_width = _attention_activations(model, layers[i].self_attn, d)
+    mlp_elems, num_experts, top_k, width = 0, 0, 0, 0
+    if blocks:
+        first = blocks[0]
+        others = [m for name, m in first.named_children() if name not in ("experts", "gate")]
+        mlp_elems = sum(_block_activations(m, torch.empty(1, _TOKENS, d))[0] for m in others)
+        num_experts, top_k, width = first.experts.num_experts, first.gate.top_k, first.experts.down_proj.shape[2]
+    kept = (heads * v + out_width, heads) if qk == v else (out_width, 0)
+    return ModelFacts(
+        parameters=stored,
+        active_parameters=stored - routed + routed_active,
+        matmul_parameters=matmul,
+        attention_width=sum(h * (q + w) for h, _, q, w in attentions),
+        layers=len(layers),
+        moe_layers=len(blocks),
+        hidden_size=d,
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_width=width,
+        attention_heads=attentions[0][0],
+        attention_activations=attn_elems + heads * qk + kv_heads * qk,
+        mlp_activations=mlp_elems,
+        kept_attention=kept,
+    )
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _attention_dims(attn: nn.Module) -> tuple[int, int, int, int]:
+    missing = [a for a in ATTENTION_ATTRIBUTES if not isinstance(getattr(attn, a, None), int)]
+    if missing:
+        raise ValueError(
+            f"{type(attn).__name__} does not declare {', '.join(missing)}: set them (ints) in its __init__, as "
+            "moeshard.models.common.model_facts reads them"
+        )
+    return tuple(int(getattr(attn, a)) for a in ATTENTION_ATTRIBUTES)  # type: ignore[return-value]
+
+
+def _attention_activations(model: nn.Module, attn: nn.Module, d: int) -> tuple[int, int]:
+    """``(elements per token kept by the attention's modules, its output projection's width)``, by a meta forward."""
+    positions = torch.arange(_TOKENS, device="meta")[None]
+    cos, sin = model.model.rotary_emb(positions, torch.float32)
+    return _block_activations(attn, torch.empty(1, _TOKENS, d, device="meta"), cos, sin, None)
+
+
+def _block_activations(block: nn.Module, *inputs) -> tuple[int, int]:
+    """``(Σ leaf outputs but the last + the last's input, the last's output)``, elements per token of one meta
+    forward of ``block`` (leaf modules in call order)."""
+    calls: list[tuple[int, int]] = []
+
+    def record(module, args, output):
+        calls.append((args[0].numel() // _TOKENS, output.numel() // _TOKENS))
+
+    leaves = [m for m in block.modules() if not list(m.children())]
+    hooks = [m.register_forward_hook(record) for m in leaves]
+    try:
+        with torch.no_grad():
+            block(*(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert calls, f"{type(block).__name__} called no module"
+    *kept, (last_in, last_out) = calls
+    return sum(out for _, out in kept) + last_in, last_out
