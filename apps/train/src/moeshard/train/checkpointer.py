@@ -94,7 +94,8 @@ def write_hub_folder(
 
     final, tmp = hf_dir / checkpoint.name, hf_dir / f".tmp-{checkpoint.name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    export_hf(checkpoint, tmp, dtype=dtype, say=say or print)
+    say = say or print
+    export_hf(checkpoint, tmp, dtype=dtype, say=lambda line: say(line.replace(str(tmp), str(final))))
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)

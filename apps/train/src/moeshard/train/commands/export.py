@@ -77,7 +77,7 @@ def find_tokenizer(cfg: JobConfig | None, model_path: str | None) -> tuple[str |
         return folder, "the prepared data's header"
     if holds_tokenizer(model_path):
         return os.path.abspath(model_path), "model.path"
-    return None, "the run names none (no data.tokenizer, prepared data or model.path with tokenizer files)"
+    return None, "the run names none (data.tokenizer, prepared data, or a model.path with tokenizer files)"
 
 
 class _Run:
@@ -225,7 +225,7 @@ def _add_tokenizer(folder: Path, found: tuple[str | None, str]) -> str | None:
     """Copies the tokenizer's files into ``folder``; returns why it cannot when there is none."""
     tokenizer, where = found
     if tokenizer is None:
-        return f"no tokenizer: {where}; set data.tokenizer=DIR (a local tokenizer folder), or copy its files in"
+        return f"no tokenizer: {where}; set data.tokenizer=DIR (a local folder) or copy its files in"
     for name in TOKENIZER_FILES:
         if (Path(tokenizer) / name).is_file():
             shutil.copyfile(Path(tokenizer) / name, folder / name)  # a new file: the umask's mode, not the source's
