@@ -141,7 +141,8 @@ def test_the_tokenizer_of_prepared_data_and_the_generation_config_of_token_ids(t
     (tok / "tokenizer.json").write_text("{}")
     prepared.mkdir()
     (prepared / "header.json").write_text(json.dumps({"format": "moeshard-tokens", "tokenizer": {"path": str(tok)}}))
-    assert find_tokenizer(load_config(None, [f"--data.path={prepared}"]), None) == (str(tok), "the prepared data's header")
+    from_header = find_tokenizer(load_config(None, [f"--data.path={prepared}"]), None)
+    assert from_header == (str(tok), "the prepared data's header")
     # data.tokenizer first; model.path last
     given = load_config(None, [f"--data.path={prepared}", f"--data.tokenizer={tok}"])
     assert find_tokenizer(given, None) == (str(tok), "data.tokenizer")
