@@ -180,10 +180,13 @@ def main() -> None:
 
     # 6. A checkpoint with experts in their global shape (it loads into any EP size / world size), published
     # atomically as <checkpoint>/step_N once every rank wrote its part (moeshard.checkpoint.find_resume finds it).
+    # `python -m moeshard.train export-hf --checkpoint <checkpoint>/step_N --out DIR` makes it a Hub folder.
     if args.checkpoint is not None:
-        state = model_state(model, optimizer)
-        saved = save_checkpoint(args.checkpoint, args.steps, state, {"step": args.steps}, {}, keep_last=1)
-        print0(f"checkpoint {saved.path}: {saved.write_s:.2f} s, {saved.gb_per_s:.2f} GB/s per rank")
+        # extra (JSON, rank 0's): the step, and what makes the checkpoint a Hub folder with `moeshard-train export-hf`:
+        # the model's config, the folder it started from (its tokenizer and generation config go along).
+        extra = {"step": args.steps, "model_config": config.to_dict(), "model_path": str(args.model.resolve())}
+        saved = save_checkpoint(args.checkpoint, args.steps, model_state(model, optimizer), extra, {}, keep_last=1)
+        print0(f"checkpoint {saved.path}: {saved.write_s:.2f} s, {saved.rate_text} per rank")
     if rank == 0 and args.losses is not None:
         record = {"loss": losses, "grad_norm": grad_norms, "expert_load_max_over_mean": imbalance, "val_loss": val_loss}
         args.losses.write_text(json.dumps(record))

@@ -129,6 +129,41 @@ def test_custom_trainer_matches_the_app(tiny, tmp_path):
     ).is_file()
 
 
+def test_custom_trainer_checkpoint_exports_to_a_hub_folder(tiny, tmp_path, capsys):
+    """The example's checkpoint (one rank, one step) becomes a Hub folder with ``moeshard-train export-hf``:
+    transformers loads it with the example's weights, and the write rate is not ``0.00 GB/s``."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from moeshard.train.__main__ import main
+    from moeshard.train.commands.export import load_full_model
+
+    import shutil
+
+    model = shutil.copytree(tiny / "model", tmp_path / "model")
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 3, "max_new_tokens": 9}))  # goes along
+    ckpt, losses = tmp_path / "ckpt", tmp_path / "losses.json"
+    cmd = _torchrun(
+        1, EXAMPLES / "custom_trainer.py", f"--model={model}", f"--data={tiny / 'data.jsonl'}",
+        "--ep-size=1", "--steps=1", "--global-batch=2", f"--losses={losses}", f"--checkpoint={ckpt}",
+    )  # fmt: skip
+    (res,) = run_side_by_side(cmd, timeout=TIMEOUT, cwd=tmp_path, env=ENV)
+    assert res.returncode == 0, res.stderr[-4000:]
+    (line,) = [x for x in res.stdout.splitlines() if x.startswith("checkpoint ")]
+    assert "0.00 GB/s" not in line and line.endswith(("B/s per rank", "- per rank")), line
+
+    src = ckpt / "step_00000001"
+    assert main(["export-hf", "--checkpoint", str(src), "--out", str(tmp_path / "hf"), "--dtype=float32"]) == 0
+    said = capsys.readouterr().out
+    assert f"{tmp_path / 'hf'}: no tokenizer: the run names none" in said  # the tiny model folder has none
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert GenerationConfig.from_pretrained(tmp_path / "hf").max_new_tokens == 9
+    ours, job_config = load_full_model(src)
+    assert job_config is None  # not a moeshard-train checkpoint
+    ids = torch.randint(0, theirs.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_toy_moe_matches_one_process(tmp_path):
     _run(

@@ -167,3 +167,14 @@ def test_validation_names_the_damaged_file(world_of_one, tmp_path, damage, needl
     assert str(e.value).startswith(f"checkpoint {path} is damaged: ")
     assert needle.format(n=size // 2, size=size) in str(e.value), str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_rate_text_says_a_small_checkpoints_rate_in_mb_per_s(tmp_path):
+    from moeshard.checkpoint import Saved
+
+    def saved(nbytes: int, write_s: float) -> Saved:
+        return Saved(tmp_path, 1, nbytes, blocking_s=0.0, staging_s=0.0, write_s=write_s)
+
+    assert saved(2_500_000_000, 1.0).rate_text == "2.50 GB/s"
+    assert saved(12_300_000, 1.0).rate_text == "12.3 MB/s"  # not 0.01 GB/s
+    assert saved(100, 0.0).rate_text == "-"

@@ -247,3 +247,21 @@ def test_streamed_save_reads_each_tensor_once_and_writes_what_save_writes(hf_dir
         streamed, saved = load_file(f), load_file(tmp_path / "w" / f.name)
         assert streamed.keys() == saved.keys() and all(torch.equal(streamed[k], saved[k]) for k in saved)
         assert all(t.dtype == torch.bfloat16 for t in streamed.values())
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_saved_files_get_a_new_files_mode(hf_dir, tmp_path, umask):
+    import os
+    import stat
+
+    model = Qwen3MoeForCausalLM.from_pretrained(hf_dir)
+    old = os.umask(umask)
+    try:
+        model.save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")  # several shards and an index
+    finally:
+        os.umask(old)
+    files = sorted((tmp_path / "ckpt").iterdir())
+    assert sum(f.suffix == ".safetensors" for f in files) > 1
+    # safetensors alone writes 0600; every file gets what the umask leaves of 0666, as config.json does
+    assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {f.name: oct(0o666 & ~umask) for f in files}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no probe or staging leftovers

@@ -32,6 +32,7 @@ from moeshard.checkpoint import (
     save_checkpoint,
     start_async_save,
 )
+from moeshard.train.commands.export import find_tokenizer
 from moeshard.train.errors import JobError
 from moeshard.train.run import Callback, Job, StepStats, lr_at
 
@@ -53,6 +54,9 @@ def job_state(job: Job, step: int) -> tuple[dict[str, Any], dict[str, Any], dict
         "world_size": dist.get_world_size(),
         "config": config,
         "model_config": job.model_config.to_dict(),
+        # What an export puts beside the weights, found now: the job's relative paths mean something only here.
+        "model_path": os.path.abspath(job.cfg.model.path) if job.cfg.model.path else None,
+        "tokenizer": dict(zip(("path", "from"), find_tokenizer(job.cfg, job.cfg.model.path))),
         # The data order is a pure function of the step (moeshard.data.StepBatches), so the step is the position.
         "data": {"step": step, "samples_seen": step * job.cfg.train.global_batch_size},
     }
@@ -78,15 +82,20 @@ def save_job(
     )
 
 
-def write_hub_folder(checkpoint: Path, hf_dir: Path, dtype: str) -> Path:
+def write_hub_folder(
+    checkpoint: Path, hf_dir: Path, dtype: str, say: Callable[[str], None] | None = None
+) -> Path:
     """``checkpoint.save_hf``: the Hub folder ``hf_dir/<checkpoint's name>`` written from a complete checkpoint by
-    :func:`moeshard.train.commands.export.export_hf` (streaming: host memory bounded by a shard), atomically (a
-    temporary folder renamed; an earlier folder of the same step is replaced). Returns the folder."""
+    :func:`moeshard.train.commands.export.export_hf` (streaming: host memory bounded by a shard; the tokenizer and
+    generation config beside the weights), atomically (a temporary folder renamed; an earlier folder of the same
+    step is replaced). ``say``: the export's lines on a missing tokenizer or generation config (``print``).
+    Returns the folder."""
     from moeshard.train.commands.export import export_hf
 
     final, tmp = hf_dir / checkpoint.name, hf_dir / f".tmp-{checkpoint.name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    export_hf(checkpoint, tmp, dtype=dtype)
+    say = say or print
+    export_hf(checkpoint, tmp, dtype=dtype, say=lambda line: say(line.replace(str(tmp), str(final))))
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -145,6 +154,7 @@ class Checkpointer(Callback):
         self.pending: PendingSave | None = None
         self._group = None
         self._background: dict[int, bool] = {}  # step -> saved in the background
+        self._said: set[str] = set()  # what the Hub folders lack, said once a run
         c = job.cfg.checkpoint
         self.stager = Stager(job.device)
         self._prepared = not (c.every_steps or c.save_final or c.save_hf != "none")
@@ -209,10 +219,7 @@ class Checkpointer(Callback):
         if dist.get_rank() == 0:  # one line per saved checkpoint: step, size, seconds, this rank's write rate
             size = sum(read_marker(path).get("files", {}).values())
             size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
-            rate = "-"
-            if saved.write_s > 0:  # a small checkpoint's rate in MB/s: 0.00 GB/s says nothing
-                gb = saved.gb_per_s
-                rate = f"{gb:.2f} GB/s per rank" if gb >= 0.1 else f"{gb * 1e3:.1f} MB/s per rank"
+            rate = f"{saved.rate_text} per rank" if saved.write_s > 0 else "-"
             if background:
                 took = (
                     f"{saved.blocking_s:.2f} s blocked; written in {saved.write_s:.1f} s at {rate}, in the background"
@@ -224,7 +231,8 @@ class Checkpointer(Callback):
             c.save_hf == "every" or (c.save_hf == "final" and step == self.job.cfg.train.steps)
         ):
             try:
-                hub = write_hub_folder(path, Path(self.job.cfg.logging.output_dir) / "hf", c.hf_dtype)
+                hf_dir = Path(self.job.cfg.logging.output_dir) / "hf"
+                hub = write_hub_folder(path, hf_dir, c.hf_dtype, say=self._say_once)
             except (OSError, ValueError) as e:  # e.g. a full disk; rank 0 only: the others stop on losing it
                 raise JobError(
                     f"writing the Hub folder of step {step} failed ({describe_failure(e)}); the checkpoint {path} is "
@@ -232,6 +240,14 @@ class Checkpointer(Callback):
                     every_rank=False,
                 ) from e
             self.console(f"Hub folder {hub} written from checkpoint {path.name} ({c.hf_dtype})")
+
+    def _say_once(self, line: str) -> None:
+        """An export's line on what a Hub folder lacks (``<folder>: no tokenizer: ...``): the first folder's only,
+        not one per save."""
+        what = line.split(": ", 1)[-1]
+        if what not in self._said:
+            self._said.add(what)
+            self.console(line)
 
     def on_run_end(self) -> None:
         """After an error in the loop (a run that ends well waited at its last step): a background save still

@@ -100,6 +100,15 @@ class Saved:
         """This rank's write rate (10^9 bytes per second)."""
         return self.bytes / 1e9 / self.write_s if self.write_s > 0 else float("nan")
 
+    @property
+    def rate_text(self) -> str:
+        """This rank's write rate for a log line: ``"1.23 GB/s"``, in MB/s below 0.1 GB/s (a small checkpoint's
+        ``0.00 GB/s`` says nothing), ``"-"`` when the write took no measurable time."""
+        if not self.write_s > 0:
+            return "-"
+        gb = self.gb_per_s
+        return f"{gb:.2f} GB/s" if gb >= 0.1 else f"{gb * 1e3:.1f} MB/s"
+
 
 def checkpoint_name(step: int) -> str:
     """Folder name of the checkpoint taken after ``step`` optimizer steps."""

@@ -36,6 +36,7 @@ from moeshard.train.observe.profiling import Profiler
 from moeshard.train.run import Callback, Job, LossLog, StepStats, build, faults, init_distributed, run, schedule_change
 from moeshard.train.run.evaluation import Evaluator
 from moeshard.train.run.prepare import Prepared, prepare, print0
+from moeshard.train.run.startup import startup_block
 
 
 class StopOnNonFinite(Callback):
@@ -103,8 +104,8 @@ def _build_and_resume(cfg: JobConfig, prep: Prepared, device: torch.device) -> t
     try:
         torch.manual_seed(cfg.train.seed)
         job = build(cfg, device)
+        print0(startup_block(cfg, job.model_config, job.meshes, prep.ranks_per_node, prep.data, device, prep.ckpt_dir))
         print0(job.meshes.describe())
-        print0(prep.data.describe())
         start_step = 0
         if prep.resume_path is not None:
             start_step = resume_job(job, prep.resume_path)

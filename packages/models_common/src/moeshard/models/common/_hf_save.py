@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -73,6 +74,18 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _new_file_mode(folder: Path) -> int:
+    """The permission bits a new file in ``folder`` gets (0666 less the umask, any default ACL applied): probed
+    with a file rather than set by ``os.umask``, which would change it for every thread of the process."""
+    probe = folder / f".mode-{uuid.uuid4().hex[:8]}"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        return stat.S_IMODE(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+        os.unlink(probe)
 
 
 def _is_ours(name: str) -> bool:
@@ -175,6 +188,7 @@ def stream_hf_weights(
     stage = path.parent / f".{path.name}.saving-{token}"
     stage.mkdir()
     try:
+        mode = _new_file_mode(stage)
         weight_map, total_bytes, total_params = {}, 0, 0
         held: dict[str, torch.Tensor] = {}
         for i, (name, shard) in enumerate(zip(names, shards)):
@@ -188,6 +202,9 @@ def stream_hf_weights(
                 for key, _ in shard
             }
             save_file(tensors, stage / name, metadata={"format": "pt"})
+            # safetensors creates its files 0600 (readable by their owner only); give them a new file's mode, as
+            # config.json gets. Still inside the staging folder: the rename below publishes them all at once.
+            os.chmod(stage / name, mode)
             _fsync(stage / name)
             for key, t in tensors.items():
                 weight_map[key] = name
