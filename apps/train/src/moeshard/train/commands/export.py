@@ -34,7 +34,7 @@ def _read_run(src: Path):
 
     ckpt.read_marker(src)
     extra = ckpt.read_extra(src)  # JSON (or an older checkpoint's extra.pt, weights_only)
-    cfg = config_from_dict(extra["config"], warn=False)  # a config saved by 0.3 too: its old keys move silently
+    cfg = config_from_dict(extra["config"])
     # The model config saved with the checkpoint: the run's model.path may be gone by now.
     if "model_config" in extra:  # the family from the saved config's model_type (runs of 0.3 and earlier: Qwen3-MoE)
         from moeshard.train.families import get_family
