@@ -204,10 +204,16 @@ def test_parallel_options_map_the_config_keys():
     [  # a key that moved is named where it is now, in one line
         ("--parallel.dispatch=all_to_all", "unknown config key parallel.dispatch; did you mean parallel.ep.dispatch?"),
         ("--parallel.sm_carveout=0", "unknown config key parallel.sm_carveout; did you mean parallel.ep.sm_carveout?"),
-        ("--parallel.expert_kernels=eager", "unknown config key parallel.expert_kernels; did you mean parallel.ep.kernels?"),
+        (
+            "--parallel.expert_kernels=eager",
+            "unknown config key parallel.expert_kernels; did you mean parallel.ep.kernels?",
+        ),
         ("--train.compile=true", "unknown config key train.compile; did you mean parallel.compile?"),
         ("--parallel.ep.compile=true", "unknown config key parallel.ep.compile; did you mean parallel.compile?"),
-        ("--parallel.ep.dispach=all_to_all", "unknown config key parallel.ep.dispach; did you mean parallel.ep.dispatch?"),
+        (
+            "--parallel.ep.dispach=all_to_all",
+            "unknown config key parallel.ep.dispach; did you mean parallel.ep.dispatch?",
+        ),
         ("--train.seq_len=8", "unknown config key train.seq_len; did you mean data.seq_len?"),
     ],
 )
