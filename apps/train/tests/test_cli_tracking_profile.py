@@ -135,6 +135,28 @@ def test_config_show_explains_every_key(capsys, tmp_path):
     assert load_config(tmp_path / "job.yaml") == expected
 
 
+def test_config_show_lists_every_parallel_key_with_its_fields_help(capsys):
+    """``parallel:`` is ``ParallelOptions`` (``parallel.ep``: ``EPOptions``) plus the job's mesh keys: ``config --show``
+    lists each field as a key, with the help its definition carries, and a nested override reaches its field."""
+    import dataclasses
+
+    from moeshard.ep import EPOptions
+    from moeshard.models.common import ParallelOptions
+    from moeshard.train.config import ParallelConfig
+
+    assert issubclass(ParallelConfig, ParallelOptions)
+    fields = {f"parallel.{f.name}": f for f in dataclasses.fields(ParallelConfig)}
+    fields |= {f"parallel.ep.{f.name}": f for f in dataclasses.fields(EPOptions)}
+    assert {"parallel.ep_size", "parallel.allow_cross_node_ep", "parallel.ep.dispatch"} <= set(fields)
+    assert main(["config", "--show", "--parallel.ep.dispatch=all_to_all", "--parallel.ep.sm_carveout=0"]) == 0
+    shown = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert sorted(k for k in shown if k.startswith("parallel.")) == sorted(fields)
+    for key, f in fields.items():
+        assert f.metadata["help"] and shown[key].endswith(f"  {f.metadata['help']}"), key
+    assert shown["parallel.ep.dispatch"].split()[1:3] == ["*all_to_all", "overlapped"]
+    assert shown["parallel.ep.sm_carveout"].split()[1:3] == ["*0", "32"]
+
+
 def test_min_lr_defaults_to_a_tenth_of_lr():
     assert load_config(None, ["--train.lr=1e-4"]).train.min_lr == pytest.approx(1e-5)
     assert load_config(None, ["--train.lr=1e-4", "--train.min_lr=0"]).train.min_lr == 0.0

@@ -1,5 +1,6 @@
-"""The job's configuration: one frozen dataclass per section (:mod:`.sections`; ``parallel:`` generated from the
-packages' options, :mod:`.parallel`), loaded from YAML plus ``--section.key=value`` (:mod:`.load`, :mod:`.parse`).
+"""The job's configuration: one frozen dataclass per section (:mod:`.sections`; ``parallel:`` is the packages'
+``ParallelOptions`` plus the mesh keys, :mod:`.parallel`), loaded from YAML plus ``--section.key=value``
+(:mod:`.load`, :mod:`.parse`).
 
 Unknown keys and wrong types are errors that name the key. The defaults *are* the embedded default job
 (a tiny Qwen3-MoE on CPU, 4 processes as 2 nodes x 2, EP 2); ``apps/train/configs/default.yaml`` spells them out.
@@ -15,7 +16,7 @@ from moeshard.train.config.load import (
     resolve_model_config,
     validate,
 )
-from moeshard.train.config.parallel import EPConfig, ParallelConfig, parallel_options
+from moeshard.train.config.parallel import ParallelConfig, parallel_options
 from moeshard.train.config.parse import ConfigError
 from moeshard.train.config.sections import (
     GROUP_OFF,
@@ -45,7 +46,6 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
-    "EPConfig",
     "EvalConfig",
     "JobConfig",
     "LoggingConfig",

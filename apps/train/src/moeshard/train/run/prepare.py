@@ -18,7 +18,6 @@ from typing import Any
 from moeshard import checkpoint as ckpt
 from moeshard.data import Dataset, EvalBatches, StepBatches, check_batch_sizes
 from moeshard.train.config import JobConfig, layout_error_for_config, resolve_model_config
-from moeshard.train.config.parallel import migrate
 from moeshard.train.errors import JobError
 from moeshard.train.families import family_of
 from moeshard.train.run.build import SCHEDULE_KEYS, check_model_fits
@@ -101,10 +100,7 @@ def guard_output_dir(cfg: JobConfig, output_dir: Path, resuming: bool, identity:
             )
         return
     previous = json.loads(run_file.read_text())
-    # A run of 0.3 recorded keys that moved since (train.compile, model.dtype, ...): under their names now, and those
-    # that left the identity (the parallel options may change between a run and its resumption) out of it.
     old = {s: dict(previous.get(s, {})) for s in ("model", "train")}
-    migrate(old, warn=False)
     defaults = JobConfig().to_dict()
     diff = [
         f"{s}.{k}"
