@@ -309,14 +309,18 @@ def _one_line(error: BaseException) -> str:
 
 
 def _record_for_torchrun(message: str) -> None:
-    """Write the message where torchrun looks for a worker's error, so its failure summary shows it."""
+    """Write the message where torchrun looks for a worker's error, so its failure summary shows it.
+
+    In torchelastic's structured layout (its ``ErrorHandler``'s), with the line in place of a traceback: the agent
+    then copies it without warning about the format, and its summary shows the line under ``traceback :``."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path and not os.path.exists(path):
         import json
         import time
 
+        info = {"py_callstack": message, "timestamp": str(int(time.time()))}
         with open(path, "w") as f:
-            json.dump({"message": message, "timestamp": int(time.time())}, f)
+            json.dump({"message": {"message": message, "extraInfo": info}}, f)
 
 
 def _close_process_group() -> None:
