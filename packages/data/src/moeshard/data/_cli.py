@@ -118,10 +118,11 @@ def _inspect(args: argparse.Namespace) -> None:
     start = 0
     for i, n in enumerate(lengths.tolist()):
         shown_n = min(n, args.max_tokens)
-        ids, mask, _ = store.window(start, start + shown_n)
-        targets = mask if mask is not None else [True] * shown_n  # no mask: every token carries loss
+        ids, mask, _ = store.window(start, start + n)
+        targets = mask.tolist() if mask is not None else [True] * n  # no mask: every token carries loss
         more = f" ... (+{n - shown_n} tokens)" if n > shown_n else ""
-        print(f"[{i}] {n} tokens, {int(sum(targets))} targets: {render_row(ids.tolist(), list(targets), decode)}{more}")
+        row = render_row(ids[:shown_n].tolist(), targets[:shown_n], decode)
+        print(f"[{i}] {n} tokens, {sum(targets)} targets: {row}{more}")
         start += n
 
 
