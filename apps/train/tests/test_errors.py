@@ -59,7 +59,7 @@ def _copy_ckpt(src: Path, dst: Path, edit=None, truncate: bool = False) -> Path:
     return dst
 
 
-def _fail(capsys, args: list[str], code: int = 1) -> str:
+def _fail(capsys, args: list[str], code: int = 2) -> str:
     """Run the entry point, expect ``code`` and exactly one error line; return it."""
     assert main(args) == code
     err = capsys.readouterr().err

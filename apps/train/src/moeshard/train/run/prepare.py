@@ -175,10 +175,14 @@ def prepare(cfg: JobConfig) -> Prepared:
         except ValueError as e:  # the package speaks of its argument; the user sets a config key
             msg = layout_error_for_config(e)
             if "WORLD_SIZE" not in os.environ:  # started as a plain process, not by torchrun
+                # The suggested world must also take the batch: the next multiple of ep_size x micro_batch_size.
+                rows = p.ep_size * cfg.train.micro_batch_size
+                gbs = cfg.train.global_batch_size
+                batch = "" if gbs % rows == 0 else f" --train.global_batch_size={-(-gbs // rows) * rows}"
                 msg = (
                     f"parallel.ep_size {p.ep_size} needs at least {p.ep_size} processes and this job runs as one (started "
-                    f"without torchrun): run `torchrun --nproc-per-node {p.ep_size} -m moeshard.train ...` (or "
-                    f"`moeshard-train launch-local --nnodes 1 --nproc-per-node {p.ep_size} -- ...`), or set "
+                    f"without torchrun): run `torchrun --nproc-per-node {p.ep_size} -m moeshard.train ...{batch}` (or "
+                    f"`moeshard-train launch-local --nnodes 1 --nproc-per-node {p.ep_size} -- ...{batch}`), or set "
                     "--parallel.ep_size=1"
                 )
                 raise ValueError(msg) from None
@@ -240,5 +244,5 @@ def _check_same_model(path: Path, mcfg: Any) -> None:
     if diff:
         raise ValueError(
             f"checkpoint {path} holds another model ({'; '.join(diff)}); resume it with its own model settings, or "
-            "start this model in another logging.output_dir (or with checkpoint.resume=none)"
+            "start this model in a new logging.output_dir with checkpoint.resume=none"
         )
