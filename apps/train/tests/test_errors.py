@@ -106,7 +106,7 @@ def _jsonl(path: Path, records: list[dict]) -> str:
 def test_layout_and_model_errors(capsys, tmp_path, env, args, needle):
     os.environ.update({"RANK": "0", **env})
     out = tmp_path / "out"
-    line = _fail(capsys, [*TINY, *args, f"--logging.output_dir={out}"])
+    line = _fail(capsys, [*TINY, *args, f"--logging.output_dir={out}"], code=2)  # config errors, as plan's
     assert needle in line
     assert not out.exists()
 
