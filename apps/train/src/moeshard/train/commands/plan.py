@@ -121,7 +121,7 @@ def plan_report(
 
     Args:
         gpu_memory: ``(where it comes from, GiB)`` of the GPU to compare the estimate with; where the estimate
-            exceeds it, the report warns and names the first regime that fits (:func:`fitting_regime`).
+            exceeds it, the report warns and names the first regime that fits (:func:`_fitting_regime`).
 
     Raises:
         ConfigError: the config does not fit the layout (:func:`moeshard.train.config.check_layout`, the checks
@@ -133,7 +133,7 @@ def plan_report(
     built = _build(cfg, mcfg, nnodes, nproc_per_node, rank, table)
     compute_bytes = _compute_bytes(cfg)
     mb = micro_batch_size or cfg.train.micro_batch_size
-    est = memory_estimate(cfg, mcfg, built, world, mb, built.options)
+    est = _memory_estimate(cfg, mcfg, built, world, mb, built.options)
     lines = list(built.lines)
     if table:
         lines.append("")
@@ -190,7 +190,7 @@ def _build(cfg: JobConfig, mcfg: Any, nnodes: int, nproc_per_node: int, rank: in
     return _Built(lines, parallel.options, meshes.ep_size, local_numel, total_numel, u)
 
 
-def memory_estimate(cfg: JobConfig, mcfg: Any, built: _Built, world: int, mb: int, opts: Any) -> MemoryEstimate:
+def _memory_estimate(cfg: JobConfig, mcfg: Any, built: _Built, world: int, mb: int, opts: Any) -> MemoryEstimate:
     """The memory per rank of the job ``built`` on ``world`` ranks at micro-batch ``mb`` with the options ``opts``
     (the activation checkpointing and micro-batch change no FSDP unit: one build serves every such regime)."""
     t, u = cfg.train, built.units
@@ -244,7 +244,7 @@ def _exceeds(
 ) -> str:
     where, gib = gpu_memory
     head = f"warning: the estimated peak {est.total / GiB:.2f} GiB exceeds the {gib:.2f} GiB of {where}"
-    fit = fitting_regime(cfg, mcfg, built, nnodes, nproc_per_node, mb, gib * GiB)
+    fit = _fitting_regime(cfg, mcfg, built, nnodes, nproc_per_node, mb, gib * GiB)
     if fit is None:
         return (
             f"{head}; no regime tried fits (activation checkpointing selective and full, micro-batches down to 1, EP "
@@ -268,7 +268,7 @@ def _regimes(cfg: JobConfig, opts: Any, mb: int, world: int) -> list[tuple[str, 
     return out
 
 
-def fitting_regime(
+def _fitting_regime(
     cfg: JobConfig, mcfg: Any, built: _Built, nnodes: int, nproc_per_node: int, mb: int, limit: float
 ) -> tuple[str, int] | None:
     """The first regime whose estimate is within ``limit`` bytes, as ``(its flags, its estimate)``; None if none.
@@ -298,12 +298,12 @@ def fitting_regime(
             b, regimes = built, []
         for ac, m in regimes + _regimes(c, b.options, mb, world):
             r = _with(c, parallel={"activation_checkpointing": ac}) if ac != b.options.activation_checkpointing else c
-            total = memory_estimate(r, mcfg, b, world, m, parallel_options(r)).total
+            total = _memory_estimate(r, mcfg, b, world, m, parallel_options(r)).total
             if total <= limit:
                 same_ac = ac == built.options.activation_checkpointing
                 extra = [] if same_ac else [f"--parallel.activation_checkpointing={ac}"]
                 extra += [f"--train.micro_batch_size={m}"] if m != mb else []
-                return " ".join(flags + extra) or "the job's regime", total
+                return " ".join(flags + extra), total
     return None
 
 
