@@ -168,7 +168,7 @@ def test_plan_summary_and_the_cross_node_key(capsys):
     text = capsys.readouterr().out
     assert "global shape" not in text and "model.layers.0" not in text
     assert "parameters:" in text and "estimated memory per rank" in text and "estimated communication" in text
-    line = _error(capsys, ["plan", "--nnodes", "2", "--nproc-per-node", "4", "--parallel.ep_size=8"])
+    line = _error(capsys, ["plan", "--nnodes", "2", "--nproc-per-node", "4", "--parallel.ep_size=8"], code=2)
     assert "set parallel.allow_cross_node_ep=true" in line and "pass allow_cross_node_ep" not in line
 
 

@@ -107,7 +107,7 @@ def test_config_file_errors(capsys, tmp_path, text, needle):
 
 
 def test_without_torchrun_the_ep_error_says_how_to_launch(capsys, tmp_path):
-    line = _fail(capsys, [*TINY, "--parallel.ep_size=2", f"--logging.output_dir={tmp_path / 'out'}"])
+    line = _fail(capsys, [*TINY, "--parallel.ep_size=2", f"--logging.output_dir={tmp_path / 'out'}"], code=2)
     assert "started without torchrun" in line and "torchrun --nproc-per-node 2 -m moeshard.train" in line
     assert "--parallel.ep_size=1" in line
 

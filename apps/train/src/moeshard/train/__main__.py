@@ -154,6 +154,9 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--micro-batch-size", type=int, default=None, help="for the activation estimate")
     parser.add_argument("--summary", action="store_true", help="the totals, without the table of parameters")
+    parser.add_argument(
+        "--gpu-memory", type=float, default=None, help="GiB per GPU to check the estimate against (default: this GPU's)"
+    )
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     from moeshard.train.commands.plan import plan
@@ -166,6 +169,7 @@ def _plan(argv: list[str]) -> int:
             rank=args.rank,
             micro_batch_size=args.micro_batch_size,
             table=not args.summary,
+            gpu_memory_gib=args.gpu_memory,
         )
     )
     return 0
