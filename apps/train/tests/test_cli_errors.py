@@ -49,7 +49,6 @@ def _one_line(capsys, argv: list[str], status: int) -> str:
         pytest.param(
             ["launch-local", "--nnodes", "x"],
             "launch-local: argument --nnodes: invalid int value: 'x'",
-            marks=pytest.mark.xfail(strict=True, reason="launch_local.py builds a plain argparse parser (usage text)"),
         ),
     ],
 )

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from moeshard.train.config import load_config
+from moeshard.train.config import ConfigError, load_config
 from moeshard.train.errors import JobError
 from moeshard.train.run.prepare import prepare
 
@@ -24,7 +24,7 @@ def _env(clean_env):
 
 
 def _refused(overrides: list[str]) -> str:
-    with pytest.raises(JobError) as e:
+    with pytest.raises((JobError, ConfigError)) as e:
         prepare(load_config(None, overrides))
     return str(e.value)
 

@@ -31,6 +31,8 @@ import time
 import uuid
 from pathlib import Path
 
+from moeshard.train.errors import ArgumentParser
+
 GRACE_S = 60.0  # after one agent fails, how long the others get to notice and stop
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # torchrun's default and SLURM's early warning
 
@@ -108,7 +110,7 @@ def check_job(job_args: list[str], nnodes: int, nproc_per_node: int) -> None:
 
 def main(argv: list[str]) -> int:
     """Start the node agents and wait; the exit code is the first non-zero one."""
-    parser = argparse.ArgumentParser(prog="moeshard-train launch-local")
+    parser = ArgumentParser(prog="moeshard-train launch-local")
     parser.add_argument("--nnodes", type=int, default=2)
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts of every agent")

@@ -312,7 +312,7 @@ def _with(cfg: JobConfig, **sections: dict[str, Any]) -> JobConfig:
     d = cfg.to_dict()
     for name, keys in sections.items():
         d[name] = {**d[name], **keys}
-    return config_from_dict(d, warn=False)
+    return config_from_dict(d)
 
 
 def _parameter_rows(model: torch.nn.Module, info: Any, lines: list[str] | None) -> tuple[int, int]:
