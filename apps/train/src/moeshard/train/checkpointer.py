@@ -210,7 +210,7 @@ class Checkpointer(Callback):
             size = sum(read_marker(path).get("files", {}).values())
             size_text = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
             rate = "-"
-            if saved.write_s > 0:  # a small checkpoint's rate in MB/s: 0.00 GB/s says nothing
+            if saved.write_s > 0:  # a small checkpoint's rate in MB/s: in GB/s it would print as zero
                 gb = saved.gb_per_s
                 rate = f"{gb:.2f} GB/s per rank" if gb >= 0.1 else f"{gb * 1e3:.1f} MB/s per rank"
             if background:

@@ -246,8 +246,8 @@ def _unit_figures(
 
     # train.gradient_sync last_micro_batch: every FSDP unit holds its unsharded gradients until the step's last
     # backward reduces them, in the reduce dtype (FSDP2 accumulates in it), instead of its shard of them (counted
-    # in the gradients): (n - 1) / n of them more over a shard group of n ranks, nothing on one rank (measured on
-    # one H200: the same peak as every_micro_batch).
+    # in the gradients): (n - 1) / n of them more over a shard group of n ranks, nothing on one rank (the same
+    # measured peak as every_micro_batch there).
     def shards(unit: Any) -> int:
         return meshes.ep_fsdp_size if id(unit) in expert_units else meshes.world_size
 
