@@ -18,7 +18,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -44,6 +43,7 @@ TOOLS = {
     "bench_table.py": "test_regimes_1gpu",
     "trace_summary.py": "test_trace_summary",
     "host_gaps.py": "test_host_gaps",
+    "prefetch_profile.py": "test_prefetch_profile",  # the prefetch package README's GPU profile
     "balancing.py": "test_balancing_help",  # its curves: apps/train/tests/test_balancing.py
     "balancing.json": "test_balancing_help",  # balancing.py's output, the app README's figure
     "balancing.svg": "test_balancing_help",
@@ -208,8 +208,16 @@ def test_fa4_env(tmp_path):
 
 
 def _kernel(name: str, ts: float, dur: float, tid: int = 7, corr: int | None = None) -> dict:
-    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid,
-            "args": {"correlation": corr} if corr is not None else {}}
+    return {
+        "ph": "X",
+        "cat": "kernel",
+        "name": name,
+        "ts": ts,
+        "dur": dur,
+        "pid": 0,
+        "tid": tid,
+        "args": {"correlation": corr} if corr is not None else {},
+    }
 
 
 def _trace(path: Path) -> Path:
@@ -218,8 +226,16 @@ def _trace(path: Path) -> Path:
     events = []
 
     def launch(ts: float, corr: int) -> dict:
-        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 5, "pid": 1, "tid": 1,
-                "args": {"correlation": corr}}
+        return {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": ts,
+            "dur": 5,
+            "pid": 1,
+            "tid": 1,
+            "args": {"correlation": corr},
+        }
 
     for step in range(3):
         t = step * 30_000.0
@@ -227,8 +243,18 @@ def _trace(path: Path) -> Path:
         events.append(_kernel("nccl_allgather", t, 1_000, tid=9))
         events += [_kernel("multi_tensor_apply_adamw", t + 20_000, 5_000, corr=10 * step + 1)]
         events.append(launch(t + 19_500, 10 * step + 1))
-        events.append({"ph": "X", "cat": "cpu_op", "name": "aten::_fused_adamw_", "ts": t + 12_000, "dur": 6_000,
-                       "pid": 1, "tid": 1, "args": {}})
+        events.append(
+            {
+                "ph": "X",
+                "cat": "cpu_op",
+                "name": "aten::_fused_adamw_",
+                "ts": t + 12_000,
+                "dur": 6_000,
+                "pid": 1,
+                "tid": 1,
+                "args": {},
+            }
+        )
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     return path
@@ -254,6 +280,21 @@ def test_host_gaps(tmp_path):
     assert "18.00 ms  aten::_fused_adamw_" in res.stdout, res.stdout
 
 
+def test_prefetch_profile(tmp_path):
+    """Its CPU path (gloo, one rank, the tiny preset): a step time per prefetch depth, in the JSON."""
+    out = tmp_path / "prefetch.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+        str(BENCH / "prefetch_profile.py"), "--preset", "tiny", "--seq-len", "32", "--layers", "2",
+        "--depths", "0,1", "--warmup", "1", "--steps", "1", "--profile-steps", "1", "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [r["depth"] for r in results] == [0, 1] and all(r["step_s_median"] > 0 for r in results)
+
+
 def test_balancing_help():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     res = subprocess.run(
@@ -262,4 +303,3 @@ def test_balancing_help():
     assert res.returncode == 0 and "--steps" in res.stdout, res.stderr
     curves = json.loads((BENCH / "balancing.json").read_text())
     assert curves and (BENCH / "balancing.svg").read_text().startswith("<svg")
-    assert shutil.which("bash")

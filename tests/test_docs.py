@@ -203,3 +203,17 @@ def test_no_link_to_the_old_notes():
             if "NOTES.md" in line and not re.search(r"git (log|show)\b[^`]*NOTES\.md", line):  # the history
                 stale.append(f"{rel}:{i}: names benchmarks/NOTES.md, which is gone: link docs/performance.md")
     assert not stale, "\n".join(stale)
+
+
+def test_every_named_benchmark_script_exists():
+    """A script of benchmarks/ named in the docs or sources is there (a removed one is named with ``git show``)."""
+    missing = []
+    for path in sorted([*ROOT.glob("**/*.md"), *ROOT.glob("**/*.py"), *ROOT.glob("**/*.sh")]):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in (".git", ".nox") or "CHANGELOG" in rel.name:
+            continue
+        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for m in re.finditer(r"(git show \w+:)?(benchmarks/[\w-]+\.(?:py|sh))", line):
+                if not m.group(1) and not (ROOT / m.group(2)).exists():
+                    missing.append(f"{rel}:{i}: names {m.group(2)}, which benchmarks/ no longer holds")
+    assert not missing, "\n".join(missing)
