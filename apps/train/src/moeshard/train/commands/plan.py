@@ -256,8 +256,8 @@ def _exceeds(
 
 def _regimes(cfg: JobConfig, opts: Any, mb: int, world: int) -> list[tuple[str, int]]:
     """``(activation checkpointing, micro-batch)`` to try, least costly in step time first: selective
-    checkpointing (under 1% slower), then smaller micro-batches (4-8%), then full checkpointing (about 12%) with
-    each micro-batch (README's regimes on one H200)."""
+    checkpointing, then smaller micro-batches, then full checkpointing with each micro-batch (the order of their
+    measured costs per step: ``docs/performance.md``)."""
     ladder = ("none", "selective", "full")
     current = opts.activation_checkpointing
     per_rank = cfg.train.global_batch_size // world
@@ -390,8 +390,8 @@ def _unit_figures(
 
     # train.gradient_sync last_micro_batch: every FSDP unit holds its unsharded gradients until the step's last
     # backward reduces them, in the reduce dtype (FSDP2 accumulates in it), instead of its shard of them (counted
-    # in the gradients): (n - 1) / n of them more over a shard group of n ranks, nothing on one rank (measured on
-    # one H200: the same peak as every_micro_batch).
+    # in the gradients): (n - 1) / n of them more over a shard group of n ranks, nothing on one rank (the same
+    # measured peak as every_micro_batch there).
     def shards(unit: Any) -> int:
         return meshes.ep_fsdp_size if id(unit) in expert_units else meshes.world_size
 

@@ -171,8 +171,7 @@ def _compile(model: MoECausalLM, kernels: str) -> None:
         # At the call site, from outside (the bound method, compiled): every layer shares one graph.
         layer.attention_half = torch.compile(layer.attention_half)
     # The final norm, which no layer's graph holds: eager, its float32 statistics are ~8 kernels over the
-    # [tokens, D] rows forward and ~15 backward (~2 ms per step of 16k tokens of the 30B-A3B geometry on one H200),
-    # compiled one pass each way.
+    # [tokens, D] rows forward and ~15 backward; compiled, one pass each way.
     model.model.norm.forward = torch.compile(model.model.norm.forward)
     # The row count varies (the last chunk), the vocabulary width never does.
     if kernels == "triton" and torch.cuda.is_available():
