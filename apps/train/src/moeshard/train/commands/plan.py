@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from moeshard.fsdp_moe import expert_grad_budget
 from moeshard.train.commands.plan_memory import (
     MemoryEstimate,
     activation_bytes_per_token,
@@ -21,13 +22,24 @@ from moeshard.train.commands.plan_memory import (
 )
 from moeshard.train.config import (
     JobConfig,
-    expert_grad_budget,
     gradient_sync,
-    kept_factor_ratio,
     layout_error_for_config,
     parallel_options,
     resolve_model_config,
 )
+
+
+def _kept_factor_ratio(config: Any, tokens: int, micro_batches: int, ep_size: int, dispatch: str) -> float:
+    """What a step's kept weight-gradient factors hold over the local experts' gradients, per MoE layer: the EP
+    dispatcher's report of one micro-batch's factors (``moeshard.ep.kept_factor_elements``, ``tokens · top_k``
+    routed copies per rank) by ``moeshard.fsdp_moe.kept_factor_ratio`` against ``local experts · 3DF``."""
+    from moeshard.ep import kept_factor_elements
+    from moeshard.fsdp_moe import kept_factor_ratio
+    from moeshard.train.families import routed_experts
+
+    d, k, f = config.hidden_size, config.num_experts_per_tok, config.moe_intermediate_size
+    per_micro_batch = kept_factor_elements(dispatch, ep_size, tokens * k, d, f)
+    return kept_factor_ratio(per_micro_batch, micro_batches, routed_experts(config) // ep_size * 3 * d * f)
 
 
 def _placement(p: Any, expert_meta: Any) -> str:
@@ -131,9 +143,9 @@ def plan_report(
     micro_batches = max(1, t.global_batch_size // world // mb)
     deferred_sync = gradient_sync(t, world) == "last_micro_batch"
     fused_grads = compute_bytes * u.fused_numel
-    # train.expert_weight_grads: the local experts' gradients kept as factors where train_step defers them
-    ratio = kept_factor_ratio(mcfg, tokens, micro_batches, meshes.ep_size, opts.ep.dispatch)
-    budget = expert_grad_budget(t, ratio)
+    # train.expert_weight_grads: the local experts' gradients kept as factors where the optimizer defers them
+    ratio = _kept_factor_ratio(mcfg, tokens, micro_batches, meshes.ep_size, opts.ep.dispatch)
+    budget = expert_grad_budget(t.expert_weight_grads, ratio)
     if micro_batches > 1 and u.fused_numel and budget is not None and ratio <= budget:
         fused_grads = int(fused_grads * ratio)
     # Local experts the fused pass updates in bf16 hold their float32 masters split: the bf16 parameter (counted with

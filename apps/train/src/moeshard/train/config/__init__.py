@@ -7,9 +7,7 @@ Unknown keys and wrong types are errors that name the key. The defaults *are* th
 
 from moeshard.train.config.load import (
     config_from_dict,
-    expert_grad_budget,
     gradient_sync,
-    kept_factor_ratio,
     layout_error_for_config,
     load_config,
     resolve_model_config,
@@ -57,9 +55,7 @@ __all__ = [
     "TrainConfig",
     "WandbConfig",
     "config_from_dict",
-    "expert_grad_budget",
     "gradient_sync",
-    "kept_factor_ratio",
     "config_table",
     "describe_keys",
     "layout_error_for_config",
