@@ -639,7 +639,7 @@ def test_optimizer_defers_by_itself(runs):
             for step in range(2):
                 ref = d[(dispatch, dtype, "by hand", step)]
 
-                def got(case, what=None, step=step, dispatch=dispatch, dtype=dtype):
+                def got(case, what=None, d=d, step=step, dispatch=dispatch, dtype=dtype):
                     return d[(dispatch, dtype, case, step) + ((what,) if what else ())]
 
                 assert got("by hand", "forms") == [3 * parts] * 4

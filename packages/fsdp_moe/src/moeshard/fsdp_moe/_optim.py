@@ -311,9 +311,7 @@ def build_optimizer(
     children: list[torch.optim.Optimizer] = []
     if any(p.requires_grad for p, *_ in owners.values()):
         children.append(
-            LocalExpertAdamW(
-                model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, expert_grads=expert_grads
-            )
+            LocalExpertAdamW(model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, expert_grads=expert_grads)
         )
     taken = {id(p) for o in children for g in o.param_groups for p in g["params"]}
     rest = [p for p in model.parameters() if id(p) not in taken]
