@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from moeshard.fsdp_moe import expert_grad_budget
 from moeshard.train.commands.plan_memory import (
     GiB,
     MemoryEstimate,
@@ -25,11 +26,23 @@ from moeshard.train.config import (
     JobConfig,
     check_layout,
     config_from_dict,
-    expert_grad_budget,
     gradient_sync,
-    kept_factor_ratio,
     parallel_options,
 )
+
+
+def _kept_factor_ratio(config: Any, tokens: int, micro_batches: int, ep_size: int, dispatch: str) -> float:
+    """What a step's kept weight-gradient factors hold over the local experts' gradients, per MoE layer: the EP
+    dispatcher's report of one micro-batch's factors (``moeshard.ep.kept_factor_elements``, ``tokens · top_k``
+    routed copies per rank) by ``moeshard.fsdp_moe.kept_factor_ratio`` against ``local experts · 3DF``."""
+    from moeshard.ep import kept_factor_elements
+    from moeshard.fsdp_moe import kept_factor_ratio
+    from moeshard.train.families import family_of
+
+    facts = family_of(config).facts(config)  # the family's model says its shapes, whatever its config calls them
+    d, k, f = facts.hidden_size, facts.top_k, facts.expert_width
+    per_micro_batch = kept_factor_elements(dispatch, ep_size, tokens * k, d, f)
+    return kept_factor_ratio(per_micro_batch, micro_batches, facts.num_experts // ep_size * 3 * d * f)
 
 
 def _placement(p: Any, expert_meta: Any) -> str:
@@ -200,9 +213,9 @@ def _memory_estimate(cfg: JobConfig, mcfg: Any, built: _Built, world: int, mb: i
     micro_batches = max(1, t.global_batch_size // world // mb)
     deferred_sync = gradient_sync(t, world) == "last_micro_batch"
     fused_grads = compute_bytes * u.fused_numel
-    # train.expert_weight_grads: the local experts' gradients kept as factors where train_step defers them
-    ratio = kept_factor_ratio(mcfg, tokens, micro_batches, built.ep_size, opts.ep.dispatch)
-    budget = expert_grad_budget(t, ratio)
+    # train.expert_weight_grads: the local experts' gradients kept as factors where the optimizer defers them
+    ratio = _kept_factor_ratio(mcfg, tokens, micro_batches, built.ep_size, opts.ep.dispatch)
+    budget = expert_grad_budget(t.expert_weight_grads, ratio)
     if micro_batches > 1 and u.fused_numel and budget is not None and ratio <= budget:
         fused_grads = int(fused_grads * ratio)
     # Local experts the fused pass updates in bf16 hold their float32 masters split: the bf16 parameter (counted with

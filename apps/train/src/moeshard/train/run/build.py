@@ -164,7 +164,7 @@ def build(cfg: JobConfig, device: torch.device) -> Job:
     Raises:
         ValueError: the layout or the data do not fit the model (see :func:`check_model_fits`).
     """
-    from moeshard.fsdp_moe import build_optimizer
+    from moeshard.fsdp_moe import ExpertGradOptions, build_optimizer
     from moeshard.meshes import build_meshes
     from moeshard.models.common import Balancing, load_hf_weights, parallelize
     from moeshard.train.families import family_of
@@ -184,8 +184,17 @@ def build(cfg: JobConfig, device: torch.device) -> Job:
         model.init_weights()
     if t.router_bias is not None:
         model.enable_router_bias()  # after the HF weights (no such tensor there), before a resume (DCP has it)
+    # train.expert_weight_grads: the optimizer keeps the local experts' weight gradients of a step's micro-batches
+    # as factors and forms them in its last backward, by itself (the trainer calls nothing for it).
+    micro_batches = max(1, t.global_batch_size // dist.get_world_size() // t.micro_batch_size)
+    expert_grads = ExpertGradOptions(micro_batches=micro_batches, mode=t.expert_weight_grads)
     optimizer = build_optimizer(
-        model, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, fuse_local_experts=t.fuse_local_experts
+        model,
+        lr=t.lr,
+        betas=t.betas,
+        weight_decay=t.weight_decay,
+        fuse_local_experts=t.fuse_local_experts,
+        expert_grads=expert_grads,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / t.lr)
     balancing = Balancing(model, balancing_options(cfg, model_config), device=device)

@@ -10,7 +10,7 @@ shape its kernels are faster than cuDNN's, which SDPA runs otherwise, and its ho
 of that where the launch queue runs short (the figures: ``docs/performance.md``).
 
 The package is optional (``pip install 'moeshard-models-common[fa4]'``); :func:`fa4_unavailable` says why it cannot
-run on a device, and the model refuses ``causal_attention="fa4"`` with that reason before its first layer.
+run on a device, and the model refuses ``AttentionOptions(kernel="fa4")`` with that reason before its first layer.
 Its backward accumulates dq with atomics: like cuDNN's, it is not bitwise deterministic from run to run.
 """
 
