@@ -210,7 +210,7 @@ def test_plan_counts_the_expert_units_options():
 def test_plan_refuses_a_layout_that_does_not_fit(capsys):
     from moeshard.train.__main__ import main
 
-    assert main(["plan", "--nnodes", "2", "--nproc-per-node", "2", "--parallel.ep_size=4"]) == 1
+    assert main(["plan", "--nnodes", "2", "--nproc-per-node", "2", "--parallel.ep_size=4"]) == 2
     assert "would cross a node boundary" in capsys.readouterr().err
 
 
@@ -247,3 +247,106 @@ def _comm_body():
         with acct.paused():
             dist.barrier()
     return acct.snapshot() if rank == 0 else None
+
+
+# The config a checkpoint of moeshard-train 0.4.16 holds (`extra["config"]`, JobConfig.to_dict() of that release for
+# configs/qwen3_30b_a3b_2x8.yaml with --parallel.ep.dispatch=all_to_all --parallel.activation_checkpointing=true):
+# parallel's mesh keys first, no parallel.ep.recompute, the checkpointing switch stored as written.
+CONFIG_0_4_16 = {
+    "model": {"family": None, "preset": "qwen3-30b-a3b", "path": None, "overrides": {}, "init_seed": 0},
+    "parallel": {
+        "ep_size": 8,
+        "allow_cross_node_ep": False,
+        "ep": {"dispatch": "all_to_all", "kernels": "triton", "gemm": "auto", "sm_carveout": 32},
+        "compile": True,
+        "activation_checkpointing": True,
+        "keep_attention": True,
+        "attention_kernel": "sdpa",
+        "selective_recompute": "activation",
+        "param_dtype": "bfloat16",
+        "reshard_after_forward": None,
+        "expert_reduce_dtype": "float32",
+        "expert_reshard_after_forward": None,
+        "prefetch_depth": 1,
+        "prefetch_at_host_sync": True,
+    },
+    "data": {
+        "path": "/data/train.jsonl",
+        "sources": [],
+        "tokenizer": "/models/Qwen3-30B-A3B",
+        "seq_len": 4096,
+        "packing": True,
+        "shuffle": True,
+        "seed": 0,
+        "synthetic": False,
+        "synthetic_samples": 4096,
+        "allow_changed": False,
+    },
+    "eval": {"path": None, "synthetic": False, "every_steps": 20, "max_batches": 2, "at_start": True},
+    "train": {
+        "steps": 1000,
+        "global_batch_size": 64,
+        "micro_batch_size": 1,
+        "lr": 0.0001,
+        "warmup_steps": 50,
+        "schedule": "cosine",
+        "min_lr": 1e-05,
+        "decay_fraction": 0.1,
+        "decay_shape": "linear",
+        "weight_decay": 0.01,
+        "betas": [0.9, 0.95],
+        "max_grad_norm": 1.0,
+        "seed": 0,
+        "fuse_local_experts": True,
+        "gradient_sync": "auto",
+        "expert_weight_grads": "auto",
+        "aux_loss": {"coef": None, "scope": "micro_batch"},
+        "router_bias": None,
+        "z_loss_coef": 0.0,
+        "timeout_s": 100.0,
+        "init_timeout_s": 300.0,
+    },
+    "checkpoint": {
+        "dir": None,
+        "every_steps": 200,
+        "save_final": True,
+        "keep_last": 3,
+        "resume": "auto",
+        "async": False,
+        "save_hf": "none",
+        "hf_dtype": "bfloat16",
+    },
+    "logging": {
+        "output_dir": "outputs/qwen3-30b-a3b-2x8",
+        "every_steps": 1,
+        "tensorboard": True,
+        "expert_load_every": 10,
+        "comm_accounting": False,
+        "progress_bar": True,
+        "wandb": None,
+        "mlflow": None,
+        "profile": None,
+    },
+}
+
+
+def test_a_checkpoint_of_0_4_resumes_and_exports_with_its_config(world_of_one, tmp_path):
+    """What a resume reads of a 0.4.16 checkpoint's saved config (its train section, for the schedule) and what an
+    export reads (all of it) is the job those keys name now."""
+    from moeshard.train.commands.export import _read_run
+    from moeshard.train.config import config_from_dict, load_config, parallel_options
+    from moeshard.train.run import schedule_change
+
+    state = {"model": {"w": torch.zeros(4)}}
+    extra = {"step": 200, "config": CONFIG_0_4_16}
+    saved = ckpt.save_checkpoint(tmp_path, 200, state, extra, {"rng": torch.tensor(0)}, keep_last=2).path
+    now = load_config(
+        Path(__file__).parents[1] / "configs" / "qwen3_30b_a3b_2x8.yaml",
+        ["--parallel.ep.dispatch=all_to_all", "--parallel.activation_checkpointing=full"],
+    )
+    extra = ckpt.read_extra(saved)
+    assert schedule_change(extra["config"]["train"], now, 200) is None  # job.py: the resume goes on unchanged
+    assert config_from_dict(extra["config"]) == now
+    cfg, model_config, _ = _read_run(saved)  # export
+    assert cfg == now and parallel_options(cfg).activation_checkpointing == "full"
+    assert cfg.parallel.ep.dispatch == "all_to_all" and model_config.num_experts == 128

@@ -166,7 +166,7 @@ def test_a_path_on_the_command_line_replaces_the_files_preset():
         load_config(CONFIGS / "qwen3_30b_a3b_2x8.yaml", ["--model.path=/models/q", "--model.preset=tiny"])
 
 
-def test_parallel_options_map_the_config_keys(capsys):
+def test_parallel_options_map_the_config_keys():
     from moeshard.ep import EPOptions
     from moeshard.models.qwen3moe import ParallelOptions
     from moeshard.train.config import parallel_options
@@ -197,44 +197,63 @@ def test_parallel_options_map_the_config_keys(capsys):
         prefetch_at_host_sync=False,
     )
     assert parallel_options(load_config(None, new)) == expected
-    assert capsys.readouterr().err == ""
-    # The keys of 0.3 still load, one deprecation line each; auto kernels are triton with compile, as in 0.3.
-    old = [
-        "--train.compile=true",
-        "--parallel.dispatch=all_to_all",
-        "--parallel.sm_carveout=0",
-        "--model.dtype=float32",
-    ]
-    cfg = load_config(None, [*old, "--train.activation_checkpointing=selective", "--train.fused_expert_update=false"])
-    assert parallel_options(cfg) == ParallelOptions(
-        ep=EPOptions(dispatch="all_to_all", kernels="triton", sm_carveout=0),
-        compile=True,
-        activation_checkpointing="selective",
-        param_dtype="float32",
-    )
-    assert not cfg.train.fuse_local_experts
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 6 and "train.compile is deprecated, use parallel.compile" in lines[0], lines
-    with pytest.raises(ConfigError, match="train.compile and parallel.compile are both set"):
-        load_config(None, ["--train.compile=true", "--parallel.compile=true"])
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [  # a key that moved is named where it is now, in one line
+        ("--parallel.dispatch=all_to_all", "unknown config key parallel.dispatch; did you mean parallel.ep.dispatch?"),
+        ("--parallel.sm_carveout=0", "unknown config key parallel.sm_carveout; did you mean parallel.ep.sm_carveout?"),
+        (
+            "--parallel.expert_kernels=eager",
+            "unknown config key parallel.expert_kernels; did you mean parallel.ep.kernels?",
+        ),
+        ("--train.compile=true", "unknown config key train.compile; did you mean parallel.compile?"),
+        ("--parallel.ep.compile=true", "unknown config key parallel.ep.compile; did you mean parallel.compile?"),
+        (
+            "--parallel.ep.dispach=all_to_all",
+            "unknown config key parallel.ep.dispach; did you mean parallel.ep.dispatch?",
+        ),
+        ("--train.seq_len=8", "unknown config key train.seq_len; did you mean data.seq_len?"),
+    ],
+)
+def test_a_key_in_the_wrong_place_names_the_right_one(override, needle, tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert str(info.value) == needle
+    section, rest = override[2:].split("=")[0].split(".", 1)
+    value = yaml.safe_load(override.split("=", 1)[1])
+    for part in reversed(rest.split(".")):
+        value = {part: value}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({section: value}))
+    with pytest.raises(ConfigError) as info:  # the same line from a file
+        load_config(tmp_path / "job.yaml")
+    assert str(info.value) == needle
 
 
 @pytest.mark.parametrize(
     ("override", "needle"),
     [
         ("--parallel.ep.dispatch=tokens", "parallel.ep.dispatch must be one of overlapped, all_to_all, got 'tokens'"),
-        ("--parallel.dispatch=tokens", "parallel.ep.dispatch must be one of overlapped, all_to_all"),  # 0.3's key
         ("--parallel.ep.kernels=fast", "parallel.ep.kernels must be one of eager, compiled, triton"),
         ("--parallel.ep.sm_carveout=-1", r"parallel.ep.sm_carveout=-1 is not allowed: an int >= 0"),
         ("--parallel.prefetch_depth=-1", r"parallel.prefetch_depth=-1 is not allowed: an int >= 0"),
         ("--parallel.expert_reduce_dtype=fp16", "parallel.expert_reduce_dtype must be one of float32, bfloat16, got"),
         ("--parallel.expert_reshard_after_forward=2", "parallel.expert_reshard_after_forward must be true or false"),
         ("--parallel.activation_checkpointing=some", "parallel.activation_checkpointing must be one of none, full"),
+        ("--parallel.ep_size=0", "parallel.ep_size=0 is not allowed: an int >= 1"),
+        ("--parallel.allow_cross_node_ep=1", "parallel.allow_cross_node_ep must be true or false, got 1"),
+        (
+            "--parallel.ep.recompute=mlp",
+            "parallel.ep.recompute='mlp' is not allowed: set parallel.activation_checkpointing='selective' and "
+            "parallel.selective_recompute='mlp' instead",
+        ),
     ],
 )
 def test_parallel_option_errors(override, needle):
-    with pytest.raises(ConfigError, match=needle):
+    with pytest.raises(ConfigError) as info:  # each field's own limits, in the job's key names
         load_config(None, [override])
+    assert needle in str(info.value) and "Options" not in str(info.value) and "\n" not in str(info.value)
 
 
 def test_run_identity_of_the_data(tmp_path, monkeypatch):

@@ -32,6 +32,17 @@ def test_every_field_is_validated(kwargs, message):
         EPOptions(**kwargs)
 
 
+def test_every_field_explains_itself():
+    """Each field's ``help`` is the one line front ends print; its limits are its ``Literal`` and ``__post_init__``."""
+    import typing
+
+    hints = typing.get_type_hints(EPOptions)
+    for f in dataclasses.fields(EPOptions):
+        assert f.metadata["help"].strip() and "\n" not in f.metadata["help"], f.name
+        for choice in typing.get_args(hints[f.name]):  # every choice of a field is explained in its help
+            assert f'`"{choice}"`' in f.metadata["help"], (f.name, choice)
+
+
 def test_frozen_and_described():
     options = EPOptions(kernels="triton", sm_carveout=0)
     assert options.describe() == "dispatch=overlapped kernels=triton gemm=auto sm_carveout=0 recompute=none"

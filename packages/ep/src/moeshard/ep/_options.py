@@ -6,7 +6,7 @@ a dispatcher's constructor) and kept by each dispatcher, so two models in one pr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 __all__ = ["EPOptions"]
@@ -21,33 +21,54 @@ RECOMPUTES = ("none", "activation", "mlp")
 class EPOptions:
     """How the routed experts of every MoE layer run; all choices give the same results (to float rounding).
 
-    Attributes:
-        dispatch: the strategy for EP size > 1 (EP size 1 always runs locally): ``"overlapped"`` (every routed
-            copy bound for another rank travels by point-to-point ops while the rank's own copies go through
-            their experts) or ``"all_to_all"`` (one plain ``all_to_all_single`` each way, no overlap: the
-            readable reference).
-        kernels: the pointwise and gather kernels around the expert GEMMs: ``"eager"`` (torch ops),
-            ``"compiled"`` (``torch.compile``d, rows dynamic) or ``"triton"`` (the kernels of
-            ``moeshard.ep._triton`` on CUDA tensors, the compiled ones for everything else).
-        gemm: the expert GEMM: ``"grouped_mm"`` (one ``torch.nn.functional.grouped_mm`` per weight), ``"loop"``
-            (two matmuls per expert), ``"auto"`` (grouped_mm on CUDA for bf16/fp16 at compute capability >= 9.0,
-            the loop elsewhere).
-        sm_carveout: SMs the expert GEMMs leave free for the communication kernel while they overlap an exchange
-            (``"overlapped"`` on CUDA only); 0 turns the carve-out off.
-        recompute: what the expert MLP recomputes in backward instead of keeping it from forward (selective
-            activation checkpointing inside the experts; results are bit-identical): ``"none"`` keeps the expert
-            input, the gate/up GEMM output and the gated activation (``D + 3F`` elements per routed copy; the
-            outputs are never kept); ``"activation"`` keeps the first two and recomputes the gated activation
-            inside the activation's backward kernel (frees ``F`` elements per routed copy, for an extra write of
-            them); ``"mlp"`` keeps only the expert input and recomputes the gate/up GEMM and the activation (one
-            more grouped GEMM per layer in backward; frees ``3F`` elements per routed copy).
+    Each field is named, limited (its ``Literal`` type and :meth:`__post_init__`, whose ``ValueError`` names it as
+    ``EPOptions.<field>``) and explained (its ``help`` metadata, one line for front ends to print) in one place.
     """
 
-    dispatch: Literal["overlapped", "all_to_all"] = "overlapped"
-    kernels: Literal["eager", "compiled", "triton"] = "eager"
-    gemm: Literal["auto", "grouped_mm", "loop"] = "auto"
-    sm_carveout: int = 32
-    recompute: Literal["none", "activation", "mlp"] = "none"
+    dispatch: Literal[DISPATCHES] = field(
+        default="overlapped",
+        metadata={
+            "help": 'the strategy for EP size > 1 (EP size 1 always runs locally): `"overlapped"` (every routed '
+            "copy bound for another rank travels by point-to-point ops while the rank's own copies go through their "
+            'experts) or `"all_to_all"` (one plain `all_to_all_single` each way, no overlap: the readable '
+            "reference)."
+        },
+    )
+    kernels: Literal[KERNEL_TIERS] = field(
+        default="eager",
+        metadata={
+            "help": 'the pointwise and gather kernels around the expert GEMMs: `"eager"` (torch ops), '
+            '`"compiled"` (`torch.compile`d, rows dynamic) or `"triton"` (the kernels of `moeshard.ep._triton` '
+            "on CUDA tensors, the compiled ones for everything else)."
+        },
+    )
+    gemm: Literal[GEMMS] = field(
+        default="auto",
+        metadata={
+            "help": 'the expert GEMM: `"grouped_mm"` (one `torch.nn.functional.grouped_mm` per weight), '
+            '`"loop"` (two matmuls per expert), `"auto"` (grouped_mm on CUDA for bf16/fp16 at compute '
+            "capability >= 9.0, the loop elsewhere)."
+        },
+    )
+    sm_carveout: int = field(
+        default=32,
+        metadata={
+            "help": "SMs the expert GEMMs leave free for the communication kernel while they overlap an exchange "
+            '(`"overlapped"` on CUDA only); 0 turns the carve-out off.'
+        },
+    )
+    recompute: Literal[RECOMPUTES] = field(
+        default="none",
+        metadata={
+            "help": "what the expert MLP recomputes in backward instead of keeping it from forward (selective "
+            'activation checkpointing inside the experts; results are bit-identical): `"none"` keeps the expert '
+            "input, the gate/up GEMM output and the gated activation (`D + 3F` elements per routed copy; the outputs "
+            'are never kept); `"activation"` keeps the first two and recomputes the gated activation inside the '
+            "activation's backward kernel (frees `F` elements per routed copy, for an extra write of them); "
+            '`"mlp"` keeps only the expert input and recomputes the gate/up GEMM and the activation (one more '
+            "grouped GEMM per layer in backward; frees `3F` elements per routed copy)."
+        },
+    )
 
     def __post_init__(self) -> None:
         choices = (("dispatch", DISPATCHES), ("kernels", KERNEL_TIERS), ("gemm", GEMMS), ("recompute", RECOMPUTES))

@@ -89,8 +89,7 @@ class _Run:
 
         ckpt.read_marker(src)
         extra = ckpt.read_extra(src)  # JSON (or an older checkpoint's extra.pt, weights_only)
-        # A config saved by 0.3 too: its old keys move silently.
-        self.cfg: JobConfig | None = config_from_dict(extra["config"], warn=False) if "config" in extra else None
+        self.cfg: JobConfig | None = config_from_dict(extra["config"]) if "config" in extra else None
         # The model config saved with the checkpoint: the run's model.path may be gone by now.
         if "model_config" in extra:  # the family from its model_type (runs of 0.3 and earlier: Qwen3-MoE)
             from moeshard.train.families import get_family

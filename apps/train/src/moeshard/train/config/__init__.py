@@ -1,10 +1,12 @@
-"""The job's configuration: one frozen dataclass per section (:mod:`.sections`; ``parallel:`` generated from the
-packages' options, :mod:`.parallel`), loaded from YAML plus ``--section.key=value`` (:mod:`.load`, :mod:`.parse`).
+"""The job's configuration: one frozen dataclass per section (:mod:`.sections`; ``parallel:`` is the packages'
+``ParallelOptions`` plus the mesh keys, :mod:`.parallel`), loaded from YAML plus ``--section.key=value``
+(:mod:`.load`, :mod:`.parse`).
 
 Unknown keys and wrong types are errors that name the key. The defaults *are* the embedded default job
 (a tiny Qwen3-MoE on CPU, 4 processes as 2 nodes x 2, EP 2); ``apps/train/configs/default.yaml`` spells them out.
 """
 
+from moeshard.train.config.layout import CheckedLayout, check_layout
 from moeshard.train.config.load import (
     config_from_dict,
     expert_grad_budget,
@@ -15,7 +17,7 @@ from moeshard.train.config.load import (
     resolve_model_config,
     validate,
 )
-from moeshard.train.config.parallel import EPConfig, ParallelConfig, parallel_options
+from moeshard.train.config.parallel import ParallelConfig, parallel_options
 from moeshard.train.config.parse import ConfigError
 from moeshard.train.config.sections import (
     GROUP_OFF,
@@ -42,10 +44,10 @@ __all__ = [
     "TABLE_BEGIN",
     "TABLE_END",
     "AuxLossConfig",
+    "CheckedLayout",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
-    "EPConfig",
     "EvalConfig",
     "JobConfig",
     "LoggingConfig",
@@ -56,6 +58,7 @@ __all__ = [
     "RouterBiasConfig",
     "TrainConfig",
     "WandbConfig",
+    "check_layout",
     "config_from_dict",
     "expert_grad_budget",
     "gradient_sync",

@@ -1,5 +1,5 @@
 """Loading the job's configuration: a YAML file under the command's own defaults, ``--section.key=value``
-overrides, the moved keys of 0.3 (:func:`moeshard.train.config.parallel.migrate`) and the checks across keys.
+overrides and the checks across keys.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from typing import Any
 
 import moeshard.data
 from moeshard.models.common import SCOPES as AUX_SCOPES
-from moeshard.train.config.parallel import migrate, parallel_options
-from moeshard.train.config.parse import ConfigError, parse_value, read_config_file, section_from_dict
+from moeshard.train.config.parse import ConfigError, keys_of, parse_value, read_config_file, section_from_dict
 from moeshard.train.config.sections import DataConfig, JobConfig
 
 SCHEDULES = ("cosine", "constant", "wsd")
@@ -86,19 +85,18 @@ def load_config(
     return cfg
 
 
-def config_from_dict(raw: dict[str, Any], *, warn: bool = True) -> JobConfig:
-    """The job of a mapping of sections (a YAML file's, or ``JobConfig.to_dict()``'s, also one saved by 0.3: its
-    deprecated keys move to their new place, one line each unless ``warn`` is False); absent sections and keys
-    keep their defaults.
+def config_from_dict(raw: dict[str, Any]) -> JobConfig:
+    """The job of a mapping of sections (a YAML file's, or ``JobConfig.to_dict()``'s: a checkpoint's saved config);
+    absent sections and keys keep their defaults.
 
     Raises:
-        ConfigError: an unknown section or key, or a value of the wrong type.
+        ConfigError: an unknown section or key (with the key most likely meant, in any section), a value of the
+            wrong type or out of its field's limits.
     """
-    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
-    migrate(raw, warn=warn)
     hints = typing.get_type_hints(JobConfig)
+    known = [k for name in hints for k in keys_of(hints[name], name)]
     try:
-        built = {name: section_from_dict(hints[name], name, raw[name]) for name in raw if name != "data"}
+        built = {name: section_from_dict(hints[name], name, raw[name], known) for name in raw if name != "data"}
         if "data" in raw:
             built["data"] = DataConfig.from_dict(raw["data"], "data")  # moeshard.data's keys and checks
     except moeshard.data.DataError as e:
@@ -172,7 +170,6 @@ def validate(cfg: JobConfig) -> None:
     m, t, c = cfg.model, cfg.train, cfg.checkpoint
     if (m.preset is None) == (m.path is None):
         raise ConfigError("model: set exactly one of model.preset or model.path")
-    parallel_options(cfg)  # the packages' own checks, in the job's key names
     if t.warmup_steps < 0 or t.max_grad_norm <= 0 or t.weight_decay < 0:
         raise ConfigError(
             "train.warmup_steps must be >= 0, train.max_grad_norm > 0 and train.weight_decay >= 0 "

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +26,9 @@ class ConfigError(ValueError):
     """A configuration key or value that cannot be used; the message names the key."""
 
 
-def coerce(key: str, value: Any, tp: Any) -> Any:
-    """``value`` as type ``tp`` (YAML's types to the dataclass field's), or ConfigError naming ``key``."""
+def coerce(key: str, value: Any, tp: Any, known: Sequence[str] | None = None) -> Any:
+    """``value`` as type ``tp`` (YAML's types to the dataclass field's), or ConfigError naming ``key`` (``known``:
+    the keys an unknown one in a group may be suggested from, :func:`section_from_dict`)."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
@@ -38,7 +41,7 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
             if a is type(None):
                 continue
             try:
-                return coerce(key, value, a)
+                return coerce(key, value, a, known)
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{key}: invalid value {value!r}")
@@ -51,7 +54,7 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     if dataclasses.is_dataclass(tp):  # a group of keys inside a section (logging.wandb)
         if isinstance(value, tp):
             return value
-        return section_from_dict(tp, key, {} if value is True else value)  # true: its defaults
+        return section_from_dict(tp, key, {} if value is True else value, known)  # true: its defaults
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -88,18 +91,74 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     raise ConfigError(f"{key}: unsupported type {tp}")
 
 
-def section_from_dict(cls: type, name: str, raw: dict[str, Any]) -> Any:
-    """The dataclass ``cls`` of section ``name`` from its mapping; unknown keys are errors with a suggestion."""
+def section_from_dict(cls: type, name: str, raw: dict[str, Any], known: Sequence[str] | None = None) -> Any:
+    """The dataclass ``cls`` of section ``name`` from its mapping; unknown keys are errors with a suggestion (from
+    ``known``, the dotted keys to suggest; default: those of ``cls``).
+
+    The ``ValueError`` of a class's own checks, which names a field as ``<class>.<field>`` (``EPOptions.sm_carveout``,
+    ``ParallelOptions.prefetch_depth``), is reported in the job's key names (``parallel.ep.sm_carveout``)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"section {name!r} must be a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
-    known = {yaml_key(f): f.name for f in dataclasses.fields(cls)}
+    fields = {yaml_key(f): f.name for f in dataclasses.fields(cls)}
     for key in raw:
-        if key not in known:
-            near = difflib.get_close_matches(key, known, n=1)
-            hint = f"; did you mean {name}.{near[0]}?" if near else f"; known keys: {', '.join(sorted(known))}"
+        if key not in fields:
+            near = did_you_mean(f"{name}.{key}", keys_of(cls, name) if known is None else known)
+            hint = f"; did you mean {near}?" if near else f"; known keys: {', '.join(sorted(fields))}"
             raise ConfigError(f"unknown config key {name}.{key}{hint}")
-    return cls(**{known[k]: coerce(f"{name}.{k}", v, hints[known[k]]) for k, v in raw.items()})
+    values = {fields[k]: coerce(f"{name}.{k}", v, hints[fields[k]], known) for k, v in raw.items()}
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        classes = [c.__name__ for c in cls.__mro__ if dataclasses.is_dataclass(c)]
+        raise ConfigError(re.sub(rf"(?<![\w.])({'|'.join(classes)})\.", f"{name}.", str(e))) from None
+
+
+def group_type(tp: Any) -> type | None:
+    """The dataclass of a field that is a group of keys (``train.aux_loss``; ``logging.wandb``, optional), else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    args = typing.get_args(tp)
+    groups = [a for a in args if dataclasses.is_dataclass(a)] if type(None) in args else []
+    return groups[0] if groups else None
+
+
+def keys_of(cls: type, prefix: str) -> list[str]:
+    """Every dotted key of the dataclass ``cls`` under ``prefix``, with its groups' (``parallel.ep.dispatch``)."""
+    keys: list[str] = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{yaml_key(f)}"
+        keys.append(key)
+        group = group_type(hints[f.name])
+        if group is not None:
+            keys += keys_of(group, key)
+    return keys
+
+
+def did_you_mean(key: str, known: Sequence[str]) -> str | None:
+    """The key of ``known`` that an unknown dotted ``key`` most likely meant, else None: its name in a group of its
+    section (``parallel.dispatch``: ``parallel.ep.dispatch``), a close spelling beside it (``train.lrr``:
+    ``train.lr``), its name in another section (``train.compile``: ``parallel.compile``), a close spelling in a group
+    below it (``parallel.expert_kernels``: ``parallel.ep.kernels``)."""
+    parent, leaf = key.rsplit(".", 1)
+    section = key.split(".", 1)[0]
+    same_name = [k for k in known if k.rsplit(".", 1)[1] == leaf and k != key]
+    below = [k for k in known if k.startswith(f"{parent}.") and k.count(".") > key.count(".")]
+
+    def closest(candidates: list[str]) -> str | None:
+        by_name = {k.rsplit(".", 1)[1]: k for k in reversed(candidates)}  # the first key of each name wins
+        near = difflib.get_close_matches(leaf, list(by_name), n=1)
+        return by_name[near[0]] if near else None
+
+    return (
+        next((k for k in same_name if k.startswith(f"{section}.")), None)
+        or closest([k for k in known if k.rsplit(".", 1)[0] == parent])
+        or next(iter(same_name), None)
+        or closest(below)
+    )
 
 
 def parse_value(text: str) -> Any:

@@ -1,4 +1,4 @@
-"""The job's configuration sections: one frozen dataclass each (``parallel`` is generated, :mod:`.parallel`), every
+"""The job's configuration sections: one frozen dataclass each (``parallel``: :mod:`.parallel`), every
 key with its default and meaning (:func:`describe_keys`, :func:`config_table`); loading is :mod:`.load`.
 
 Unknown keys and wrong types are errors that name the key. The defaults *are* the embedded default job

@@ -26,85 +26,130 @@ REDUCE_DTYPES = ("float32", "bfloat16")
 class ParallelOptions:
     """How :func:`parallelize` parallelises the model; each field is validated on construction (``ValueError``).
 
-    The fields are the vocabulary of every front end (the training job's ``parallel:`` section is generated from
-    them: names, defaults, the ``Literal`` choices and the meanings below), so each is described here once.
-
-    Attributes:
-        ep: the expert-parallel options (dispatch strategy, kernel tier, expert GEMM, SM carve-out) given to
-            ``moeshard.ep.apply_ep``.
-        compile: ``torch.compile`` each decoder layer's ``attention_half`` (norms, projections, RoPE, attention,
-            residual and the MoE block's router: one graph, shared by all layers; flex_attention for packed rows
-            on CUDA runs inside it), the final norm, the
-            LM head's loss chunk (rows dynamic; with the ``"triton"`` kernel tier of ``ep`` on CUDA a Triton kernel
-            instead, two passes over the logits where the compiled chunk makes three) and the cast-and-scale of the
-            gradients of experts kept out of FSDP.
-            False compiles nothing (packed rows then use the dense document mask). Every compile in the packages
-            is decided here; a compile that fails raises.
-        activation_checkpointing: what backward recomputes instead of keeping from forward: ``"none"``;
-            ``"full"`` (each decoder layer's forward is checkpointed and recomputed in backward, FQNs unchanged,
-            except what only its output needs: the routed experts' down projections, the outputs' way back and
-            the combine; the exchange out runs again, its sizes replayed: no extra host sync); ``"selective"``
-            (inside the routed experts only, as ``selective_recompute`` says: no exchange runs again, results
-            bit-identical).
-            ``True`` / ``False`` are read as ``"full"`` / ``"none"``.
-        keep_attention: with ``"full"``, each layer also keeps from the forward its attention's output and
-            log-sum-exp, its output projection's output and its router's top-k (``H·Dv + D`` compute-dtype and
-            ``H`` float32 elements per token, where the layer's input is ``D``: 3x the input at Qwen3-30B-A3B's
-            shapes), so the recompute runs neither the attention kernel, nor that GEMM, nor the selection (one
-            H200, 8 layers of 30B-A3B, micro-batch 4: +10.0% over no checkpointing, +15% without). The attention
-            is kept for plain causal rows on CUDA (cuDNN's or FlashAttention 4's kernels) and CPU where the query
-            and value head sizes are equal (Qwen3-MoE; not DeepSeek-V3's MLA, nor packed documents or padding
-            masks: those recompute it); the projection wherever the rows are plain causal; the top-k for softmax
-            top-k routers. Ignored otherwise.
-        attention_kernel: the kernels of a plain causal attention (rows without padding or packed documents):
-            ``"sdpa"`` (what ``scaled_dot_product_attention`` picks: cuDNN's on Hopper) or ``"fa4"``
-            (FlashAttention 4's, from the optional ``flash-attn-4`` package, ``pip install
-            'moeshard-models-common[fa4]'``: Hopper and Blackwell GPUs, one head size for q, k and v up to 256;
-            one H200, Qwen3-30B-A3B's attention: forward + backward 3.67 against cuDNN's 4.20 ms per layer at 4 x
-            4,096 tokens). The model refuses ``"fa4"`` with the reason before its first layer where it cannot
-            run; where a layer's shapes do not fit it (DeepSeek-V3's MLA) that layer runs SDPA. Under
-            ``keep_attention`` its output is kept as SDPA's is.
-        selective_recompute: with ``"selective"``, the expert intermediates recomputed (``EPOptions.recompute``):
-            ``"activation"`` (default: the gated activation, from the saved gate/up output, inside the activation's
-            backward kernel: ``F`` elements per routed copy for an extra write of them, +0.3% per step on one
-            H200) or ``"mlp"`` (the gate/up grouped GEMM too, from the saved expert input: ``3F`` elements per
-            routed copy for one more GEMM per layer in backward, +5.9%).
-        param_dtype: the compute dtype: ``auto`` (bfloat16 on CUDA, float32 elsewhere), ``float32`` or
-            ``bfloat16``; master weights and gradient reduction stay float32 (the experts': ``expert_reduce_dtype``).
-        reshard_after_forward: free each unit's gathered parameters after its forward (gather again in backward).
-            None (the default): True where the FSDP mesh has more than one rank; False on one rank, where nothing is
-            sharded (keeping the gathered compute-dtype copy costs only its bytes, 0.3 GiB at 8 layers of
-            Qwen3-30B-A3B, and saves a gather's copies and hooks per unit and micro-batch).
-        expert_reduce_dtype: the dtype of the expert units' gradient reduce-scatter over ``ep_fsdp``: ``float32``
-            or ``bfloat16`` (half the bytes, summed in bfloat16; the gradients still land in float32). Only where
-            experts are FSDP units (ep_fsdp > 1).
-        expert_reshard_after_forward: for the expert units (ep_fsdp > 1): None follows ``reshard_after_forward``;
-            False keeps their gathered parameters from forward to backward (one all-gather per micro-batch instead
-            of two, for the gathered experts' memory through the forward).
-        prefetch_depth: units each stage prefetches ahead (forward) and behind (backward); 0 keeps FSDP's default
-            order.
-        prefetch_at_host_sync: with EP > 1 and ``prefetch_depth`` > 0, issue the next layer's all-gathers at each
-            MoE layer's device->host sync instead of in the layer's pre-forward (the same prefetches, issued while
-            the host would otherwise wait); ignored otherwise.
+    The fields are the vocabulary of every front end (the training job's ``parallel:`` section is this class, with
+    ``ep`` nested), so each is named, limited (its ``Literal`` type and :meth:`__post_init__`, whose ``ValueError``
+    names it as ``ParallelOptions.<field>``) and explained (its ``help`` metadata, one line for front ends to print)
+    in one place, its definition below.
     """
 
-    ep: EPOptions = field(default_factory=EPOptions)
-    compile: bool = False
-    activation_checkpointing: Literal[CHECKPOINTING] | bool = "none"
-    keep_attention: bool = True
-    attention_kernel: Literal[CAUSAL_KERNELS] = "sdpa"
-    selective_recompute: Literal[SELECTIVE] = "activation"
-    param_dtype: Literal[PARAM_DTYPES] = "auto"
-    reshard_after_forward: bool | None = None
-    expert_reduce_dtype: Literal[REDUCE_DTYPES] = "float32"
-    expert_reshard_after_forward: bool | None = None
-    prefetch_depth: int = 1
-    prefetch_at_host_sync: bool = True
+    ep: EPOptions = field(
+        default_factory=EPOptions,
+        metadata={
+            "help": "the expert-parallel options (dispatch strategy, kernel tier, expert GEMM, SM carve-out) given to "
+            '`moeshard.ep.apply_ep`; their `recompute` stays `"none"` here (`activation_checkpointing` '
+            '`"selective"` with `selective_recompute` sets it).'
+        },
+    )
+    compile: bool = field(
+        default=False,
+        metadata={
+            "help": "`torch.compile` each decoder layer's `attention_half` (norms, projections, RoPE, attention, "
+            "residual and the MoE block's router: one graph, shared by all layers; flex_attention for packed rows on "
+            'CUDA runs inside it), the final norm, the LM head\'s loss chunk (rows dynamic; with the `"triton"` '
+            "kernel tier of `ep` on CUDA a Triton kernel instead, two passes over the logits where the compiled chunk "
+            "makes three) and the cast-and-scale of the gradients of experts kept out of FSDP. False compiles nothing "
+            "(packed rows then use the dense document mask). Every compile in the packages is decided here; a compile "
+            "that fails raises."
+        },
+    )
+    activation_checkpointing: Literal[CHECKPOINTING] | bool = field(
+        default="none",
+        metadata={
+            "help": 'what backward recomputes instead of keeping from forward: `"none"`; `"full"` (each '
+            "decoder layer's forward is checkpointed and recomputed in backward, FQNs unchanged, except what only its "
+            "output needs: the routed experts' down projections, the outputs' way back and the combine; the exchange "
+            'out runs again, its sizes replayed: no extra host sync); `"selective"` (inside the routed experts '
+            "only, as `selective_recompute` says: no exchange runs again, results bit-identical). `True` / `False` "
+            'are read as `"full"` / `"none"`.'
+        },
+    )
+    keep_attention: bool = field(
+        default=True,
+        metadata={
+            "help": 'with `"full"`, each layer also keeps from the forward its attention\'s output and '
+            "log-sum-exp, its output projection's output and its router's top-k (`H·Dv + D` compute-dtype and `H` "
+            "float32 elements per token, where the layer's input is `D`: 3x the input at Qwen3-30B-A3B's shapes), so "
+            "the recompute runs neither the attention kernel, nor that GEMM, nor the selection (one H200, 8 layers of "
+            "30B-A3B, micro-batch 4: +10.0% over no checkpointing, +15% without). The attention is kept for plain "
+            "causal rows on CUDA (cuDNN's or FlashAttention 4's kernels) and CPU where the query and value head sizes "
+            "are equal (Qwen3-MoE; not DeepSeek-V3's MLA, nor packed documents or padding masks: those recompute "
+            "it); the projection wherever the rows are plain causal; the top-k for softmax top-k routers. Ignored "
+            "otherwise."
+        },
+    )
+    attention_kernel: Literal[CAUSAL_KERNELS] = field(
+        default="sdpa",
+        metadata={
+            "help": 'the kernels of a plain causal attention (rows without padding or packed documents): `"sdpa"` '
+            "(what `scaled_dot_product_attention` picks: cuDNN's on Hopper) or `\"fa4\"` (FlashAttention 4's, from "
+            "the optional `flash-attn-4` package, `pip install 'moeshard-models-common[fa4]'`: Hopper and Blackwell "
+            "GPUs, one head size for q, k and v up to 256; one H200, Qwen3-30B-A3B's attention: forward + backward "
+            '3.67 against cuDNN\'s 4.20 ms per layer at 4 x 4,096 tokens). The model refuses `"fa4"` with the '
+            "reason before its first layer where it cannot run; where a layer's shapes do not fit it (DeepSeek-V3's "
+            "MLA) that layer runs SDPA. Under `keep_attention` its output is kept as SDPA's is."
+        },
+    )
+    selective_recompute: Literal[SELECTIVE] = field(
+        default="activation",
+        metadata={
+            "help": 'with `"selective"`, the expert intermediates recomputed (`EPOptions.recompute`): '
+            '`"activation"` (default: the gated activation, from the saved gate/up output, inside the '
+            "activation's backward kernel: `F` elements per routed copy for an extra write of them, +0.3% per step on "
+            'one H200) or `"mlp"` (the gate/up grouped GEMM too, from the saved expert input: `3F` elements per '
+            "routed copy for one more GEMM per layer in backward, +5.9%)."
+        },
+    )
+    param_dtype: Literal[PARAM_DTYPES] = field(
+        default="auto",
+        metadata={
+            "help": "the compute dtype: `auto` (bfloat16 on CUDA, float32 elsewhere), `float32` or `bfloat16`; "
+            "master weights and gradient reduction stay float32 (the experts': `expert_reduce_dtype`)."
+        },
+    )
+    reshard_after_forward: bool | None = field(
+        default=None,
+        metadata={
+            "help": "free each unit's gathered parameters after its forward (gather again in backward). None (the "
+            "default): True where the FSDP mesh has more than one rank; False on one rank, where nothing is sharded "
+            "(keeping the gathered compute-dtype copy costs only its bytes, 0.3 GiB at 8 layers of Qwen3-30B-A3B, "
+            "and saves a gather's copies and hooks per unit and micro-batch)."
+        },
+    )
+    expert_reduce_dtype: Literal[REDUCE_DTYPES] = field(
+        default="float32",
+        metadata={
+            "help": "the dtype of the expert units' gradient reduce-scatter over `ep_fsdp`: `float32` or `bfloat16` "
+            "(half the bytes, summed in bfloat16; the gradients still land in float32). Only where experts are FSDP "
+            "units (ep_fsdp > 1)."
+        },
+    )
+    expert_reshard_after_forward: bool | None = field(
+        default=None,
+        metadata={
+            "help": "for the expert units (ep_fsdp > 1): None follows `reshard_after_forward`; False keeps their "
+            "gathered parameters from forward to backward (one all-gather per micro-batch instead of two, for the "
+            "gathered experts' memory through the forward)."
+        },
+    )
+    prefetch_depth: int = field(
+        default=1,
+        metadata={
+            "help": "units each stage prefetches ahead (forward) and behind (backward); 0 keeps FSDP's default order."
+        },
+    )
+    prefetch_at_host_sync: bool = field(
+        default=True,
+        metadata={
+            "help": "with EP > 1 and `prefetch_depth` > 0, issue the next layer's all-gathers at each MoE layer's "
+            "device->host sync instead of in the layer's pre-forward (the same prefetches, issued while the host "
+            "would otherwise wait); ignored otherwise."
+        },
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.ep, EPOptions):
             raise ValueError(f"ParallelOptions.ep={self.ep!r} is not allowed: a moeshard.ep.EPOptions")
-        if isinstance(self.activation_checkpointing, bool):  # the bool of 0.3
+        if isinstance(self.activation_checkpointing, bool):  # a YAML switch; configs saved by 0.4 may hold one
             object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
         if self.activation_checkpointing not in CHECKPOINTING:
             raise ValueError(
@@ -117,9 +162,10 @@ class ParallelOptions:
             )
         if self.ep.recompute != "none":
             raise ValueError(
-                f"ParallelOptions.ep has recompute={self.ep.recompute!r}: set "
-                f"activation_checkpointing='selective', selective_recompute={self.ep.recompute!r} instead (the "
-                "checkpointing policy is chosen in one place)"
+                f"ParallelOptions.ep.recompute={self.ep.recompute!r} is not allowed: set "
+                f"ParallelOptions.activation_checkpointing='selective' and "
+                f"ParallelOptions.selective_recompute={self.ep.recompute!r} instead (the checkpointing policy is "
+                "chosen in one place)"
             )
         for name in ("compile", "keep_attention", "prefetch_at_host_sync"):
             value = getattr(self, name)
