@@ -48,13 +48,14 @@ def test_a_session_installs_what_its_package_declares(noxfile):
     assert closure["prefetch"] == ["packages/meshes", "packages/prefetch"]  # meshes: its tests' harness (`test`)
     assert closure["sequence"] == ["packages/meshes", "packages/sequence"]  # the same
     assert noxfile._internal_closure("packages/sequence", extras=()) == ["packages/sequence"]  # torch only
-    # the model's `test` extra names its `parallel` extra: meshes, fsdp_moe, prefetch
+    # the model's `test` extra names its `parallel` extra: meshes, fsdp_moe, prefetch, sequence
     assert set(closure["qwen3moe"]) == {
         "packages/meshes",
         "packages/ep",
         "packages/models_common",
         "packages/fsdp_moe",
         "packages/prefetch",
+        "packages/sequence",
         "packages/models_qwen3moe",
     }
     assert noxfile._internal_closure("packages/models_qwen3moe", extras=()) == [
