@@ -99,6 +99,7 @@ from moeshard.models.common._parallel_options import ParallelOptions
 from moeshard.models.common._parallelize import Parallelized, parallelize
 from moeshard.models.common._presets import check_common_config, config_keys, preset_config
 from moeshard.models.common._safetensors import INDEX_NAME, CheckpointError, SafetensorsDir, TensorInfo
+from moeshard.models.common._sequence_parallel import apply_sequence_parallel
 
 __all__ = [
     "ATTENTION_ATTRIBUTES",
@@ -141,6 +142,7 @@ __all__ = [
     "TensorInfo",
     "TopKRouter",
     "apply_activation_checkpointing",
+    "apply_sequence_parallel",
     "apply_rotary",
     "attend",
     "attention_output",

@@ -126,6 +126,9 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         self.document_attention = "auto"
         self.attention = AttentionOptions()
+        # Set by apply_sequence_parallel: this rank holds tokens [rank·s, (rank+1)·s) of rows of s·size tokens.
+        self.sequence_parallel_size = 1
+        self.sequence_parallel_rank = 0
 
     attention_class: type[nn.Module]
     """The family's attention, ``attention_class(config)``."""
@@ -154,13 +157,20 @@ class DecoderModel(nn.Module):
         """``(hidden_BSD after the final norm, each MoE layer's router logits, each one's selected expert ids)``."""
         x_BSD = self.embed_tokens(input_ids_BS)
         s = input_ids_BS.shape[1]
+        if self.sequence_parallel_size > 1 and position_ids_BS is None:
+            raise ValueError(
+                "under sequence parallelism each rank holds a shard of the row: pass its whole-row position_ids "
+                "(moeshard.sequence.shard_row gives them)"
+            )
         if position_ids_BS is None:
             # As transformers: positions 0..S-1 even with left padding (the mask alone hides the pads).
             position_ids_BS = torch.arange(s, device=x_BSD.device)[None]
         elif position_ids_BS.dim() == 1:
             position_ids_BS = position_ids_BS[None]
         cos, sin = self.rotary_emb(position_ids_BS, x_BSD.dtype)
-        mask = self._attention_mask(attention_mask_BS, document_ids_BS, s, x_BSD.device)
+        # The mask is the whole row's: under sequence parallelism attention sees every token of it (on head shards),
+        # and document_ids / attention_mask are the whole row's.
+        mask = self._attention_mask(attention_mask_BS, document_ids_BS, s * self.sequence_parallel_size, x_BSD.device)
         attention = self.attention.on(x_BSD.device)  # keep: only where the device has the kept kernels
         routed = []  # each MoE layer's (router logits, selected expert ids)
         for layer in self.layers:
@@ -250,6 +260,7 @@ class MoECausalLM(nn.Module):
         num_items_in_batch: int | torch.Tensor | None = None,
         output_router_logits: bool | None = None,
         return_logits: bool = True,
+        shift_labels: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """Logits and, with ``labels``, the loss (transformers semantics).
 
@@ -267,21 +278,38 @@ class MoECausalLM(nn.Module):
                 not to ``lm_loss``); default ``config.output_router_logits``.
             return_logits: with ``labels``, False computes the loss in chunks through the head without ever
                 holding the ``[B, S, V]`` logits (training); ``logits`` is then None.
+            shift_labels: instead of ``labels``, targets already shifted (position t predicts ``shift_labels[t]``):
+                what a shard of a row needs under sequence parallelism, whose last token predicts the next
+                shard's first (``moeshard.sequence.shard_row``'s ``targets``). Under sequence parallelism
+                (:func:`apply_sequence_parallel`) ``input_ids`` is this rank's shard, ``position_ids`` its slice of
+                the whole row's, and ``document_ids`` / ``attention_mask`` the whole row's.
         """
+        if labels is not None and shift_labels is not None:
+            raise ValueError("pass labels (shifted inside) or shift_labels (already shifted), not both")
+        if self.model.sequence_parallel_size > 1 and labels is not None:
+            raise ValueError(
+                "under sequence parallelism a shard cannot shift its own labels (its last target is on the next "
+                "rank): pass shift_labels, the targets moeshard.sequence.shard_row shifted over the whole row"
+            )
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         hidden_BSD, router_logits, router_ids = self.model(input_ids, attention_mask, position_ids, document_ids)
         loss = logits_BSV = None
-        if labels is not None and not return_logits:
-            shift_labels_BS = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-            loss = self.lm_head(hidden_BSD, targets_BS=shift_labels_BS, num_items_in_batch=num_items_in_batch)
+        if labels is not None:
+            shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        if shift_labels is not None and not return_logits:
+            loss = self.lm_head(hidden_BSD, targets_BS=shift_labels, num_items_in_batch=num_items_in_batch)
         else:
             logits_BSV = self.lm_head(hidden_BSD)
-            if labels is not None:
-                loss = causal_lm_loss(logits_BSV, labels, num_items_in_batch)
+            if shift_labels is not None:
+                loss = causal_lm_loss(logits_BSV, shift_labels, num_items_in_batch, shifted=True)
         aux_loss, lm_loss = None, loss
         if output_router_logits:
             if router_logits:
+                if attention_mask is not None and self.model.sequence_parallel_size > 1:
+                    # the router logits are this shard's tokens; the padding mask is the whole row's
+                    s, r = input_ids.shape[1], self.model.sequence_parallel_rank
+                    attention_mask = attention_mask[:, r * s : (r + 1) * s]
                 aux_loss = load_balancing_loss(
                     router_logits, self.num_experts, self.config.num_experts_per_tok, attention_mask
                 )

@@ -53,6 +53,10 @@ class MLAttention(nn.Module):
     """Multi-head latent attention with transformers' FQNs (``q_proj`` or ``q_a_proj``/``q_a_layernorm``/
     ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``), through SDPA or flex."""
 
+    attention_call = staticmethod(attend)
+    """The attention over q, k, v (``attend``); ``apply_sequence_parallel`` replaces it on an instance with the same
+    call on head shards."""
+
     def __init__(self, config: DeepseekV3Config) -> None:
         super().__init__()
         d, h, bias = config.hidden_size, config.num_attention_heads, config.attention_bias
@@ -108,5 +112,5 @@ class MLAttention(nn.Module):
         b, s, _ = x_BSD.shape
         q, k, v = self._qkv(x_BSD, cos_BSDr, sin_BSDr)
         dropout = self.dropout if self.training else 0.0
-        out_BHSDv = attend(q, k, v, mask_B1SS, scale=self.scale, dropout=dropout, options=attention)
+        out_BHSDv = self.attention_call(q, k, v, mask_B1SS, scale=self.scale, dropout=dropout, options=attention)
         return attention_output(self.o_proj, out_BHSDv.transpose(1, 2).reshape(b, s, -1), mask_B1SS, attention)

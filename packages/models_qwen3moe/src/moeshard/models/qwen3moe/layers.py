@@ -21,6 +21,10 @@ __all__ = ["Attention"]
 class Attention(nn.Module):
     """Grouped-query self-attention with per-head RMSNorm on q and k before RoPE, through SDPA (causal)."""
 
+    attention_call = staticmethod(attend)
+    """The attention over q, k, v (``attend``); ``apply_sequence_parallel`` replaces it on an instance with the same
+    call on head shards."""
+
     def __init__(self, config: Qwen3MoeConfig) -> None:
         super().__init__()
         self.head_dim = head_dim(config)
@@ -53,7 +57,7 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x_BSD).view(b, s, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x_BSD).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos_BSDh, sin_BSDh), apply_rotary(k, cos_BSDh, sin_BSDh)
-        out_BHSDh = attend(
+        out_BHSDh = self.attention_call(
             q,
             k,
             v,
