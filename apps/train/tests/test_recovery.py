@@ -64,7 +64,7 @@ def _errors(err: str) -> list[str]:
     return [ln for ln in err.splitlines() if ln.startswith("moeshard-train: error")]
 
 
-def _fail(capsys, args: list[str], code: int = 1) -> str:
+def _fail(capsys, args: list[str], code: int = 2) -> str:
     """Run the entry point, expect ``code`` and exactly one error line, no traceback; return the line."""
     assert main(args) == code
     err = capsys.readouterr().err
@@ -107,7 +107,7 @@ def test_config_file_errors(capsys, tmp_path, text, needle):
 
 
 def test_without_torchrun_the_ep_error_says_how_to_launch(capsys, tmp_path):
-    line = _fail(capsys, [*TINY, "--parallel.ep_size=2", f"--logging.output_dir={tmp_path / 'out'}"])
+    line = _fail(capsys, [*TINY, "--parallel.ep_size=2", f"--logging.output_dir={tmp_path / 'out'}"], code=2)
     assert "started without torchrun" in line and "torchrun --nproc-per-node 2 -m moeshard.train" in line
     assert "--parallel.ep_size=1" in line
 
@@ -212,7 +212,7 @@ def test_unreadable_shard_is_one_line_and_traceback_on_request(capsys, tmp_path,
     line = _fail(capsys, args)
     assert f"checkpoint {out}/checkpoints/step_00000003 could not be loaded (rank 0: " in line
     os.environ["MOESHARD_TRACEBACK"] = "1"
-    assert main(args) == 1
+    assert main(args) == 2
     err = capsys.readouterr().err
     assert len(_errors(err)) == 1
     assert "Traceback (most recent call last)" in err and "CheckpointException" in err and "NoneType: None" not in err

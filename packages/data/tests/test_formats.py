@@ -147,7 +147,7 @@ def test_cli_prepare_and_inspect(tmp_path, write, tok_dir, capsys):
     assert main(["inspect", str(out)]) == 0
     assert json.loads(capsys.readouterr().out)["num_documents"] == 40
     assert main(["prepare", "--input", str(tmp_path / "none.jsonl"), "--output", str(out)]) == 2
-    assert capsys.readouterr().err.startswith("error: ") and os.listdir(out)
+    assert capsys.readouterr().err.startswith("moeshard.data: error: ") and os.listdir(out)
     res = subprocess.run([sys.executable, "-m", "moeshard.data", "inspect", str(out)], capture_output=True, text=True)
     assert res.returncode == 0 and json.loads(res.stdout)["num_tokens"] > 0, res.stderr
 

@@ -18,8 +18,12 @@ import sys
 import traceback
 import warnings
 
+from moeshard.data import DataError, ExitStatus, print_error
 from moeshard.train.config import ConfigError, load_config
+from moeshard.train.errors import ArgumentParser
 
+PROG = "moeshard-train"  # the prefix of every error line: `moeshard-train: error: ...`
+ALIKE_WAIT_S = 30.0  # how long a rank waits for rank 0 to report an error every rank raised alike
 # Messages of gloo / NCCL / c10d when a peer process is gone.
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted", "Broken pipe")
 # Each command and its one line in `moeshard-train --help`.
@@ -39,7 +43,11 @@ commands:
 {commands}
 
 `moeshard-train COMMAND --help` lists a command's options; `moeshard-train config --show` every config key.
-Exit status: 0, 1 an error, 2 a config error, 75 stopped by SIGTERM / SIGUSR1 after saving (run it again)."""
+Errors are one line, `moeshard-train: error: ...`. Exit status: 0 done; 2 a user's error (a flag, config key,
+file, data, model, layout or checkpoint the job cannot use: the line says the fix, nothing was overwritten);
+1 a failure at run time or an unexpected one (diverged loss, failed save, lost peer, a bug:
+MOESHARD_TRACEBACK=1 shows its traceback); 75 stopped by SIGTERM / SIGUSR1 after saving (run it again);
+130 interrupted (Ctrl-C). Under torchrun the workers exit so and torchrun itself exits 1."""
 
 
 def _help() -> str:
@@ -58,7 +66,7 @@ def _keys_help() -> str:
 
 
 def _train(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="moeshard-train",
         description="Train (run under torchrun). `moeshard-train --help` lists the other commands.",
         epilog=_keys_help(),
@@ -85,7 +93,7 @@ def _train(argv: list[str]) -> int:
 
 
 def _config(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="moeshard-train config",
         description="The job's configuration (the YAML file, if any, with the overrides applied), as YAML.",
         epilog="Overrides: --section.key=value, e.g. --train.lr=1e-4 --logging.wandb.project=x",
@@ -139,13 +147,16 @@ def _show(value: object) -> str:
 
 
 def _plan(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="moeshard-train plan", description="Dry run on the fake backend.")
+    parser = ArgumentParser(prog="moeshard-train plan", description="Dry run on the fake backend.")
     parser.add_argument("--config", default=None)
     parser.add_argument("--nnodes", type=int, required=True)
     parser.add_argument("--nproc-per-node", type=int, required=True)
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--micro-batch-size", type=int, default=None, help="for the activation estimate")
     parser.add_argument("--summary", action="store_true", help="the totals, without the table of parameters")
+    parser.add_argument(
+        "--gpu-memory", type=float, default=None, help="GiB per GPU to check the estimate against (default: this GPU's)"
+    )
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     from moeshard.train.commands.plan import plan
@@ -158,13 +169,14 @@ def _plan(argv: list[str]) -> int:
             rank=args.rank,
             micro_batch_size=args.micro_batch_size,
             table=not args.summary,
+            gpu_memory_gib=args.gpu_memory,
         )
     )
     return 0
 
 
 def _export(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="moeshard-train export-hf", description="Checkpoint → Hub layout.")
+    parser = ArgumentParser(prog="moeshard-train export-hf", description="Checkpoint → Hub layout.")
     parser.add_argument("--checkpoint", required=True, help="a checkpoint folder (step_XXXXXXXX)")
     parser.add_argument("--out", required=True, help="new folder for config.json + safetensors (+ tokenizer)")
     parser.add_argument(
@@ -186,10 +198,10 @@ def _launch_local(argv: list[str]) -> int:
 
 
 def _prepare_data(argv: list[str]) -> int:
-    # moeshard.data's own command line (its errors: one line, exit status 2), under the job's name.
-    from moeshard.data import main as data_main
+    # moeshard.data's prepare, under the job's name; its DataError is reported below like every user error.
+    from moeshard.data import prepare_command
 
-    return data_main(["prepare", *argv])
+    return prepare_command(argv, prog=f"{PROG} prepare-data")
 
 
 def _bench(argv: list[str]) -> int:
@@ -203,21 +215,42 @@ def _report(message: str, *, alike: bool) -> None:
 
     Args:
         alike: every rank raises this error identically (computed from the same inputs or agreed through a
-            collective): rank 0 prints it. Otherwise the first rank to report this message prints it, with its rank
-            (the job's c10d store counts who reported what; without a reachable store each failing rank prints).
+            collective): rank 0 prints it and the other ranks wait, silent, until it has (torchrun stops them once
+            a worker exits: had they exited first, rank 0 could be stopped before its line). Otherwise the first
+            rank to report this message prints it, with its rank (the job's c10d store counts who reported what;
+            without a reachable store each failing rank prints).
     """
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _record_for_torchrun(message)
-    _store_add("moeshard/errors/any", 1)  # ranks that merely lose contact with this one stay silent
+    store = _job_store()
+    _store_add(store, "errors/any", 1)  # ranks that merely lose contact with this one stay silent
     if alike:
         if rank == 0:
-            print(f"moeshard-train: error: {message}", file=sys.stderr, flush=True)
+            print_error(PROG, message)
+            _store_add(store, "errors/said", 1)
+        elif world > 1 and not _wait_for_rank0(store):
+            print_error(PROG, message, where=f" (rank {rank}; rank 0 did not report it)")
         return
-    key = "moeshard/errors/" + hashlib.sha1(message.encode()).hexdigest()[:16]
-    if _store_add(key, 1) in (None, 1):
-        where = f" (rank {rank})" if world > 1 else ""
-        print(f"moeshard-train: error{where}: {message}", file=sys.stderr, flush=True)
+    key = "errors/" + hashlib.sha1(message.encode()).hexdigest()[:16]
+    if _store_add(store, key, 1) in (None, 1):
+        print_error(PROG, message, where=f" (rank {rank})" if world > 1 else "")
+
+
+def _wait_for_rank0(store: object | None) -> bool:
+    """Wait (at most ``ALIKE_WAIT_S``) for rank 0 to print an error every rank raised alike. True: it did, or there
+    is no store to ask (then the wait is all: torchrun stops this process as soon as rank 0 exits)."""
+    import time
+    from datetime import timedelta
+
+    if store is None:
+        time.sleep(ALIKE_WAIT_S)
+        return True
+    try:
+        store.wait([_store_key("errors/said")], timedelta(seconds=ALIKE_WAIT_S))  # type: ignore[attr-defined]
+        return True
+    except Exception:  # noqa: BLE001 - timed out, or the store's host is gone
+        return False
 
 
 def _report_lost_peer(detail: str) -> None:
@@ -225,27 +258,48 @@ def _report_lost_peer(detail: str) -> None:
     rank's line and torchrun's summary name it), else one line for the job (a peer killed without a word)."""
     message = f"lost contact with another rank (it failed or was killed; see its message) [{detail[:160]}]"
     _record_for_torchrun(message)
-    reported = _store_add("moeshard/errors/any", 0)
+    store = _job_store()
+    reported = _store_add(store, "errors/any", 0)
     if reported is not None and reported > 0:
         return
-    if _store_add("moeshard/errors/lost", 1) in (None, 1):
-        rank = int(os.environ.get("RANK", "0"))
-        print(f"moeshard-train: error (rank {rank}): {message}", file=sys.stderr, flush=True)
+    if _store_add(store, "errors/lost", 1) in (None, 1):
+        print_error(PROG, message, where=f" (rank {int(os.environ.get('RANK', '0'))})")
 
 
-def _store_add(key: str, amount: int) -> int | None:
-    """Add to a counter in the job's c10d store (shared by all ranks); its new value, or None without a store."""
+def _job_store() -> object | None:
+    """The c10d store every rank of this job reaches, or None: torchrun's agent store (there from the start, before
+    the process group; ``TORCHELASTIC_USE_AGENT_STORE``), else the process group's."""
     try:
         from datetime import timedelta
 
         import torch.distributed as dist
 
+        wait = timedelta(seconds=10)  # never wait long on a store whose host is gone
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in os.environ:
+            host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+            return dist.TCPStore(host, port, is_master=False, timeout=wait, wait_for_workers=False)
         if not dist.is_initialized():
             return None
         store = dist.distributed_c10d._get_default_store()  # torch has no public accessor for the job's store
-        store.set_timeout(timedelta(seconds=10))  # never wait long on a store whose host is gone
-        return int(store.add(key, amount))
+        store.set_timeout(wait)
+        return store
     except Exception:  # noqa: BLE001 - no store: the caller prints
+        return None
+
+
+def _store_key(name: str) -> str:
+    # The agent's store outlives a restart of the workers: each attempt counts afresh.
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"moeshard/{attempt}/{name}"
+
+
+def _store_add(store: object | None, name: str, amount: int) -> int | None:
+    """Add to a counter in the job's store (shared by all ranks); its new value, or None without a store."""
+    if store is None:
+        return None
+    try:
+        return int(store.add(_store_key(name), amount))  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - the store's host is gone: the caller prints
         return None
 
 
@@ -259,14 +313,18 @@ def _one_line(error: BaseException) -> str:
 
 
 def _record_for_torchrun(message: str) -> None:
-    """Write the message where torchrun looks for a worker's error, so its failure summary shows it."""
+    """Write the message where torchrun looks for a worker's error, so its failure summary shows it.
+
+    In torchelastic's structured layout (its ``ErrorHandler``'s), with the line in place of a traceback: the agent
+    then copies it without warning about the format, and its summary shows the line under ``traceback :``."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path and not os.path.exists(path):
         import json
         import time
 
+        info = {"py_callstack": message, "timestamp": str(int(time.time()))}
         with open(path, "w") as f:
-            json.dump({"message": message, "timestamp": int(time.time())}, f)
+            json.dump({"message": {"message": message, "extraInfo": info}}, f)
 
 
 def _close_process_group() -> None:
@@ -280,14 +338,16 @@ def _close_process_group() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``moeshard-train`` and ``python -m moeshard.train``.
 
-    Returns the exit status: 0; 2 for a config error; 1 for any other error; 75 when SIGTERM or SIGUSR1 stopped
-    the training after saving a step (``moeshard.train.cluster.preemption``: run it again to continue); 130 on SIGINT.
+    Returns the exit status (:class:`moeshard.data.ExitStatus`): 0; 2 for a user's error (a flag, config key, file,
+    data, model, layout or checkpoint that cannot be used); 1 for a failure at run time (a diverged loss, a failed
+    save, a lost peer) or an unexpected one; 75 when SIGTERM or SIGUSR1 stopped the training after saving a step
+    (``moeshard.train.cluster.preemption``: run it again to continue); 130 on SIGINT.
     Every failure is one line: errors every rank raises alike (config, data, model, checkpoint, divergence) from
     rank 0, others from the first rank that reports them; a rank that only lost contact with a failed peer stays
     silent. ``MOESHARD_TRACEBACK=1`` adds the traceback.
     """
     from moeshard.checkpoint import CheckpointError
-    from moeshard.train.errors import JobError
+    from moeshard.train.errors import JobError, exit_status
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--help"], ["-h"], ["help"]):
@@ -298,11 +358,8 @@ def main(argv: list[str] | None = None) -> int:
 
         near = difflib.get_close_matches(argv[0], COMMANDS, n=1)
         hint = f"did you mean {near[0]}? " if near else ""
-        print(
-            f"moeshard-train: error: unknown command {argv[0]!r}; {hint}moeshard-train --help lists them",
-            file=sys.stderr,
-        )
-        return 2
+        print_error(PROG, f"unknown command {argv[0]!r}; {hint}moeshard-train --help lists them")
+        return ExitStatus.USER_ERROR
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
     handler = {
         "train": _train,
@@ -318,21 +375,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler[command](argv)
     except ConfigError as e:
-        error, code = e, 2
+        error, code = e, ExitStatus.USER_ERROR
         _report(f"config: {e}", alike=True)
     except (JobError, CheckpointError) as e:  # the checkpoint package's errors say every_rank too
-        error, code = e, 1
+        error, code = e, exit_status(e)
         _report(str(e), alike=e.every_rank)
-    except (ValueError, FileNotFoundError) as e:  # plan and export-hf
-        error, code = e, 1
+    except (DataError, ValueError, FileNotFoundError) as e:  # prepare-data, plan, export-hf, the commands' flags
+        error, code = e, ExitStatus.USER_ERROR
         _report(str(e), alike=False)
     except KeyboardInterrupt as e:
-        error, code = e, 130
+        error, code = e, ExitStatus.INTERRUPTED
         _report("interrupted", alike=True)
     except (SystemExit, GeneratorExit):
         raise
     except BaseException as e:  # noqa: BLE001 - torch.distributed raises BaseException subclasses too
-        error, code = e, 1
+        error, code = e, ExitStatus.FAILED
         first = _one_line(e)
         if any(m in str(e) for m in _PEER_LOST):
             _report_lost_peer(first)

@@ -132,10 +132,12 @@ def newest_checkpoint(ckpt_dir: Path) -> Path | None:
 def read_marker(path: Path) -> dict[str, Any]:
     """The JSON content of a checkpoint's ``COMPLETE`` marker."""
     marker = path / COMPLETE
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {path} does not exist; give a checkpoint folder (step_XXXXXXXX)")
     if not marker.is_file():
         raise ValueError(
             f"{path} is not a complete checkpoint (no {COMPLETE} marker): it was interrupted while saving; "
-            "resume from an older one or use checkpoint.resume=auto"
+            "use an older one (to resume: or checkpoint.resume=auto, which takes the newest complete one)"
         )
     return json.loads(marker.read_text())
 

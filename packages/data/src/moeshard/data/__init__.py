@@ -14,10 +14,10 @@ Example::
                 model(b.input_ids, labels=b.labels, position_ids=b.position_ids, document_ids=b.document_ids)
 """
 
-from moeshard.data._cli import main
+from moeshard.data._cli import main, prepare_command
 from moeshard.data._config import DataConfig, SourceConfig
 from moeshard.data._dataset import Dataset, StepBatches, check_batch_sizes, open_dataset
-from moeshard.data._errors import DataError
+from moeshard.data._errors import DataError, ExitStatus, print_error
 from moeshard.data._eval import EvalBatches
 from moeshard.data._loader import PrefetchLoader
 from moeshard.data._packing import IGNORE_INDEX, Batch, document_causal_mask
@@ -30,6 +30,7 @@ __all__ = [
     "DataError",
     "Dataset",
     "EvalBatches",
+    "ExitStatus",
     "PrefetchLoader",
     "PrepareResult",
     "SourceConfig",
@@ -39,4 +40,6 @@ __all__ = [
     "main",
     "open_dataset",
     "prepare",
+    "prepare_command",
+    "print_error",
 ]

@@ -9,6 +9,10 @@ every agent restart its workers, which resume from the newest complete checkpoin
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (unless set): restarted workers then meet in a fresh store instead of
 reading the previous attempt's rendezvous keys (with gloo on torch 2.13 they otherwise fail to connect).
 
+The config and the layout are checked first, as training checks them before its first step
+(``moeshard.train.config.check_layout``): a bad key or an EP size that does not divide the world is one line and
+exit status 2 in seconds, and no worker starts.
+
 SIGTERM or SIGUSR1 to this command goes to every agent, and each agent forwards it to its workers (they handle
 SIGUSR1 too: ``--signals-to-handle``), which stop after a step with a checkpoint of it
 (``moeshard.train.cluster.preemption``); the agents then exit with status 1 (torchrun's own status after a signal).
@@ -26,6 +30,8 @@ import sys
 import time
 import uuid
 from pathlib import Path
+
+from moeshard.train.errors import ArgumentParser
 
 GRACE_S = 60.0  # after one agent fails, how long the others get to notice and stop
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # torchrun's default and SLURM's early warning
@@ -80,15 +86,38 @@ def rendezvous_port(rng: random.Random | None = None) -> int:
         return s.getsockname()[1]
 
 
+def check_job(job_args: list[str], nnodes: int, nproc_per_node: int) -> None:
+    """Refuse what every worker of the job would refuse before its first step (the config and the layout), here,
+    before any worker starts. Commands other than training (``bench``, ...) check their own arguments.
+
+    Raises:
+        ConfigError: the job's one-line message (reported as a config error, exit status 2).
+    """
+    if job_args[:1] == ["train"]:
+        job_args = job_args[1:]
+    elif job_args and not job_args[0].startswith("-"):
+        return
+    if any(a in ("-h", "--help") for a in job_args):
+        return
+    from moeshard.train.config import check_layout, load_config
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config", default=None)  # training's own option (moeshard.train.__main__)
+    args, overrides = parser.parse_known_args(job_args)
+    cfg = load_config(args.config, overrides)
+    check_layout(cfg, world_size=nnodes * nproc_per_node, ranks_per_node=nproc_per_node)
+
+
 def main(argv: list[str]) -> int:
     """Start the node agents and wait; the exit code is the first non-zero one."""
-    parser = argparse.ArgumentParser(prog="moeshard-train launch-local")
+    parser = ArgumentParser(prog="moeshard-train launch-local")
     parser.add_argument("--nnodes", type=int, default=2)
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts of every agent")
     parser.add_argument("job_args", nargs=argparse.REMAINDER, help="arguments after -- go to the job")
     args = parser.parse_args(argv)
     job_args = args.job_args[1:] if args.job_args[:1] == ["--"] else args.job_args
+    check_job(job_args, args.nnodes, args.nproc_per_node)
     port = rendezvous_port()
     env = {
         **os.environ,

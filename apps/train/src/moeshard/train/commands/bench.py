@@ -54,6 +54,7 @@ from moeshard.train.commands.bench_steps import (
     timed_steps,
 )
 from moeshard.train.config import JobConfig, gradient_sync, load_config
+from moeshard.train.errors import ArgumentParser
 from moeshard.train.observe.gpu_clock import ClockSampler
 from moeshard.train.observe.metrics import flops_per_token, mfu
 
@@ -157,7 +158,7 @@ RENAMED_FLAGS = {
 def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """The command line of ``moeshard-train bench``: the job's ``--config FILE --section.key=value``, plus the
     benchmark's own flags (steps, warm-up, batch per GPU, timing, synthetic documents, checkpoint cost, profile)."""
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="moeshard-train bench",
         epilog="Any --section.key=value sets a key of the job (as moeshard-train does), over --config and over the "
         "benchmark's job (8 layers of qwen3-30b-a3b, EP 1, seq 4096, synthetic rows).",

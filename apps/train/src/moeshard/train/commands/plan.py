@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import torch
 
 from moeshard.train.commands.plan_memory import (
+    GiB,
     MemoryEstimate,
     activation_bytes_per_token,
     head_adds_in_backward,
@@ -20,13 +21,14 @@ from moeshard.train.commands.plan_memory import (
     memory_lines,
 )
 from moeshard.train.config import (
+    ConfigError,
     JobConfig,
+    check_layout,
+    config_from_dict,
     expert_grad_budget,
     gradient_sync,
     kept_factor_ratio,
-    layout_error_for_config,
     parallel_options,
-    resolve_model_config,
 )
 
 
@@ -56,6 +58,7 @@ class PlanReport:
     memory: MemoryEstimate
     comm: dict[tuple[str, str], float]  # (kind, "intra-node" | "inter-node") -> bytes per rank per step
     comm_bound: dict[tuple[str, str], float]  # the same with the all-to-all upper bound
+    warning: str | None = None  # the estimate exceeds the GPU's memory: by how much, and what would fit
 
 
 def plan(
@@ -66,11 +69,39 @@ def plan(
     rank: int = 0,
     micro_batch_size: int | None = None,
     table: bool = True,
+    gpu_memory_gib: float | None = None,
 ) -> str:
-    """Build the job on meta under the fake backend as ``rank`` and describe it (see :func:`plan_report`)."""
+    """Build the job on meta under the fake backend as ``rank`` and describe it (see :func:`plan_report`); without
+    ``gpu_memory_gib``, the estimate is compared with the memory of this machine's GPU, if it has one."""
+    gpu = ("--gpu-memory", gpu_memory_gib) if gpu_memory_gib is not None else detected_gpu_memory()
     return plan_report(
-        cfg, nnodes=nnodes, nproc_per_node=nproc_per_node, rank=rank, micro_batch_size=micro_batch_size, table=table
+        cfg,
+        nnodes=nnodes,
+        nproc_per_node=nproc_per_node,
+        rank=rank,
+        micro_batch_size=micro_batch_size,
+        table=table,
+        gpu_memory=gpu,
     ).text
+
+
+def detected_gpu_memory() -> tuple[str, float] | None:
+    """``(name, GiB)`` of this machine's first CUDA GPU, None without one."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return props.name, props.total_memory / GiB
+
+
+class _Built(NamedTuple):
+    """The job built on meta: what the memory estimate needs of it beyond the config."""
+
+    lines: list[str]  # meshes, options and (with the table) the parameter rows
+    options: Any  # the ParallelOptions the job was built with
+    ep_size: int
+    local_numel: int
+    total_numel: int
+    units: _UnitFigures
 
 
 def plan_report(
@@ -81,36 +112,67 @@ def plan_report(
     rank: int = 0,
     micro_batch_size: int | None = None,
     table: bool = True,
+    gpu_memory: tuple[str, float] | None = None,
 ) -> PlanReport:
     """Build the job on meta under the fake backend as ``rank`` (through ``parallelize`` with the job's options):
     meshes, options, parameter rows (``table=False``: left out, ``plan --summary``), memory and communication.
 
     Compute precision: ``parallel.param_dtype`` float32 means fp32, anything else bf16 (the GPU default).
 
+    Args:
+        gpu_memory: ``(where it comes from, GiB)`` of the GPU to compare the estimate with; where the estimate
+            exceeds it, the report warns and names the first regime that fits (:func:`_fitting_regime`).
+
     Raises:
-        ValueError: the layout does not fit the cluster (naming the config key to change).
+        ConfigError: the config does not fit the layout (:func:`moeshard.train.config.check_layout`, the checks
+            training makes before its first step, in the same words).
     """
+    world = nnodes * nproc_per_node
+    checked = check_layout(cfg, world_size=world, ranks_per_node=nproc_per_node)
+    mcfg = checked.model_config
+    built = _build(cfg, mcfg, nnodes, nproc_per_node, rank, table)
+    compute_bytes = _compute_bytes(cfg)
+    mb = micro_batch_size or cfg.train.micro_batch_size
+    est = _memory_estimate(cfg, mcfg, built, world, mb, built.options)
+    lines = list(built.lines)
+    if table:
+        lines.append("")
+    numel = f"{built.total_numel / 1e9:.3f} B in total, {built.local_numel / 1e6:.2f} M on rank {rank}"
+    lines.append(f"parameters: {numel}")
+    lines += memory_lines(est, built.options, mb, cfg.data.seq_len, compute_bytes, _expert_grad_bytes(cfg))
+    warning = None
+    if gpu_memory is not None and est.total > gpu_memory[1] * GiB:
+        warning = _exceeds(cfg, mcfg, built, est, nnodes, nproc_per_node, mb, gpu_memory)
+        lines.append(warning)
+    lines.append("")
+    comm = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, built.units.once_numel)
+    bound = comm_estimate(
+        cfg, mcfg, world, nproc_per_node, compute_bytes, built.units.once_numel, uniform_routing=False
+    )
+    lines += comm_estimate_lines(comm, bound)
+    return PlanReport("\n".join(lines), est, comm, bound, warning)
+
+
+def _compute_bytes(cfg: JobConfig) -> int:
+    return 4 if cfg.parallel.param_dtype == "float32" else 2
+
+
+def _build(cfg: JobConfig, mcfg: Any, nnodes: int, nproc_per_node: int, rank: int, table: bool) -> _Built:
+    """Build the job on meta under the fake backend as ``rank`` (the layout already checked)."""
     from moeshard.meshes import build_meshes, fake_process_group
     from moeshard.models.common import parallelize
     from moeshard.train.families import family_of
 
     world = nnodes * nproc_per_node
-    mcfg = resolve_model_config(cfg)
-    reshard, expert_reshard = parallel_options(cfg).resharding(world)
-    expert_reduce_bytes = _expert_grad_bytes(cfg)
-    gpu = cfg.parallel.param_dtype != "float32"
-    compute_bytes = 2 if gpu else 4
+    _, expert_reshard = parallel_options(cfg).resharding(world)
     lines: list[str] = []
     with fake_process_group(world, rank):
-        try:
-            meshes = build_meshes(
-                cfg.parallel.ep_size,
-                ranks_per_node=nproc_per_node,
-                device_type="cpu",
-                allow_cross_node_ep=cfg.parallel.allow_cross_node_ep,
-            )
-        except ValueError as e:  # the package speaks of its argument; the user sets a config key
-            raise ValueError(f"parallel.ep_size: {layout_error_for_config(e)}") from None
+        meshes = build_meshes(
+            cfg.parallel.ep_size,
+            ranks_per_node=nproc_per_node,
+            device_type="cpu",
+            allow_cross_node_ep=cfg.parallel.allow_cross_node_ep,
+        )
         with torch.device("meta"):
             model = family_of(mcfg).model_class(mcfg)
         parallel = parallelize(model, meshes, parallel_options(cfg))
@@ -124,15 +186,22 @@ def plan_report(
             lines.append(header)
             lines.append("-" * len(header))
         local_numel, total_numel = _parameter_rows(model, info, lines if table else None)
-        u = _unit_figures(units, meshes, cfg, expert_reshard, expert_reduce_bytes)
-    mb = micro_batch_size or cfg.train.micro_batch_size
+        u = _unit_figures(units, meshes, cfg, expert_reshard, _expert_grad_bytes(cfg))
+    return _Built(lines, parallel.options, meshes.ep_size, local_numel, total_numel, u)
+
+
+def _memory_estimate(cfg: JobConfig, mcfg: Any, built: _Built, world: int, mb: int, opts: Any) -> MemoryEstimate:
+    """The memory per rank of the job ``built`` on ``world`` ranks at micro-batch ``mb`` with the options ``opts``
+    (the activation checkpointing and micro-batch change no FSDP unit: one build serves every such regime)."""
+    t, u = cfg.train, built.units
+    reshard, _ = opts.resharding(world)
+    compute_bytes = _compute_bytes(cfg)
     tokens = mb * cfg.data.seq_len
-    t, opts = cfg.train, parallel.options  # the options as ParallelOptions reads them (true: full)
     micro_batches = max(1, t.global_batch_size // world // mb)
     deferred_sync = gradient_sync(t, world) == "last_micro_batch"
     fused_grads = compute_bytes * u.fused_numel
     # train.expert_weight_grads: the local experts' gradients kept as factors where train_step defers them
-    ratio = kept_factor_ratio(mcfg, tokens, micro_batches, meshes.ep_size, opts.ep.dispatch)
+    ratio = kept_factor_ratio(mcfg, tokens, micro_batches, built.ep_size, opts.ep.dispatch)
     budget = expert_grad_budget(t, ratio)
     if micro_batches > 1 and u.fused_numel and budget is not None and ratio <= budget:
         fused_grads = int(fused_grads * ratio)
@@ -141,7 +210,8 @@ def plan_report(
     split_numel = u.fused_numel if compute_bytes == 2 else 0
     head_held = micro_batches > 1 and deferred_sync  # FSDP2 holds the head's float32 gradient between micro-batches
     over_logits = loss_head_over_logits(opts, compute_bytes)
-    est = MemoryEstimate(
+    local_numel = built.local_numel
+    return MemoryEstimate(
         params=4 * local_numel - 2 * split_numel,
         grads=4 * (local_numel - u.fused_numel) + fused_grads,
         optimizer=8 * local_numel,
@@ -160,15 +230,89 @@ def plan_report(
         loss_head_adds=head_adds_in_backward(compute_bytes, tokens, head_held),
         loss_head_over_logits=over_logits,
     )
-    if table:
-        lines.append("")
-    lines.append(f"parameters: {total_numel / 1e9:.3f} B in total, {local_numel / 1e6:.2f} M on rank {rank}")
-    lines += memory_lines(est, opts, mb, cfg.data.seq_len, compute_bytes, expert_reduce_bytes)
-    lines.append("")
-    comm = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, u.once_numel)
-    bound = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, u.once_numel, uniform_routing=False)
-    lines += comm_estimate_lines(comm, bound)
-    return PlanReport("\n".join(lines), est, comm, bound)
+
+
+def _exceeds(
+    cfg: JobConfig,
+    mcfg: Any,
+    built: _Built,
+    est: MemoryEstimate,
+    nnodes: int,
+    nproc_per_node: int,
+    mb: int,
+    gpu_memory: tuple[str, float],
+) -> str:
+    where, gib = gpu_memory
+    head = f"warning: the estimated peak {est.total / GiB:.2f} GiB exceeds the {gib:.2f} GiB of {where}"
+    fit = _fitting_regime(cfg, mcfg, built, nnodes, nproc_per_node, mb, gib * GiB)
+    if fit is None:
+        return (
+            f"{head}; no regime tried fits (activation checkpointing selective and full, micro-batches down to 1, EP "
+            f"up to the {nproc_per_node} ranks of a node, up to {4 * nnodes} nodes): plan a larger cluster"
+        )
+    flags, total = fit
+    return f"{head}; fits with {flags} ({total / GiB:.2f} GiB)"
+
+
+def _regimes(cfg: JobConfig, opts: Any, mb: int, world: int) -> list[tuple[str, int]]:
+    """``(activation checkpointing, micro-batch)`` to try, least costly in step time first: selective
+    checkpointing (under 1% slower), then smaller micro-batches (4-8%), then full checkpointing (about 12%) with
+    each micro-batch (README's regimes on one H200)."""
+    ladder = ("none", "selective", "full")
+    current = opts.activation_checkpointing
+    per_rank = cfg.train.global_batch_size // world
+    sizes = [m for m in range(mb, 0, -1) if per_rank % m == 0]
+    out = []
+    for ac in ladder[max(1, ladder.index(current)) :]:
+        out += [(ac, m) for m in sizes if (ac, m) != (current, mb)]
+    return out
+
+
+def _fitting_regime(
+    cfg: JobConfig, mcfg: Any, built: _Built, nnodes: int, nproc_per_node: int, mb: int, limit: float
+) -> tuple[str, int] | None:
+    """The first regime whose estimate is within ``limit`` bytes, as ``(its flags, its estimate)``; None if none.
+
+    Tried in order: on this layout, the checkpointing and micro-batch regimes of :func:`_regimes` (estimated from
+    the one build); then the job's own regime and those with a larger EP size inside the node, then with 2 and 4
+    times the nodes (more ep_fsdp ranks): each layout training accepts (:func:`check_layout`) is built once.
+    """
+    layouts: list[tuple[list[str], int, dict[str, Any]]] = [([], nnodes, {})]
+    ep = cfg.parallel.ep_size * 2
+    while ep <= nproc_per_node:
+        layouts.append(([f"--parallel.ep_size={ep}"], nnodes, {"ep_size": ep}))
+        ep *= 2
+    layouts += [([f"--nnodes {nnodes * k}"], nnodes * k, {}) for k in (2, 4)]
+    for i, (flags, n, parallel) in enumerate(layouts):
+        world = n * nproc_per_node
+        c = _with(cfg, parallel=parallel) if parallel else cfg
+        if i:
+            try:  # at micro-batch 1: the regimes below try the micro-batches that divide a rank's rows
+                check_layout(_with(c, train={"micro_batch_size": 1}), world_size=world, ranks_per_node=nproc_per_node)
+            except ConfigError:
+                continue  # a layout training refuses (the EP size and the experts, the global batch)
+            b = _build(c, mcfg, n, nproc_per_node, 0, table=False)
+            same = c.train.global_batch_size // world % mb == 0  # the job's own micro-batch still divides
+            regimes = [(b.options.activation_checkpointing, mb)] if same else []
+        else:
+            b, regimes = built, []
+        for ac, m in regimes + _regimes(c, b.options, mb, world):
+            r = _with(c, parallel={"activation_checkpointing": ac}) if ac != b.options.activation_checkpointing else c
+            total = _memory_estimate(r, mcfg, b, world, m, parallel_options(r)).total
+            if total <= limit:
+                same_ac = ac == built.options.activation_checkpointing
+                extra = [] if same_ac else [f"--parallel.activation_checkpointing={ac}"]
+                extra += [f"--train.micro_batch_size={m}"] if m != mb else []
+                return " ".join(flags + extra), total
+    return None
+
+
+def _with(cfg: JobConfig, **sections: dict[str, Any]) -> JobConfig:
+    """``cfg`` with some keys of some sections changed (through the config's own loader and checks)."""
+    d = cfg.to_dict()
+    for name, keys in sections.items():
+        d[name] = {**d[name], **keys}
+    return config_from_dict(d)
 
 
 def _parameter_rows(model: torch.nn.Module, info: Any, lines: list[str] | None) -> tuple[int, int]:

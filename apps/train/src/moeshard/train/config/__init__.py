@@ -6,6 +6,7 @@ Unknown keys and wrong types are errors that name the key. The defaults *are* th
 (a tiny Qwen3-MoE on CPU, 4 processes as 2 nodes x 2, EP 2); ``apps/train/configs/default.yaml`` spells them out.
 """
 
+from moeshard.train.config.layout import CheckedLayout, check_layout
 from moeshard.train.config.load import (
     config_from_dict,
     expert_grad_budget,
@@ -43,6 +44,7 @@ __all__ = [
     "TABLE_BEGIN",
     "TABLE_END",
     "AuxLossConfig",
+    "CheckedLayout",
     "CheckpointConfig",
     "ConfigError",
     "DataConfig",
@@ -56,6 +58,7 @@ __all__ = [
     "RouterBiasConfig",
     "TrainConfig",
     "WandbConfig",
+    "check_layout",
     "config_from_dict",
     "expert_grad_budget",
     "gradient_sync",

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from moeshard.train.config import JobConfig, parallel_options, resolve_model_config
+from moeshard.train.config.layout import check_model_fits
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -137,22 +138,6 @@ def balancing_options(cfg: JobConfig, model_config: PretrainedConfig) -> Balanci
         z_loss_coef=t.z_loss_coef,
         router_bias_rate=None if t.router_bias is None else t.router_bias.update_rate,
     )
-
-
-def check_model_fits(cfg: JobConfig, model_config: PretrainedConfig) -> None:
-    """Raises ValueError (naming the key to change) when the data or the layout do not fit the model."""
-    if cfg.data.seq_len > model_config.max_position_embeddings:
-        raise ValueError(
-            f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings "
-            f"{model_config.max_position_embeddings}; lower data.seq_len"
-        )
-    from moeshard.train.families import routed_experts
-
-    if routed_experts(model_config) % cfg.parallel.ep_size:
-        raise ValueError(
-            f"parallel.ep_size {cfg.parallel.ep_size} does not divide the model's {routed_experts(model_config)} "
-            "experts; choose an ep_size that divides the number of experts"
-        )
 
 
 # ---- build -------------------------------------------------------------------------------------------------------

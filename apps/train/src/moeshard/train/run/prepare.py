@@ -1,6 +1,7 @@
 """Before a run: every check that needs no process group, on every rank alike, before anything is written.
 
-The layout, batch sizes, the model config, the checkpoint to resume, the data (opened with ``moeshard.data``) and
+The layout, batch sizes and the model config (:func:`moeshard.train.config.check_layout`, as ``plan`` and
+``launch-local`` check them), the checkpoint to resume, the data (opened with ``moeshard.data``) and
 the output directory are checked first; such problems raise :class:`~moeshard.train.errors.JobError` (rank 0
 prints it as one line). With ``checkpoint.resume: auto`` (also after ``torchrun --max-restarts`` restarts the job)
 the newest complete checkpoint is resumed. ``run.json`` in the output directory holds what identifies the run,
@@ -16,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from moeshard import checkpoint as ckpt
-from moeshard.data import Dataset, EvalBatches, StepBatches, check_batch_sizes
-from moeshard.train.config import JobConfig, layout_error_for_config, resolve_model_config
+from moeshard.data import Dataset, EvalBatches, StepBatches
+from moeshard.train.config import ConfigError, JobConfig, check_layout
 from moeshard.train.errors import JobError
 from moeshard.train.families import family_of
-from moeshard.train.run.build import SCHEDULE_KEYS, check_model_fits
+from moeshard.train.run.build import SCHEDULE_KEYS
 from moeshard.train.run.data import build_data
 
 
@@ -161,31 +162,27 @@ def prepare(cfg: JobConfig) -> Prepared:
     The world comes from torchrun's ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` / ``RANK`` (a world of one without them).
 
     Raises:
+        ConfigError: the config does not fit the layout (:func:`moeshard.train.config.check_layout`).
         JobError: one message naming the problem and its fix.
     """
-    from moeshard.meshes import plan_layout
-
     world = _env_int("WORLD_SIZE", 1)
     per_node = _env_int("LOCAL_WORLD_SIZE", world)
     rank = _env_int("RANK", 0)
     p = cfg.parallel
+    if "WORLD_SIZE" not in os.environ and p.ep_size > 1:  # started as a plain process, not by torchrun
+        # The suggested world must also take the batch: the next multiple of ep_size x micro_batch_size.
+        rows = p.ep_size * cfg.train.micro_batch_size
+        gbs = cfg.train.global_batch_size
+        batch = "" if gbs % rows == 0 else f" --train.global_batch_size={-(-gbs // rows) * rows}"
+        raise ConfigError(
+            f"parallel.ep_size {p.ep_size} needs at least {p.ep_size} processes and this job runs as one (started "
+            f"without torchrun): run `torchrun --nproc-per-node {p.ep_size} -m moeshard.train ...{batch}` (or "
+            f"`moeshard-train launch-local --nnodes 1 --nproc-per-node {p.ep_size} -- ...{batch}`), or set "
+            "--parallel.ep_size=1"
+        )
+    # The checks plan and launch-local make too (ConfigError: reported as a config error, exit status 2).
+    mcfg = check_layout(cfg, world_size=world, ranks_per_node=per_node).model_config
     try:
-        try:
-            plan_layout(world, per_node, p.ep_size, allow_cross_node_ep=p.allow_cross_node_ep)
-        except ValueError as e:  # the package speaks of its argument; the user sets a config key
-            msg = layout_error_for_config(e)
-            if "WORLD_SIZE" not in os.environ:  # started as a plain process, not by torchrun
-                msg = (
-                    f"parallel.ep_size {p.ep_size} needs at least {p.ep_size} processes and this job runs as one (started "
-                    f"without torchrun): run `torchrun --nproc-per-node {p.ep_size} -m moeshard.train ...` (or "
-                    f"`moeshard-train launch-local --nnodes 1 --nproc-per-node {p.ep_size} -- ...`), or set "
-                    "--parallel.ep_size=1"
-                )
-                raise ValueError(msg) from None
-            raise ValueError(f"parallel.ep_size: {msg}") from None
-        check_batch_sizes(cfg.train.global_batch_size, world, cfg.train.micro_batch_size)
-        mcfg = resolve_model_config(cfg)
-        check_model_fits(cfg, mcfg)
         output_dir = Path(cfg.logging.output_dir)
         ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else output_dir / "checkpoints"
         if _env_int("TORCHELASTIC_MAX_RESTARTS", 0) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -240,5 +237,5 @@ def _check_same_model(path: Path, mcfg: Any) -> None:
     if diff:
         raise ValueError(
             f"checkpoint {path} holds another model ({'; '.join(diff)}); resume it with its own model settings, or "
-            "start this model in another logging.output_dir (or with checkpoint.resume=none)"
+            "start this model in a new logging.output_dir with checkpoint.resume=none"
         )
