@@ -1,4 +1,5 @@
-"""Against PEFT on a tiny transformers Qwen3-MoE (float32, CPU): logits, gradients, the folder both ways, merging.
+"""Against PEFT on tiny transformers Qwen3-MoE and DeepSeek-V3 (float32, CPU): logits, gradients, the folder both
+ways, merging.
 
 The adapted model here is the transformers model itself with :func:`apply_lora`'s adapters; its experts run a
 grouped forward (token copies sorted by expert, the adapters through :func:`expert_lora_delta`) in place of the
@@ -28,6 +29,10 @@ from safetensors.torch import load_file  # noqa: E402
 
 MODULES = ("q_proj", "o_proj")
 PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# DeepSeek-V3: MLA's projections. Not the shared expert's or the dense layer's gate/up/down_proj: PEFT on
+# transformers 5 reads those target_modules names as the fused expert tensors (see README, "PEFT's reading").
+DSV3_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+EXPERT_CLASSES = ("Qwen3MoeExperts", "DeepseekV3Experts")
 
 
 def _tiny_base():
@@ -38,6 +43,23 @@ def _tiny_base():
     )  # fmt: skip
     torch.manual_seed(0)
     return transformers.Qwen3MoeForCausalLM(cfg).float().eval()
+
+
+def _tiny_deepseek_v3():
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, max_position_embeddings=64, num_mtp_layers=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # transformers initialises the router to zeros: ties would make routing arbitrary
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    return model
 
 
 def _grouped_experts_forward(adapters, model, name):
@@ -72,7 +94,7 @@ def _ours(base, options, seed=1, random_b=True):
                 b = model.get_parameter(t.b_name)
                 b.copy_(torch.randn(b.shape, generator=g) * 0.1)
     for name, module in model.named_modules():
-        if type(module).__name__ == "Qwen3MoeExperts":
+        if type(module).__name__ in EXPERT_CLASSES:
             module.forward = types.MethodType(_grouped_experts_forward(adapters, model, name), module)
     return model, adapters
 
@@ -91,8 +113,12 @@ def base():
     return _tiny_base()
 
 
-def test_save_then_peft_loads_our_adapter_with_equal_logits_and_gradients(base, tmp_path):
-    options = LoraOptions(rank=4, alpha=8, target_modules=MODULES, target_parameters=PARAMS)
+@pytest.mark.parametrize("family", ["qwen3moe", "deepseekv3"])
+def test_save_then_peft_loads_our_adapter_with_equal_logits_and_gradients(base, family, tmp_path):
+    if family == "deepseekv3":
+        base = _tiny_deepseek_v3()
+    modules = MODULES if family == "qwen3moe" else DSV3_MODULES
+    options = LoraOptions(rank=4, alpha=8, target_modules=modules, target_parameters=PARAMS)
     ours, adapters = _ours(base, options)
     assert all(not p.requires_grad for n, p in ours.named_parameters() if "lora" not in n)
     assert sorted(n for n, p in ours.named_parameters() if p.requires_grad) == sorted(adapters.names())
