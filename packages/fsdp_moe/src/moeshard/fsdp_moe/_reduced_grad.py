@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from moeshard.fsdp_moe._torch_internals import foreach_mul_, fsdp_param_groups, unsharded_param
+
 __all__ = ["ReducedGrad", "ReducedGradTarget", "grouped_grad_accumulation", "reduced_grad_target"]
 
 
@@ -46,7 +48,9 @@ class ReducedGrad:
     def __init__(self, fsdp_param: Any) -> None:
         self._param = fsdp_param
         self.dtype: torch.dtype = fsdp_param.reduce_dtype
-        self.shape = fsdp_param._unsharded_param.shape
+        unsharded = unsharded_param(fsdp_param)
+        assert unsharded is not None, "a held gradient is asked only for a parameter the unit has gathered"
+        self.shape = unsharded.shape
 
     def held(self) -> torch.Tensor | None:
         """The gradient held so far (this step's earlier backwards since the last reduce), or None."""
@@ -105,7 +109,7 @@ class ReducedGrad:
         """The held gradient, a new zero one first where none is held (for callers that add into parts of it)."""
         held = self.held()
         if held is None:
-            held = torch.zeros(self.shape, dtype=self.dtype, device=self._param._unsharded_param.device)
+            held = torch.zeros(self.shape, dtype=self.dtype, device=unsharded_param(self._param).device)
             self._param.unsharded_accumulated_grad = held
         return held
 
@@ -126,22 +130,13 @@ def _scale_in_place(t: torch.Tensor, scale: torch.Tensor) -> None:
 
         _grad_triton.scale_(t, scale)
     else:
-        torch._foreach_mul_([t], scale)
+        foreach_mul_([t], scale)
 
 
 ReducedGradTarget = Callable[[torch.Tensor], "ReducedGrad | None"]
 """``target(weight) -> ReducedGrad | None``, asked with the tensor a module's forward received as its weight (the
 unsharded parameter): where to put that weight's gradient in the reduce dtype (the module's backward then returns
 no gradient for it), or None for a gradient returned to autograd as usual."""
-
-
-def _param_groups(module: FSDPModule) -> list[Any]:
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.13: one group per mesh of the unit
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return list(groups)
 
 
 def grouped_grad_accumulation(module: nn.Module, *, interpreted: bool = False) -> int:
@@ -164,7 +159,7 @@ def grouped_grad_accumulation(module: nn.Module, *, interpreted: bool = False) -
     for unit in module.modules():
         if not isinstance(unit, FSDPModule):
             continue
-        for group in _param_groups(unit):
+        for group in fsdp_param_groups(unit):
             if getattr(group.post_backward, "accumulates_first", False):
                 continue
             group.post_backward = _accumulating_first(group, group.post_backward, interpreted)
@@ -185,7 +180,7 @@ def _accumulate(fsdp_params: list[Any], interpreted: bool) -> None:
     dsts, srcs, params = [], [], []
     for fsdp_param in fsdp_params:
         held = getattr(fsdp_param, "unsharded_accumulated_grad", None)
-        param = getattr(fsdp_param, "_unsharded_param", None)
+        param = unsharded_param(fsdp_param)
         grad = None if param is None else param.grad
         if held is None or grad is None or not (held.is_cuda or (interpreted and held.device.type == "cpu")):
             continue
@@ -230,9 +225,9 @@ def reduced_grad_target(module: nn.Module) -> ReducedGradTarget:
         raise TypeError(f"{type(module).__name__} is not an FSDP unit: fully_shard it before asking for its target")
 
     def target(weight: torch.Tensor) -> ReducedGrad | None:
-        for group in _param_groups(module):
+        for group in fsdp_param_groups(module):
             for fsdp_param in group.fsdp_params:
-                if getattr(fsdp_param, "_unsharded_param", None) is not weight:
+                if unsharded_param(fsdp_param) is not weight:
                     continue
                 reduce_dtype = fsdp_param.reduce_dtype
                 if reduce_dtype is None or reduce_dtype == weight.dtype or fsdp_param.is_dtensor:
