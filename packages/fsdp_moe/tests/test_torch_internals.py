@@ -38,6 +38,17 @@ def test_every_internal_is_where_it_is_read():
         model(torch.randn(3, 4)).sum().backward()
         assert [tuple(t.shape) for t in seen] == [(6, 4), (6,)]  # what the forward computed with
         assert type(ti.reduce_scatter_comm(groups[0])).__name__ == "DefaultReduceScatter"
+        held = torch.zeros(6, 4)
+        if ti.keeps_held_grad(fsdp_params[0]):  # torch 2.11, 2.13: FSDP2 holds a reduce-dtype gradient
+            assert ti.held_grad(fsdp_params[0]) is None  # none held after a reducing backward
+            ti.set_held_grad(fsdp_params[0], held)
+            assert ti.held_grad(fsdp_params[0]) is held
+            ti.set_held_grad(fsdp_params[0], None)
+        else:  # torch 2.15: autograd accumulates in the reduce dtype; asking for the held gradient names that
+            with pytest.raises(
+                RuntimeError, match=_moved("FSDPParam no longer has unsharded_accumulated_grad", "held_grad")
+            ):
+                ti.held_grad(fsdp_params[0])
         assert issubclass(ti.reduce_scatter_base(), object) and ti.reduce_scatter_base() is not object
         weight = model[0].weight
         assert isinstance(weight, DTensor)

@@ -16,9 +16,10 @@ that can produce its weight's gradient in float32 itself hands it over here inst
 FSDP2 reduces the held gradient exactly as one it accumulated itself: the same reduce-scatter, divide factor and
 ``.grad``, with one rounding less (the bfloat16 one) and two passes over ``[V, D]`` less per micro-batch.
 
-The held gradient is FSDP2's ``FSDPParam.unsharded_accumulated_grad``, a private attribute (torch 2.11-2.13 read
+The held gradient is FSDP2's ``FSDPParam.unsharded_accumulated_grad``, a private attribute (torch 2.11 and 2.13 read
 it in the same way: held until the next reducing backward, then reduce-scattered and cleared). Everything here is
-inert where FSDP2 would not hold one: no reduce dtype, a reduce dtype equal to the compute dtype (float32 on CPU by
+inert where FSDP2 would not hold one: a torch whose FSDP2 holds none (2.15: autograd accumulates the unsharded
+gradient in the reduce dtype itself), no reduce dtype, a reduce dtype equal to the compute dtype (float32 on CPU by
 default), a DTensor (tensor-parallel) unsharded parameter.
 """
 
@@ -32,7 +33,14 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from moeshard.fsdp_moe._torch_internals import foreach_mul_, fsdp_param_groups, unsharded_param
+from moeshard.fsdp_moe._torch_internals import (
+    foreach_mul_,
+    fsdp_param_groups,
+    held_grad,
+    keeps_held_grad,
+    set_held_grad,
+    unsharded_param,
+)
 
 __all__ = ["ReducedGrad", "ReducedGradTarget", "grouped_grad_accumulation", "reduced_grad_target"]
 
@@ -54,7 +62,7 @@ class ReducedGrad:
 
     def held(self) -> torch.Tensor | None:
         """The gradient held so far (this step's earlier backwards since the last reduce), or None."""
-        return self._param.unsharded_accumulated_grad
+        return held_grad(self._param)
 
     def add_(self, grad: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """Add ``grad`` (the reduce dtype and the parameter's shape), times the one-element tensor ``scale`` if
@@ -73,7 +81,7 @@ class ReducedGrad:
         if scale is not None:
             _scale_in_place(grad, scale)
         if held is None:
-            self._param.unsharded_accumulated_grad = grad
+            set_held_grad(self._param, grad)
         else:
             held.add_(grad)
 
@@ -99,7 +107,7 @@ class ReducedGrad:
                 torch.mm(a.t(), b, out_dtype=self.dtype, out=held)
             else:
                 held = (a.t() @ b).to(self.dtype)
-            self._param.unsharded_accumulated_grad = held
+            set_held_grad(self._param, held)
         elif a.is_cuda and half:
             torch.addmm(held, a.t(), b, out_dtype=self.dtype, out=held)
         else:
@@ -110,7 +118,7 @@ class ReducedGrad:
         held = self.held()
         if held is None:
             held = torch.zeros(self.shape, dtype=self.dtype, device=unsharded_param(self._param).device)
-            self._param.unsharded_accumulated_grad = held
+            set_held_grad(self._param, held)
         return held
 
     def _check(self, grad: torch.Tensor) -> None:
@@ -179,7 +187,7 @@ def _accumulating_first(group: Any, post_backward: Callable, interpreted: bool) 
 def _accumulate(fsdp_params: list[Any], interpreted: bool) -> None:
     dsts, srcs, params = [], [], []
     for fsdp_param in fsdp_params:
-        held = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+        held = held_grad(fsdp_param) if keeps_held_grad(fsdp_param) else None
         param = unsharded_param(fsdp_param)
         grad = None if param is None else param.grad
         if held is None or grad is None or not (held.is_cuda or (interpreted and held.device.type == "cpu")):
@@ -231,6 +239,8 @@ def reduced_grad_target(module: nn.Module) -> ReducedGradTarget:
                     continue
                 reduce_dtype = fsdp_param.reduce_dtype
                 if reduce_dtype is None or reduce_dtype == weight.dtype or fsdp_param.is_dtensor:
+                    return None
+                if not keeps_held_grad(fsdp_param):  # torch 2.15: autograd accumulates in the reduce dtype
                     return None
                 return ReducedGrad(fsdp_param)
         return None

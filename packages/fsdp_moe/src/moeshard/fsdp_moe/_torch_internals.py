@@ -13,6 +13,9 @@ Why each private access remains (torch 2.11-2.15 offer no public way to do the s
   parameters and its post-backward needs them; ``FSDPModule`` exposes none of these.
 - :func:`unsharded_param`: ``FSDPParam._unsharded_param``, the tensor a unit's forward receives as its weight,
   matched to tell which parameter a module is computing with.
+- :func:`keeps_held_grad`, :func:`held_grad`, :func:`set_held_grad`: ``FSDPParam.unsharded_accumulated_grad``, the
+  reduce-dtype gradient FSDP2 holds between micro-batches (torch 2.11-2.14). torch 2.15 has none (autograd
+  accumulates in the reduce dtype itself); :func:`keeps_held_grad` says so, and the two others raise there.
 - :func:`reduce_scatter_comm`: ``FSDPParamGroup._reduce_scatter_comm``, to see whether a unit still has FSDP2's
   default comm before giving it ours (``FSDPModule.set_custom_reduce_scatter`` sets one, nothing reads it).
 - :data:`ReduceScatterBase`: the comm interface ``set_custom_reduce_scatter`` takes, defined in a private module
@@ -42,6 +45,9 @@ __all__ = [
     "ReduceScatterBase",
     "reduce_scatter_base",
     "foreach_mul_",
+    "held_grad",
+    "keeps_held_grad",
+    "set_held_grad",
     "foreach_norm",
     "foreach_reduce_source",
     "fsdp_param_groups",
@@ -103,6 +109,26 @@ def unsharded_param(fsdp_param: Any) -> torch.Tensor | None:
     if not _declared(fsdp_param, "_unsharded_param"):
         raise _moved(f"{type(fsdp_param).__name__} no longer has _unsharded_param", "unsharded_param")
     return None
+
+
+def keeps_held_grad(fsdp_param: Any) -> bool:
+    """Whether the installed torch's FSDP2 holds a reduce-dtype gradient for ``fsdp_param`` between backwards that
+    do not reduce (``FSDPParam.unsharded_accumulated_grad``: torch 2.11 and 2.13; not torch 2.15)."""
+    return hasattr(fsdp_param, "unsharded_accumulated_grad") or _declared(fsdp_param, "unsharded_accumulated_grad")
+
+
+def held_grad(fsdp_param: Any) -> torch.Tensor | None:
+    """The reduce-dtype gradient FSDP2 holds for ``fsdp_param`` until its next reduce, or None."""
+    if not keeps_held_grad(fsdp_param):
+        raise _moved(f"{type(fsdp_param).__name__} no longer has unsharded_accumulated_grad", "held_grad")
+    return getattr(fsdp_param, "unsharded_accumulated_grad", None)
+
+
+def set_held_grad(fsdp_param: Any, grad: torch.Tensor) -> None:
+    """Make ``grad`` the reduce-dtype gradient FSDP2 holds for ``fsdp_param`` (and reduces at its next reduce)."""
+    if not keeps_held_grad(fsdp_param):
+        raise _moved(f"{type(fsdp_param).__name__} no longer has unsharded_accumulated_grad", "set_held_grad")
+    fsdp_param.unsharded_accumulated_grad = grad
 
 
 def reduce_scatter_comm(group: Any) -> Any:
