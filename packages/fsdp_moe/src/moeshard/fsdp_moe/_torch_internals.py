@@ -114,6 +114,8 @@ def unsharded_param(fsdp_param: Any) -> torch.Tensor | None:
 def keeps_held_grad(fsdp_param: Any) -> bool:
     """Whether the installed torch's FSDP2 holds a reduce-dtype gradient for ``fsdp_param`` between backwards that
     do not reduce (``FSDPParam.unsharded_accumulated_grad``: torch 2.11 and 2.13; not torch 2.15)."""
+    if isinstance(getattr(type(fsdp_param), "unsharded_accumulated_grad", None), property):
+        return False  # torch 2.15: a read-only view of the parameter's .grad, "unused within FSDP"
     return hasattr(fsdp_param, "unsharded_accumulated_grad") or _declared(fsdp_param, "unsharded_accumulated_grad")
 
 
