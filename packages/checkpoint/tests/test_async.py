@@ -231,3 +231,25 @@ def test_cuda_background_save_of_dtensors_keeps_the_values_of_its_start(cuda_wor
         expected = {"w": w.to_local().cpu(), "b": b.cpu()}
         assert saved.blocking_s < 1.0 and saved.write_s > 0
     stager.release()
+
+
+def test_staging_writes_into_a_dtensors_local_piece():
+    """The stager fills a DTensor buffer through ``local_piece`` (``to_local`` outside autograd): writing into the
+    piece is writing into the DTensor, for a parameter (a new view each call on torch >= 2.13) as for a tensor."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from moeshard.checkpoint._stage import local_piece
+    from moeshard.meshes import fake_process_group
+
+    with fake_process_group(1):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (1,))
+        for t in (DTensor.from_local(torch.zeros(4), mesh, [Shard(0)]), torch.nn.Parameter(torch.zeros(4))):
+            t = t if isinstance(t, DTensor) else torch.nn.Parameter(DTensor.from_local(t.data, mesh, [Shard(0)]))
+            with torch.no_grad():
+                local_piece(t).copy_(torch.arange(4.0))
+            assert torch.equal(t.to_local().detach(), torch.arange(4.0)), type(t)
+            assert type(local_piece(t)) is not DTensor
+    plain = torch.ones(2)
+    assert local_piece(plain) is plain

@@ -19,7 +19,7 @@ def _grads(in_place: bool) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from moeshard.fsdp_moe import reduce_in_place_on_one_rank
-    from moeshard.fsdp_moe._reduced_grad import _param_groups
+    from moeshard.fsdp_moe._torch_internals import fsdp_param_groups, reduce_scatter_comm
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5), nn.ReLU(), nn.Linear(5, 3))
@@ -37,7 +37,7 @@ def _grads(in_place: bool) -> dict:
             model.set_requires_gradient_sync(sync)
             model(x[i]).square().sum().backward()
         out["grads"].append({n: p.grad.to_local().clone() for n, p in model.named_parameters()})
-    comms = [_param_groups(m)[0]._reduce_scatter_comm for m in (*units, root)]
+    comms = [reduce_scatter_comm(fsdp_param_groups(m)[0]) for m in (*units, root)]
     out["reused"] = [getattr(comm, "reused", None) for comm in comms]
     return out
 

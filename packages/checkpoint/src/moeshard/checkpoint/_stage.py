@@ -33,13 +33,22 @@ from moeshard.fsdp_moe import SplitMaster
 _PIN_MIN_BYTES = 1 << 20  # smaller tensors (scalars, norms) copy as fast unpinned
 
 
+def local_piece(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local piece, the tensor holding this rank's values (written into in place when staging into a
+    DTensor buffer); any other tensor as it is. ``to_local`` outside autograd: no graph node, no view."""
+    if not isinstance(t, DTensor):
+        return t
+    with torch.no_grad():
+        return t.to_local()
+
+
 def state_bytes(state: Any) -> int:
     """Bytes of this rank's tensors in a (nested) state dict: DTensors count their local piece, a split master the
     float32 tensor it stands for."""
     if isinstance(state, SplitMaster):
         return math.prod(state.local_shape) * 4
     if isinstance(state, DTensor):
-        local = state._local_tensor
+        local = local_piece(state)
         return local.numel() * local.element_size()
     if isinstance(state, torch.Tensor):
         return state.numel() * state.element_size()
@@ -102,18 +111,16 @@ class Stager(AsyncStager):
         for) at ``path``; a new one when the shape or dtype changed."""
         buf = self._buffers.get(path)
         like = t.hi if isinstance(t, SplitMaster) else t  # the layout (a DTensor's spec) to copy
-        shape = (
-            t.local_shape if isinstance(t, SplitMaster) else (t._local_tensor if isinstance(t, DTensor) else t).shape
-        )
+        shape = t.local_shape if isinstance(t, SplitMaster) else local_piece(t).shape
         dtype = t.dtype
-        held = buf._local_tensor if isinstance(buf, DTensor) else buf
+        held = None if buf is None else local_piece(buf)
         if held is not None and held.shape == shape and held.dtype == dtype:
             return buf
         if isinstance(like, DTensor):
             # torch's own way (``_create_cpu_state_dict``): a CPU DTensor of the same spec, its local piece a copy
             # of exactly its size; made once, so its copy costs nothing per save.
             buf = like.detach().to("cpu", dtype=dtype, copy=True)  # copy: a CPU state's buffer must never alias it
-            target = buf._local_tensor
+            target = local_piece(buf)
         else:
             buf = target = torch.empty(shape, dtype=dtype)
         nbytes = target.numel() * target.element_size()
@@ -136,8 +143,8 @@ class Stager(AsyncStager):
         if isinstance(obj, SplitMaster):
             buf = self._buffer(path, obj)
             if copy_into:
-                dst = buf._local_tensor if isinstance(buf, DTensor) else buf
-                hi = obj.hi._local_tensor if isinstance(obj.hi, DTensor) else obj.hi
+                dst = local_piece(buf)
+                hi = local_piece(obj.hi)
                 if not hi.is_cuda:
                     obj.join_into(dst)  # in the host buffer itself
                 elif self._scratch is None:  # device halves given to a stager of the CPU: joined, then copied
@@ -150,8 +157,8 @@ class Stager(AsyncStager):
         if isinstance(obj, torch.Tensor):
             buf = self._buffer(path, obj)
             if copy_into:
-                src = obj._local_tensor if isinstance(obj, DTensor) else obj
-                dst = buf._local_tensor if isinstance(buf, DTensor) else buf
+                src = local_piece(obj)
+                dst = local_piece(buf)
                 if self.cuda and src.is_cuda:
                     src.record_stream(self._stream)  # not reused by the allocator while the copy is pending
                 dst.copy_(src.detach(), non_blocking=self.cuda)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from moeshard.ep._options import GEMMS, KERNEL_TIERS
+from moeshard.ep._torch_internals import foreach_norm, mark_rows_dynamic
 
 __all__ = ["ACTIVATIONS", "Kernels", "activation_fn", "compile_rows_dynamic", "kernels_for", "resolve_gemm"]
 
@@ -138,7 +139,7 @@ def check_squares(name: str, squares: torch.Tensor | None) -> None:
 
 def read_squares(t: torch.Tensor, squares: torch.Tensor) -> None:
     """``squares = Σ t²`` in float32, by reading ``t`` once (no float32 copy of it)."""
-    squares.copy_(torch._foreach_norm([t], 2.0, dtype=torch.float32)[0].square().reshape(squares.shape))
+    squares.copy_(foreach_norm([t], 2.0, dtype=torch.float32)[0].square().reshape(squares.shape))
 
 
 def route(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -163,7 +164,7 @@ def compile_rows_dynamic(fn: Callable) -> Callable:
     def call(*args):
         for a in args:
             if isinstance(a, torch.Tensor) and a.dim() > 0:
-                torch._dynamo.maybe_mark_dynamic(a, 0)
+                mark_rows_dynamic(a)
         return compiled(*args)
 
     call.__wrapped__ = fn

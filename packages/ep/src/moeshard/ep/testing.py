@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from moeshard.ep._dispatch import LocalDispatch
 from moeshard.ep._plan import ParallelPlan
+from moeshard.ep._torch_internals import TorchDispatchMode
 
 __all__ = [
     "ToyExperts",

@@ -17,7 +17,8 @@ import weakref
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from moeshard.fsdp_moe._torch_internals import local_tensor, tensor_version
 
 __all__ = ["drop_kept_factors", "forget_squares", "formed_squares", "keep_factors", "kept_factors", "record_squares"]
 
@@ -46,9 +47,15 @@ def record_squares(param: torch.Tensor, squares: torch.Tensor) -> None:
     """Record ``squares`` (a float32 scalar: ``Σ grad²`` of ``param``'s local gradient as just formed) for the
     gradient ``param.grad`` holds now."""
     grad = param.grad
-    local = grad._local_tensor if isinstance(grad, DTensor) else grad
+    local = local_tensor(grad)
     # An in-place operation through the DTensor moves the DTensor's counter, one on its local tensor the local's.
-    param.__dict__[_SQUARES_ATTR] = (weakref.ref(grad), grad._version, weakref.ref(local), local._version, squares)
+    param.__dict__[_SQUARES_ATTR] = (
+        weakref.ref(grad),
+        tensor_version(grad),
+        weakref.ref(local),
+        tensor_version(local),
+        squares,
+    )
 
 
 def forget_squares(param: torch.Tensor) -> None:
@@ -70,9 +77,12 @@ def formed_squares(param: torch.Tensor) -> torch.Tensor | None:
         return None
     grad_ref, grad_version, local_ref, local_version, squares = entry
     grad = param.grad
-    local = grad._local_tensor if isinstance(grad, DTensor) else grad
-    same = grad is not None and grad_ref() is grad and local_ref() is local
-    if not (same and grad._version == grad_version and local._version == local_version):
+    if grad is None:
+        forget_squares(param)
+        return None
+    local = local_tensor(grad)
+    same = grad_ref() is grad and local_ref() is local
+    if not (same and tensor_version(grad) == grad_version and tensor_version(local) == local_version):
         forget_squares(param)
         return None
     return squares

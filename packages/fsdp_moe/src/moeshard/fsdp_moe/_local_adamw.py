@@ -70,6 +70,7 @@ from moeshard.fsdp_moe._deferral import ExpertGradOptions
 from moeshard.fsdp_moe._grad_records import drop_kept_factors, formed_squares, kept_factors
 from moeshard.fsdp_moe._local_experts import LocalExperts, dtensor_like, local_experts_state
 from moeshard.fsdp_moe._shard import clean_fqn
+from moeshard.fsdp_moe._torch_internals import foreach_norm
 
 __all__ = ["LocalExpertAdamW", "local_expert_params"]
 
@@ -269,7 +270,7 @@ class LocalExpertAdamW(torch.optim.Optimizer):
                 total = _triton.sum_of_squares(ts, [factors[i] ** 2 for i in idx], [None] * len(idx))
                 out.append((total + formed.pop(device) if device in formed else total).sqrt())
                 continue
-            norms = torch._foreach_norm([grads[i] for i in idx], norm_type, dtype=torch.float32)
+            norms = foreach_norm([grads[i] for i in idx], norm_type, dtype=torch.float32)
             out.extend(n * factors[i] if factors[i] != 1.0 else n for n, i in zip(norms, idx, strict=True))
         out.extend(total.sqrt() for total in formed.values())
         return out

@@ -61,7 +61,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils._pytree import tree_map_only
 
 from moeshard.fsdp_moe._deferral import DEFAULT_BUDGET, ExpertGradOptions, expert_grad_budget, kept_factor_ratio
 from moeshard.fsdp_moe._grad_records import (
@@ -71,6 +70,7 @@ from moeshard.fsdp_moe._grad_records import (
     kept_factors,
     record_squares,
 )
+from moeshard.fsdp_moe._torch_internals import local_tensor, tree_map_only
 
 __all__ = [
     "defer_expert_weight_grads",
@@ -248,7 +248,7 @@ class LocalExperts:
         """The *compute*-mode parameter whose local tensor the forward handed on as ``weight``, or None."""
         for name in self.in_compute_dtype:
             param = self.params[name]
-            local = param._local_tensor
+            local = local_tensor(param)
             if weight.data_ptr() == local.data_ptr() and weight.shape == local.shape:
                 return param
         return None
@@ -328,11 +328,11 @@ class LocalExperts:
 
         factors = kept_factors(param) + more
         drop_kept_factors(param)
-        buf = self._buffer(param, param._local_tensor)
+        buf = self._buffer(param, local_tensor(param))
         if buf is None and param.grad is not None:  # a gradient in another layout (set from outside): add to it
             param.grad = param.grad + dtensor_like(sum_weight_grads(factors).contiguous(), param)
             return
-        squares = torch.empty((), dtype=torch.float32, device=param._local_tensor.device)
+        squares = torch.empty((), dtype=torch.float32, device=local_tensor(param).device)
         if buf is not None:
             sum_weight_grads(factors, buf, squares=squares)
         else:
@@ -351,7 +351,7 @@ class LocalExperts:
         gradients instead of adding to them."""
         kept = _storages(self._kept() + ([more] if more is not None else []))
         grads = [p.grad for p in self._compute_params() if p.grad is not None]
-        formed = sum(g._local_tensor.nbytes if isinstance(g, DTensor) else g.nbytes for g in grads)
+        formed = sum(local_tensor(g).nbytes for g in grads)
         return sum(kept.values()) + formed
 
     def _compute_params(self) -> list[nn.Parameter]:
@@ -362,7 +362,7 @@ class LocalExperts:
 
     def grad_bytes(self) -> int:
         """Bytes of the gradients of this module's *compute*-mode parameters (what kept factors stand for)."""
-        return sum(p._local_tensor.numel() * p.element_size() for p in self._compute_params())
+        return sum(local_tensor(p).numel() * p.element_size() for p in self._compute_params())
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         for name, param in self._saved:

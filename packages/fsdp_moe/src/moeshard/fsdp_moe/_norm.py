@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from moeshard.fsdp_moe._torch_internals import foreach_mul_, foreach_norm
 from moeshard.meshes import MeshAxis
 
 __all__ = ["check_norm_type", "comm_device", "local_norms", "multiply_grads_", "reduce_norms", "split_grads"]
@@ -72,7 +73,7 @@ def local_norms(tensors: list[torch.Tensor], norm_type: float) -> list[torch.Ten
         by_device.setdefault(t.device, []).append(t)
     out = []
     for ts in by_device.values():
-        out.extend(torch._foreach_norm(ts, norm_type, dtype=torch.float32))
+        out.extend(foreach_norm(ts, norm_type, dtype=torch.float32))
     return out
 
 
@@ -116,4 +117,4 @@ def multiply_grads_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
         local = g.to_local() if isinstance(g, DTensor) else g
         by_device.setdefault(local.device, []).append(local)
     for device, gs in by_device.items():
-        torch._foreach_mul_(gs, coef.to(device))
+        foreach_mul_(gs, coef.to(device))

@@ -17,7 +17,6 @@ first and changes nothing where it does not find it (FSDP2's own copy then runs,
 from __future__ import annotations
 
 import functools
-import inspect
 import re
 from collections.abc import Sequence
 
@@ -25,17 +24,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from moeshard.fsdp_moe._reduced_grad import _param_groups
+from moeshard.fsdp_moe._torch_internals import (
+    ReduceScatterBase,
+    foreach_reduce_source,
+    fsdp_param_groups,
+    reduce_scatter_comm,
+)
 
 __all__ = ["OneRankReduceScatter", "reduce_in_place_on_one_rank"]
 
-try:  # torch's comm interface (private module, public through FSDPModule.set_custom_reduce_scatter)
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterBase
-except ImportError:  # pragma: no cover - a torch without custom comms: nothing is installed
-    _ReduceScatterBase = object
 
-
-class OneRankReduceScatter(_ReduceScatterBase):
+class OneRankReduceScatter(ReduceScatterBase):
     """A reduce-scatter comm for a one-rank FSDP2 unit whose output buffer is its input buffer.
 
     ``allocate`` hands out a new buffer, remembers it, and answers the next request of the same size, dtype and
@@ -90,10 +89,8 @@ def _order_holds() -> bool:
     """Whether the installed torch's ``foreach_reduce`` asks its comm for the input's buffer and then the output's
     (and no other buffer between them), and copies the one into the other on one rank."""
     try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_collectives
-
-        source = inspect.getsource(_fsdp_collectives.foreach_reduce)
-    except (ImportError, AttributeError, OSError, TypeError):
+        source = foreach_reduce_source()
+    except (RuntimeError, OSError, TypeError):  # moved, or no source shipped: FSDP2's own copy runs
         return False
     inputs, outputs = list(_INPUT.finditer(source)), list(_OUTPUT.finditer(source))
     if len(inputs) != 1 or len(outputs) != 1 or _COPY not in source:
@@ -111,14 +108,14 @@ def reduce_in_place_on_one_rank(module: FSDPModule) -> bool:
     another order than the one this relies on (module docstring)."""
     if not isinstance(module, FSDPModule):
         raise TypeError(f"{type(module).__name__} is not an FSDP unit: fully_shard it first")
-    groups = _param_groups(module)
+    groups = fsdp_param_groups(module)
     if len(groups) != 1 or not hasattr(module, "set_custom_reduce_scatter") or not _order_holds():
         return False
     group = groups[0]
     mesh_info = getattr(group, "mesh_info", None)
     if mesh_info is None or getattr(mesh_info, "shard_mesh_size", None) != 1:
         return False
-    if type(getattr(group, "_reduce_scatter_comm", None)).__name__ != "DefaultReduceScatter":
+    if type(reduce_scatter_comm(group)).__name__ != "DefaultReduceScatter":
         return False
     module.set_custom_reduce_scatter(OneRankReduceScatter())
     return True

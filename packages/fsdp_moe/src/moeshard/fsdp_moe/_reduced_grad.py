@@ -16,9 +16,10 @@ that can produce its weight's gradient in float32 itself hands it over here inst
 FSDP2 reduces the held gradient exactly as one it accumulated itself: the same reduce-scatter, divide factor and
 ``.grad``, with one rounding less (the bfloat16 one) and two passes over ``[V, D]`` less per micro-batch.
 
-The held gradient is FSDP2's ``FSDPParam.unsharded_accumulated_grad``, a private attribute (torch 2.11-2.13 read
+The held gradient is FSDP2's ``FSDPParam.unsharded_accumulated_grad``, a private attribute (torch 2.11 and 2.13 read
 it in the same way: held until the next reducing backward, then reduce-scattered and cleared). Everything here is
-inert where FSDP2 would not hold one: no reduce dtype, a reduce dtype equal to the compute dtype (float32 on CPU by
+inert where FSDP2 would not hold one: a torch whose FSDP2 holds none (2.15: autograd accumulates the unsharded
+gradient in the reduce dtype itself), no reduce dtype, a reduce dtype equal to the compute dtype (float32 on CPU by
 default), a DTensor (tensor-parallel) unsharded parameter.
 """
 
@@ -31,6 +32,15 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from moeshard.fsdp_moe._torch_internals import (
+    foreach_mul_,
+    fsdp_param_groups,
+    held_grad,
+    keeps_held_grad,
+    set_held_grad,
+    unsharded_param,
+)
 
 __all__ = ["ReducedGrad", "ReducedGradTarget", "grouped_grad_accumulation", "reduced_grad_target"]
 
@@ -46,11 +56,13 @@ class ReducedGrad:
     def __init__(self, fsdp_param: Any) -> None:
         self._param = fsdp_param
         self.dtype: torch.dtype = fsdp_param.reduce_dtype
-        self.shape = fsdp_param._unsharded_param.shape
+        unsharded = unsharded_param(fsdp_param)
+        assert unsharded is not None, "a held gradient is asked only for a parameter the unit has gathered"
+        self.shape = unsharded.shape
 
     def held(self) -> torch.Tensor | None:
         """The gradient held so far (this step's earlier backwards since the last reduce), or None."""
-        return self._param.unsharded_accumulated_grad
+        return held_grad(self._param)
 
     def add_(self, grad: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """Add ``grad`` (the reduce dtype and the parameter's shape), times the one-element tensor ``scale`` if
@@ -69,7 +81,7 @@ class ReducedGrad:
         if scale is not None:
             _scale_in_place(grad, scale)
         if held is None:
-            self._param.unsharded_accumulated_grad = grad
+            set_held_grad(self._param, grad)
         else:
             held.add_(grad)
 
@@ -95,7 +107,7 @@ class ReducedGrad:
                 torch.mm(a.t(), b, out_dtype=self.dtype, out=held)
             else:
                 held = (a.t() @ b).to(self.dtype)
-            self._param.unsharded_accumulated_grad = held
+            set_held_grad(self._param, held)
         elif a.is_cuda and half:
             torch.addmm(held, a.t(), b, out_dtype=self.dtype, out=held)
         else:
@@ -105,8 +117,8 @@ class ReducedGrad:
         """The held gradient, a new zero one first where none is held (for callers that add into parts of it)."""
         held = self.held()
         if held is None:
-            held = torch.zeros(self.shape, dtype=self.dtype, device=self._param._unsharded_param.device)
-            self._param.unsharded_accumulated_grad = held
+            held = torch.zeros(self.shape, dtype=self.dtype, device=unsharded_param(self._param).device)
+            set_held_grad(self._param, held)
         return held
 
     def _check(self, grad: torch.Tensor) -> None:
@@ -126,22 +138,13 @@ def _scale_in_place(t: torch.Tensor, scale: torch.Tensor) -> None:
 
         _grad_triton.scale_(t, scale)
     else:
-        torch._foreach_mul_([t], scale)
+        foreach_mul_([t], scale)
 
 
 ReducedGradTarget = Callable[[torch.Tensor], "ReducedGrad | None"]
 """``target(weight) -> ReducedGrad | None``, asked with the tensor a module's forward received as its weight (the
 unsharded parameter): where to put that weight's gradient in the reduce dtype (the module's backward then returns
 no gradient for it), or None for a gradient returned to autograd as usual."""
-
-
-def _param_groups(module: FSDPModule) -> list[Any]:
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.13: one group per mesh of the unit
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return list(groups)
 
 
 def grouped_grad_accumulation(module: nn.Module, *, interpreted: bool = False) -> int:
@@ -164,7 +167,7 @@ def grouped_grad_accumulation(module: nn.Module, *, interpreted: bool = False) -
     for unit in module.modules():
         if not isinstance(unit, FSDPModule):
             continue
-        for group in _param_groups(unit):
+        for group in fsdp_param_groups(unit):
             if getattr(group.post_backward, "accumulates_first", False):
                 continue
             group.post_backward = _accumulating_first(group, group.post_backward, interpreted)
@@ -184,8 +187,8 @@ def _accumulating_first(group: Any, post_backward: Callable, interpreted: bool) 
 def _accumulate(fsdp_params: list[Any], interpreted: bool) -> None:
     dsts, srcs, params = [], [], []
     for fsdp_param in fsdp_params:
-        held = getattr(fsdp_param, "unsharded_accumulated_grad", None)
-        param = getattr(fsdp_param, "_unsharded_param", None)
+        held = held_grad(fsdp_param) if keeps_held_grad(fsdp_param) else None
+        param = unsharded_param(fsdp_param)
         grad = None if param is None else param.grad
         if held is None or grad is None or not (held.is_cuda or (interpreted and held.device.type == "cpu")):
             continue
@@ -230,12 +233,14 @@ def reduced_grad_target(module: nn.Module) -> ReducedGradTarget:
         raise TypeError(f"{type(module).__name__} is not an FSDP unit: fully_shard it before asking for its target")
 
     def target(weight: torch.Tensor) -> ReducedGrad | None:
-        for group in _param_groups(module):
+        for group in fsdp_param_groups(module):
             for fsdp_param in group.fsdp_params:
-                if getattr(fsdp_param, "_unsharded_param", None) is not weight:
+                if unsharded_param(fsdp_param) is not weight:
                     continue
                 reduce_dtype = fsdp_param.reduce_dtype
                 if reduce_dtype is None or reduce_dtype == weight.dtype or fsdp_param.is_dtensor:
+                    return None
+                if not keeps_held_grad(fsdp_param):  # torch 2.15: autograd accumulates in the reduce dtype
                     return None
                 return ReducedGrad(fsdp_param)
         return None

@@ -28,6 +28,7 @@ from torch.distributed.tensor import Shard
 from moeshard.ep import EPInfo, EPParamMeta, ParallelPlan, fqn_matches
 from moeshard.fsdp_moe._local_experts import keep_experts_local, local_experts_state
 from moeshard.fsdp_moe._one_rank import reduce_in_place_on_one_rank
+from moeshard.fsdp_moe._torch_internals import fsdp_param_groups
 from moeshard.meshes import ParallelMeshes
 
 __all__ = ["FSDPUnits", "ShardingInfo", "Stage", "clean_fqn", "default_mp_policy", "get_sharding_info", "shard_model"]
@@ -116,8 +117,7 @@ class ShardingInfo:
 
 
 def _mesh_name(module: FSDPModule) -> str:
-    # FSDP2's private state, read only to label the mesh in a description.
-    groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None)
+    groups = fsdp_param_groups(module)
     if not groups:
         return "no params"
     mesh = groups[0].mesh_info.mesh

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moeshard.meshes._layout import MeshAxis, MeshLayout, plan_layout
+from moeshard.meshes._torch_internals import fake_store
 
 
 @dataclass(frozen=True)
@@ -166,11 +167,9 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     """
     if dist.is_initialized():
         raise RuntimeError("fake_process_group needs no process group to be initialised already")
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the world of {world_size} ranks")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

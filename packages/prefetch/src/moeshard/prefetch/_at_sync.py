@@ -15,8 +15,8 @@ from typing import Any
 
 from torch import nn
 
-from moeshard.prefetch._record import _in_backward
 from moeshard.prefetch._schedule import PrefetchSchedule
+from moeshard.prefetch._torch_internals import in_backward
 
 __all__ = ["HostSyncPrefetch", "prefetch_forward_at_host_sync"]
 
@@ -37,7 +37,7 @@ class HostSyncPrefetch:
         self._handles.append(register_host_sync_hook(self.issue))
 
     def _begin(self, targets: list[nn.Module], module: nn.Module, args: Any) -> None:
-        if _in_backward():  # a recomputation under activation checkpointing: backward prefetch applies
+        if in_backward():  # a recomputation under activation checkpointing: backward prefetch applies
             return
         self.issue()
         self.pending = list(targets)
@@ -48,7 +48,7 @@ class HostSyncPrefetch:
     def issue(self) -> None:
         """All-gather the current stage's pending prefetch targets now (asynchronously); FSDP2 waits for them in
         their own pre-forward."""
-        if _in_backward():
+        if in_backward():
             return
         pending, self.pending = self.pending, []
         for module in pending:

@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from moeshard.prefetch._torch_internals import all_gather_result, fsdp_param_groups, in_backward
 
 __all__ = ["TraceEvent", "UnshardTrace", "record_unshard_order"]
 
@@ -93,7 +94,7 @@ class UnshardTrace:
     # Recording (called from the hooks and wrappers).
     def _add(self, kind: str, unit: str, *, prefetch: bool = False, group: int = 0, t: float | None = None) -> None:
         t = time.perf_counter() if t is None else t
-        phase = "backward" if _in_backward() else "forward"
+        phase = "backward" if in_backward() else "forward"
         self.events.append(TraceEvent(kind, unit, phase, prefetch, group, t - self._t0))
 
     def _forward_begin(self, unit: str, module: nn.Module, args: Any) -> None:
@@ -105,7 +106,7 @@ class UnshardTrace:
         self._add("forward_end", unit)
 
     def _unshard_issued(self, unit: str, group: int, t: float) -> None:
-        own = unit in self._backward_pending if _in_backward() else unit in self._in_forward
+        own = unit in self._backward_pending if in_backward() else unit in self._in_forward
         self._add("unshard", unit, prefetch=not own, group=group, t=t)
 
     def _backward_begin(self, unit: str, num_groups: int) -> None:
@@ -122,19 +123,13 @@ class UnshardTrace:
             self._add("backward_end", unit)
 
 
-def _in_backward() -> bool:
-    # The same test FSDP2 uses (``_fsdp_common.is_bw``): a graph task is running only inside autograd's engine.
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current is not None and current() != -1
-
-
-def _param_groups(module: FSDPModule) -> list[Any]:
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.13: one group per mesh of the unit
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [] if group is None else [group]
-    return list(groups)
+def _pending_all_gather(group: Any) -> Any:
+    """The group's pending all-gather, or ``_MISSING`` where the installed torch no longer keeps one where we read
+    it (every ``unshard`` call is then recorded as issued: a coarser trace, not a failed step)."""
+    try:
+        return all_gather_result(group)
+    except RuntimeError:
+        return _MISSING
 
 
 def _patch(obj: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
@@ -157,9 +152,9 @@ def _wrap_unshard(trace: UnshardTrace, unit: str, index: int, group: Any):
         @functools.wraps(orig)
         def unshard(*args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter()
-            before = getattr(group, "_all_gather_result", _MISSING)
+            before = _pending_all_gather(group)
             out = orig(*args, **kwargs)
-            after = getattr(group, "_all_gather_result", _MISSING)
+            after = _pending_all_gather(group)
             # unshard() returns early when the unit is already gathered or its all-gather is in flight; only a
             # call that leaves a new pending result issued one. Without that attribute, record every call.
             if before is _MISSING or after is _MISSING or (before is None and after is not None):
@@ -234,7 +229,7 @@ def record_unshard_order(
                 module.register_forward_pre_hook(functools.partial(trace._forward_begin, name), prepend=True).remove
             )
             undo.append(module.register_forward_hook(functools.partial(trace._forward_end, name)).remove)
-            groups = _param_groups(module)
+            groups = fsdp_param_groups(module)
             for i, group in enumerate(groups):
                 undo.append(_patch(group, "unshard", _wrap_unshard(trace, name, i, group)))
                 undo.append(_patch(group, "pre_backward", _wrap_pre_backward(trace, name, len(groups))))

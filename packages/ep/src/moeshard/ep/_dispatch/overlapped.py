@@ -32,6 +32,7 @@ from moeshard.ep._dispatch._base import ExpertDispatch
 from moeshard.ep._kernels import Kernels, resolve_gemm
 from moeshard.ep._mlp import ExpertPass
 from moeshard.ep._permute import inverse_permutation, regroup_by_local_expert
+from moeshard.ep._torch_internals import set_sm_carveout, sm_carveout
 from moeshard.ep._weight_grads import Handoff, add_into, takes_factors, weight_grad_buffers
 
 __all__ = ["OverlappedDispatch"]
@@ -117,12 +118,12 @@ class _Carveout:
 
     def __enter__(self):
         if self.on:
-            self.before = torch._C._get_sm_carveout_experimental()
-            torch._C._set_sm_carveout_experimental(self.sms)
+            self.before = sm_carveout()
+            set_sm_carveout(self.sms)
 
     def __exit__(self, *exc):
         if self.on:
-            torch._C._set_sm_carveout_experimental(self.before)
+            set_sm_carveout(self.before)
 
 
 def _widen(offsets: torch.Tensor, first: int, total: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ layout: its ``model_type``, the config fields that decide shapes, stored buffers
 
 A parameter may be a plain tensor, an EP-sliced expert tensor (``moeshard.ep.apply_ep``: its experts are
 ``[expert_start, expert_end)`` of the global ones, from the ``EPInfo`` that ``apply_ep`` returned), or a DTensor from FSDP2 (its
-local shard is a box of the DTensor's global shape, from ``compute_local_shape_and_global_offset``). For an
+local shard is a box of the DTensor's global shape, from ``_torch_internals.shard_offset``). For an
 expert parameter after EP + FSDP, the DTensor's global shape is the EP-local one, so the box is shifted by
 ``expert_start`` on dim 0. Each rank reads exactly its box, from either expert layout:
 
@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import PretrainedConfig
 
 from moeshard.ep import EPInfo
 from moeshard.models.common._fp8 import FP8, SCALE_SUFFIX, check_fp8, dequantize, fp8_block, read_scales
 from moeshard.models.common._hf_checks import check_dtypes, check_keys
 from moeshard.models.common._safetensors import CheckpointError, SafetensorsDir
+from moeshard.models.common._torch_internals import shard_offset
 
 __all__ = [
     "CheckpointError",
@@ -174,7 +174,7 @@ def local_region(param: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor]:
             raise ValueError(
                 f"cannot load into a DTensor placed {param.placements}: only Shard and Replicate are supported"
             )
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    offset = shard_offset(param)
     local = param.to_local().detach()
     if local.numel() == 0:
         offset = (0,) * param.dim()

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from moeshard.models.common._torch_internals import foreach_mul
+
 IGNORE_INDEX = -100
 """Label value that the loss ignores (padding, prompts), as in transformers and ``torch.nn.CrossEntropyLoss``."""
 LOSS_CHUNK_TOKENS = 4096
@@ -183,7 +185,7 @@ def _scaled(*grads: torch.Tensor | None, factor: torch.Tensor) -> tuple[torch.Te
             by_dtype.setdefault(g.dtype, []).append(i)
     factor = factor.float()
     for idx in by_dtype.values():
-        for i, g in zip(idx, torch._foreach_mul([grads[i] for i in idx], factor)):
+        for i, g in zip(idx, foreach_mul([grads[i] for i in idx], factor)):
             out[i] = g
     return tuple(out)
 
