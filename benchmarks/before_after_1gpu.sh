@@ -6,7 +6,9 @@
 #   mkdir -p .bench_old && git archive <commit> packages apps | tar -x -C .bench_old
 #   OLD=.bench_old bash benchmarks/before_after_1gpu.sh          (JSON land in $OUT; a table at the end)
 # OLD_CLI=old for an old tree from before the job's keys on bench's command line (before f98cef0: --layers,
-# --compile, --ep-size, --micro-batch); VARIANTS picks the new tree's runs ("olddefaults new"); MBS the micro-batch sizes.
+# --compile, --ep-size, --micro-batch); VARIANTS picks the new tree's runs ("olddefaults new"); MBS the micro-batch sizes;
+# EXTRA more job keys for every run of both trees (an H100 holds 6 layers at micro-batch 4:
+# EXTRA="--model.overrides.num_hidden_layers=6").
 set -u
 OLD=${OLD:-.bench_old}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
@@ -15,7 +17,7 @@ path_of() { ls -d "$1"/packages/*/src "$1"/apps/*/src | tr '\n' ':'; }
 bench() {  # bench NAME TREE ARGS...
   local name=$1 tree=$2; shift 2
   PYTHONPATH="$(path_of "$tree")" timeout "${T:-200}" python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
-    -m moeshard.train bench --steps "$STEPS" --warmup "$WARMUP" "$@" --out "$OUT/$name.json" 2>&1 \
+    -m moeshard.train bench --steps "$STEPS" --warmup "$WARMUP" "$@" ${EXTRA:-} --out "$OUT/$name.json" 2>&1 \
     | grep -v "UserWarning\|warnings.warn\|_rng_tracker\|AVOID_RECORD\|_warn_once" > "/tmp/$name.log"
   echo "$name: $(tail -n 1 "/tmp/$name.log")"
   grep -q "tok/s/GPU" "/tmp/$name.log" || tail -n 15 "/tmp/$name.log"
