@@ -145,4 +145,3 @@ def test_global_counts_over_two_ranks():
         assert torch.equal(res["seen"][1], torch.tensor([[3.0, 30.0]]))
         assert torch.equal(res["total"], res["seen"][1]) and torch.equal(res["local_total"], res["seen"][1])
         assert torch.equal(res["local"][1], torch.tensor([[1.0 + r, 10.0 * (r + 1)]]))  # this rank's until total()
-

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from moeshard.models.common import document_block_mask, document_causal_mask
-from moeshard.models.common.testing import check_packed_documents, pack_documents
-from moeshard.models.common.testing import ToyForCausalLM
+from moeshard.models.common.testing import ToyForCausalLM, check_packed_documents, pack_documents
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

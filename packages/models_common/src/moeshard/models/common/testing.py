@@ -289,7 +289,9 @@ class ToyAttention(nn.Module):
     def forward(self, x_BSD, cos_BSDh, sin_BSDh, mask_B1SS):
         """Attention output ``[B, S, D]`` under the layer's mask (see :func:`attend`)."""
         b, s, _ = x_BSD.shape
-        q, k, v = (p(x_BSD).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x_BSD).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         q, k = apply_rotary(q, cos_BSDh, sin_BSDh), apply_rotary(k, cos_BSDh, sin_BSDh)
         o = attend(q, k, v, mask_B1SS, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads)
         return attention_output(self.o_proj, o.transpose(1, 2).reshape(b, s, -1), mask_B1SS)
