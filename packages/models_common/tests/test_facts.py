@@ -137,3 +137,16 @@ def test_an_attention_that_declares_nothing_is_named():
 
     with pytest.raises(ValueError, match="Bare does not declare qk_head_dim, v_head_dim: set them"):
         model_facts(BareLM, ToyConfig())
+
+
+def test_the_shared_toy_family_gets_its_facts_and_refuses_an_unknown_preset():
+    from moeshard.models.common.testing import TOY_FAMILY, ToyForCausalLM
+
+    config = TOY_FAMILY.preset_config("toy", cell=16)
+    facts, model = TOY_FAMILY.facts(config), ToyForCausalLM(config)
+    total = sum(p.numel() for p in model.parameters())
+    assert (facts.parameters, facts.active_parameters) == (total, total - 2 * (8 - 2) * 3 * 64 * 16)
+    assert (facts.layers, facts.moe_layers, facts.num_experts, facts.top_k, facts.expert_width) == (3, 2, 8, 2, 16)
+    assert TOY_FAMILY.name == "toy_moe" and TOY_FAMILY.preset_config("toy-4").num_hidden_layers == 4
+    with pytest.raises(ValueError, match="unknown toy preset 'big'"):
+        TOY_FAMILY.preset_config("big")

@@ -1,9 +1,11 @@
-"""Test helpers shared by the model families' tests: packed documents, padded batches, and the comparisons against
-transformers (one process, packed per document, 2 x 2 gloo processes).
+"""Test helpers shared by the model families' tests: packed documents, padded batches, the comparisons against
+transformers (one process, packed per document, 2 x 2 gloo processes), and a toy family built from the shared pieces
+alone (the shared machinery's own tests run on it, with no Hub family installed).
 
 ids, labels, position_ids, document_ids, pieces = pack_documents(vocab=512)
 worst, where = max_rel_grad_error(reference_model, our_model)
 calls = reference_fa4(monkeypatch)   # FlashAttention 4's entry points computed on CPU, counted
+path = save_toy_checkpoint(tmp_path)  # a random ToyForCausalLM saved as an HF checkpoint (per-expert keys)
 """
 
 from __future__ import annotations
@@ -13,15 +15,27 @@ import collections
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
+
+from moeshard.models.common._causal_lm import DecoderModel, MoECausalLM
+from moeshard.models.common._family import ModelFamily
+from moeshard.models.common._hf_load import HFFormat
+from moeshard.models.common._layers import apply_rotary, attend, attention_output
+from moeshard.models.common._moe import Experts, MoEBlock, TopKRouter
 
 __all__ = [
     "DOCUMENT_LENGTHS",
+    "TOY_FAMILY",
+    "ToyAttention",
+    "ToyConfig",
+    "ToyForCausalLM",
     "check_packed_documents",
     "check_two_nodes_of_two",
     "max_rel_grad_error",
     "pack_documents",
     "padded_batch",
     "reference_fa4",
+    "save_toy_checkpoint",
 ]
 
 DOCUMENT_LENGTHS = (5, 11, 3, 20, 7, 2, 16, 4)
@@ -223,3 +237,139 @@ def reference_fa4(monkeypatch) -> collections.Counter[str]:
         monkeypatch.setattr(module, "fa4_unavailable", lambda device: None)
     monkeypatch.setattr(kept, "fa4_applies", lambda q, k, v, dropout: dropout == 0 and q.shape[-1] == v.shape[-1])
     return reference.calls
+
+
+# ---- a toy family -------------------------------------------------------------------------------------------------
+
+
+class ToyConfig(PretrainedConfig):
+    """The toy family's config. Its expert fields are named as no Hub family names them (``pool`` experts of width
+    ``cell``, MoE everywhere but ``dense_layers``, ``kv_heads``), so the shared code can only reach them through the
+    model it builds; it keeps the names the shared code reads (``num_experts_per_tok``, ``router_aux_loss_coef``,
+    ``output_router_logits``, the decoder's sizes). Defaults: 3 layers, layer 1 dense, 8 experts of width 32, top-2,
+    hidden 64, 4 query heads over 2 key/value heads of 16, vocabulary 512, padding token 0."""
+
+    model_type = "toy_moe"
+
+    def __init__(self, **kw) -> None:
+        defaults = dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            kv_heads=2,
+            head_dim=16,
+            pool=8,
+            cell=32,
+            num_experts_per_tok=2,
+            dense_layers=[1],
+            rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+            router_aux_loss_coef=0.001,
+            initializer_range=0.02,
+            output_router_logits=True,
+            pad_token_id=0,
+        )
+        super().__init__(**{**defaults, **kw})
+
+
+class ToyAttention(nn.Module):
+    """Grouped-query attention with RoPE through the shared attention function (:func:`attend`: padding and
+    document masks, the kept kernels of activation checkpointing, FlashAttention 4) and output projection."""
+
+    def __init__(self, config: ToyConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.kv_heads
+        self.qk_head_dim = self.v_head_dim = self.head_dim = config.head_dim
+        d, h, g = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, n, bias=False) for n in (h, g, g))
+        self.o_proj = nn.Linear(h, d, bias=False)
+
+    def forward(self, x_BSD, cos_BSDh, sin_BSDh, mask_B1SS):
+        """Attention output ``[B, S, D]`` under the layer's mask (see :func:`attend`)."""
+        b, s, _ = x_BSD.shape
+        q, k, v = (
+            p(x_BSD).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        q, k = apply_rotary(q, cos_BSDh, sin_BSDh), apply_rotary(k, cos_BSDh, sin_BSDh)
+        o = attend(q, k, v, mask_B1SS, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads)
+        return attention_output(self.o_proj, o.transpose(1, 2).reshape(b, s, -1), mask_B1SS)
+
+
+class _ToyBlock(MoEBlock):
+    def __init__(self, config: ToyConfig) -> None:
+        super().__init__(
+            Experts(config.pool, config.hidden_size, config.cell),
+            TopKRouter(config.pool, config.hidden_size, config.num_experts_per_tok, True),
+        )
+
+
+class _ToyModel(DecoderModel):
+    attention_class = ToyAttention
+    moe_block_class = _ToyBlock
+    is_moe_layer = staticmethod(lambda config, i: i not in (config.dense_layers or ()))
+
+
+def _check_toy_config(config: PretrainedConfig) -> None:
+    if not 1 <= config.num_experts_per_tok <= config.pool:
+        raise ValueError(f"num_experts_per_tok={config.num_experts_per_tok} must be in [1, pool={config.pool}]")
+
+
+def _toy_field(config: PretrainedConfig, name: str) -> object:
+    return sorted(config.dense_layers or []) if name == "dense_layers" else getattr(config, name, None)
+
+
+class ToyForCausalLM(MoECausalLM):
+    """A causal LM of the shared pieces alone: :class:`ToyAttention`, a softmax top-k router over fused SwiGLU
+    experts (``model.layers.{i}.mlp.experts.gate_up_proj [pool, 2·cell, D]``, ``down_proj [pool, D, cell]``), a
+    dense MLP where ``dense_layers`` says; checkpoints of ``model_type`` ``"toy_moe"`` in both expert layouts."""
+
+    base_model_class = _ToyModel
+    hf_format = HFFormat(
+        model_type="toy_moe",
+        architecture="ToyForCausalLM",
+        config_class=ToyConfig,
+        check_config=_check_toy_config,
+        structural_keys=(
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "pool",
+            "cell",
+            "dense_layers",
+        ),
+        num_experts=lambda config: config.pool,
+        field=_toy_field,
+    )
+
+
+_TOY_PRESETS = {"toy": {}, "toy-4": {"num_hidden_layers": 4}}
+
+
+def _toy_preset_config(name: str, **overrides) -> ToyConfig:
+    if name not in _TOY_PRESETS:
+        raise ValueError(f"unknown toy preset {name!r}; choose one of {sorted(_TOY_PRESETS)}")
+    return ToyConfig(**{**_TOY_PRESETS[name], **overrides})
+
+
+TOY_FAMILY = ModelFamily(ToyForCausalLM, _TOY_PRESETS, _toy_preset_config)
+"""The toy family's entry points (presets ``toy``: the :class:`ToyConfig` defaults; ``toy-4``: 4 layers)."""
+
+
+def save_toy_checkpoint(path, seed: int = 1234, **overrides):
+    """A random :class:`ToyForCausalLM` (``ToyConfig(**overrides)``, initialised from ``seed``) saved at ``path``
+    with per-expert keys (the Hub's layout). Returns ``path``."""
+    model = ToyForCausalLM(ToyConfig(**overrides))
+    model.init_weights(torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # spread the norms off 1 so that a swapped or missed norm shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    model.save_pretrained(path)
+    return path

@@ -1,6 +1,6 @@
 """The embedding's and the LM head's weight gradients handed to FSDP2 in float32 (``parallelize`` sets their
 ``grad_target`` to ``moeshard.fsdp_moe.reduced_grad_target``), 4 gloo processes as 2 nodes x 2 (EP 2 x ep_fsdp 2),
-bfloat16 compute with float32 reduction, two micro-batches, FSDP2 reducing every micro-batch or only the last:
+the toy family, bfloat16 compute with float32 reduction, two micro-batches, FSDP2 reducing every micro-batch or only the last:
 
 - the two gradients are handed over in every backward (autograd never writes them in bfloat16);
 - they equal those of autograd's path (the same run with the targets removed) to one bfloat16 rounding, and every
@@ -23,11 +23,11 @@ HANDED = ("model.embed_tokens.weight", "lm_head.weight")
 def _variant(path, ids_BS, param_dtype: str, handed: bool, sync_every: bool):
     from moeshard.meshes import build_meshes
     from moeshard.models.common import ParallelOptions, load_hf_config, load_hf_weights, parallelize
-    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
+    from moeshard.models.common.testing import ToyForCausalLM
 
     meshes = build_meshes(ep_size=2, device_type="cpu")
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(load_hf_config(path, Qwen3MoeForCausalLM.hf_format))
+        model = ToyForCausalLM(load_hf_config(path, ToyForCausalLM.hf_format))
     par = parallelize(model, meshes, ParallelOptions(param_dtype=param_dtype))
     model.to_empty(device="cpu")
     load_hf_weights(model, path, ep_info=par.ep_info)
@@ -86,10 +86,10 @@ def _rank(path, ids_RBS):
 
 
 @pytest.fixture(scope="module")
-def runs(hf_dir):
+def runs(toy_dir):
     ids_RBS = torch.randint(1, 512, (4, 4, 12), generator=torch.Generator().manual_seed(5))
     ids_RBS[:, 0, :3] = 0  # the padding token: its embedding row gets no gradient
-    return run_distributed(_rank, 4, hf_dir, ids_RBS, ranks_per_node=2)[0]
+    return run_distributed(_rank, 4, toy_dir, ids_RBS, ranks_per_node=2)[0]
 
 
 @pytest.mark.parametrize("every", [True, False], ids=["sync_every_micro_batch", "sync_last_micro_batch"])

@@ -14,19 +14,14 @@ from torch.distributed.tensor import DTensor, Shard
 from moeshard.ep import apply_ep
 from moeshard.meshes import build_meshes, fake_process_group
 from moeshard.meshes.testing import run_distributed
-from moeshard.models.qwen3moe import (
-    Experts,
-    Qwen3MoeForCausalLM,
-    load_hf_config,
-    load_hf_weights,
-    local_region,
-)
+from moeshard.models.common import Experts, load_hf_config, load_hf_weights, local_region
+from moeshard.models.common.testing import ToyForCausalLM
 
 
 def _sharded_model(path, meshes):
     """Meta model → EP → FSDP2 bottom-up (experts on ep_fsdp, dim 1; layers and root on fsdp) → CPU memory."""
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(load_hf_config(path))
+        model = ToyForCausalLM(load_hf_config(path, ToyForCausalLM.hf_format))
     info = apply_ep(model, model.get_parallel_plan(), meshes.ep)
     for layer in model.model.layers:
         for module in layer.modules():
@@ -44,12 +39,12 @@ def _sharded_model(path, meshes):
     ids=["w4r0", "w4r3", "w8r6", "w32r27-empty-shards"],
 )
 @pytest.mark.filterwarnings("ignore:DTensor random operators")
-def test_each_rank_gets_its_slice(hf_dir, world, ep, rank):
-    full = dict(Qwen3MoeForCausalLM.from_pretrained(hf_dir).named_parameters())
+def test_each_rank_gets_its_slice(toy_dir, world, ep, rank):
+    full = dict(ToyForCausalLM.from_pretrained(toy_dir).named_parameters())
     with fake_process_group(world, rank):
         meshes = build_meshes(ep_size=ep, ranks_per_node=world, device_type="cpu")
-        model, info = _sharded_model(hf_dir, meshes)
-        report = load_hf_weights(model, hf_dir, ep_info=info)
+        model, info = _sharded_model(toy_dir, meshes)
+        report = load_hf_weights(model, toy_dir, ep_info=info)
         e_local = 8 // ep
         start = meshes.ep_rank * e_local
         for name, param in model.named_parameters():
@@ -70,7 +65,7 @@ def _ep_then_ep_fsdp(path, ids, mask):
     """On 4 gloo ranks (EP 2 x ep_fsdp 2): an EP-only model (forward + backward), then an EP + FSDP2 one."""
     meshes = build_meshes(ep_size=2, device_type="cpu")
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(load_hf_config(path))
+        model = ToyForCausalLM(load_hf_config(path, ToyForCausalLM.hf_format))
     info = apply_ep(model, model.get_parallel_plan(), meshes.ep)
     model.to_empty(device="cpu")
     load_hf_weights(model, path, ep_info=info)
@@ -84,13 +79,13 @@ def _ep_then_ep_fsdp(path, ids, mask):
     return out.logits.detach(), out.loss.detach(), model.lm_head.weight.grad, sharded_logits
 
 
-def test_ep_and_ep_fsdp_on_gloo_match_one_process(hf_dir, batch):
+def test_ep_and_ep_fsdp_on_gloo_match_one_process(toy_dir, batch):
     ids, mask, _ = batch
-    ref = Qwen3MoeForCausalLM.from_pretrained(hf_dir)
+    ref = ToyForCausalLM.from_pretrained(toy_dir)
     out = ref(ids, labels=ids, attention_mask=mask)
     out.loss.backward()
     keep = mask.bool()
-    for logits, loss, head_grad, sharded_logits in run_distributed(_ep_then_ep_fsdp, 4, hf_dir, ids, mask):
+    for logits, loss, head_grad, sharded_logits in run_distributed(_ep_then_ep_fsdp, 4, toy_dir, ids, mask):
         torch.testing.assert_close(logits[keep], out.logits[keep], rtol=0, atol=1e-5)
         torch.testing.assert_close(loss, out.loss, rtol=0, atol=1e-5)
         torch.testing.assert_close(head_grad, ref.lm_head.weight.grad, rtol=1e-4, atol=1e-7)

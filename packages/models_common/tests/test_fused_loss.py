@@ -6,10 +6,10 @@ import torch
 
 
 def test_model_loss_without_logits_equals_plain_path():
-    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, get_preset_config
+    from moeshard.models.common.testing import ToyConfig, ToyForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(get_preset_config("tiny", num_hidden_layers=2))
+    model = ToyForCausalLM(ToyConfig(num_hidden_layers=2, dense_layers=[]))
     model.init_weights()
     ids = torch.randint(0, 512, (2, 12))
     labels = ids.clone()

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from moeshard.ep import LocalDispatch
-from moeshard.models.qwen3moe import Experts, Qwen3MoeForCausalLM, apply_activation_checkpointing, get_preset_config
+from moeshard.models.common import Experts, apply_activation_checkpointing
+from moeshard.models.common.testing import ToyConfig, ToyForCausalLM
 
 
 class _SizedLocalDispatch(LocalDispatch):
@@ -25,12 +26,12 @@ class _SizedLocalDispatch(LocalDispatch):
 
 
 def test_checkpointed_layers_read_their_exchange_sizes_once():
-    config = get_preset_config("tiny", num_hidden_layers=3)
+    config = ToyConfig(dense_layers=[])
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config)
+    model = ToyForCausalLM(config)
     model.init_weights()
     for experts in (m for m in model.modules() if isinstance(m, Experts)):
-        experts.dispatch = _SizedLocalDispatch(config.num_experts)
+        experts.dispatch = _SizedLocalDispatch(config.pool)
     ids = torch.randint(0, config.vocab_size, (2, 16))
     syncs, grads = [], []
     for checkpointing in (False, True):

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moeshard.models.qwen3moe import (
+from moeshard.models.common import (
     Balancing,
     BalancingOptions,
-    Qwen3MoeForCausalLM,
+    GlobalExpertCounts,
     TopKRouter,
     expert_counts,
     global_balancing_loss,
@@ -20,20 +20,21 @@ from moeshard.models.qwen3moe import (
     routers,
     update_router_bias,
 )
+from moeshard.models.common.testing import ToyConfig, ToyForCausalLM
 
 
 @pytest.fixture
-def model(tiny_hf_config):
+def model():
     torch.manual_seed(0)
-    m = Qwen3MoeForCausalLM(tiny_hf_config())
+    m = ToyForCausalLM(ToyConfig())
     m.init_weights()
     return m
 
 
-def test_zero_bias_routes_as_before_and_a_bias_changes_selection_not_weights(tiny_hf_config):
+def test_zero_bias_routes_as_before_and_a_bias_changes_selection_not_weights():
     torch.manual_seed(0)
-    c = tiny_hf_config()
-    router = TopKRouter(c.num_experts, c.hidden_size, c.num_experts_per_tok, c.norm_topk_prob)
+    c = ToyConfig()
+    router = TopKRouter(c.pool, c.hidden_size, c.num_experts_per_tok, True)
     torch.nn.init.normal_(router.weight, std=0.5)
     x = torch.randn(32, router.weight.shape[1])
     logits, w0, ids0 = router(x)
@@ -52,7 +53,7 @@ def test_zero_bias_routes_as_before_and_a_bias_changes_selection_not_weights(tin
 def test_counts_follow_the_selection(model):
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
     out = model(ids, output_router_logits=True)
-    k, e = model.config.num_experts_per_tok, model.config.num_experts
+    k, e = model.config.num_experts_per_tok, model.config.pool
     counts = expert_counts(out.router_logits, k)
     assert counts.shape == (2, e) and torch.equal(counts.sum(-1), torch.full((2,), 24.0 * k))
     mask = torch.ones(2, 12)
@@ -79,7 +80,7 @@ def test_counts_follow_the_selection(model):
 def test_global_loss_with_own_counts_uniform_counts_and_gradient(model):
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
     out = model(ids, output_router_logits=True)
-    k, e = model.config.num_experts_per_tok, model.config.num_experts
+    k, e = model.config.num_experts_per_tok, model.config.pool
     own = global_balancing_loss(out.router_logits, expert_counts(out.router_logits, k), k)
     # per layer, transformers' formula on that layer alone
     per_layer = torch.stack([load_balancing_loss((lg,), e, k) for lg in out.router_logits]).mean()
@@ -99,20 +100,18 @@ def test_z_loss_and_bias_update(model):
     want = torch.logsumexp(logits[0], -1).square().mean()
     torch.testing.assert_close(router_z_loss(logits), want)
     with pytest.raises(ValueError, match="enable_router_bias"):
-        update_router_bias(model, torch.ones(2, model.config.num_experts), 0.1)
+        update_router_bias(model, torch.ones(2, model.config.pool), 0.1)
     model.enable_router_bias()
-    load = torch.zeros(2, model.config.num_experts)
+    load = torch.zeros(2, model.config.pool)
     load[:, 0] = 8.0  # expert 0 over-loaded, the others under
     update_router_bias(model, load, 0.01)
     for r in routers(model):
         assert r.bias[0] == pytest.approx(-0.01) and torch.allclose(r.bias[1:], torch.full_like(r.bias[1:], 0.01))
     with pytest.raises(ValueError, match="MoE layers"):
-        update_router_bias(model, torch.ones(3, model.config.num_experts), 0.1)
+        update_router_bias(model, torch.ones(3, model.config.pool), 0.1)
 
 
 def test_global_counts_without_a_process_group():
-    from moeshard.models.qwen3moe import GlobalExpertCounts
-
     counts = GlobalExpertCounts()
     assert counts.total() is None
     a, b = torch.tensor([[1.0, 3.0]]), torch.tensor([[2.0, 0.0]])
@@ -126,8 +125,6 @@ def test_global_counts_without_a_process_group():
 
 def _two_ranks_counts() -> dict:
     import torch.distributed as dist
-
-    from moeshard.models.qwen3moe import GlobalExpertCounts
 
     r = dist.get_rank()
     mine = [torch.tensor([[1.0 + r, 0.0]]), torch.tensor([[0.0, 10.0 * (r + 1)]])]
@@ -148,33 +145,3 @@ def test_global_counts_over_two_ranks():
         assert torch.equal(res["seen"][1], torch.tensor([[3.0, 30.0]]))
         assert torch.equal(res["total"], res["seen"][1]) and torch.equal(res["local_total"], res["seen"][1])
         assert torch.equal(res["local"][1], torch.tensor([[1.0 + r, 10.0 * (r + 1)]]))  # this rank's until total()
-
-
-def test_evaluate_is_the_mean_token_loss_of_transformers(hf_dir, batch, load_reference):
-    from types import SimpleNamespace
-
-    from moeshard.models.qwen3moe import evaluate
-
-    ids, mask, labels = batch
-    ours = Qwen3MoeForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    ours.train()
-    ref = load_reference(hf_dir)
-
-    def mb(rows):
-        return SimpleNamespace(
-            input_ids=ids[rows],
-            labels=labels[rows],
-            attention_mask=mask[rows],
-            position_ids=None,
-            document_ids=None,
-            to=lambda device, non_blocking=False: mb(rows),
-        )
-
-    result = evaluate(ours, [mb([0]), mb([1])])
-    assert ours.training  # restored
-    with torch.no_grad():
-        logits = ref(input_ids=ids, attention_mask=mask).logits[:, :-1]
-    targets = labels[:, 1:]
-    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    assert result.tokens == int((targets != -100).sum())
-    assert result.loss == pytest.approx(float(want), rel=1e-5) and result.ppl == pytest.approx(float(want.exp()))

@@ -4,13 +4,12 @@ compiles (a layer's ``attention_half``, the head's ``chunk_loss``) are instance 
 import pytest
 import torch
 
-from moeshard.models.common import ce_chunk
-from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, get_preset_config
-from moeshard.models.qwen3moe.moe import SparseMoeBlock
+from moeshard.models.common import MoEBlock, ce_chunk
+from moeshard.models.common.testing import ToyConfig, ToyForCausalLM
 
 
-def _model() -> Qwen3MoeForCausalLM:
-    model = Qwen3MoeForCausalLM(get_preset_config("tiny", num_hidden_layers=2, mlp_only_layers=[1]))
+def _model() -> ToyForCausalLM:
+    model = ToyForCausalLM(ToyConfig(num_hidden_layers=2, dense_layers=[1]))
     model.init_weights(torch.Generator().manual_seed(1))
     return model
 
@@ -34,7 +33,7 @@ def test_attention_half_then_mlp_is_the_layer(padded):
         assert torch.equal(x_half, x_ref)
         assert torch.equal(h_half, layer.post_attention_layernorm(x_ref))
         out, routed = layer(x_BSD, cos, sin, mask)
-        if isinstance(layer.mlp, SparseMoeBlock):
+        if isinstance(layer.mlp, MoEBlock):
             # the router runs in the attention half (compiled with it); the block routes alike without it
             for got, want in zip(routing, layer.mlp.gate(h_half.reshape(b * s, -1)), strict=True):
                 assert torch.equal(got, want)
