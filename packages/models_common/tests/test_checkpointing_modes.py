@@ -8,7 +8,7 @@ import collections
 import pytest
 import torch
 
-from moeshard.models.common import apply_activation_checkpointing
+from moeshard.models.common import AttentionOptions, apply_activation_checkpointing
 from moeshard.models.common.testing import ToyForCausalLM, max_rel_grad_error, reference_fa4
 
 
@@ -55,16 +55,15 @@ def test_activation_checkpointing_same_loss_and_grads(toy_dir, batch, monkeypatc
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "kept"])
 def test_fa4_kernel_gives_the_sdpa_model(toy_dir, batch, monkeypatch, checkpointed):
-    """``causal_attention="fa4"`` (FlashAttention 4's entry points computed on CPU, ``reference_fa4``): the model's
+    """``AttentionOptions(kernel="fa4")`` (FlashAttention 4's entry points computed on CPU, ``reference_fa4``): the model's
     loss and gradients are the SDPA model's, one forward and one backward call per layer, also under full
     checkpointing that keeps the attention; without the package the model refuses it before its first layer."""
     ids, _, labels = batch
     sdpa, fa4 = ToyForCausalLM.from_pretrained(toy_dir), ToyForCausalLM.from_pretrained(toy_dir)
-    fa4.model.causal_attention = "flash"
     with pytest.raises(ValueError, match="causal attention kernel must be one of"):
-        fa4(ids, labels=labels)
-    fa4.model.causal_attention = "fa4"
-    with pytest.raises(ValueError, match="causal_attention='fa4' cannot run here: .*set parallel.attention_kernel"):
+        AttentionOptions(kernel="flash")
+    fa4.model.attention = AttentionOptions(kernel="fa4")
+    with pytest.raises(ValueError, match="kernel 'fa4' cannot run here: .*set parallel.attention_kernel"):
         fa4(ids, labels=labels)
     calls = reference_fa4(monkeypatch)
     if checkpointed:

@@ -101,7 +101,7 @@ def test_options_are_frozen_and_describe_themselves():
 
 
 def test_checkpointing_policies():
-    """``True``/``False`` of 0.3 read as full/none; selective reaches the experts through the EP options, and the
+    """``True``/``False`` read as full/none; selective reaches the experts through the EP options, and the
     EP options' own recompute is refused (one place chooses the policy)."""
     assert ParallelOptions(activation_checkpointing=True) == ParallelOptions(activation_checkpointing="full")
     assert ParallelOptions(activation_checkpointing=False).activation_checkpointing == "none"
@@ -112,7 +112,8 @@ def test_checkpointing_policies():
     lines = ParallelOptions(activation_checkpointing="selective", selective_recompute="mlp").describe()
     assert "activation checkpointing: selective (the routed experts recompute: mlp)" in lines
     assert lines[0].endswith("recompute=mlp")
-    with pytest.raises(ValueError, match=r"ParallelOptions.ep has recompute='mlp': set activation_checkpointing="):
+    refused = r"ParallelOptions.ep.recompute='mlp' is not allowed: set ParallelOptions.activation_checkpointing="
+    with pytest.raises(ValueError, match=refused):
         ParallelOptions(ep=EPOptions(recompute="mlp"))
 
 

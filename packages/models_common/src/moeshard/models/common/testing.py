@@ -20,7 +20,7 @@ from transformers import PretrainedConfig
 from moeshard.models.common._causal_lm import DecoderModel, MoECausalLM
 from moeshard.models.common._family import ModelFamily
 from moeshard.models.common._hf_load import HFFormat
-from moeshard.models.common._layers import apply_rotary, attend, attention_output
+from moeshard.models.common._layers import AttentionOptions, apply_rotary, attend, attention_output
 from moeshard.models.common._moe import Experts, MoEBlock, TopKRouter
 
 __all__ = [
@@ -278,6 +278,9 @@ class ToyAttention(nn.Module):
     """Grouped-query attention with RoPE through the shared attention function (:func:`attend`: padding and
     document masks, the kept kernels of activation checkpointing, FlashAttention 4) and output projection."""
 
+    attention_call = staticmethod(attend)
+    """The attention over q, k, v (``attend``); ``apply_sequence_parallel`` replaces it on an instance."""
+
     def __init__(self, config: ToyConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.kv_heads
@@ -286,15 +289,17 @@ class ToyAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, n, bias=False) for n in (h, g, g))
         self.o_proj = nn.Linear(h, d, bias=False)
 
-    def forward(self, x_BSD, cos_BSDh, sin_BSDh, mask_B1SS):
-        """Attention output ``[B, S, D]`` under the layer's mask (see :func:`attend`)."""
+    def forward(self, x_BSD, cos_BSDh, sin_BSDh, mask_B1SS, attention: AttentionOptions | None = None):
+        """Attention output ``[B, S, D]`` under the layer's mask and the model's ``AttentionOptions`` (see
+        :func:`attend`)."""
         b, s, _ = x_BSD.shape
         q, k, v = (
             p(x_BSD).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
         )
         q, k = apply_rotary(q, cos_BSDh, sin_BSDh), apply_rotary(k, cos_BSDh, sin_BSDh)
-        o = attend(q, k, v, mask_B1SS, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads)
-        return attention_output(self.o_proj, o.transpose(1, 2).reshape(b, s, -1), mask_B1SS)
+        gqa = self.num_heads != self.num_kv_heads
+        o = self.attention_call(q, k, v, mask_B1SS, scale=self.head_dim**-0.5, enable_gqa=gqa, options=attention)
+        return attention_output(self.o_proj, o.transpose(1, 2).reshape(b, s, -1), mask_B1SS, attention)
 
 
 class _ToyBlock(MoEBlock):
