@@ -10,7 +10,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from moeshard.meshes import build_meshes, fake_process_group
+from moeshard.models.common import parallelize
 from moeshard.train.commands.plan_memory import (
     GiB,
     MemoryEstimate,
@@ -30,11 +33,11 @@ from moeshard.train.config import (
     kept_factor_ratio,
     parallel_options,
 )
+from moeshard.train.families import family_of
+from moeshard.train.observe.comm import estimate_comm_bytes
 
 
 def _placement(p: Any, expert_meta: Any) -> str:
-    from torch.distributed.tensor import DTensor
-
     parts = []
     if expert_meta is not None:
         parts.append(f"ep:Shard(0)x{expert_meta.ep_size}")
@@ -45,8 +48,6 @@ def _placement(p: Any, expert_meta: Any) -> str:
 
 
 def _local(p: Any) -> torch.Size:
-    from torch.distributed.tensor import DTensor
-
     return p.to_local().shape if isinstance(p, DTensor) else p.shape
 
 
@@ -159,10 +160,6 @@ def _compute_bytes(cfg: JobConfig) -> int:
 
 def _build(cfg: JobConfig, mcfg: Any, nnodes: int, nproc_per_node: int, rank: int, table: bool) -> _Built:
     """Build the job on meta under the fake backend as ``rank`` (the layout already checked)."""
-    from moeshard.meshes import build_meshes, fake_process_group
-    from moeshard.models.common import parallelize
-    from moeshard.train.families import family_of
-
     world = nnodes * nproc_per_node
     _, expert_reshard = parallel_options(cfg).resharding(world)
     lines: list[str] = []
@@ -421,8 +418,6 @@ def comm_estimate(
     cfg: JobConfig, mcfg: Any, world: int, per_node: int, elem: int, once_numel: int, *, uniform_routing: bool = True
 ) -> dict[tuple[str, str], float]:
     """Bytes per optimizer step per rank by ``(kind, link)`` for this job (see :mod:`moeshard.train.observe.comm`)."""
-    from moeshard.train.observe.comm import estimate_comm_bytes
-
     reshard, expert_reshard = parallel_options(cfg).resharding(world)
     return estimate_comm_bytes(
         mcfg,
