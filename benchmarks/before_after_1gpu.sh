@@ -5,8 +5,8 @@
 # every_micro_batch, reshard_after_forward true), which isolates a refactor from a change of defaults.
 #   mkdir -p .bench_old && git archive <commit> packages apps | tar -x -C .bench_old
 #   OLD=.bench_old bash benchmarks/before_after_1gpu.sh          (JSON land in $OUT; a table at the end)
-# An old tree that already speaks the new flags (f98cef0 and later): OLD_CLI=new; VARIANTS picks the new tree's runs
-# ("olddefaults new"); MBS the micro-batch sizes.
+# OLD_CLI=old for an old tree from before the job's keys on bench's command line (before f98cef0: --layers,
+# --compile, --ep-size, --micro-batch); VARIANTS picks the new tree's runs ("olddefaults new"); MBS the micro-batch sizes.
 set -u
 OLD=${OLD:-.bench_old}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
@@ -23,7 +23,7 @@ bench() {  # bench NAME TREE ARGS...
 NEW="--parallel.compile=true --parallel.ep.kernels=triton"
 OLD_DEFAULTS="--train.gradient_sync=every_micro_batch --parallel.reshard_after_forward=true"
 for mb in ${MBS:-4 1}; do
-  if [ "${OLD_CLI:-old}" = new ]; then
+  if [ "${OLD_CLI:-new}" = new ]; then
     bench "old_mb$mb" "$OLD" $NEW --train.micro_batch_size="$mb"
   else
     bench "old_mb$mb" "$OLD" --layers 8 --compile --ep-size 1 --micro-batch "$mb"

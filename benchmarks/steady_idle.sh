@@ -13,6 +13,9 @@ for mb in ${MBS:-1 4}; do for ac in ${ACS:-none}; do
     --warmup 3 --trace-steps 2 --trace "/tmp/t_mb${mb}_$ac.json.gz" --trace-gpu-only --out "$OUT/steady_mb${mb}_$ac.json" \
     > "$OUT/steady_mb${mb}_$ac.log" 2>&1
   echo "mb$mb $ac: $(grep 'tok/s/GPU' "$OUT/steady_mb${mb}_$ac.log" | tail -n 1)"
+  if [ ! -f "/tmp/t_mb${mb}_$ac.json.gz" ]; then  # bench records GPU activity only
+    echo "mb$mb $ac: no trace written"; tail -n 5 "$OUT/steady_mb${mb}_$ac.log"; continue
+  fi
   sum=(python3 benchmarks/trace_summary.py "/tmp/t_mb${mb}_$ac.json.gz" --top "${TOP:-25}")
   # per step where the trace holds two optimizer ends (whole steps between them), else the window as it is
   "${sum[@]}" --steps-between adamw > "$OUT/steady_sum_mb${mb}_$ac.txt" 2>&1 || "${sum[@]}" > "$OUT/steady_sum_mb${mb}_$ac.txt" 2>&1

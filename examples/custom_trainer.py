@@ -30,7 +30,7 @@ import torch.distributed as dist
 from moeshard.checkpoint import model_state, save_checkpoint
 from moeshard.data import DataConfig, EvalBatches, PrefetchLoader, StepBatches, open_dataset
 from moeshard.ep import EPOptions
-from moeshard.fsdp_moe import build_optimizer, defer_expert_weight_grads, num_items_for_global_mean
+from moeshard.fsdp_moe import ExpertGradOptions, build_optimizer, num_items_for_global_mean
 from moeshard.meshes import build_meshes
 from moeshard.models import deepseekv3, qwen3moe
 from moeshard.models.common import (
@@ -106,7 +106,11 @@ def main() -> None:
         model.enable_router_bias()  # after the HF weights (their format has no bias), before any DCP load or save
     # AdamW for every parameter (fused on GPU); experts kept out of FSDP (ep_fsdp of one rank) get one fused pass
     # from their compute-dtype gradients. One step(), zero_grad(), state_dict() and clip_grad_norm_() for all.
-    optimizer = build_optimizer(model, lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay)
+    # expert_grads: those experts' weight gradients kept over a step's micro-batches, formed once in the last.
+    expert_grads = ExpertGradOptions(micro_batches=max(1, args.global_batch // world // args.micro_batch))
+    optimizer = build_optimizer(
+        model, lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay, expert_grads=expert_grads
+    )
 
     # 4. The data: rows of the model's tokens (EOS after each document), validated before training starts; the
     # micro-batches of (step, rank) are a pure function of both, so a resume needs only the step.
@@ -135,10 +139,7 @@ def main() -> None:
             num_items = num_items_for_global_mean(sum(b.num_targets for b in micro_batches)).clamp_min(1.0 / world)
             lm_sum = torch.zeros((), device=device)
             balancing.start_step(len(micro_batches))
-            last = len(micro_batches) - 1
-            for m, b in enumerate(micro_batches):
-                if last and m in (0, last):  # experts kept out of FSDP: their weight gradients formed once, at the last
-                    defer_expert_weight_grads(model, m != last)
+            for b in micro_batches:
                 b = b.to(device, non_blocking=True)
                 # return_logits=False: the loss goes through the head in chunks, never holding the [B, S, V] logits.
                 out = model(

@@ -1,5 +1,5 @@
-"""No model below the models: ``meshes``, ``ep``, ``fsdp_moe``, ``prefetch`` and ``data`` know no model family, and
-the app names one only in ``families.py`` (its table of families; the rest of it reaches the shared
+"""No model below the models: ``meshes``, ``ep``, ``fsdp_moe``, ``prefetch``, ``sequence`` and ``data`` know no model
+family, and the app names one only in ``families.py`` (its table of families; the rest of it reaches the shared
 ``moeshard.models.common``).
 
 Their code (names, attributes, imports, and any string naming ``moeshard.models``) mentions no family: experts are
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BELOW = ("meshes", "ep", "fsdp_moe", "prefetch", "data")
+BELOW = ("meshes", "ep", "fsdp_moe", "prefetch", "sequence", "data")
 FAMILY = re.compile(r"qwen|deepseek|mixtral|llama|kimi|moonlight|gpt_?oss|dbrx|olmoe", re.I)
 
 

@@ -33,6 +33,8 @@ def test_every_package_has_a_session_and_ci_runs_it(noxfile):
         "ep": "packages/ep",
         "fsdp_moe": "packages/fsdp_moe",
         "prefetch": "packages/prefetch",
+        "sequence": "packages/sequence",
+        "lora": "packages/lora",
         "qwen3moe": "packages/models_qwen3moe",
         "train": "apps/train",
     }
@@ -45,13 +47,17 @@ def test_a_session_installs_what_its_package_declares(noxfile):
     assert closure["meshes"] == ["packages/meshes"]
     assert closure["ep"] == ["packages/meshes", "packages/ep"]
     assert closure["prefetch"] == ["packages/meshes", "packages/prefetch"]  # meshes: its tests' harness (`test`)
-    # the model's `test` extra names its `parallel` extra: meshes, fsdp_moe, prefetch
+    assert closure["sequence"] == ["packages/meshes", "packages/sequence"]  # the same
+    assert noxfile._internal_closure("packages/sequence", extras=()) == ["packages/sequence"]  # torch only
+    assert closure["lora"] == ["packages/lora"]  # torch and safetensors; PEFT only in its `test` extra
+    # the model's `test` extra names its `parallel` extra: meshes, fsdp_moe, prefetch, sequence
     assert set(closure["qwen3moe"]) == {
         "packages/meshes",
         "packages/ep",
         "packages/models_common",
         "packages/fsdp_moe",
         "packages/prefetch",
+        "packages/sequence",
         "packages/models_qwen3moe",
     }
     assert noxfile._internal_closure("packages/models_qwen3moe", extras=()) == [

@@ -200,6 +200,8 @@ SMOKE = {
     "moeshard-ep": "from moeshard.ep import ParallelPlan, fqn_matches; assert fqn_matches('a.*.b', 'a.3.b')",
     "moeshard-fsdp-moe": "from moeshard.fsdp_moe import num_items_for_global_mean as n; assert float(n(3)) == 3.0",
     "moeshard-prefetch": "from moeshard.prefetch import build_schedule; assert callable(build_schedule)",
+    "moeshard-sequence": "from moeshard.sequence import kv_replication; assert kv_replication(32, 4, 8) == 2",
+    "moeshard-lora": "from moeshard.lora import LoraOptions; assert LoraOptions(2, 4, target_modules=['q']).scaling == 2",
     "moeshard-checkpoint": "from moeshard.checkpoint import SaveOptions; assert SaveOptions().thread_count >= 1",
     "moeshard-data": "from moeshard.data import DataConfig; assert DataConfig(synthetic=True).seq_len > 0",
     "moeshard-qwen3moe": textwrap.dedent(
@@ -242,6 +244,8 @@ CHAINS = [
     ["moeshard-meshes", "moeshard-ep", "moeshard-fsdp-moe", "moeshard-checkpoint"],
     ["moeshard-models-common", "moeshard-deepseekv3"],
     ["moeshard-prefetch"],
+    ["moeshard-sequence"],
+    ["moeshard-lora"],
     ["moeshard-data"],
 ]
 

@@ -334,7 +334,7 @@ def test_a_checkpoint_of_0_4_resumes_and_exports_with_its_config(world_of_one, t
     """What a resume reads of a 0.4.16 checkpoint's saved config (its train section, for the schedule) and what an
     export reads (all of it) is the job those keys name now."""
     from moeshard.train.config import config_from_dict, load_config, parallel_options
-    from moeshard.train.export import _read_run
+    from moeshard.train.export import _Run
     from moeshard.train.run import schedule_change
 
     state = {"model": {"w": torch.zeros(4)}}
@@ -347,6 +347,7 @@ def test_a_checkpoint_of_0_4_resumes_and_exports_with_its_config(world_of_one, t
     extra = ckpt.read_extra(saved)
     assert schedule_change(extra["config"]["train"], now, 200) is None  # job.py: the resume goes on unchanged
     assert config_from_dict(extra["config"]) == now
-    cfg, model_config, _ = _read_run(saved)  # export
+    run = _Run(saved)  # export
+    cfg, model_config = run.cfg, run.model_config
     assert cfg == now and parallel_options(cfg).activation_checkpointing == "full"
     assert cfg.parallel.ep.dispatch == "all_to_all" and model_config.num_experts == 128

@@ -299,16 +299,17 @@ def test_readme_config_table_is_generated():
 
 
 def test_expert_weight_grads_budget():
-    """``train.expert_weight_grads`` as ``defer_expert_weight_grads``' budget: never, always, or (``auto``) its
-    default where the step's factors fit it, never where they do not. What the factors hold: at EP 1 of 30B-A3B
-    (128 local experts) 4 micro-batches of 4,096 tokens 1.04x the gradients; at EP 2 the overlapped dispatcher's
-    factors also hold the own copies' sorted rows (``2D (P - 1) / P`` elements per copy)."""
-    from types import SimpleNamespace
-
-    from moeshard.train.config import expert_grad_budget, kept_factor_ratio, load_config, resolve_model_config
+    """``train.expert_weight_grads`` as the local experts' budget (``moeshard.fsdp_moe.expert_grad_budget``): never,
+    always, or (``auto``) its default where the step's factors fit it, never where they do not. What the factors
+    hold, as ``plan`` asks the packages (the dispatcher's report, ``moeshard.ep.kept_factor_elements``): at EP 1 of
+    30B-A3B (128 local experts) 4 micro-batches of 4,096 tokens 1.04x the gradients; at EP 2 the overlapped
+    dispatcher's factors also hold the own copies' sorted rows (``2D (P - 1) / P`` elements per copy)."""
+    from moeshard.fsdp_moe import expert_grad_budget
+    from moeshard.train.commands.plan import _kept_factor_ratio as kept_factor_ratio
+    from moeshard.train.config import load_config, resolve_model_config
 
     def budget(value, ratio=None):
-        return expert_grad_budget(SimpleNamespace(expert_weight_grads=value), ratio)
+        return expert_grad_budget(value, ratio)
 
     assert budget("every_micro_batch") is None and budget("every_micro_batch", 0.5) is None
     assert budget("last_micro_batch") == budget("last_micro_batch", 3.0) == float("inf")

@@ -63,7 +63,8 @@ def _train(layout: str, gradient_sync: str, *extra: str) -> dict:
     kept, take = [], LocalExperts.take
 
     def counting_take(self, weight, factors):  # the factors an expert module keeps (not those it forms at once)
-        deferring = self.deferring
+        param = self._compute_param(weight)  # the optimizer defers by itself: ask for this backward
+        deferring = param is not None and self._deferring_for(param)
         taken = take(self, weight, factors)
         kept.append(taken and deferring)
         return taken

@@ -259,6 +259,45 @@ def test_a_target_takes_the_factors_and_forms_them_later(gemm):
         sum_weight_grads([])
 
 
+class _ExpectingTarget(_TakingTarget):
+    """A taking target that also hears, in each forward, what keeping that pass's factors would hold."""
+
+    def __init__(self, w1, w2):
+        super().__init__(w1, w2)
+        self.expected = []
+
+    def expect_factors(self, elements):
+        self.expected.append(elements)
+
+
+def test_the_dispatcher_reports_what_its_factors_hold():
+    """``expect_factors``: told in each forward, from shapes, the elements that the pass's factors (both weights)
+    then hold, ``T · K · (2D + 3F)``; ``kept_factor_elements`` gives the same number by name, and adds the
+    overlapped dispatcher's sorted rows at EP > 1."""
+    from moeshard.ep import kept_factor_elements
+
+    targets = []
+    T, K, D, F = 48, 2, 16, 8
+
+    def finish(w1, w2):
+        kept = [f for fs in targets[0].kept.values() for f in fs]
+        assert len(kept) == 4  # 2 weights x 2 micro-batches
+        assert targets[0].expected == [T * K * (2 * D + 3 * F)] * 2
+        assert sum(f.a.numel() + f.b.numel() for f in kept) == sum(targets[0].expected)
+        targets[0].form()
+
+    _micro_batches(
+        EPOptions(), target=lambda w1, w2: targets.append(_ExpectingTarget(w1, w2)) or targets[-1], finish=finish
+    )
+    rows = T * K
+    for dispatch in ("overlapped", "all_to_all"):
+        assert kept_factor_elements(dispatch, 1, rows, D, F) == rows * (2 * D + 3 * F)  # EP 1: the local one
+    assert kept_factor_elements("all_to_all", 4, rows, D, F) == rows * (2 * D + 3 * F)
+    assert kept_factor_elements("overlapped", 4, rows, D, F) == rows * (2 * D + 3 * F) + rows * 2 * D * 3 / 4
+    with pytest.raises(ValueError, match="dispatch must be one of"):
+        kept_factor_elements("tokens", 2, rows, D, F)
+
+
 def test_a_target_answering_none_changes_nothing():
     want = _micro_batches(EPOptions(gemm="loop"))
     got = _micro_batches(EPOptions(gemm="loop"), target=lambda w1, w2: _GradTarget(w1, w2, answer=False))

@@ -434,10 +434,61 @@ def _deferred():
     return out
 
 
+def _automatic():
+    """The optimizer defers by itself (``build_optimizer(expert_grads=ExpertGradOptions(micro_batches=3))``): the
+    loop calls nothing, yet the gradients equal, bit for bit, those of the same 3 micro-batches with
+    ``defer_expert_weight_grads`` called by hand, formed from the same parts; ``auto`` keeps nothing where its
+    budget is 0; a step of fewer backwards leaves factors that the optimizer forms when it reads the gradients."""
+    from moeshard.ep import EPOptions
+    from moeshard.fsdp_moe import ExpertGradOptions, defer_expert_weight_grads
+    from moeshard.fsdp_moe._grad_records import kept_factors
+    from moeshard.fsdp_moe._local_experts import LocalExperts
+    from moeshard.fsdp_moe.testing import full_tensors
+
+    out = {}
+    forms, form = [], LocalExperts._form
+
+    def counting_form(self, param, more):
+        forms.append(len(kept_factors(param)) + len(more))
+        return form(self, param, more)
+
+    LocalExperts._form = counting_form
+    cases = {
+        "by hand": ExpertGradOptions(),
+        "last": ExpertGradOptions(micro_batches=3, mode="last_micro_batch"),
+        "auto": ExpertGradOptions(micro_batches=3, budget=100.0),
+        "auto over budget": ExpertGradOptions(micro_batches=3, budget=0.0),
+        "every": ExpertGradOptions(micro_batches=3, mode="every_micro_batch"),
+        "short step": ExpertGradOptions(micro_batches=4, mode="last_micro_batch"),
+    }
+    for dispatch, dtype in itertools.product(("all_to_all", "overlapped"), (None, torch.bfloat16)):
+        for case, options in cases.items():
+            meshes, model, opt = _toy(0, dtype=dtype, ep_options=EPOptions(dispatch=dispatch), expert_grads=options)
+            experts = [p for n, p in model.named_parameters() if ".experts." in n]
+            for step in range(2):  # the second step: zero_grad restarts the count
+                opt.zero_grad()
+                forms.clear()
+                chunks, n = _batch(meshes, step, 3)
+                for m, mids in enumerate(chunks):
+                    if case == "by hand" and m in (0, 2):
+                        defer_expert_weight_grads(model, m != 2, budget=100)
+                    model(mids, mids, num_items_in_batch=n).backward()
+                    if m == 1:
+                        out[(dispatch, dtype, case, step, "kept")] = [len(kept_factors(p)) for p in experts]
+                out[(dispatch, dtype, case, step, "left")] = [len(kept_factors(p)) for p in experts]
+                out[(dispatch, dtype, case, step, "norm")] = opt.clip_grad_norm_(MAX_NORM).item()
+                out[(dispatch, dtype, case, step, "forms")] = list(forms)
+                out[(dispatch, dtype, case, step)] = full_tensors(model, grads=True)
+                opt.step()
+    LocalExperts._form = form
+    return out
+
+
 def _all_checks():
     """Every gloo check of this file in one 2-process launch (one torchrun start instead of eight)."""
     return {
         "deferred": _deferred(),
+        "automatic": _automatic(),
         "compare": {config: _compare(config) for config in CONFIGS},
         "round trip": _round_trip_and_scheduler(),
         "zero grad": _zero_grad_drops_the_clip(),
@@ -576,6 +627,35 @@ def test_deferred_weight_grads_equal_the_formed_ones(runs):
             assert any(part[1]), part  # formed once the budget was full
         assert "still partly kept as factors" in d["refused"] and "defer_expert_weight_grads" in d["refused"]
         assert not any(d["dropped"])
+
+
+def test_optimizer_defers_by_itself(runs):
+    """``ExpertGradOptions`` given to ``build_optimizer``: the same gradients, bit for bit, and the same groupings
+    as ``defer_expert_weight_grads`` called by hand, with no call in the loop (see :func:`_automatic`)."""
+    for d in (r["automatic"] for r in runs):
+        for (dispatch, parts), dtype in itertools.product(
+            (("all_to_all", 1), ("overlapped", 3)), (None, torch.bfloat16)
+        ):
+            for step in range(2):
+                ref = d[(dispatch, dtype, "by hand", step)]
+
+                def got(case, what=None, d=d, step=step, dispatch=dispatch, dtype=dtype):
+                    return d[(dispatch, dtype, case, step) + ((what,) if what else ())]
+
+                assert got("by hand", "forms") == [3 * parts] * 4
+                for case in ("last", "auto"):
+                    assert got(case, "kept") == [2 * parts] * 4, (dispatch, dtype, case)
+                    assert got(case, "forms") == got("by hand", "forms") and got(case, "left") == [0] * 4
+                    assert got(case, "norm") == got("by hand", "norm")
+                    for k in ref:
+                        assert torch.equal(got(case)[k], ref[k]), (dispatch, dtype, case, step, k)
+                for case in ("auto over budget", "every"):  # formed at every micro-batch: nothing kept
+                    assert got(case, "kept") == [0] * 4 and got(case, "forms") == [], (dispatch, dtype, case)
+                    assert got(case, "left") == [0] * 4
+                # 3 backwards of a step set for 4: all kept through the last, formed when the clip reads them
+                assert got("short step", "left") == [3 * parts] * 4 and got("short step", "forms") == [3 * parts] * 4
+                for k in ref:
+                    assert torch.equal(got("short step")[k], ref[k]), (dispatch, dtype, step, k)
 
 
 def test_state_dict_round_trip_and_lr_scheduler(runs):

@@ -1,6 +1,6 @@
 """``grouped_grad_accumulation``: FSDP2's float32 accumulation of bfloat16 gradients over micro-batches, done by one
 Triton kernel per unit, gives FSDP2's own sums bit for bit (2 gloo ranks, triton interpreted on CPU; on
-CUDA checked by the benchmark's losses, ``benchmarks/NOTES.md``); and the kernel itself on odd shapes and both 16-bit
+CUDA checked by the benchmark's losses, ``docs/performance.md``); and the kernel itself on odd shapes and both 16-bit
 dtypes, and ``scaled_add_`` and ``scale_`` (interpreted, and compiled on CUDA)."""
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ from torch.utils.checkpoint import checkpoint
 
 import moeshard.models.common._kept as kept
 from moeshard.models.common import (
-    KEPT_CAUSAL,
+    KEPT_ATTENTION,
     AttentionKeep,
+    AttentionOptions,
     ParallelOptions,
     attend,
-    causal_mask,
     fa4_unavailable,
     kept_attention_applies,
     kept_attention_device,
@@ -35,10 +35,10 @@ def _qkv(device: str, dtype: torch.dtype, heads: int = 4, kv_heads: int = 2, s: 
     return tuple(t.transpose(1, 2).requires_grad_() for t in (q, k, v))
 
 
-def _region(q, k, v, w, mask=KEPT_CAUSAL):
+def _region(q, k, v, w, options=KEPT_ATTENTION):
     # a region that saves things around the kept operations, as a decoder layer does: the attention, its output
     # projection (the heads flattened), a top-k of its output's scores
-    out = attend(q * 1.5, k, v, mask, scale=0.3, enable_gqa=q.shape[1] != k.shape[1])
+    out = attend(q * 1.5, k, v, None, scale=0.3, enable_gqa=q.shape[1] != k.shape[1], options=options)
     b, h, s, d = out.shape
     y = kept_linear(out.transpose(1, 2).reshape(b, s, h * d), w)
     values, ids = kept_topk(y.float().softmax(-1), 2)
@@ -133,7 +133,7 @@ def test_where_the_kept_kernels_do_not_apply_attend_is_sdpa():
     assert not kept_attention_applies(q12, q12[:, :2], v, 0.0)  # MLA: query and value head sizes differ
     keep = AttentionKeep()
     with keep.recording():
-        out = attend(q12, q12[:, :2], v, KEPT_CAUSAL, scale=0.3, enable_gqa=True)
+        out = attend(q12, q12[:, :2], v, None, scale=0.3, enable_gqa=True, options=KEPT_ATTENTION)
     assert len(keep) == 0
     ref = F.scaled_dot_product_attention(q12, q12[:, :2], v, is_causal=True, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
@@ -178,7 +178,7 @@ def test_fa4_layouts_keep_and_gradients(monkeypatch):
     want = torch.autograd.grad(_region(q, k, v, w), (q, k, v, w), grad)
     calls.clear()
     keep = AttentionKeep()
-    mask = causal_mask("fa4", keep=True)
+    mask = AttentionOptions(kernel="fa4", keep=True)
     out = checkpoint(
         _region, q, k, v, w, mask, use_reentrant=False, context_fn=lambda: (keep.recording(), keep.replaying())
     )
@@ -193,7 +193,7 @@ def test_fa4_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="attention_kernel='flash' is not one of"):
         ParallelOptions(attention_kernel="flash")
     with pytest.raises(ValueError, match="must be one of"):
-        causal_mask("flash")
+        AttentionOptions(kernel="flash")
     q12 = torch.randn(2, 4, 16, 12)
     assert not kept_attention_applies(q12, q12, q12, 0.0, "fa4")  # CPU: attend falls back to SDPA
 
@@ -213,12 +213,12 @@ def test_fa4_kernels_close_to_sdpa_on_cuda(compiled):
     ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
     attention = torch.compile(kept_causal_attention, fullgraph=True) if compiled else kept_causal_attention
     out = attention(q, k, v, 0.3, "fa4")
-    assert out.shape == ref.shape and rel(out, ref) < 1e-2  # cuDNN against FA2: ~2e-3 (NOTES)
+    assert out.shape == ref.shape and rel(out, ref) < 1e-2  # cuDNN against FA2: ~2e-3 (measured on a GPU)
     for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), ref_grads):
         assert rel(got, want) < 1e-2
     w = torch.randn(64, q.shape[1] * q.shape[-1], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     region = torch.compile(_region, fullgraph=True) if compiled else _region
-    mask = causal_mask("fa4", keep=True)
+    mask = AttentionOptions(kernel="fa4", keep=True)
     ones = torch.ones(2, 512, 64, device="cuda", dtype=torch.bfloat16)
     want = torch.autograd.grad(region(q, k, v, w, mask), (q, k, v, w), ones)
     keep = AttentionKeep()
@@ -227,3 +227,21 @@ def test_fa4_kernels_close_to_sdpa_on_cuda(compiled):
     )
     for got, ref_grad in zip(torch.autograd.grad(out, (q, k, v, w), ones), want):
         assert rel(got, ref_grad) < 1e-3  # replayed: the same kernels' outputs (dq by atomics: not bitwise)
+
+
+def test_attention_options_are_values_apart_from_the_mask():
+    """The kernel and the keep are options, resolved per device into one object per value (a compiled caller sees
+    the same constant every step); the mask stays None for plain causal rows, and ``attend`` with the default
+    options is SDPA's causal attention, bit for bit."""
+    assert AttentionOptions(keep=True).on("cpu") is KEPT_ATTENTION  # the CPU has the kept kernels
+    assert AttentionOptions(keep=True).on("meta") is AttentionOptions().on("cpu")  # no kept kernels: not kept
+    assert AttentionOptions(kernel="fa4").runs_kept and KEPT_ATTENTION.runs_kept and not AttentionOptions().runs_kept
+    q, k, v = _qkv("cpu", torch.float32)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    keep = AttentionKeep()
+    with keep.recording():
+        plain = attend(q, k, v, None, scale=0.3, enable_gqa=True, options=AttentionOptions())
+        kept_out = attend(q, k, v, None, scale=0.3, enable_gqa=True, options=KEPT_ATTENTION)
+    assert len(keep) == 1  # only the kept one went through kept_causal_attention
+    torch.testing.assert_close(plain, ref, rtol=0, atol=0)
+    torch.testing.assert_close(kept_out, ref, rtol=0, atol=0)

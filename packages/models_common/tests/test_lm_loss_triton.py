@@ -152,7 +152,7 @@ def test_parallelize_gives_the_head_the_kernel_with_the_triton_tier_on_cuda(monk
     for cuda in (True, False):  # without CUDA the tier means the compiled function, as moeshard.ep's tier does
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
         for kernels in ("triton", "compiled"):
-            decoder = SimpleNamespace(layers=[Layer()], compiled_attention=False, norm=RMSNorm(8, 1e-6))
+            decoder = SimpleNamespace(layers=[Layer()], norm=RMSNorm(8, 1e-6))
             model = SimpleNamespace(model=decoder, lm_head=LMHead(8, 16))
             _compile(model, kernels)  # step 3 of parallelize; nothing compiles before a call
             triton_tier = cuda and kernels == "triton"

@@ -7,6 +7,7 @@ import collections
 import pytest
 import torch
 
+from moeshard.models.common import AttentionOptions
 from moeshard.models.common.testing import max_rel_grad_error, reference_fa4
 from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, apply_activation_checkpointing
 
@@ -98,16 +99,15 @@ def test_activation_checkpointing_same_loss_and_grads(hf_dir, batch, monkeypatch
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "kept"])
 def test_fa4_kernel_gives_the_sdpa_model(hf_dir, batch, monkeypatch, checkpointed):
-    """``causal_attention="fa4"`` (FlashAttention 4's entry points computed on CPU, ``reference_fa4``): the model's
+    """``AttentionOptions(kernel="fa4")`` (FlashAttention 4's entry points computed on CPU, ``reference_fa4``): the model's
     loss and gradients are the SDPA model's, one forward and one backward call per layer, also under full
     checkpointing that keeps the attention; without the package the model refuses it before its first layer."""
     ids, _, labels = batch
     sdpa, fa4 = Qwen3MoeForCausalLM.from_pretrained(hf_dir), Qwen3MoeForCausalLM.from_pretrained(hf_dir)
-    fa4.model.causal_attention = "flash"
     with pytest.raises(ValueError, match="causal attention kernel must be one of"):
-        fa4(ids, labels=labels)
-    fa4.model.causal_attention = "fa4"
-    with pytest.raises(ValueError, match="causal_attention='fa4' cannot run here: .*set parallel.attention_kernel"):
+        AttentionOptions(kernel="flash")
+    fa4.model.attention = AttentionOptions(kernel="fa4")
+    with pytest.raises(ValueError, match="kernel 'fa4' cannot run here: .*set parallel.attention_kernel"):
         fa4(ids, labels=labels)
     calls = reference_fa4(monkeypatch)
     if checkpointed:

@@ -102,8 +102,8 @@ class Saved:
 
     @property
     def rate_text(self) -> str:
-        """This rank's write rate for a log line: ``"1.23 GB/s"``, in MB/s below 0.1 GB/s (a small checkpoint's
-        ``0.00 GB/s`` says nothing), ``"-"`` when the write took no measurable time."""
+        """This rank's write rate for a log line: in GB/s with two decimals, in MB/s below a tenth of a GB/s (where
+        two decimals of GB/s would read as zero), ``"-"`` when the write took no measurable time."""
         if not self.write_s > 0:
             return "-"
         gb = self.gb_per_s

@@ -7,8 +7,7 @@ give (``moeshard.ep._permute``): the same stable order, because a copy's place i
 copies of that expert in earlier blocks, plus those before it in its own block. The sort path runs about ten
 launches for this (a cast, the radix sort's passes, ``searchsorted``, ``diff``, the inverse's scatter), forward and
 again in a checkpointed layer's recompute; this is four launches (a zeroed histogram, count, scan, place) with no
-temporary but the histogram (one H200, 8 layers of 30B-A3B, micro-batch 4: the dispatchers' host time 15.2 -> 8.0 ms
-per step, ``benchmarks/NOTES.md``). Integer arithmetic only: the
+temporary but the histogram, and less host time per layer (``docs/performance.md``). Integer arithmetic only: the
 result equals the sort path's exactly. The kernels also run under triton's interpreter on CPU tensors (tests).
 """
 

@@ -46,7 +46,10 @@ gradient as factors: True means it took them (backward returns none for that wei
 backward that computes a weight's gradient in several parts offers each (the overlapped dispatcher: three); the
 gradient is the sum of what the target took and what it did not. A target with ``take`` may also have
 ``wants_factors() -> bool``, asked once per backward before anything is offered: False means that backward offers
-none (and prepares nothing for them)."""
+none (and prepares nothing for them). A target may also have ``expect_factors(elements: float) -> None``, told by
+the dispatcher in each forward what keeping that pass's factors would hold, in elements of the compute dtype
+(:meth:`moeshard.ep.ExpertDispatch.kept_factor_elements`: from shapes, before any is made), so the target can
+decide up front whether keeping them fits its memory."""
 
 
 @dataclass(frozen=True)

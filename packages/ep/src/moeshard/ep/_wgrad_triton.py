@@ -18,8 +18,7 @@ Runs under triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors too, whi
 On Hopper and later (``tma=None`` picks it for 16-bit CUDA tensors with 16-byte aligned rows) the rows are read by
 TMA through descriptors made on the device for each expert (its first row, its row count: the hardware zero-fills
 past the expert's last row, so no block is masked), and the old gradient tile is read and the sum written through a
-descriptor of ``out``: on one H200 at 256 rows per expert 0.69 against 0.81 ms (gate/up) and 0.34 against 0.41 ms
-(down) per launch (``benchmarks/wgrad_tma.py``). Device descriptors need a scratch allocation per launch, which
+descriptor of ``out`` (faster than the pointer loads at the expert shapes: ``docs/performance.md``). Device descriptors need a scratch allocation per launch, which
 triton asks of the allocator of the calling context: the launch runs in a copy of the caller's context with a torch
 allocator set, so the caller's own setting is neither needed nor changed.
 
@@ -45,14 +44,13 @@ CONFIGS: dict[str, dict[str, int]] = {
     "few_rows": {"BLOCK_M": 128, "BLOCK_K": 128, "BLOCK_R": 32, "num_warps": 4, "num_stages": 4},
     "many_rows": {"BLOCK_M": 128, "BLOCK_K": 256, "BLOCK_R": 64, "num_warps": 8, "num_stages": 3},
 }
-"""Tile shapes and launch parameters, by name. ``benchmarks/wgrad_gemm.py`` times them on a GPU: on one H200 at the
-30B-A3B expert shapes, ``few_rows`` was the fastest at 256 rows per expert (micro-batch 1 of 4,096 tokens) and
-``many_rows`` at 512 and more (``benchmarks/NOTES.md``)."""
+"""Tile shapes and launch parameters, by name: ``few_rows`` for experts of up to 256 rows (micro-batch 1 of 4,096
+tokens at the 30B-A3B expert shapes), ``many_rows`` for more (the timings that chose them: ``docs/performance.md``)."""
 TMA_CONFIGS: dict[str, dict[str, int]] = {
     "few_rows": {"BLOCK_M": 128, "BLOCK_K": 128, "BLOCK_R": 32, "num_warps": 4, "num_stages": 4},
     "many_rows": {"BLOCK_M": 128, "BLOCK_K": 128, "BLOCK_R": 32, "num_warps": 4, "num_stages": 3},
 }
-"""The same for the TMA kernel (``benchmarks/wgrad_tma.py``: the fastest tile at 256 and 512 rows per expert)."""
+"""The same for the TMA kernel (the tiles timed fastest at 256 and 512 rows per expert: ``docs/performance.md``)."""
 FEW_ROWS = 384
 """Mean rows per expert up to which ``config=None`` picks ``few_rows``."""
 

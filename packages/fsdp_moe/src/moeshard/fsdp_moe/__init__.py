@@ -24,6 +24,13 @@ one-pass CUDA update) for the rest, in one :class:`OptimizersContainer`. Example
 
 from moeshard.fsdp_moe._adamw_step import join_master_into, joined_master, split_master
 from moeshard.fsdp_moe._clip import clip_grad_norm_, get_total_norm
+from moeshard.fsdp_moe._deferral import (
+    DEFAULT_BUDGET,
+    EXPERT_WEIGHT_GRADS,
+    ExpertGradOptions,
+    expert_grad_budget,
+    kept_factor_ratio,
+)
 from moeshard.fsdp_moe._local_adamw import LocalExpertAdamW
 from moeshard.fsdp_moe._local_experts import defer_expert_weight_grads
 from moeshard.fsdp_moe._loss import num_items_for_global_mean
@@ -55,7 +62,10 @@ from moeshard.fsdp_moe._state_dict import (
 )
 
 __all__ = [
+    "DEFAULT_BUDGET",
+    "EXPERT_WEIGHT_GRADS",
     "MASTERS",
+    "ExpertGradOptions",
     "FSDPUnits",
     "LocalExpertAdamW",
     "OnePassAdamW",
@@ -70,6 +80,7 @@ __all__ = [
     "clip_grad_norm_",
     "default_mp_policy",
     "defer_expert_weight_grads",
+    "expert_grad_budget",
     "get_sharding_info",
     "get_state_dict",
     "get_total_norm",
@@ -77,6 +88,7 @@ __all__ = [
     "join_master_into",
     "joined_master",
     "joined_masters",
+    "kept_factor_ratio",
     "load_checkpoint",
     "num_items_for_global_mean",
     "reduce_in_place_on_one_rank",

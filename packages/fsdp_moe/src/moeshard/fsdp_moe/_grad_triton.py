@@ -131,7 +131,7 @@ def scale_(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     taken in float32), and no pass over ``x`` where ``factor`` is one: one wave of programs that each read the
     factor and, unless it is one, scale their blocks. A gradient that already holds its scale (the LM head's,
     which folds the loss's divisor into its logit gradient) then costs one launch instead of a read and a write of
-    ``x`` (1.24 GB at the float32 ``[V, D]`` head of Qwen3-30B-A3B, ~0.6 ms on one H200). Runs on CUDA tensors, or on
+    ``x`` (1.24 GB at the float32 ``[V, D]`` head of Qwen3-30B-A3B). Runs on CUDA tensors, or on
     CPU ones under triton's interpreter (the tests)."""
     if factor.numel() != 1 or not x.is_contiguous():
         raise ValueError(

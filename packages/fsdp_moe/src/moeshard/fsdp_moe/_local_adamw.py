@@ -66,6 +66,7 @@ from moeshard.fsdp_moe._adamw_step import (
     split_master,
     triton_available,
 )
+from moeshard.fsdp_moe._deferral import ExpertGradOptions
 from moeshard.fsdp_moe._grad_records import drop_kept_factors, formed_squares, kept_factors
 from moeshard.fsdp_moe._local_experts import LocalExperts, dtensor_like, local_experts_state
 from moeshard.fsdp_moe._shard import clean_fqn
@@ -102,6 +103,8 @@ class LocalExpertAdamW(torch.optim.Optimizer):
             ``model``; by default every local expert parameter that requires a gradient.
         lr, betas, eps, weight_decay: as torch's AdamW (floats).
         amsgrad, maximize, capturable, differentiable: accepted for torch AdamW's signature; True is refused.
+        expert_grads: how the experts' weight gradients accumulate over a step's micro-batches; each
+            :meth:`zero_grad` starts a step by them (the default, one micro-batch: formed at every backward).
 
     Raises:
         ValueError: ``model`` has no local experts; a parameter is not one of them, or is owned by another
@@ -122,7 +125,11 @@ class LocalExpertAdamW(torch.optim.Optimizer):
         maximize: bool = False,
         capturable: bool = False,
         differentiable: bool = False,
+        expert_grads: ExpertGradOptions = ExpertGradOptions(),  # noqa: B008 (frozen, so one shared default is safe)
     ):
+        if not isinstance(expert_grads, ExpertGradOptions):
+            raise ValueError(f"LocalExpertAdamW: expert_grads must be an ExpertGradOptions, got {expert_grads!r}")
+        self.expert_grads = expert_grads
         self._owners = local_expert_params(model)
         if not self._owners:
             raise ValueError(
@@ -146,6 +153,12 @@ class LocalExpertAdamW(torch.optim.Optimizer):
         )
         check_group(defaults, "the constructor")
         super().__init__(params, defaults)
+        self._start_step()
+
+    def _start_step(self) -> None:
+        """Every local expert module counts this step's backwards from here (``ExpertGradOptions``)."""
+        for st in {id(st): st for _, st, *_ in self._owners.values()}.values():
+            st.start_step(self.expert_grads)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of local expert parameters (refused: any other parameter). Each parameter's float32 value
@@ -297,9 +310,13 @@ class LocalExpertAdamW(torch.optim.Optimizer):
         return loss
 
     def _check_formed(self) -> None:
-        """Refuse to read gradients while a parameter's gradient is partly kept as factors."""
+        """Form what a step that deferred by itself still keeps (it had fewer backwards than ``expert_grads``
+        says); refuse to read gradients kept by :func:`defer_expert_weight_grads` (it was not turned off)."""
         for group in self.param_groups:
             for p in group["params"]:
+                st = self._owners[id(p)][1]
+                if kept_factors(p) and not st._explicit:
+                    st._form(p, [])
                 if kept_factors(p):
                     raise RuntimeError(
                         f"LocalExpertAdamW: the gradient of {self.fqn(p)} is still partly kept as factors "
@@ -308,11 +325,13 @@ class LocalExpertAdamW(torch.optim.Optimizer):
                     )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's ``zero_grad``; also drops weight-gradient factors kept for these parameters."""
+        """torch's ``zero_grad``; also drops weight-gradient factors kept for these parameters and starts a step
+        (``expert_grads``)."""
         for group in self.param_groups:
             for p in group["params"]:
                 drop_kept_factors(p)
         super().zero_grad(set_to_none)
+        self._start_step()
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict, with each parameter's float32 ``master`` (joined where it is held split, see

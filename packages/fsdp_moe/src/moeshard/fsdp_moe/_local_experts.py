@@ -30,7 +30,11 @@ a gradient (the first micro-batch's, stored by autograd), the dispatcher's backw
 gradients straight into it (inside the grouped GEMM on CUDA with the triton tier) instead of returning a new tensor
 for autograd to add in a second pass; :class:`_ToCompute` then gets no gradient and passes none on.
 
-Weight gradients kept unformed (:func:`defer_expert_weight_grads`, *compute* mode): while a trainer defers, the
+Weight gradients kept unformed (*compute* mode): under :class:`moeshard.fsdp_moe.LocalExpertAdamW` with
+``ExpertGradOptions(micro_batches=n)`` every step defers by itself (each ``zero_grad`` starts one; the first ``n - 1``
+backwards of each weight defer, the ``n``-th forms; ``auto`` decides per step from what the EP dispatcher reports
+its factors would hold, ``_deferral``); :func:`defer_expert_weight_grads` sets the same by hand until the next
+``zero_grad``. While deferring, the
 dispatcher's backward hands each micro-batch's gradient of a weight over as its factors (``moeshard.ep``'s
 ``WeightGradFactors``: the rows of the weight's input and of its output's gradient, grouped by expert), and the
 module keeps them instead of forming the gradient, as long as what it holds for its gradients (the kept factors, each
@@ -59,6 +63,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map_only
 
+from moeshard.fsdp_moe._deferral import DEFAULT_BUDGET, ExpertGradOptions, expert_grad_budget, kept_factor_ratio
 from moeshard.fsdp_moe._grad_records import (
     drop_kept_factors,
     forget_squares,
@@ -75,9 +80,7 @@ __all__ = [
 ]
 
 _STATE_ATTR = "_moeshard_local_experts"
-DEFAULT_BUDGET = 1.1
-"""Kept factors may hold up to this times the bytes of the gradients they stand for, per expert module (at EP 1
-with 128 experts, micro-batches of 4,096 tokens, 3 micro-batches' factors hold 1.04x the gradients)."""
+_UNDECIDED = object()  # a step's budget before its first backward asks for it
 
 
 class _ToCompute(torch.autograd.Function):
@@ -181,9 +184,45 @@ class LocalExperts:
         self.scale = scale
         self.scale_fn = scale_fn
         self.in_compute_dtype: set[str] = set()
-        self.deferring = False  # see defer_expert_weight_grads
+        self.deferring = False  # set by defer_expert_weight_grads (explicit), else decided per step (start_step)
         self.budget = DEFAULT_BUDGET
         self._saved: list[tuple[str, nn.Parameter]] = []
+        self.start_step(ExpertGradOptions())
+        self._expected: float | None = None  # one pass's factor elements, as the dispatcher reports them
+
+    def start_step(self, options: ExpertGradOptions) -> None:
+        """A step of ``options.micro_batches`` backwards begins (the optimizer's ``zero_grad``): the backwards of
+        each weight are counted from here; what an earlier :func:`defer_expert_weight_grads` set no longer holds."""
+        self.options, self._explicit, self.deferring = options, False, False
+        self._backwards: dict[int, int] = {}  # id(param) -> backwards over for it in this step
+        self._step_budget: Any = _UNDECIDED
+
+    def expect_factors(self, elements: float) -> None:
+        """The target's ``expect_factors`` (``moeshard.ep.WeightGradTarget``): one pass's factors would hold
+        ``elements`` (compute dtype), as the dispatcher reports them in forward."""
+        self._expected = float(elements)
+
+    def _step_defers(self) -> bool:
+        """Whether this step keeps factors at all (decided once per step, at its first backward, by
+        ``options``: ``auto`` compares what all but the last micro-batch's factors would hold with the budget)."""
+        if self._step_budget is _UNDECIDED:
+            n = self.options.micro_batches
+            budget = None
+            if n > 1:
+                grad_elements = sum(p._local_tensor.numel() for p in self._compute_params())
+                ratio = None if self._expected is None else kept_factor_ratio(self._expected, n, grad_elements)
+                budget = expert_grad_budget(self.options.mode, ratio, self.options.budget)
+            self._step_budget = budget
+            if budget is not None:
+                self.budget = budget
+        return self._step_budget is not None
+
+    def _deferring_for(self, param: nn.Parameter) -> bool:
+        """Whether the backward now running keeps ``param``'s factors: as set by hand, else every backward of the
+        step but its last."""
+        if self._explicit:
+            return self.deferring
+        return self._step_defers() and self._backwards.get(id(param), 0) < self.options.micro_batches - 1
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -254,10 +293,11 @@ class LocalExperts:
         param = self._compute_param(weight)
         if param is None:
             return False
-        if self.deferring and self.held_bytes(factors) <= self.budget * self.grad_bytes():
+        deferring = self._deferring_for(param)
+        if deferring and self.held_bytes(factors) <= self.budget * self.grad_bytes():
             keep_factors(param, factors)
             return True
-        if not self.deferring:  # the step's last backward: joins what is kept, formed when the weight's is over
+        if not deferring:  # the step's last backward: joins what is kept, formed when the weight's is over
             if not kept_factors(param):
                 return False
             keep_factors(param, factors)
@@ -273,14 +313,15 @@ class LocalExperts:
     def wants_factors(self) -> bool:
         """The target's ``wants_factors`` (``moeshard.ep.WeightGradTarget``): whether a backward is to offer factors
         at all, i.e. while deferring or where factors are kept (the step's last backward joins them)."""
-        return self.deferring or bool(self._kept())
+        return any(self._deferring_for(p) for p in self._compute_params()) or bool(self._kept())
 
     def _backward_done(self, param: nn.Parameter) -> None:
         """The module's backward for ``param`` is over (its :class:`_ToCompute`'s backward): where the trainer no
         longer defers, what is kept for it (the earlier micro-batches' factors and every part of this backward's) is
         formed, in one grouped GEMM."""
-        if not self.deferring and kept_factors(param):
+        if not self._deferring_for(param) and kept_factors(param):
             self._form(param, [])
+        self._backwards[id(param)] = self._backwards.get(id(param), 0) + 1
 
     def _form(self, param: nn.Parameter, more: list) -> None:
         from moeshard.ep import sum_weight_grads
@@ -333,12 +374,13 @@ class LocalExperts:
 
 
 def defer_expert_weight_grads(model: nn.Module, defer: bool, *, budget: float = DEFAULT_BUDGET) -> int:
-    """Whether the backwards from now on keep the local experts' weight gradients as factors (``defer=True``) or form
-    them, with everything kept so far, in the backward that follows (``defer=False``); the experts' analogue of
-    FSDP2's ``set_requires_gradient_sync``. Call it with True before the first of a step's micro-batches and with
-    False before the last (one micro-batch: never needed): the step's gradients are then each written once over all
-    micro-batches' rows. Factors still kept when the optimizer reads the gradients are refused (its ``zero_grad``
-    drops them).
+    """By hand: whether the backwards from now on keep the local experts' weight gradients as factors
+    (``defer=True``) or form them, with everything kept so far, in the backward that follows (``defer=False``); the
+    experts' analogue of FSDP2's ``set_requires_gradient_sync``. A trainer need not call it: the optimizer does the
+    same by itself at every step (``build_optimizer(expert_grads=ExpertGradOptions(micro_batches=n))``). Called, it
+    governs until the optimizer's next ``zero_grad``: True before the first of a step's micro-batches and False
+    before the last (one micro-batch: never needed) write the step's gradients each once over all micro-batches'
+    rows. Factors still kept when the optimizer reads the gradients are then refused (its ``zero_grad`` drops them).
 
     Only *compute*-mode parameters (under :class:`moeshard.fsdp_moe.LocalExpertAdamW`) keep any (every
     ``moeshard.ep`` dispatcher hands factors over; the overlapped one each weight's in three parts); the rest form
@@ -360,7 +402,7 @@ def defer_expert_weight_grads(model: nn.Module, defer: bool, *, budget: float = 
     for module in model.modules():
         st = local_experts_state(module)
         if st is not None:
-            st.deferring, st.budget = bool(defer), float(budget)
+            st.deferring, st.budget, st._explicit = bool(defer), float(budget), True
             n += 1
     return n
 

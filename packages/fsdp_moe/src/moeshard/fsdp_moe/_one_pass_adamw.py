@@ -2,9 +2,9 @@
 
 torch's fused AdamW reads the parameter, the gradient and both moments and writes the parameter and both moments
 (28 bytes per parameter); handed the clip coefficient as ``grad_scale``, it also writes the clipped gradient back
-(32 bytes), and on an H200 its kernel moves ~3.4 TB/s (``benchmarks/expert_update_kernel.py``).
+(32 bytes), below the memory bound (``docs/performance.md``).
 :class:`OnePassAdamW` is torch's AdamW (its arguments, state, state dict and parameter groups) whose step, on
-CUDA, is the triton pass that updates the local experts (``_triton.adamw_update``): 28 bytes at ~4 TB/s, the
+CUDA, is the triton pass that updates the local experts (``_triton.adamw_update``): 28 bytes near the memory bound, the
 clip coefficient multiplied in as the gradient is read (``step(grad_mult=...)``), the gradient left as it was.
 Elsewhere (CPU, or a parameter whose tensors do not share one dense layout) the step runs torch's for-loop AdamW's
 tensor operations, which give the same numbers as ``torch.optim.AdamW(foreach=False)``.

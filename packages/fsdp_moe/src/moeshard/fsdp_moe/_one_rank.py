@@ -2,8 +2,8 @@
 
 On a mesh of one rank there is nothing to reduce, yet FSDP2's ``foreach_reduce`` allocates an output buffer as
 large as its input and copies the input into it (``reduce_output.copy_(reduce_scatter_input)``), every unit and
-every reducing backward: for the 30B-A3B geometry's embedding and head, 1.24 GB of float32 each, ~0.6 ms per copy
-on one H200, on the reduce-scatter stream beside the backward's kernels. Both buffers come from the unit's
+every reducing backward: for the 30B-A3B geometry's embedding and head, 1.24 GB of float32 each per copy, on the
+reduce-scatter stream beside the backward's kernels. Both buffers come from the unit's
 reduce-scatter comm (``FSDPModule.set_custom_reduce_scatter``): :class:`OneRankReduceScatter` answers the output's
 request with the input buffer it handed out just before, so the copy is of a tensor into itself, which
 ``Tensor.copy_`` skips, and the sharded gradient is a view of the input buffer (one buffer held, not two). The

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moeshard.fsdp_moe._deferral import ExpertGradOptions
 from moeshard.fsdp_moe._local_adamw import LocalExpertAdamW, local_expert_params
 from moeshard.fsdp_moe._norm import (
     check_norm_type,
@@ -280,6 +281,7 @@ def build_optimizer(
     weight_decay: float = 0.01,
     fused: bool | None = None,
     fuse_local_experts: bool = True,
+    expert_grads: ExpertGradOptions = ExpertGradOptions(),  # noqa: B008 (frozen, so one shared default is safe)
 ) -> OptimizersContainer:
     """AdamW over every parameter of a model sharded by ``shard_model``, as an :class:`OptimizersContainer`.
 
@@ -295,6 +297,9 @@ def build_optimizer(
         fuse_local_experts: update the experts kept out of FSDP (``ep_fsdp`` of one rank) with
             :class:`LocalExpertAdamW` (the float32 masters in its state, their parameters in the compute dtype);
             False, or no such experts: torch's AdamW steps every parameter.
+        expert_grads: for :class:`LocalExpertAdamW`: the step's micro-batches, over which the experts' weight
+            gradients are kept as factors and formed once, in the last backward, by themselves
+            (:class:`ExpertGradOptions`; the default, one micro-batch, forms them at every backward).
 
     Returns:
         ``OptimizersContainer([LocalExpertAdamW, OnePassAdamW])``, or ``OptimizersContainer([OnePassAdamW])`` (or
@@ -305,7 +310,9 @@ def build_optimizer(
     owners = local_expert_params(model) if fuse_local_experts else {}
     children: list[torch.optim.Optimizer] = []
     if any(p.requires_grad for p, *_ in owners.values()):
-        children.append(LocalExpertAdamW(model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        children.append(
+            LocalExpertAdamW(model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, expert_grads=expert_grads)
+        )
     taken = {id(p) for o in children for g in o.param_groups for p in g["params"]}
     rest = [p for p in model.parameters() if id(p) not in taken]
     if rest and fused is None and all(p.dtype == torch.float32 for p in rest):

@@ -150,8 +150,8 @@ def grouped_grad_accumulation(module: nn.Module, *, interpreted: bool = False) -
 
     Between backwards that do not reduce (``set_requires_gradient_sync(False)``), FSDP2 keeps each parameter's
     gradient in its reduce dtype and, after each later backward, adds autograd's bfloat16 gradient into it
-    (``FSDPParam.accumulate_unsharded_grad_if_needed``): one unvectorised mixed-dtype kernel per parameter (on one
-    H200, the ~73 adds per micro-batch of 8 Qwen3-30B-A3B layers ran at about half the memory bound). Here each
+    (``FSDPParam.accumulate_unsharded_grad_if_needed``): one unvectorised mixed-dtype kernel per parameter, well
+    below the memory bound (``docs/performance.md``). Here each
     unit's post-backward first adds all of them with one Triton kernel (``_grad_triton.add_into_float32``; the same
     float32 sums) and clears the bfloat16 gradients it added, so FSDP2 finds nothing left to add and goes on as it
     would (its reduce, where this backward reduces, takes the held sums).

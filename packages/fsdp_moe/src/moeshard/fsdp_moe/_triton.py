@@ -20,7 +20,7 @@ import triton.language as tl
 
 __all__ = ["adamw_update", "adamw_update_split", "sum_of_squares"]
 
-_BLOCK = 1024  # 4.4 / 4.1 TB/s on an H200 (bf16 / fp32 gradients), 2048: 4.1 / 3.9 (expert_update_kernel.py)
+_BLOCK = 1024  # faster than 2048 for bf16 and fp32 gradients alike (docs/performance.md)
 _NORM_BLOCK = 8192
 
 
@@ -258,7 +258,7 @@ def sum_of_squares(tensors: list[torch.Tensor], factors: list[float], mults: lis
     """``Σ_i factor_i · mult_i² · Σ x_i²`` over contiguous tensors in float32 (a float32 scalar tensor): one
     kernel per tensor writes its block sums into one buffer, then one sum.
 
-    ``torch._foreach_norm`` reads a bf16 tensor at ~2 TB/s on an H200; this reads at the memory bound.
+    ``torch._foreach_norm`` reads a bf16 tensor well below the memory bound; this reads at it.
     """
     blocks = [triton.cdiv(t.numel(), _NORM_BLOCK) for t in tensors]
     device = tensors[0].device

@@ -2,8 +2,8 @@
 
 With expert parallelism every MoE layer makes one device→host sync (the all-to-all split sizes). The host then
 waits for the device to drain, and after it the device waits for the host to launch work again. FSDP2 issues a
-stage's forward prefetch (the next layer's all-gather: a cast, a copy-in and the collective, ~1 ms of host time
-per layer) from the stage's pre-forward hook, right when the device is waiting for the layer's first kernels.
+stage's forward prefetch (the next layer's all-gather: a cast, a copy-in and the collective, host work of its own
+every layer) from the stage's pre-forward hook, right when the device is waiting for the layer's first kernels.
 Issued just before the layer's sync instead, the same host work overlaps device work it would otherwise delay.
 """
 

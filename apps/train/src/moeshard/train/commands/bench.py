@@ -12,7 +12,8 @@ documents, checkpoint cost, profile and trace). Prints and writes (JSON) tokens/
 warm-up), MFU, peak memory, device→host syncs per step (``torch.cuda.set_sync_debug_mode``), the layout and the
 options. It builds and steps through ``moeshard.train.run`` (``build``, ``train_step``) like the training job.
 FLOPs/token: the model family's ``flops_per_token`` (6·matmul params active per token + causal attention; MLA
-counted from its projections); MFU over 989 TFLOP/s. ``--model.family=deepseek_v3 --model.preset=deepseek-v3-16b``
+counted from its projections); MFU against the H200's bf16 dense peak whatever the device
+(``observe.metrics.H200_BF16_PEAK_FLOPS``), so figures of different runs compare. ``--model.family=deepseek_v3 --model.preset=deepseek-v3-16b``
 benchmarks DeepSeek-V3.
 
 Steps run back to back, as a training loop runs them (no synchronisation between steps; the losses are read

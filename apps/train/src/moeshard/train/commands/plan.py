@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
+from moeshard.ep import kept_factor_elements
+from moeshard.fsdp_moe import expert_grad_budget, kept_factor_ratio
 from moeshard.meshes import build_meshes, fake_process_group
 from moeshard.models.common import parallelize
 from moeshard.train.commands.plan_memory import (
@@ -28,13 +30,21 @@ from moeshard.train.config import (
     JobConfig,
     check_layout,
     config_from_dict,
-    expert_grad_budget,
     gradient_sync,
-    kept_factor_ratio,
     parallel_options,
 )
 from moeshard.train.families import family_of
 from moeshard.train.observe.comm import estimate_comm_bytes
+
+
+def _kept_factor_ratio(config: Any, tokens: int, micro_batches: int, ep_size: int, dispatch: str) -> float:
+    """What a step's kept weight-gradient factors hold over the local experts' gradients, per MoE layer: the EP
+    dispatcher's report of one micro-batch's factors (``moeshard.ep.kept_factor_elements``, ``tokens · top_k``
+    routed copies per rank) by ``moeshard.fsdp_moe.kept_factor_ratio`` against ``local experts · 3DF``."""
+    facts = family_of(config).facts(config)  # the family's model says its shapes, whatever its config calls them
+    d, k, f = facts.hidden_size, facts.top_k, facts.expert_width
+    per_micro_batch = kept_factor_elements(dispatch, ep_size, tokens * k, d, f)
+    return kept_factor_ratio(per_micro_batch, micro_batches, facts.num_experts // ep_size * 3 * d * f)
 
 
 def _placement(p: Any, expert_meta: Any) -> str:
@@ -197,9 +207,9 @@ def _memory_estimate(cfg: JobConfig, mcfg: Any, built: _Built, world: int, mb: i
     micro_batches = max(1, t.global_batch_size // world // mb)
     deferred_sync = gradient_sync(t, world) == "last_micro_batch"
     fused_grads = compute_bytes * u.fused_numel
-    # train.expert_weight_grads: the local experts' gradients kept as factors where train_step defers them
-    ratio = kept_factor_ratio(mcfg, tokens, micro_batches, built.ep_size, opts.ep.dispatch)
-    budget = expert_grad_budget(t, ratio)
+    # train.expert_weight_grads: the local experts' gradients kept as factors where the optimizer defers them
+    ratio = _kept_factor_ratio(mcfg, tokens, micro_batches, built.ep_size, opts.ep.dispatch)
+    budget = expert_grad_budget(t.expert_weight_grads, ratio)
     if micro_batches > 1 and u.fused_numel and budget is not None and ratio <= budget:
         fused_grads = int(fused_grads * ratio)
     # Local experts the fused pass updates in bf16 hold their float32 masters split: the bf16 parameter (counted with
@@ -253,8 +263,8 @@ def _exceeds(
 
 def _regimes(cfg: JobConfig, opts: Any, mb: int, world: int) -> list[tuple[str, int]]:
     """``(activation checkpointing, micro-batch)`` to try, least costly in step time first: selective
-    checkpointing (under 1% slower), then smaller micro-batches (4-8%), then full checkpointing (about 12%) with
-    each micro-batch (README's regimes on one H200)."""
+    checkpointing, then smaller micro-batches, then full checkpointing with each micro-batch (the order of their
+    measured costs per step: ``docs/performance.md``)."""
     ladder = ("none", "selective", "full")
     current = opts.activation_checkpointing
     per_rank = cfg.train.global_batch_size // world
@@ -387,8 +397,8 @@ def _unit_figures(
 
     # train.gradient_sync last_micro_batch: every FSDP unit holds its unsharded gradients until the step's last
     # backward reduces them, in the reduce dtype (FSDP2 accumulates in it), instead of its shard of them (counted
-    # in the gradients): (n - 1) / n of them more over a shard group of n ranks, nothing on one rank (measured on
-    # one H200: the same peak as every_micro_batch).
+    # in the gradients): (n - 1) / n of them more over a shard group of n ranks, nothing on one rank (the same
+    # measured peak as every_micro_batch there).
     def shards(unit: Any) -> int:
         return meshes.ep_fsdp_size if id(unit) in expert_units else meshes.world_size
 

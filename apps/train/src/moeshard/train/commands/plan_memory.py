@@ -37,8 +37,7 @@ class MemoryEstimate:
         With one micro-batch per step the two do not add up: the activations are freed as the gradients appear.
         With several, the gradients of the earlier micro-batches are alive beside the last one's activations, and
         with ``train.gradient_sync: last_micro_batch`` also FSDP's unsharded float32 gradients (``held_grads``).
-        (One H200, 8 layers, EP 1, 4 x 4096 tokens per step, 128 and 16 experts: within 1.6% of the measured peak
-        allocated at micro-batch 4, 2 and 1 and with selective and full checkpointing; see benchmarks/NOTES.md.)"""
+        (How close this comes to the measured peaks, per regime: docs/performance.md.)"""
         saved = self.activations + self.loss_head
         base = self.params + self.optimizer + self.unsharded
         if self.micro_batches > 1:

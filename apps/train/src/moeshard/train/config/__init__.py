@@ -9,9 +9,7 @@ Unknown keys and wrong types are errors that name the key. The defaults *are* th
 from moeshard.train.config.layout import CheckedLayout, check_layout
 from moeshard.train.config.load import (
     config_from_dict,
-    expert_grad_budget,
     gradient_sync,
-    kept_factor_ratio,
     layout_error_for_config,
     load_config,
     resolve_model_config,
@@ -60,9 +58,7 @@ __all__ = [
     "WandbConfig",
     "check_layout",
     "config_from_dict",
-    "expert_grad_budget",
     "gradient_sync",
-    "kept_factor_ratio",
     "config_table",
     "describe_keys",
     "layout_error_for_config",

@@ -129,43 +129,6 @@ def gradient_sync(train: Any, world_size: int) -> str:
     return "last_micro_batch" if world_size == 1 else "every_micro_batch"
 
 
-def expert_grad_budget(train: Any, kept_ratio: float | None = None) -> float | None:
-    """``train.expert_weight_grads`` as ``moeshard.fsdp_moe.defer_expert_weight_grads``' budget: None (never
-    deferred: ``every_micro_batch``), unbounded (``last_micro_batch``) or, for ``auto``, that function's default
-    where ``kept_ratio`` (what the step's kept factors would hold over the gradients, :func:`kept_factor_ratio`;
-    None: not known) is within it, else None: a step whose factors do not fit forms the gradients at every
-    micro-batch, as ``every_micro_batch``, instead of keeping some and forming them part-way."""
-    if train.expert_weight_grads == "every_micro_batch":
-        return None
-    if train.expert_weight_grads == "last_micro_batch":
-        return float("inf")
-    import inspect
-
-    from moeshard.fsdp_moe import defer_expert_weight_grads
-
-    budget = float(inspect.signature(defer_expert_weight_grads).parameters["budget"].default)
-    return budget if kept_ratio is None or kept_ratio <= budget else None
-
-
-def kept_factor_ratio(config: Any, tokens: int, micro_batches: int, ep_size: int, dispatch: str) -> float:
-    """What the weight-gradient factors of all but the last micro-batch hold, over the local experts' gradients
-    they stand for (``moeshard.fsdp_moe.defer_expert_weight_grads``), per MoE layer: ``(micro_batches - 1) · N ·
-    (2D + 3F)`` elements against ``local experts · 3DF``, with ``N = tokens · top_k`` the routed copies a rank
-    computes on average at any EP size. At EP size ``P`` > 1 the ``overlapped`` dispatcher's factors of the rank's
-    own copies are views of all the copies it sorted and of their output gradient (those sent to other ranks too),
-    which keeping holds: ``N · 2D · (P - 1) / P`` more per micro-batch."""
-    from moeshard.train.families import family_of
-
-    facts = family_of(config).facts(config)  # the family's model says its shapes, whatever its config calls them
-    d, k, f = facts.hidden_size, facts.top_k, facts.expert_width
-    rows = tokens * k
-    per_micro_batch = rows * (2 * d + 3 * f)
-    if ep_size > 1 and dispatch == "overlapped":
-        per_micro_batch += rows * 2 * d * (ep_size - 1) / ep_size
-    local_experts = facts.num_experts // ep_size
-    return (micro_batches - 1) * per_micro_batch / max(1, local_experts * 3 * d * f)
-
-
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group (world-size checks happen at launch)."""
     m, t, c = cfg.model, cfg.train, cfg.checkpoint

@@ -3,7 +3,7 @@
 Same convention as the measurement (:mod:`moeshard.train.observe.comm_accounting`): the bytes one rank sends to its peers,
 counted per peer, so the share of peers on other nodes is the inter-node share. All-gather ``(n-1)·shard``,
 reduce-scatter ``(n-1)/n·full``, all-to-all the rows sent to each peer. A test checks the all-gather and
-reduce-scatter figures against the measured ones within 2 %; the all-to-all depends on where the router sends
+reduce-scatter figures against the measured ones (``apps/train/tests/test_e2e.py``); the all-to-all depends on where the router sends
 tokens, so it is given for uniform routing together with its upper bound (every token to every EP peer).
 """
 

@@ -1,6 +1,6 @@
 """The GPU's SM clock and power while steps run: whether the power limit set their pace.
 
-A sustained bf16 step can draw the GPU's whole power limit (700 W on an H200): the driver then lowers the SM clock
+A sustained bf16 step can draw the GPU's whole power limit (the H200's is 700 W): the driver then lowers the SM clock
 (throttle reason "SW power cap") and kernels bound by arithmetic run slower than their ceilings measured at full
 clock. :class:`ClockSampler` reads ``nvidia-smi``'s own sampling (``-lms``, one background process) while it runs
 and summarises it; where ``nvidia-smi`` is absent or fails (CPU) it reports nothing.

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from moeshard.data import Batch
-from moeshard.fsdp_moe import defer_expert_weight_grads, num_items_for_global_mean
-from moeshard.train.config import expert_grad_budget, gradient_sync, kept_factor_ratio
+from moeshard.fsdp_moe import num_items_for_global_mean
+from moeshard.train.config import gradient_sync
 from moeshard.train.run.build import Job
 
 
@@ -116,7 +116,8 @@ def train_step(
     Where every unit keeps its gathered parameters from forward to backward (``Parallelized.keeps_gathered``), a
     deferred sync keeps them gathered between the micro-batches too: one gather per unit per step.
     ``train.expert_weight_grads``: the weight gradients of experts outside FSDP are formed at every micro-batch or,
-    from factors kept meanwhile (``moeshard.fsdp_moe.defer_expert_weight_grads``), once in the last backward.
+    from factors kept meanwhile, once in the last backward; the optimizer does this by itself
+    (``moeshard.fsdp_moe.ExpertGradOptions``, given at build), so the loop calls nothing for it.
 
     Args:
         before_update: called after backward and clipping, before the optimizer step (the loop's finiteness check
@@ -132,7 +133,6 @@ def train_step(
     lm_sum = torch.zeros((), device=job.device, dtype=torch.float32)
     balancing.start_step(len(micro_batches))
     last, defer_sync = len(micro_batches) - 1, gradient_sync(job.cfg.train, world) == "last_micro_batch"
-    budget = _expert_grad_budget(job, micro_batches)
     for m, b in enumerate(micro_batches):
         b = b.to(job.device, non_blocking=True)  # pinned by the loader on CUDA: an asynchronous copy
         out = model(
@@ -152,10 +152,6 @@ def train_step(
             model.set_requires_gradient_sync(m == last)
             if job.parallel.keeps_gathered:  # no peak memory of its own: all are gathered at forward's end anyway
                 model.set_reshard_after_backward(m == last)
-        if m in (0, last) and last > 0 and budget is not None:
-            # train.expert_weight_grads: the local experts keep each micro-batch's weight gradients as factors and
-            # form them in the last backward, each written once over all micro-batches' rows (within the budget).
-            defer_expert_weight_grads(model, m != last, budget=budget)
         term = balancing.micro_batch_loss(out, b.attention_mask, rows=b.input_ids.shape[0])  # rows: sequence scope
         (out.lm_loss + term).backward()
         lm_sum += out.lm_loss.detach().float()
@@ -169,17 +165,6 @@ def train_step(
     job.scheduler.step()
     balancing.after_optimizer_step()  # the same counts on every rank: the same router biases
     return stats
-
-
-def _expert_grad_budget(job: Job, micro_batches: Sequence[Batch]) -> float | None:
-    """``defer_expert_weight_grads``' budget for this step (``train.expert_weight_grads``; ``auto`` by what this
-    step's factors would hold), or None: formed at every micro-batch."""
-    if len(micro_batches) < 2:
-        return None
-    tokens = micro_batches[0].input_ids.numel()
-    dispatch = job.cfg.parallel.ep.dispatch
-    ratio = kept_factor_ratio(job.model_config, tokens, len(micro_batches), job.meshes.ep_size, dispatch)
-    return expert_grad_budget(job.cfg.train, ratio)
 
 
 def _step_stats(job: Job, lm_sum, step, grad_norm, lr: float, local_tokens, stop_requested: bool) -> StepStats:

@@ -24,6 +24,7 @@ __all__ = [
     "LocalDispatch",
     "OverlappedDispatch",
     "all_to_all",
+    "kept_factor_elements",
     "make_dispatch",
     "recompute_contexts",
     "routed_experts",
@@ -52,6 +53,19 @@ def make_dispatch(
     if group is None or dist.get_world_size(group) == 1:
         return LocalDispatch(num_experts, options, None, host_sync_hooks)
     return _STRATEGIES[options.dispatch](num_experts, options, group, host_sync_hooks)
+
+
+def kept_factor_elements(dispatch: str, ep_size: int, rows: int, hidden: int, width: int) -> float:
+    """What the dispatcher :func:`make_dispatch` picks for ``dispatch`` and ``ep_size`` keeps of one pass's
+    weight-gradient factors, in elements of the compute dtype (:meth:`ExpertDispatch.kept_factor_elements`), for
+    ``rows`` routed copies per rank (tokens · top-k) of experts with ``hidden`` D and ``width`` F; each dispatcher
+    also tells its weight-gradient target this in every forward (``WeightGradTarget``'s ``expect_factors``)."""
+    if dispatch not in _STRATEGIES:
+        raise ValueError(f"dispatch must be one of {', '.join(sorted(_STRATEGIES))}, got {dispatch!r}")
+    if ep_size < 1:
+        raise ValueError(f"ep_size must be >= 1, got {ep_size}")
+    cls = LocalDispatch if ep_size == 1 else _STRATEGIES[dispatch]
+    return cls.kept_factor_elements(rows, hidden, width, ep_size)
 
 
 def routed_experts(

@@ -191,6 +191,14 @@ class ExpertDispatch:
             raise ValueError(f"the weight-gradient target must be callable or None, got {type(target).__name__}")
         self.weight_grads = target
 
+    @classmethod
+    def kept_factor_elements(cls, rows: int, hidden: int, width: int, ep_size: int) -> float:
+        """What keeping one pass's weight-gradient factors holds (``moeshard.ep.WeightGradFactors``, every part of
+        both weights), in elements of the compute dtype, for ``rows`` routed copies on a rank (``T · K``; at EP size
+        > 1 the copies a rank computes, on average), experts of ``hidden`` D and ``width`` F: gate/up's
+        ``[N, 2F]`` and ``[N, D]``, down's ``[N, D]`` and ``[N, F]``, i.e. ``N · (2D + 3F)``."""
+        return rows * (2 * hidden + 3 * width)
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(num_experts={self.num_experts}, ep_size={self.ep_size}, {self.options.describe()})"
@@ -209,6 +217,10 @@ class ExpertDispatch:
         """``y_TD`` for this rank's tokens ``x_TD`` and their routing (global expert ids ``[T, K]``)."""
         self._check(x_TD, topk_ids_TK, topk_weights_TK, w_gate_up_EXD, activation)
         K = topk_ids_TK.shape[1]
+        expect = getattr(self.weight_grads, "expect_factors", None)
+        if expect is not None:  # the target sizes what it would keep from shapes only (no device work)
+            D, F = w_down_EDF.shape[1], w_down_EDF.shape[2]
+            expect(self.kept_factor_elements(topk_ids_TK.numel(), D, F, self.ep_size))
         # route: the copies in global expert order (a checkpointed region's recompute replays its forward's)
         order_N, inv_N, counts_E = self._logged("routes", lambda: self.kernels.route(topk_ids_TK, self.num_experts))
         x_sorted_ND, w_sorted_N = expand_rows_and_weights(x_TD, topk_weights_TK, order_N, inv_N, K, self.kernels)

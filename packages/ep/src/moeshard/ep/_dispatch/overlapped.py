@@ -40,6 +40,14 @@ __all__ = ["OverlappedDispatch"]
 class OverlappedDispatch(ExpertDispatch):
     """The routed experts of one MoE layer over an EP group of 2+ ranks, exchanges overlapped with own work."""
 
+    @classmethod
+    def kept_factor_elements(cls, rows: int, hidden: int, width: int, ep_size: int) -> float:
+        """:meth:`ExpertDispatch.kept_factor_elements`, plus what the factors of the rank's own copies hold beyond
+        them: they are views of all the copies it sorted and of their output gradient (those sent to other ranks
+        too), ``N · 2D · (P - 1) / P`` more."""
+        own = super().kept_factor_elements(rows, hidden, width, ep_size)
+        return own + rows * 2 * hidden * (ep_size - 1) / ep_size
+
     def run_experts(self, x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation) -> torch.Tensor:
         """The copies to their experts' ranks and back (see :meth:`ExpertDispatch.run_experts`)."""
         P, El, me = self.ep_size, w_gate_up_EXD.shape[0], self.ep_rank

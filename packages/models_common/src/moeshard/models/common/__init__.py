@@ -63,10 +63,9 @@ from moeshard.models.common._hf_save import (
 )
 from moeshard.models.common._kept import (
     CAUSAL_KERNELS,
-    KEPT_CAUSAL,
+    KEPT_ATTENTION,
     AttentionKeep,
-    CausalMask,
-    causal_mask,
+    AttentionOptions,
     kept_attention_applies,
     kept_attention_device,
     kept_causal_attention,
@@ -100,6 +99,7 @@ from moeshard.models.common._parallel_options import ParallelOptions
 from moeshard.models.common._parallelize import Parallelized, parallelize
 from moeshard.models.common._presets import check_common_config, config_keys, preset_config
 from moeshard.models.common._safetensors import INDEX_NAME, CheckpointError, SafetensorsDir, TensorInfo
+from moeshard.models.common._sequence_parallel import apply_sequence_parallel
 
 __all__ = [
     "ATTENTION_ATTRIBUTES",
@@ -107,15 +107,15 @@ __all__ = [
     "EXPERT_LAYOUTS",
     "IGNORE_INDEX",
     "INDEX_NAME",
-    "KEPT_CAUSAL",
+    "KEPT_ATTENTION",
     "LOSS_CHUNK_TOKENS",
     "SCOPES",
     "SCORING_FUNCS",
     "AttentionKeep",
+    "AttentionOptions",
     "Balancing",
     "BalancingOptions",
     "CausalLMOutput",
-    "CausalMask",
     "CheckpointError",
     "DecoderLayer",
     "DecoderModel",
@@ -142,12 +142,12 @@ __all__ = [
     "TensorInfo",
     "TopKRouter",
     "apply_activation_checkpointing",
+    "apply_sequence_parallel",
     "apply_rotary",
     "attend",
     "attention_output",
     "build_attention_mask",
     "causal_lm_loss",
-    "causal_mask",
     "ce_chunk",
     "check_common_config",
     "config_keys",

@@ -33,7 +33,7 @@ from moeshard.models.common._balancing import load_balancing_loss
 from moeshard.models.common._fa4 import fa4_unavailable
 from moeshard.models.common._head import CausalLMOutput, LMHead, causal_lm_loss
 from moeshard.models.common._hf_load import HFFormat
-from moeshard.models.common._kept import CausalMask, causal_mask, kept_attention_device
+from moeshard.models.common._kept import AttentionOptions
 from moeshard.models.common._layers import (
     DenseMLP,
     RMSNorm,
@@ -52,7 +52,8 @@ __all__ = ["DecoderLayer", "DecoderModel", "MoECausalLM"]
 class DecoderLayer(nn.Module):
     """Pre-norm block: ``x + self_attn(norm(x))`` then ``x + mlp(norm(x))``.
 
-    ``self_attn(x_BSD, cos, sin, mask) -> y_BSD``; ``mlp(h_BSD)`` returns ``y_BSD`` (dense) or
+    ``self_attn(x_BSD, cos, sin, mask, attention) -> y_BSD`` (``attention``: the model's :class:`AttentionOptions`,
+    resolved for the device; None: the defaults); ``mlp(h_BSD)`` returns ``y_BSD`` (dense) or
     ``(y_BSD, router_logits_TE)`` (MoE). Every family builds its layers from its own attention and MLP modules.
     """
 
@@ -70,6 +71,7 @@ class DecoderLayer(nn.Module):
         cos_BSDh: torch.Tensor,
         sin_BSDh: torch.Tensor,
         mask_B1SS: torch.Tensor | None,
+        attention: AttentionOptions | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """The layer up to the routed experts: ``(x + attn(input_norm(x)), h = post_attention_norm(of that), the
         MoE block's routing of h)``; the routing (``MoEBlock.route``: logits, weights, ids) is None for a dense MLP.
@@ -77,7 +79,7 @@ class DecoderLayer(nn.Module):
         Compiled from outside as one graph (``parallelize``: ``torch.compile(layer.attention_half)`` on the
         instance), the router inside it; the routed experts after it stay eager (they sync with the host under EP).
         """
-        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos_BSDh, sin_BSDh, mask_B1SS)
+        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos_BSDh, sin_BSDh, mask_B1SS, attention)
         h_BSD = self.post_attention_layernorm(x_BSD)
         return x_BSD, h_BSD, self.mlp.route(h_BSD) if isinstance(self.mlp, MoEBlock) else None
 
@@ -87,9 +89,10 @@ class DecoderLayer(nn.Module):
         cos_BSDh: torch.Tensor,
         sin_BSDh: torch.Tensor,
         mask_B1SS: torch.Tensor | None,
+        attention: AttentionOptions | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """``(x_BSD, (router_logits_TE, topk_ids_TK) or None for a dense layer)``: the ids that routed the tokens."""
-        x_BSD, h_BSD, routing = self.attention_half(x_BSD, cos_BSDh, sin_BSDh, mask_B1SS)
+        x_BSD, h_BSD, routing = self.attention_half(x_BSD, cos_BSDh, sin_BSDh, mask_B1SS, attention)
         out = self.mlp(h_BSD) if routing is None else self.mlp(h_BSD, routing)
         if isinstance(out, tuple):  # an MoE block: (y, router logits)
             y_BSD, logits_TE = out
@@ -106,12 +109,13 @@ class DecoderModel(nn.Module):
     flex_attention ``BlockMask`` on CUDA (masked blocks skipped) and a dense SDPA mask elsewhere; ``"flex"`` and
     ``"dense"`` force one (the dense mask is the reference; it costs ``B·S²`` booleans per forward).
     flex_attention runs its fused kernel only compiled (eagerly it is a dense reference), so ``"auto"`` picks it
-    only where the attention is compiled (``compiled_attention``, which ``parallelize(compile=True)`` sets).
-    ``causal_attention`` says which kernels a plain causal attention (no padding mask, no documents) runs:
-    ``"sdpa"`` (default; SDPA's choice, cuDNN's on Hopper) or ``"fa4"`` (FlashAttention 4's, the optional
-    ``flash-attn-4`` package; refused with the reason where it cannot run). ``keep_attention`` (set by
-    ``apply_activation_checkpointing(keep_attention=True)``): a checkpointed layer keeps that attention's output
-    (``moeshard.models.common.AttentionKeep``). With either, the layers get a ``CausalMask`` instead of None.
+    only where the attention is compiled (``attention.compiled``, which ``parallelize(compile=True)`` sets).
+    ``attention`` (one :class:`AttentionOptions` value, replaced whole by ``parallelize`` and
+    ``apply_activation_checkpointing``) says which kernels a plain causal attention (no padding mask, no documents)
+    runs, ``"sdpa"`` (default; SDPA's choice, cuDNN's on Hopper) or ``"fa4"`` (FlashAttention 4's, the optional
+    ``flash-attn-4`` package; refused with the reason where it cannot run), and whether a checkpointed layer keeps
+    that attention's output (``moeshard.models.common.AttentionKeep``). Every layer gets it, resolved for the
+    forward's device, beside the mask, which says only which keys a query sees.
     """
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -121,9 +125,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.document_attention = "auto"
-        self.compiled_attention = False
-        self.keep_attention = False
-        self.causal_attention = "sdpa"
+        self.attention = AttentionOptions()
+        # Set by apply_sequence_parallel: this rank holds tokens [rank·s, (rank+1)·s) of rows of s·size tokens.
+        self.sequence_parallel_size = 1
+        self.sequence_parallel_rank = 0
 
     attention_class: type[nn.Module]
     """The family's attention, ``attention_class(config)``."""
@@ -152,16 +157,24 @@ class DecoderModel(nn.Module):
         """``(hidden_BSD after the final norm, each MoE layer's router logits, each one's selected expert ids)``."""
         x_BSD = self.embed_tokens(input_ids_BS)
         s = input_ids_BS.shape[1]
+        if self.sequence_parallel_size > 1 and position_ids_BS is None:
+            raise ValueError(
+                "under sequence parallelism each rank holds a shard of the row: pass its whole-row position_ids "
+                "(moeshard.sequence.shard_row gives them)"
+            )
         if position_ids_BS is None:
             # As transformers: positions 0..S-1 even with left padding (the mask alone hides the pads).
             position_ids_BS = torch.arange(s, device=x_BSD.device)[None]
         elif position_ids_BS.dim() == 1:
             position_ids_BS = position_ids_BS[None]
         cos, sin = self.rotary_emb(position_ids_BS, x_BSD.dtype)
-        mask = self._attention_mask(attention_mask_BS, document_ids_BS, s, x_BSD.device)
+        # The mask is the whole row's: under sequence parallelism attention sees every token of it (on head shards),
+        # and document_ids / attention_mask are the whole row's.
+        mask = self._attention_mask(attention_mask_BS, document_ids_BS, s * self.sequence_parallel_size, x_BSD.device)
+        attention = self.attention.on(x_BSD.device)  # keep: only where the device has the kept kernels
         routed = []  # each MoE layer's (router logits, selected expert ids)
         for layer in self.layers:
-            x_BSD, pair = layer(x_BSD, cos, sin, mask)
+            x_BSD, pair = layer(x_BSD, cos, sin, mask, attention)
             routed += [] if pair is None else [pair]
         router_logits, router_ids = (tuple(t) for t in zip(*routed)) if routed else ((), ())
         return self.norm(x_BSD), router_logits, router_ids
@@ -172,21 +185,18 @@ class DecoderModel(nn.Module):
         document_ids_BS: torch.Tensor | None,
         s: int,
         device: torch.device,
-    ) -> torch.Tensor | BlockMask | CausalMask | None:
-        """One mask for every layer: None (causal), a ``CausalMask`` (causal, with FlashAttention 4's kernels or
-        kept by a checkpointed layer), a dense boolean ``[B, 1, S, S]``, or a flex ``BlockMask``."""
+    ) -> torch.Tensor | BlockMask | None:
+        """One mask for every layer: None (causal), a dense boolean ``[B, 1, S, S]``, or a flex ``BlockMask``."""
         if document_ids_BS is None:
             mask = build_attention_mask(attention_mask_BS, s)
             if mask is not None:
                 return mask
-            kernel = self.causal_attention  # one of CAUSAL_KERNELS: causal_mask refuses any other
-            if kernel == "fa4" and (why := fa4_unavailable(device)) is not None:
+            if self.attention.kernel == "fa4" and (why := fa4_unavailable(device)) is not None:
                 raise ValueError(
-                    f"causal_attention='fa4' cannot run here: {why}; set parallel.attention_kernel (the model's "
-                    "causal_attention) to 'sdpa'"
+                    f"causal attention kernel 'fa4' cannot run here: {why}; set parallel.attention_kernel (the "
+                    "model's attention.kernel) to 'sdpa'"
                 )
-            keep = self.keep_attention and kept_attention_device(device, kernel)
-            return causal_mask(kernel, keep) if keep or kernel != "sdpa" else None
+            return None
         if document_ids_BS.shape[-1] != s:
             raise ValueError(
                 f"document_ids must be [batch, seq_len={s}] like input_ids, got shape {tuple(document_ids_BS.shape)}"
@@ -198,7 +208,7 @@ class DecoderModel(nn.Module):
             raise ValueError(
                 "document_attention='flex' has no backward on CPU (flex_attention); use 'auto' or 'dense' there"
             )
-        if kind == "flex" or (kind == "auto" and document_ids_BS.is_cuda and self.compiled_attention):
+        if kind == "flex" or (kind == "auto" and document_ids_BS.is_cuda and self.attention.compiled):
             if attention_mask_BS is not None:
                 # Padding is a document of its own in packed rows (the data gives it id -1): no second mask.
                 document_ids_BS = document_ids_BS.masked_fill(attention_mask_BS == 0, -1)
@@ -250,6 +260,7 @@ class MoECausalLM(nn.Module):
         num_items_in_batch: int | torch.Tensor | None = None,
         output_router_logits: bool | None = None,
         return_logits: bool = True,
+        shift_labels: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """Logits and, with ``labels``, the loss (transformers semantics).
 
@@ -267,21 +278,38 @@ class MoECausalLM(nn.Module):
                 not to ``lm_loss``); default ``config.output_router_logits``.
             return_logits: with ``labels``, False computes the loss in chunks through the head without ever
                 holding the ``[B, S, V]`` logits (training); ``logits`` is then None.
+            shift_labels: instead of ``labels``, targets already shifted (position t predicts ``shift_labels[t]``):
+                what a shard of a row needs under sequence parallelism, whose last token predicts the next
+                shard's first (``moeshard.sequence.shard_row``'s ``targets``). Under sequence parallelism
+                (:func:`apply_sequence_parallel`) ``input_ids`` is this rank's shard, ``position_ids`` its slice of
+                the whole row's, and ``document_ids`` / ``attention_mask`` the whole row's.
         """
+        if labels is not None and shift_labels is not None:
+            raise ValueError("pass labels (shifted inside) or shift_labels (already shifted), not both")
+        if self.model.sequence_parallel_size > 1 and labels is not None:
+            raise ValueError(
+                "under sequence parallelism a shard cannot shift its own labels (its last target is on the next "
+                "rank): pass shift_labels, the targets moeshard.sequence.shard_row shifted over the whole row"
+            )
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         hidden_BSD, router_logits, router_ids = self.model(input_ids, attention_mask, position_ids, document_ids)
         loss = logits_BSV = None
-        if labels is not None and not return_logits:
-            shift_labels_BS = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-            loss = self.lm_head(hidden_BSD, targets_BS=shift_labels_BS, num_items_in_batch=num_items_in_batch)
+        if labels is not None:
+            shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        if shift_labels is not None and not return_logits:
+            loss = self.lm_head(hidden_BSD, targets_BS=shift_labels, num_items_in_batch=num_items_in_batch)
         else:
             logits_BSV = self.lm_head(hidden_BSD)
-            if labels is not None:
-                loss = causal_lm_loss(logits_BSV, labels, num_items_in_batch)
+            if shift_labels is not None:
+                loss = causal_lm_loss(logits_BSV, shift_labels, num_items_in_batch, shifted=True)
         aux_loss, lm_loss = None, loss
         if output_router_logits:
             if router_logits:
+                if attention_mask is not None and self.model.sequence_parallel_size > 1:
+                    # the router logits are this shard's tokens; the padding mask is the whole row's
+                    s, r = input_ids.shape[1], self.model.sequence_parallel_rank
+                    attention_mask = attention_mask[:, r * s : (r + 1) * s]
                 aux_loss = load_balancing_loss(
                     router_logits, self.num_experts, self.config.num_experts_per_tok, attention_mask
                 )

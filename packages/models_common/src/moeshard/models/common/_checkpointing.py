@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
@@ -47,7 +48,7 @@ def apply_activation_checkpointing(model: MoECausalLM, *, keep_attention: bool =
         for module in layer.modules():
             if isinstance(module, TopKRouter):
                 module.keep_selection = keep_attention
-    model.model.keep_attention = keep_attention
+    model.model.attention = dataclasses.replace(model.model.attention, keep=keep_attention)
 
 
 def _checkpointed(forward, layer: torch.nn.Module, keep_attention: bool):

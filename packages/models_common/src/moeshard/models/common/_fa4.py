@@ -5,14 +5,12 @@ plain causal rows: its Hopper path on compute capability 9.x, its Blackwell path
 
 The kernels take ``[B, S, heads, D]`` tensors, the layout the attention projections write, and return the output in
 that layout and the log-sum-exp ``[B, H, S]`` in float32, which is what the backward reads; the output and the
-log-sum-exp are allocated here so that a fake (meta) call gives the same shapes and strides. On one H200 at
-Qwen3-30B-A3B's shape (``benchmarks/attention_backends.py``, 4 x 4,096 tokens) its forward and backward take 3.67 ms
-per layer where cuDNN's, which SDPA runs otherwise, take 4.1-4.2; its forward and backward cost the host 0.4-0.6 ms
-more per layer than SDPA's (``benchmarks/fa4_host.py``), which gives back part of that where the launch queue runs
-short (``benchmarks/NOTES.md``).
+log-sum-exp are allocated here so that a fake (meta) call gives the same shapes and strides. At Qwen3-30B-A3B's
+shape its kernels are faster than cuDNN's, which SDPA runs otherwise, and its host code slower, which gives back part
+of that where the launch queue runs short (the figures: ``docs/performance.md``).
 
 The package is optional (``pip install 'moeshard-models-common[fa4]'``); :func:`fa4_unavailable` says why it cannot
-run on a device, and the model refuses ``causal_attention="fa4"`` with that reason before its first layer.
+run on a device, and the model refuses ``AttentionOptions(kernel="fa4")`` with that reason before its first layer.
 Its backward accumulates dq with atomics: like cuDNN's, it is not bitwise deterministic from run to run.
 """
 

@@ -74,13 +74,18 @@ class LMHead(nn.Linear):
 
 
 def causal_lm_loss(
-    logits_BSV: torch.Tensor, labels_BS: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None
+    logits_BSV: torch.Tensor,
+    labels_BS: torch.Tensor,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    *,
+    shifted: bool = False,
 ) -> torch.Tensor:
     """Next-token cross-entropy in float32, labels shifted inside, ``-100`` ignored (transformers semantics).
 
-    Mean over label tokens, or their sum divided by ``num_items_in_batch`` when it is given.
+    Mean over label tokens, or their sum divided by ``num_items_in_batch`` when it is given. ``shifted``: the labels
+    are already the targets (position t predicts ``labels[t]``; a sequence-parallel shard's).
     """
-    shift_labels_BS = F.pad(labels_BS, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    shift_labels_BS = labels_BS if shifted else F.pad(labels_BS, (0, 1), value=IGNORE_INDEX)[..., 1:]
     logits_NV = logits_BSV.float().reshape(-1, logits_BSV.shape[-1])
     targets_N = shift_labels_BS.reshape(-1).to(logits_NV.device)
     if num_items_in_batch is None:

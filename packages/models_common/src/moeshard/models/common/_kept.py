@@ -17,13 +17,17 @@ cuDNN attention disabled, dropout, a mask) :func:`attend` computes the attention
 it.
 
     keep = AttentionKeep()
-    checkpoint(layer, x, mask=KEPT_CAUSAL, use_reentrant=False, context_fn=lambda: (keep.recording(), keep.replaying()))
+    checkpoint(layer, x, attention=KEPT_ATTENTION, use_reentrant=False, context_fn=lambda: (keep.recording(), keep.replaying()))
 
-With ``causal_mask("fa4", keep)`` the attention runs FlashAttention 4's kernels (``_fa4``), kept and replayed the
-same way.
+The mask says which keys a query sees and nothing else (None: plain causal); which kernel a plain causal attention
+runs and whether it is kept are :class:`AttentionOptions`, which the model passes to every layer beside the mask.
+With ``AttentionOptions(kernel="fa4", keep=True)`` the attention runs FlashAttention 4's kernels (``_fa4``), kept
+and replayed the same way.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -31,10 +35,9 @@ from moeshard.models.common._fa4 import fa4_applies, fa4_backward, fa4_forward, 
 from moeshard.models.common._topk import row_topk
 
 __all__ = [
-    "KEPT_CAUSAL",
+    "KEPT_ATTENTION",
     "AttentionKeep",
-    "CausalMask",
-    "causal_mask",
+    "AttentionOptions",
     "kept_attention_applies",
     "kept_attention_device",
     "kept_causal_attention",
@@ -47,38 +50,55 @@ CAUSAL_KERNELS = ("sdpa", "fa4")
 Hopper) and ``"fa4"`` (FlashAttention 4's, the optional ``flash-attn-4`` package; ``moeshard.models.common._fa4``)."""
 
 
-class CausalMask:
-    """The attention mask of a plain causal attention (no padding, no documents) that runs through
-    :func:`kept_causal_attention`: ``kernel`` (one of ``CAUSAL_KERNELS``) and whether a checkpointed layer keeps its
-    output (``keep``). The model passes one (:func:`causal_mask`) where it would pass None; :func:`attend` reads it as
-    None where the kernel does not apply."""
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How the model's attention runs, beside its mask (which says only which keys a query sees).
 
-    __slots__ = ("kernel", "keep")
+    Attributes:
+        kernel: the kernels of a plain causal attention (mask None), one of ``CAUSAL_KERNELS``: ``"sdpa"`` or
+            ``"fa4"``; where they do not apply (a mask, dropout, head sizes) :func:`attend` runs SDPA as before.
+        keep: a checkpointed layer keeps its plain causal attention's output and its output projection's output
+            (:class:`AttentionKeep`; ``apply_activation_checkpointing(keep_attention=True)``).
+        compiled: the attention runs compiled (``parallelize(compile=True)``): packed rows then use
+            flex_attention's fused kernel under ``document_attention="auto"``.
 
-    def __init__(self, kernel: str, keep: bool) -> None:
-        if kernel not in CAUSAL_KERNELS:
-            raise ValueError(f"causal attention kernel must be one of {CAUSAL_KERNELS}, got {kernel!r}")
-        self.kernel, self.keep = kernel, bool(keep)
+    The model holds one (``DecoderModel.attention``) and passes it, resolved for the device of each forward
+    (:meth:`on`), to every layer; one object per value, so a compiled caller sees the same constant every step.
+    """
 
-    def __repr__(self) -> str:
-        return f"CausalMask(kernel={self.kernel!r}, keep={self.keep})"
+    kernel: str = "sdpa"
+    keep: bool = False
+    compiled: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kernel not in CAUSAL_KERNELS:
+            raise ValueError(f"causal attention kernel must be one of {CAUSAL_KERNELS}, got {self.kernel!r}")
+
+    @property
+    def runs_kept(self) -> bool:
+        """Whether a plain causal attention goes through :func:`kept_causal_attention` (kept, or another kernel)."""
+        return self.keep or self.kernel != "sdpa"
+
+    def on(self, device: torch.device) -> AttentionOptions:
+        """These options as they apply on ``device``: ``keep`` only where :func:`kept_attention_device` (else the
+        recompute runs the attention); the same object for the same values."""
+        keep = self.keep and kept_attention_device(device, self.kernel)
+        return _options(self.kernel, keep, self.compiled)
 
 
-_MASKS = {(kernel, keep): CausalMask(kernel, keep) for kernel in CAUSAL_KERNELS for keep in (False, True)}
+_OPTIONS: dict[tuple[str, bool, bool], AttentionOptions] = {}
 
 
-def causal_mask(kernel: str = "sdpa", keep: bool = False) -> CausalMask:
-    """The one :class:`CausalMask` of ``kernel`` and ``keep`` (one object each, so a compiled caller that takes it
-    as an argument sees the same constant every step)."""
-    try:
-        return _MASKS[(kernel, bool(keep))]
-    except KeyError:
-        raise ValueError(f"causal attention kernel must be one of {CAUSAL_KERNELS}, got {kernel!r}") from None
+def _options(kernel: str, keep: bool, compiled: bool) -> AttentionOptions:
+    key = (kernel, bool(keep), bool(compiled))
+    if key not in _OPTIONS:
+        _OPTIONS[key] = AttentionOptions(*key)
+    return _OPTIONS[key]
 
 
-KEPT_CAUSAL = causal_mask("sdpa", keep=True)
-"""The mask the model passes for a plain causal attention under full activation checkpointing that keeps the
-attention's output (``DecoderModel.keep_attention``), with SDPA's kernel."""
+KEPT_ATTENTION = _options("sdpa", True, False)
+"""The options of a plain causal attention under full activation checkpointing that keeps its output
+(``apply_activation_checkpointing(keep_attention=True)``), with SDPA's kernel."""
 
 _ACTIVE: list[tuple[AttentionKeep, str] | None] = [None]
 # The keep and mode of the region being run. A process-wide slot, not a thread-local: the recompute runs on

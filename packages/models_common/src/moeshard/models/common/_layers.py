@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from moeshard.models.common._kept import (
-    CausalMask,
+    AttentionOptions,
     kept_attention_applies,
     kept_causal_attention,
     kept_linear,
@@ -213,19 +213,19 @@ def attend(
     scale: float,
     dropout: float = 0.0,
     enable_gqa: bool = False,
+    options: AttentionOptions | None = None,
 ) -> torch.Tensor:
     """``softmax(q·kᵀ·scale + mask) v`` ``[B, H, S, Dv]`` under one of the model's masks: None (plain causal,
     SDPA), a boolean mask from :func:`build_attention_mask` / :func:`document_causal_mask` (SDPA), or a
     ``BlockMask`` from :func:`document_block_mask` (flex_attention: the fused kernel where the caller runs compiled,
     ``parallelize(compile=True)`` compiles the attention half holding this call; eagerly a dense reference, for
     CPU tests; never compiled here). ``dropout``: the attention dropout (0 in eval); refused with a ``BlockMask``.
-    A :class:`CausalMask` (what the model passes for a plain causal attention that runs FlashAttention 4's kernels,
-    or that full activation checkpointing keeps, e.g. ``KEPT_CAUSAL``): :func:`kept_causal_attention` with its kernel
-    where that applies, else as None."""
-    if isinstance(mask_B1SS, CausalMask):
-        if kept_attention_applies(q_BHSDq, k_BGSDq, v_BGSDv, dropout, mask_B1SS.kernel):
-            return kept_causal_attention(q_BHSDq, k_BGSDq, v_BGSDv, scale, mask_B1SS.kernel)
-        mask_B1SS = None
+    ``options`` (the model's :class:`AttentionOptions`; None: the defaults): a plain causal attention (mask None)
+    that runs FlashAttention 4's kernels or that full activation checkpointing keeps (e.g. ``KEPT_ATTENTION``) goes
+    through :func:`kept_causal_attention` with that kernel where it applies, else through SDPA."""
+    if mask_B1SS is None and options is not None and options.runs_kept:
+        if kept_attention_applies(q_BHSDq, k_BGSDq, v_BGSDv, dropout, options.kernel):
+            return kept_causal_attention(q_BHSDq, k_BGSDq, v_BGSDv, scale, options.kernel)
     if isinstance(mask_B1SS, BlockMask):
         if dropout > 0:
             raise ValueError(
@@ -245,12 +245,15 @@ def attend(
     )
 
 
-def attention_output(o_proj: nn.Module, x_BSX: torch.Tensor, mask_B1SS: object) -> torch.Tensor:
-    """``o_proj(x_BSX)``, the attention's output projection, under the mask the layer got: with a :class:`CausalMask`
-    that keeps (``KEPT_CAUSAL``: full activation checkpointing that keeps the attention's output), a plain
-    ``nn.Linear`` without bias runs as :func:`kept_linear`, so the layer's recompute takes its output from the
-    forward instead of running the GEMM."""
-    if isinstance(mask_B1SS, CausalMask) and mask_B1SS.keep and type(o_proj) is nn.Linear and o_proj.bias is None:
+def attention_output(
+    o_proj: nn.Module, x_BSX: torch.Tensor, mask_B1SS: object, options: AttentionOptions | None = None
+) -> torch.Tensor:
+    """``o_proj(x_BSX)``, the attention's output projection, under the mask and options the layer got: for a plain
+    causal attention (mask None) whose options keep (``KEPT_ATTENTION``: full activation checkpointing that keeps the
+    attention's output), a plain ``nn.Linear`` without bias runs as :func:`kept_linear`, so the layer's recompute
+    takes its output from the forward instead of running the GEMM."""
+    keep = mask_B1SS is None and options is not None and options.keep
+    if keep and type(o_proj) is nn.Linear and o_proj.bias is None:
         return kept_linear(x_BSX, o_proj.weight)
     return o_proj(x_BSX)
 

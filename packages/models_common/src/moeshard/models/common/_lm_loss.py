@@ -13,8 +13,8 @@ The loss's divisor is folded into those gradients where the logits are bfloat16 
 gradient is ``(softmax − one-hot) / divisor``, scaled in float32 before its rounding, so the backward of the usual
 ``loss.backward()`` receives exactly ``1 / divisor`` and has nothing left to scale. It still scales by whatever it
 receives over that (a loss multiplied by 2, say), so the gradients are right for any incoming gradient; only the
-unit case is free: no pass over the ``[V, D]`` float32 weight gradient (0.68 ms per step on one H200 at Qwen3's
-vocabulary, measured as the head's gradient scale) where the weight's owner skips a factor of one on the device.
+unit case is free: no pass over the ``[V, D]`` float32 weight gradient where the weight's owner skips a factor of
+one on the device.
 
 Where the weight's owner already holds a float32 gradient (FSDP2 between micro-batches that do not reduce) and the
 micro-batch is one chunk, the chunk's logit gradient is kept for backward instead of its ``[V, D]`` product, and
@@ -171,10 +171,10 @@ def _scaled(*grads: torch.Tensor | None, factor: torch.Tensor) -> tuple[torch.Te
     """Each gradient times the one-element ``factor``, read on the device: one ``_foreach_mul`` per dtype.
 
     The product is taken in float32 with the float32 factor for every dtype: a 16-bit gradient is rounded once,
-    after the product, and never scaled by a rounded factor (a factor cast to bf16 is up to 0.39% off, which is how
-    a bf16 model's gradients once took the loss's divisor). For 16-bit gradients on CUDA ``_foreach_mul`` then runs
-    one broadcasting kernel per tensor instead of its vectorised one (measured 0.56 ms at the ``[V, D]`` head's bf16
-    gradient of one H200, ~0.3 ms estimated for the vectorised one; the hidden states' ``[N, D]`` is ~5x smaller).
+    after the product, and never scaled by a rounded factor (a factor cast to bf16 is off by up to 2^-8 of itself,
+    which is how a bf16 model's gradients once took the loss's divisor). For 16-bit gradients on CUDA
+    ``_foreach_mul`` then runs one broadcasting kernel per tensor instead of its vectorised one (about twice the
+    vectorised one's time at the ``[V, D]`` head's bf16 gradient; the hidden states' ``[N, D]`` is ~5x smaller).
     With the divisor folded in the factor is one, exact either way."""
     out: list[torch.Tensor | None] = list(grads)
     by_dtype: dict[torch.dtype, list[int]] = {}

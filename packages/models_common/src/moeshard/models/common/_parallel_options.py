@@ -69,8 +69,8 @@ class ParallelOptions:
             "help": 'with `"full"`, each layer also keeps from the forward its attention\'s output and '
             "log-sum-exp, its output projection's output and its router's top-k (`H·Dv + D` compute-dtype and `H` "
             "float32 elements per token, where the layer's input is `D`: 3x the input at Qwen3-30B-A3B's shapes), so "
-            "the recompute runs neither the attention kernel, nor that GEMM, nor the selection (one H200, 8 layers of "
-            "30B-A3B, micro-batch 4: +10.0% over no checkpointing, +15% without). The attention is kept for plain "
+            "the recompute runs neither the attention kernel, nor that GEMM, nor the selection (the step's cost with "
+            "and without: `docs/performance.md`). The attention is kept for plain "
             "causal rows on CUDA (cuDNN's or FlashAttention 4's kernels) and CPU where the query and value head sizes "
             "are equal (Qwen3-MoE; not DeepSeek-V3's MLA, nor packed documents or padding masks: those recompute "
             "it); the projection wherever the rows are plain causal; the top-k for softmax top-k routers. Ignored "
@@ -83,8 +83,8 @@ class ParallelOptions:
             "help": 'the kernels of a plain causal attention (rows without padding or packed documents): `"sdpa"` '
             "(what `scaled_dot_product_attention` picks: cuDNN's on Hopper) or `\"fa4\"` (FlashAttention 4's, from "
             "the optional `flash-attn-4` package, `pip install 'moeshard-models-common[fa4]'`: Hopper and Blackwell "
-            "GPUs, one head size for q, k and v up to 256; one H200, Qwen3-30B-A3B's attention: forward + backward "
-            '3.67 against cuDNN\'s 4.20 ms per layer at 4 x 4,096 tokens). The model refuses `"fa4"` with the '
+            "GPUs, one head size for q, k and v up to 256; its speed against cuDNN's: `docs/performance.md`). "
+            'The model refuses `"fa4"` with the '
             "reason before its first layer where it cannot run; where a layer's shapes do not fit it (DeepSeek-V3's "
             "MLA) that layer runs SDPA. Under `keep_attention` its output is kept as SDPA's is."
         },
@@ -94,9 +94,9 @@ class ParallelOptions:
         metadata={
             "help": 'with `"selective"`, the expert intermediates recomputed (`EPOptions.recompute`): '
             '`"activation"` (default: the gated activation, from the saved gate/up output, inside the '
-            "activation's backward kernel: `F` elements per routed copy for an extra write of them, +0.3% per step on "
-            'one H200) or `"mlp"` (the gate/up grouped GEMM too, from the saved expert input: `3F` elements per '
-            "routed copy for one more GEMM per layer in backward, +5.9%)."
+            "activation's backward kernel: `F` elements per routed copy for an extra write of them) or "
+            '`"mlp"` (the gate/up grouped GEMM too, from the saved expert input: `3F` elements per routed copy for '
+            "one more GEMM per layer in backward); what each costs a step: `docs/performance.md`."
         },
     )
     param_dtype: Literal[PARAM_DTYPES] = field(
@@ -111,7 +111,7 @@ class ParallelOptions:
         metadata={
             "help": "free each unit's gathered parameters after its forward (gather again in backward). None (the "
             "default): True where the FSDP mesh has more than one rank; False on one rank, where nothing is sharded "
-            "(keeping the gathered compute-dtype copy costs only its bytes, 0.3 GiB at 8 layers of Qwen3-30B-A3B, "
+            "(keeping the gathered compute-dtype copy costs only its bytes, "
             "and saves a gather's copies and hooks per unit and micro-batch)."
         },
     )

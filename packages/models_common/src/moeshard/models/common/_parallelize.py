@@ -13,6 +13,7 @@ Needs the ``parallel`` extra (moeshard-meshes, moeshard-fsdp-moe, moeshard-prefe
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -112,7 +113,10 @@ def parallelize(
 
     ep_mesh = meshes.ep if meshes.ep_size > 1 else None
     ep_info = apply_ep(model, model.get_parallel_plan(), ep_mesh, options.ep_options())
-    model.model.causal_attention = options.attention_kernel
+    # The attention's kernel, and (step 3) whether it runs compiled: one value the model passes to every layer.
+    model.model.attention = dataclasses.replace(
+        model.model.attention, kernel=options.attention_kernel, compiled=options.compile
+    )
     if options.activation_checkpointing == "full":
         apply_activation_checkpointing(model, keep_attention=options.keep_attention)
     if options.compile:
@@ -166,13 +170,11 @@ def _compile(model: MoECausalLM, kernels: str) -> None:
         ImportError: the ``"triton"`` tier on a machine with CUDA where triton cannot be imported."""
     from moeshard.ep import compile_rows_dynamic
 
-    model.model.compiled_attention = True  # packed rows: flex_attention's fused kernel, compiled inside
     for layer in model.model.layers:
         # At the call site, from outside (the bound method, compiled): every layer shares one graph.
         layer.attention_half = torch.compile(layer.attention_half)
     # The final norm, which no layer's graph holds: eager, its float32 statistics are ~8 kernels over the
-    # [tokens, D] rows forward and ~15 backward (~2 ms per step of 16k tokens of the 30B-A3B geometry on one H200),
-    # compiled one pass each way.
+    # [tokens, D] rows forward and ~15 backward; compiled, one pass each way.
     model.model.norm.forward = torch.compile(model.model.norm.forward)
     # The row count varies (the last chunk), the vocabulary width never does.
     if kernels == "triton" and torch.cuda.is_available():

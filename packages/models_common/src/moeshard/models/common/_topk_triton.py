@@ -4,9 +4,9 @@ selected ids (:func:`topk_ids`, the routers' selection), or only the selection c
 
 # N rows (tokens), E experts, K selected per row
 
-On CUDA ``torch.topk`` over 128 experts is a radix select per row and a sort of the selected (one H200's trace,
-8 layers of 16,384 tokens: the routers' float32 selection 0.11 + 0.01 ms per layer; the load-balancing loss's bf16
-one over all layers' rows 0.91 + 0.11 ms, then a scatter of the ids, 0.30 ms). Here one program takes a block of rows
+On CUDA ``torch.topk`` over 128 experts is a radix select per row and a sort of the selected (for the routers'
+selection per layer, and for the load-balancing loss's over all layers' rows, then a scatter of the ids). Here one
+program takes a block of rows
 into registers and selects each row's K largest in K rounds; the scores are read once.
 
 The selection is ``torch.topk``'s on CUDA: every value above the K-th largest, then values equal to it in index

@@ -209,7 +209,7 @@ class _ReferenceFA4:
 
 
 def reference_fa4(monkeypatch) -> collections.Counter[str]:
-    """Make ``causal_attention="fa4"`` run on CPU: FlashAttention 4's entry points (``_fa4``) replaced by the flash
+    """Make ``AttentionOptions(kernel="fa4")`` run on CPU: FlashAttention 4's entry points (``_fa4``) replaced by the flash
     kernel for CPU on the same ``[B, S, heads, D]`` tensors, and the device checks answering yes. The layouts, the
     keep and the autograd wiring are then ours and tested; the kernels are FlashAttention 4's only on a GPU.
     Returns the count of forward and backward calls."""

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 from transformers import DeepseekV3Config
 
-from moeshard.models.common import RMSNorm, apply_rotary, attend, attention_output
+from moeshard.models.common import AttentionOptions, RMSNorm, apply_rotary, attend, attention_output
 
 __all__ = ["MLAttention", "apply_rotary_interleaved", "softmax_scale"]
 
@@ -52,6 +52,10 @@ def apply_rotary_interleaved(x_BHSDr: torch.Tensor, cos_BSDr: torch.Tensor, sin_
 class MLAttention(nn.Module):
     """Multi-head latent attention with transformers' FQNs (``q_proj`` or ``q_a_proj``/``q_a_layernorm``/
     ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``), through SDPA or flex."""
+
+    attention_call = staticmethod(attend)
+    """The attention over q, k, v (``attend``); ``apply_sequence_parallel`` replaces it on an instance with the same
+    call on head shards."""
 
     def __init__(self, config: DeepseekV3Config) -> None:
         super().__init__()
@@ -101,10 +105,12 @@ class MLAttention(nn.Module):
         cos_BSDr: torch.Tensor,
         sin_BSDr: torch.Tensor,
         mask_B1SS: torch.Tensor | BlockMask | None,
+        attention: AttentionOptions | None = None,
     ) -> torch.Tensor:
-        """Attention output ``[B, S, D]``; ``mask_B1SS`` as for Qwen3-MoE's attention (None: causal; a boolean
-        SDPA mask; a flex ``BlockMask``)."""
+        """Attention output ``[B, S, D]``; ``mask_B1SS`` and ``attention`` as for Qwen3-MoE's attention (None:
+        causal; a boolean SDPA mask; a flex ``BlockMask``; the model's ``AttentionOptions``)."""
         b, s, _ = x_BSD.shape
         q, k, v = self._qkv(x_BSD, cos_BSDr, sin_BSDr)
-        out_BHSDv = attend(q, k, v, mask_B1SS, scale=self.scale, dropout=self.dropout if self.training else 0.0)
-        return attention_output(self.o_proj, out_BHSDv.transpose(1, 2).reshape(b, s, -1), mask_B1SS)
+        dropout = self.dropout if self.training else 0.0
+        out_BHSDv = self.attention_call(q, k, v, mask_B1SS, scale=self.scale, dropout=dropout, options=attention)
+        return attention_output(self.o_proj, out_BHSDv.transpose(1, 2).reshape(b, s, -1), mask_B1SS, attention)

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 from transformers import Qwen3MoeConfig
 
-from moeshard.models.common import RMSNorm, apply_rotary, attend, attention_output
+from moeshard.models.common import AttentionOptions, RMSNorm, apply_rotary, attend, attention_output
 from moeshard.models.qwen3moe.presets import head_dim
 
 __all__ = ["Attention"]
@@ -20,6 +20,10 @@ __all__ = ["Attention"]
 
 class Attention(nn.Module):
     """Grouped-query self-attention with per-head RMSNorm on q and k before RoPE, through SDPA (causal)."""
+
+    attention_call = staticmethod(attend)
+    """The attention over q, k, v (``attend``); ``apply_sequence_parallel`` replaces it on an instance with the same
+    call on head shards."""
 
     def __init__(self, config: Qwen3MoeConfig) -> None:
         super().__init__()
@@ -42,16 +46,18 @@ class Attention(nn.Module):
         cos_BSDh: torch.Tensor,
         sin_BSDh: torch.Tensor,
         mask_B1SS: torch.Tensor | BlockMask | None,
+        attention: AttentionOptions | None = None,
     ) -> torch.Tensor:
         """Attention output ``[B, S, D]``. ``mask_B1SS``: None (plain causal, SDPA), a boolean mask from
         :func:`build_attention_mask` / :func:`document_causal_mask` (SDPA), or a ``BlockMask`` from
-        :func:`document_block_mask` (flex_attention)."""
+        :func:`document_block_mask` (flex_attention). ``attention``: the model's kernel choice and what a checkpointed
+        layer keeps (``AttentionOptions``; None: the defaults)."""
         b, s, _ = x_BSD.shape
         q = self.q_norm(self.q_proj(x_BSD).view(b, s, -1, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x_BSD).view(b, s, -1, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x_BSD).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos_BSDh, sin_BSDh), apply_rotary(k, cos_BSDh, sin_BSDh)
-        out_BHSDh = attend(
+        out_BHSDh = self.attention_call(
             q,
             k,
             v,
@@ -59,5 +65,6 @@ class Attention(nn.Module):
             scale=self.head_dim**-0.5,
             dropout=self.dropout if self.training else 0.0,
             enable_gqa=self.num_heads != self.num_kv_heads,
+            options=attention,
         )
-        return attention_output(self.o_proj, out_BHSDh.transpose(1, 2).reshape(b, s, -1), mask_B1SS)
+        return attention_output(self.o_proj, out_BHSDh.transpose(1, 2).reshape(b, s, -1), mask_B1SS, attention)

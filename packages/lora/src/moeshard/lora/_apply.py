@@ -1,0 +1,270 @@
+"""Adding LoRA adapters to a model: which modules and tensors they target, their parameters, their forward.
+
+The base keeps its names: a targeted linear module ``m`` gets the parameters ``m.lora_A [r, in]`` and
+``m.lora_B [out, r]`` beside ``m.weight`` and a forward hook that adds ``s · x Aᵀ Bᵀ``; a targeted fused expert
+tensor ``m.p [E, out, in]`` gets ``m.p_lora_A [E, r, in]`` and ``m.p_lora_B [E, out, r]`` beside it, which the
+expert module's own grouped GEMMs apply (:func:`moeshard.lora.expert_lora_delta`, through
+:meth:`LoraAdapters.expert`). So a base checkpoint loads into the adapted model unchanged, and sharding plans that
+name ``m.p`` name its adapters by suffix. PEFT's names (``base_layer``, ``lora_A.weight``, ...) exist only in the
+folder format (:mod:`moeshard.lora._peft`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moeshard.lora._options import LoraOptions
+
+__all__ = ["ExpertAdapter", "LoraAdapters", "LoraTarget", "apply_lora", "merged_weights"]
+
+LINEAR, EXPERTS = "linear", "experts"
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """One adapted tensor: the module that holds it, its name there, and what kind of tensor it is.
+
+    ``nesting``: for an expert tensor, how many of the module's other targeted tensors PEFT wraps around it (PEFT
+    wraps a module's targeted parameters one inside the other, in the order the module registers them, and the
+    inner ones get ``base_layer.`` in their names); 0 for a linear module.
+    """
+
+    module: str
+    param: str
+    kind: str
+    nesting: int = 0
+
+    @property
+    def base_name(self) -> str:
+        """The base tensor's name in the model's state dict (``m.weight``, ``m.gate_up_proj``)."""
+        return f"{self.module}.{self.param}"
+
+    @property
+    def a_name(self) -> str:
+        """The adapter A's name in the model's state dict."""
+        return f"{self.module}.lora_A" if self.kind == LINEAR else f"{self.module}.{self.param}_lora_A"
+
+    @property
+    def b_name(self) -> str:
+        """The adapter B's name in the model's state dict."""
+        return f"{self.module}.lora_B" if self.kind == LINEAR else f"{self.module}.{self.param}_lora_B"
+
+
+@dataclass(frozen=True)
+class ExpertAdapter:
+    """The adapter of one fused expert tensor, for the expert module's grouped GEMMs: ``A [E, r, in]``,
+    ``B [E, out, r]``, ``scaling``."""
+
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+    scaling: float
+
+
+def _param_of(module: nn.Module, name: str) -> torch.Tensor:
+    return module.get_parameter(name)
+
+
+class LoraAdapters:
+    """What :func:`apply_lora` added to a model: the options and the targets, in the model's module order.
+
+    Holds no tensors: the adapters are parameters of the model (``model.get_parameter(t.a_name)``), so FSDP, EP
+    plans, optimizers and DCP see them like any parameter.
+    """
+
+    def __init__(
+        self,
+        options: LoraOptions,
+        targets: tuple[LoraTarget, ...],
+        shapes: Mapping[str, tuple[int, ...]],
+        handles: list,
+    ):
+        self.options = options
+        self.targets = targets
+        self.shapes = dict(shapes)  #: each adapter's shape by its name, as :func:`apply_lora` made it
+        self._handles = handles
+
+    @property
+    def scaling(self) -> float:
+        """The adapters' scaling (``options.scaling``)."""
+        return self.options.scaling
+
+    def names(self) -> list[str]:
+        """The adapters' parameter names in the model, A then B per target."""
+        return [n for t in self.targets for n in (t.a_name, t.b_name)]
+
+    def parameters(self, model: nn.Module) -> Iterator[nn.Parameter]:
+        """The adapters' parameters of ``model`` (what the optimizer trains)."""
+        for name in self.names():
+            yield model.get_parameter(name)
+
+    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The adapters' tensors by their names in the model (detached, not copied)."""
+        return {name: model.get_parameter(name).detach() for name in self.names()}
+
+    @torch.no_grad()
+    def load_state_dict(self, model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``tensors`` (as :meth:`state_dict` names them) into the model's adapters; every name is required."""
+        missing = [n for n in self.names() if n not in tensors]
+        if missing:
+            raise ValueError(f"lora: the adapter tensors lack {missing[0]} ({len(missing)} missing)")
+        for name in self.names():
+            p, t = model.get_parameter(name), tensors[name]
+            if tuple(p.shape) != tuple(t.shape):
+                raise ValueError(f"lora: {name} has shape {tuple(t.shape)}, the model's adapter {tuple(p.shape)}")
+            p.copy_(t)
+
+    def expert(self, model: nn.Module, module: str, param: str) -> ExpertAdapter | None:
+        """The adapter of the fused expert tensor ``module.param``, or None where it has none."""
+        for t in self.targets:
+            if t.kind == EXPERTS and t.module == module and t.param == param:
+                return ExpertAdapter(model.get_parameter(t.a_name), model.get_parameter(t.b_name), self.scaling)
+        return None
+
+    def remove_hooks(self) -> None:
+        """Remove the linear modules' forward hooks (the parameters stay)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def describe(self) -> str:
+        """One line: the options and how many tensors are adapted."""
+        n_lin = sum(t.kind == LINEAR for t in self.targets)
+        return f"{self.options.describe()} ({n_lin} linear modules, {len(self.targets) - n_lin} expert tensors)"
+
+
+def _linear_hook(scaling: float):
+    def hook(module: nn.Linear, args, output):
+        x = args[0]
+        A, B = module.lora_A.to(x.dtype), module.lora_B.to(x.dtype)
+        return output + F.linear(F.linear(x, A), B) * scaling
+
+    return hook
+
+
+def _module_matches(name: str, target_modules: tuple[str, ...] | str) -> bool:
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, name) is not None
+    return any(name == t or name.endswith(f".{t}") for t in target_modules)
+
+
+def _find_targets(model: nn.Module, options: LoraOptions) -> list[LoraTarget]:
+    """The targets of ``options`` in ``model``, by PEFT's matching rules; one line per entry that matches nothing."""
+    tm, tp = options.target_modules, options.target_parameters
+    targets: list[LoraTarget] = []
+    hit_modules: set[str] = set()
+    hit_params: set[str] = set()
+    for name, module in model.named_modules():
+        if tm and name and _module_matches(name, tm):
+            if not isinstance(module, nn.Linear):
+                raise ValueError(
+                    f"lora.target_modules matches {name} ({type(module).__name__}), which is not a linear module: "
+                    "name linear modules there (q_proj, o_proj, ...) and fused expert tensors in target_parameters"
+                )
+            targets.append(LoraTarget(name, "weight", LINEAR))
+            hit_modules.update([tm] if isinstance(tm, str) else [t for t in tm if name == t or name.endswith("." + t)])
+        matched = []
+        for pname, param in module.named_parameters(recurse=False):
+            key = f"{name}.{pname}" if name else pname
+            entries = [t for t in tp if key == t or key.endswith(f".{t}")]
+            if not entries:
+                continue
+            if param.dim() != 3:
+                raise ValueError(
+                    f"lora.target_parameters matches {key} of shape {tuple(param.shape)}, not a fused 3-D expert "
+                    "tensor [experts, out, in]: target linear modules with target_modules"
+                )
+            if not name:
+                raise ValueError(
+                    f"lora.target_parameters matches {key}, a parameter of the model itself, not of a module"
+                )
+            hit_params.update(entries)
+            matched.append(pname)
+        # PEFT wraps the module's targeted tensors in registration order, the first innermost
+        targets += [LoraTarget(name, p, EXPERTS, nesting=len(matched) - 1 - i) for i, p in enumerate(matched)]
+    for t in [tm] if isinstance(tm, str) else tm:
+        if t not in hit_modules:
+            raise ValueError(
+                f"lora.target_modules entry {t!r} matches no module of the model; entries match module names "
+                "(e.g. 'q_proj' matches 'model.layers.0.self_attn.q_proj')"
+            )
+    for t in tp:
+        if t not in hit_params:
+            raise ValueError(
+                f"lora.target_parameters entry {t!r} matches no parameter of the model; entries match "
+                "'module.parameter' names (e.g. 'mlp.experts.gate_up_proj')"
+            )
+    return targets
+
+
+def apply_lora(
+    model: nn.Module, options: LoraOptions, *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> LoraAdapters:
+    """Add LoRA adapters to ``model`` in place and freeze everything else.
+
+    Args:
+        model: any module; targets are found by ``options.target_modules`` / ``target_parameters``.
+        options: enabled options (``rank > 0``).
+        seed: the adapters' initialisation seed (A: PEFT's kaiming-uniform with ``a = sqrt(5)``, per expert row
+            block like PEFT's stacked ``[E·r, in]``; B: zeros, so the adapted model starts equal to the base).
+        dtype: the adapters' dtype (float32: they are the trained masters; the forward casts them to the input's).
+
+    Returns:
+        :class:`LoraAdapters`. The base parameters get ``requires_grad = False``.
+    """
+    if not options.enabled:
+        raise ValueError("apply_lora: LoraOptions.rank is 0 (LoRA off); give a rank > 0")
+    targets = _find_targets(model, options)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    gen = torch.Generator().manual_seed(seed)
+    r, handles, shapes = options.rank, [], {}
+    for t in targets:
+        module = model.get_submodule(t.module)
+        base = _param_of(module, t.param)
+        out_f, in_f = base.shape[-2], base.shape[-1]
+        experts = base.shape[0] if t.kind == EXPERTS else 1
+        A = torch.empty(experts * r, in_f, dtype=torch.float32)
+        nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=gen)  # fan_in = in, as PEFT's nn.Linear(in, r·E)
+        A = A.to(device=base.device, dtype=dtype)
+        B = torch.zeros(experts, out_f, r, dtype=dtype, device=base.device)
+        if t.kind == LINEAR:
+            A, B = A, B[0]
+        else:
+            A = A.reshape(experts, r, in_f)
+        shapes[t.a_name], shapes[t.b_name] = tuple(A.shape), tuple(B.shape)
+        module.register_parameter(t.a_name.rpartition(".")[2], nn.Parameter(A))
+        module.register_parameter(t.b_name.rpartition(".")[2], nn.Parameter(B))
+        if t.kind == LINEAR:
+            handles.append(module.register_forward_hook(_linear_hook(options.scaling)))
+    return LoraAdapters(options, tuple(targets), shapes, handles)
+
+
+@torch.no_grad()
+def merged_weights(
+    adapters: LoraAdapters, base: Mapping[str, torch.Tensor], tensors: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The adapted base tensors with their adapters merged: ``W + s · B A`` (per expert for fused tensors).
+
+    Args:
+        adapters: what :func:`apply_lora` returned.
+        base: the base tensors by their names in the model (``model.state_dict()``), full (not sharded).
+        tensors: the adapters by their names in the model (:meth:`LoraAdapters.state_dict`, or a loaded folder).
+
+    Returns:
+        ``{base name: merged tensor}`` for every target, in the base tensor's dtype (the product is formed in
+        float32); the other base tensors are not included.
+    """
+    out = {}
+    for t in adapters.targets:
+        W = base[t.base_name]
+        A, B = tensors[t.a_name].float(), tensors[t.b_name].float()
+        delta = (torch.bmm(B, A) if t.kind == EXPERTS else B @ A) * adapters.scaling
+        out[t.base_name] = (W.float() + delta.to(W.device)).to(W.dtype)
+    return out

@@ -1,0 +1,236 @@
+"""Against PEFT on tiny transformers Qwen3-MoE and DeepSeek-V3 (float32, CPU): logits, gradients, the folder both
+ways, merging.
+
+The adapted model here is the transformers model itself with :func:`apply_lora`'s adapters; its experts run a
+grouped forward (token copies sorted by expert, the adapters through :func:`expert_lora_delta`) in place of the
+transformers loop, which is what a model with grouped GEMMs does with them.
+"""
+
+import copy
+import json
+import types
+
+import pytest
+import torch
+
+from moeshard.lora import (
+    LoraOptions,
+    apply_lora,
+    expert_lora_delta,
+    load_adapter,
+    merged_weights,
+    read_adapter_options,
+    save_adapter,
+)
+
+peft = pytest.importorskip("peft", reason="the parity tests need the `test` extra (peft)")
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+MODULES = ("q_proj", "o_proj")
+PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# DeepSeek-V3: MLA's projections. Not the shared expert's or the dense layer's gate/up/down_proj: PEFT on
+# transformers 5 reads those target_modules names as the fused expert tensors (see README, "PEFT's reading").
+DSV3_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+EXPERT_CLASSES = ("Qwen3MoeExperts", "DeepseekV3Experts")
+
+
+def _tiny_base():
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen3MoeForCausalLM(cfg).float().eval()
+
+
+def _tiny_deepseek_v3():
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, max_position_embeddings=64, num_mtp_layers=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # transformers initialises the router to zeros: ties would make routing arbitrary
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    return model
+
+
+def _grouped_experts_forward(adapters, model, name):
+    """The experts of module ``name`` computed on rows grouped by expert, each adapter in its grouped form."""
+
+    def forward(self, hidden_TD, ids_TK, weights_TK):
+        T, K = ids_TK.shape
+        order = ids_TK.reshape(-1).argsort(stable=True)
+        expert_N, token_N = ids_TK.reshape(-1)[order], order // K
+        counts = torch.bincount(expert_N, minlength=self.num_experts)
+        x_ND = hidden_TD[token_N]
+
+        def project(x, param):  # the base per row (a test's reference), the adapter grouped
+            y = torch.einsum("ni,noi->no", x, getattr(self, param)[expert_N])
+            ad = adapters.expert(model, name, param)
+            return y if ad is None else y + expert_lora_delta(x, counts, ad.lora_A, ad.lora_B, ad.scaling)
+
+        gate, up = project(x_ND, "gate_up_proj").chunk(2, dim=-1)
+        y_ND = project(self.act_fn(gate) * up, "down_proj") * weights_TK.reshape(-1)[order, None]
+        return torch.zeros_like(hidden_TD).index_add_(0, token_N, y_ND.to(hidden_TD.dtype))
+
+    return forward
+
+
+def _ours(base, options, seed=1, random_b=True):
+    model = copy.deepcopy(base)
+    adapters = apply_lora(model, options, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for t in adapters.targets:
+            if random_b:  # B starts at zero; a parity test wants the adapters to matter
+                b = model.get_parameter(t.b_name)
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    for name, module in model.named_modules():
+        if type(module).__name__ in EXPERT_CLASSES:
+            module.forward = types.MethodType(_grouped_experts_forward(adapters, model, name), module)
+    return model, adapters
+
+
+def _batch():
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    return ids
+
+
+def _loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+@pytest.fixture(scope="module")
+def base():
+    return _tiny_base()
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "deepseekv3"])
+def test_save_then_peft_loads_our_adapter_with_equal_logits_and_gradients(base, family, tmp_path):
+    if family == "deepseekv3":
+        base = _tiny_deepseek_v3()
+    modules = MODULES if family == "qwen3moe" else DSV3_MODULES
+    options = LoraOptions(rank=4, alpha=8, target_modules=modules, target_parameters=PARAMS)
+    ours, adapters = _ours(base, options)
+    assert all(not p.requires_grad for n, p in ours.named_parameters() if "lora" not in n)
+    assert sorted(n for n, p in ours.named_parameters() if p.requires_grad) == sorted(adapters.names())
+    save_adapter(tmp_path, adapters, adapters.state_dict(ours), base_model="tiny/qwen3-moe")
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path), is_trainable=True)
+    ids = _batch()
+    with torch.no_grad():
+        ref = base(input_ids=ids).logits
+        a, b = ours(input_ids=ids).logits, theirs(input_ids=ids).logits
+    assert (a - ref).abs().max() > 1e-3  # the adapters change the output
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    _loss(ours, ids).backward()
+    _loss(theirs, ids).backward()
+    save_adapter(tmp_path / "grads", adapters, {n: p.grad for n, p in ours.named_parameters() if p.requires_grad})
+    ours_grads = load_file(str(tmp_path / "grads/adapter_model.safetensors"))  # PEFT's names and layout
+    their_grads = {n.replace(".default", ""): p.grad for n, p in theirs.named_parameters() if p.requires_grad}
+    assert sorted(ours_grads) == sorted(their_grads)
+    assert any("experts.base_layer.lora_A" in n for n in their_grads)  # both expert tensors, nested
+    for n in ours_grads:
+        torch.testing.assert_close(ours_grads[n], their_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_peft_save_then_our_load(base, tmp_path):
+    config = peft.LoraConfig(
+        r=4, lora_alpha=16, use_rslora=True, target_modules=list(MODULES), target_parameters=list(PARAMS),
+        init_lora_weights=False,  # random B too
+    )  # fmt: skip
+    torch.manual_seed(5)
+    theirs = peft.get_peft_model(copy.deepcopy(base), config)
+    theirs.save_pretrained(str(tmp_path))
+    options = read_adapter_options(tmp_path)
+    assert options == LoraOptions(4, 16, True, tuple(sorted(MODULES)), tuple(sorted(PARAMS)), str(tmp_path))
+    ours, adapters = _ours(base, options, random_b=False)
+    adapters.load_state_dict(ours, load_adapter(tmp_path, adapters))
+    ids = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).logits, theirs(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_merged_weights_equal_peft_merge(base, tmp_path):
+    options = LoraOptions(rank=2, alpha=3, target_modules=("o_proj",), target_parameters=("mlp.experts.down_proj",))
+    ours, adapters = _ours(base, options)
+    save_adapter(tmp_path, adapters, adapters.state_dict(ours))
+    merged = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path)).merge_and_unload().state_dict()
+    mine = merged_weights(adapters, ours.state_dict(), adapters.state_dict(ours))
+    assert sorted(mine) == sorted(t.base_name for t in adapters.targets)
+    for name, w in mine.items():
+        torch.testing.assert_close(w, merged[name], rtol=1e-6, atol=1e-6, msg=name)
+        assert not torch.equal(w, base.state_dict()[name])
+
+
+def test_one_expert_tensor_alone_has_no_base_layer_in_its_names(base, tmp_path):
+    options = LoraOptions(rank=2, alpha=2, target_parameters=("mlp.experts.gate_up_proj",))
+    ours, adapters = _ours(base, options)
+    save_adapter(tmp_path, adapters, adapters.state_dict(ours))
+    names = sorted(load_file(str(tmp_path / "adapter_model.safetensors")))
+    assert names[0] == "base_model.model.model.layers.0.mlp.experts.lora_A.weight"
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path))
+    ids = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).logits, theirs(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_init_is_peft_s_and_seeded(base):
+    options = LoraOptions(rank=4, alpha=8, target_modules=("q_proj",), target_parameters=("mlp.experts.down_proj",))
+    m1, a1 = _ours(base, options, seed=7, random_b=False)
+    m2, _ = _ours(base, options, seed=7, random_b=False)
+    for t in a1.targets:
+        A, B = m1.get_parameter(t.a_name), m1.get_parameter(t.b_name)
+        assert torch.equal(A, m2.get_parameter(t.a_name)) and not B.any()
+        assert A.dtype == torch.float32
+        bound = 1 / A.shape[-1] ** 0.5  # kaiming-uniform, a = sqrt(5), fan_in = in
+        assert A.abs().max() <= bound and A.abs().max() > 0.8 * bound
+    ids = _batch()
+    with torch.no_grad():  # B = 0: the adapted model starts as the base
+        torch.testing.assert_close(m1(input_ids=ids).logits, base(input_ids=ids).logits)
+
+
+def test_bad_targets_and_adapters_are_one_line_errors(base, tmp_path):
+    def fails(fn, message):
+        with pytest.raises(ValueError, match=message) as e:
+            fn()
+        assert "\n" not in str(e.value)
+
+    model = copy.deepcopy(base)
+    fails(lambda: apply_lora(model, LoraOptions(rank=2, target_modules=("qkv_proj",))), "entry 'qkv_proj' matches no")
+    fails(lambda: apply_lora(model, LoraOptions(rank=2, target_modules=("mlp",))), r"matches model.layers.0.mlp \(")
+    fails(
+        lambda: apply_lora(model, LoraOptions(rank=2, target_parameters=("experts.up_proj",))),
+        "entry 'experts.up_proj' matches no parameter",
+    )
+    fails(
+        lambda: apply_lora(model, LoraOptions(rank=2, target_parameters=("q_proj.weight",))),
+        "not a fused 3-D expert tensor",
+    )
+    options = LoraOptions(rank=2, alpha=4, target_modules=MODULES, target_parameters=PARAMS)
+    ours, adapters = _ours(base, options)
+    fails(lambda: load_adapter(tmp_path / "none", adapters), "is not a PEFT adapter folder")
+    save_adapter(tmp_path, adapters, adapters.state_dict(ours), base_model="Qwen/Qwen3-30B-A3B")
+    assert load_adapter(tmp_path, adapters, base_model="/models/Qwen3-30B-A3B")  # a local copy of the same model
+    fails(lambda: load_adapter(tmp_path, adapters, base_model="Qwen/Qwen3-235B-A22B"), "trained on Qwen/Qwen3-30B")
+    for other, message in [
+        (LoraOptions(rank=4, alpha=4, target_modules=MODULES, target_parameters=PARAMS), "has rank=2, this job rank=4"),
+        (
+            LoraOptions(rank=2, alpha=4, target_modules=("q_proj",), target_parameters=PARAMS),
+            "use the adapter's targets",
+        ),
+        (LoraOptions(rank=2, alpha=4, target_modules=MODULES), "use the adapter's targets"),
+    ]:
+        _, other_adapters = _ours(base, other)
+        fails(lambda a=other_adapters: load_adapter(tmp_path, a), message)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    fails(lambda: load_adapter(tmp_path, adapters), "uses PEFT's use_dora=True, which is not supported")
