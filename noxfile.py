@@ -63,8 +63,9 @@ def _packages() -> dict[str, str]:
 
 PACKAGES = _packages()
 # What the cross-package tests need beyond every package and its `test` extra (tests/test_releases.py,
-# tests/test_noxfile.py).
-CROSS_TEST_DEPS = ["packaging>=23", "nox>=2024.4"]
+# tests/test_noxfile.py, tests/test_import_contracts.py).
+IMPORT_LINTER = "import-linter>=2.17"  # acyclic_siblings, and PEP 420 namespace portions as root packages
+CROSS_TEST_DEPS = ["packaging>=23", "nox>=2024.4", IMPORT_LINTER]
 # `python3 -m nox` without -s: what CI runs (.ci/run, README "Run all tests").
 nox.options.sessions = ["lint", *PACKAGES, "cross"]
 
@@ -244,10 +245,13 @@ def all_tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the whole tree."""
-    session.install("ruff>=0.5")
+    """ruff over the whole tree; the import contracts of ``.importlinter`` (floors, the app's layers, no circles)."""
+    session.install("ruff>=0.5", IMPORT_LINTER)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    # import-linter reads the sources without running them: the src folders on the path, nothing installed.
+    src = os.pathsep.join(str(ROOT / folder / "src") for folder in PACKAGES.values())
+    session.run("lint-imports", env={"PYTHONPATH": src})
 
 
 @nox.session

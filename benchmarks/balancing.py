@@ -81,7 +81,7 @@ def run_method(name: str, model: Path, out: Path, steps: int) -> list[float]:
     """Train ``model`` with balancing method ``name`` for ``steps`` steps; max/mean expert load per step (mean over
     layers), from the run's metrics.jsonl."""
     from moeshard.train.config import load_config
-    from moeshard.train.run.job import run_job
+    from moeshard.train.job import run_job
 
     folder = out / name.replace(" ", "_")
     args = [*JOB, *METHODS[name], f"--model.path={model}", f"--train.steps={steps}", f"--logging.output_dir={folder}"]

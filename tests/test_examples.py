@@ -132,12 +132,12 @@ def test_custom_trainer_matches_the_app(tiny, tmp_path):
 def test_custom_trainer_checkpoint_exports_to_a_hub_folder(tiny, tmp_path, capsys):
     """The example's checkpoint (one rank, one step) becomes a Hub folder with ``moeshard-train export-hf``:
     transformers loads it with the example's weights, and the write rate is not ``0.00 GB/s``."""
+    import shutil
+
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from moeshard.train.__main__ import main
-    from moeshard.train.commands.export import load_full_model
-
-    import shutil
+    from moeshard.train.export import load_full_model
 
     model = shutil.copytree(tiny / "model", tmp_path / "model")
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 3, "max_new_tokens": 9}))  # goes along

@@ -11,7 +11,7 @@ from moeshard.meshes import testing
 
 # Every rank that run_distributed starts here imports the app (~1 s of CPU a rank on 2 cores, a few dozen ranks in
 # this folder): its fork server imports it once instead (read when the server starts, at the first call).
-testing.PRELOAD = (*testing.PRELOAD, "moeshard.train.run.job", "moeshard.models.qwen3moe", "moeshard.models.deepseekv3")
+testing.PRELOAD = (*testing.PRELOAD, "moeshard.train.job", "moeshard.models.qwen3moe", "moeshard.models.deepseekv3")
 
 # What a run reads from its launcher; a test that runs a job in-process starts without any of it.
 LAUNCH_ENV = (

@@ -84,13 +84,14 @@ def test_balancing_loss_per_scope_without_ranks(runs, scope):
 def _one_step(scope: str) -> dict:
     from moeshard.data import DataConfig, StepBatches, open_dataset
     from moeshard.models.qwen3moe import expert_counts, global_balancing_loss, load_balancing_loss
-    from moeshard.train.config import load_config
+    from moeshard.train.config import load_config, resolve_model_config
     from moeshard.train.run import build, init_distributed, train_step
 
     device = init_distributed()
     args = ["--model.overrides.num_hidden_layers=2", "--parallel.ep_size=1", "--data.seq_len=16"]
     args += ["--train.global_batch_size=2", "--train.micro_batch_size=2", f"--train.aux_loss.scope={scope}"]
-    job = build(load_config(None, args), device)
+    cfg = load_config(None, args)
+    job = build(cfg, device, resolve_model_config(cfg))
     rows = open_dataset(DataConfig(synthetic=True, seq_len=16), vocab_size=job.model_config.vocab_size)
     (b,) = StepBatches(rows, global_batch=2, world_size=1, micro_batch=2).micro_batches(0, 0)
     k, e = job.model_config.num_experts_per_tok, job.model_config.num_experts

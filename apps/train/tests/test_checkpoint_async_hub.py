@@ -57,7 +57,7 @@ def test_async_run_goes_on_while_saving_and_writes_hub_folders(clean_env, capsys
     from torch.distributed.checkpoint import FileSystemWriter
     from transformers import AutoModelForCausalLM
 
-    from moeshard.train.commands.export import load_full_model
+    from moeshard.train.export import load_full_model
 
     run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     run_dir.mkdir()

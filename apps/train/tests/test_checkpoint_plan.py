@@ -333,8 +333,8 @@ CONFIG_0_4_16 = {
 def test_a_checkpoint_of_0_4_resumes_and_exports_with_its_config(world_of_one, tmp_path):
     """What a resume reads of a 0.4.16 checkpoint's saved config (its train section, for the schedule) and what an
     export reads (all of it) is the job those keys name now."""
-    from moeshard.train.commands.export import _Run
     from moeshard.train.config import config_from_dict, load_config, parallel_options
+    from moeshard.train.export import _Run
     from moeshard.train.run import schedule_change
 
     state = {"model": {"w": torch.zeros(4)}}

@@ -59,12 +59,10 @@ def test_each_command_says_a_bad_input_in_one_line_with_status_2(capsys, clean_e
 
 
 def test_an_unexpected_error_is_one_line_with_status_1_and_its_traceback_on_request(capsys, clean_env, monkeypatch):
-    import moeshard.train.commands.plan
-
     def broken(*args, **kwargs):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(moeshard.train.commands.plan, "plan", broken)
+    monkeypatch.setattr(entry, "plan", broken)
     argv = ["plan", "--nnodes", "1", "--nproc-per-node", "1"]
     line = _one_line(capsys, argv, ExitStatus.FAILED)
     assert line == f"{PREFIX}KeyError: 'a bug' (unexpected; MOESHARD_TRACEBACK=1 shows the traceback)"

@@ -89,7 +89,7 @@ def test_bench_trace_leaves_out_the_warm_up_steps(tmp_path, monkeypatch):
     import torch
     from torch.profiler import record_function
 
-    import moeshard.train.run
+    import moeshard.train.commands.bench_steps
     from moeshard.train.commands.bench import _parse_args
     from moeshard.train.commands.bench_steps import profile_step
 
@@ -100,7 +100,7 @@ def test_bench_trace_leaves_out_the_warm_up_steps(tmp_path, monkeypatch):
             torch.ones(8) @ torch.ones(8)
         ran.append(micro)
 
-    monkeypatch.setattr(moeshard.train.run, "train_step", train_step)
+    monkeypatch.setattr(moeshard.train.commands.bench_steps, "train_step", train_step)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
     for warmup, traced in ((1, 2), (2, 1), (0, 2)):
         ran.clear()

@@ -52,7 +52,7 @@ def _four_ranks(paths: dict) -> dict:
     import os
 
     from moeshard.models.deepseekv3 import DeepseekV3ForCausalLM
-    from moeshard.train.run.job import run_job
+    from moeshard.train.job import run_job
 
     out = run_job(_cfg(paths, "a"))
     step2 = f"{paths['root']}/a/checkpoints/step_00000002"

@@ -53,7 +53,7 @@ def test_export_streams_within_a_few_shards_and_transformers_loads_it(tmp_path):
     # is reset (Linux: clear_refs 5) and the big export's own growth is measured.
     script = textwrap.dedent(f"""
         import json
-        from moeshard.train.commands.export import export_hf
+        from moeshard.train.export import export_hf
         def rss(key):
             for line in open("/proc/self/status"):
                 if line.startswith(key):

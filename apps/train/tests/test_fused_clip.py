@@ -24,7 +24,7 @@ def _train(fused: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
 
     from moeshard.data import DataConfig, StepBatches, open_dataset
     from moeshard.fsdp_moe import build_optimizer, get_state_dict
-    from moeshard.train.config import load_config
+    from moeshard.train.config import load_config, resolve_model_config
     from moeshard.train.run import build, init_distributed, lr_at, train_step
 
     device = init_distributed()
@@ -43,7 +43,7 @@ def _train(fused: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
     )
     if fused:  # the job's own container leaves the experts to torch's AdamW: it may be replaced
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fuse_local_experts=False))
-    job = build(cfg, device)
+    job = build(cfg, device, resolve_model_config(cfg))
     if fused:
         t = cfg.train
         opt = build_optimizer(

@@ -39,7 +39,7 @@ def _train(layout: str, gradient_sync: str, *extra: str) -> dict:
     from moeshard.data import DataConfig, StepBatches, open_dataset
     from moeshard.fsdp_moe import get_state_dict
     from moeshard.fsdp_moe._local_experts import LocalExperts
-    from moeshard.train.config import load_config
+    from moeshard.train.config import load_config, resolve_model_config
     from moeshard.train.observe.comm_accounting import CommAccounting
     from moeshard.train.run import build, init_distributed, train_step
 
@@ -70,7 +70,7 @@ def _train(layout: str, gradient_sync: str, *extra: str) -> dict:
         return taken
 
     LocalExperts.take = counting_take
-    job = build(cfg, device)
+    job = build(cfg, device, resolve_model_config(cfg))
     rows = open_dataset(DataConfig(synthetic=True, seq_len=16, seed=3), vocab_size=job.model_config.vocab_size)
     batches = StepBatches(rows, global_batch=2 * WORLD, world_size=WORLD, micro_batch=1)
     m = job.meshes

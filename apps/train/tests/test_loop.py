@@ -32,11 +32,12 @@ def _body() -> dict:
     import torch.distributed as dist
 
     from moeshard.data import DataConfig, StepBatches, open_dataset
-    from moeshard.train.config import load_config
+    from moeshard.train.config import check_layout, load_config
     from moeshard.train.run import Callback, LossLog, build, init_distributed, run
 
     device = init_distributed()
-    job = build(load_config(None, JOB), device)
+    cfg = load_config(None, JOB)
+    job = build(cfg, device, check_layout(cfg, world_size=2, ranks_per_node=2).model_config)
     rows = open_dataset(DataConfig(synthetic=True, seq_len=16), vocab_size=job.model_config.vocab_size)
     step_batches = StepBatches(rows, global_batch=4, world_size=2, micro_batch=1)
     asked: list[int] = []

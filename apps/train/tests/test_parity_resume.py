@@ -77,7 +77,7 @@ def _metrics(path: Path) -> list[dict]:
 def _four_ranks(paths: dict) -> dict:
     import os
 
-    from moeshard.train.run.job import run_job as run
+    from moeshard.train.job import run_job as run
 
     step2 = f"{paths['root']}/a/checkpoints/step_00000002"
     a = run(_cfg(paths, "a"))
@@ -96,7 +96,7 @@ def _four_ranks(paths: dict) -> dict:
 
 def _two_ranks(paths: dict) -> dict:
     from moeshard.train.errors import CheckpointSaveError
-    from moeshard.train.run.job import run_job as run
+    from moeshard.train.job import run_job as run
 
     step2 = f"{paths['root']}/a/checkpoints/step_00000002"
     loaded = run(_cfg(paths, "d0", "--parallel.ep_size=2", "--train.steps=2", f"--checkpoint.resume={step2}"))
@@ -180,7 +180,7 @@ def paths(tmp_path_factory) -> dict:
 def test_parity_resume_layouts_export(paths):
     from transformers import AutoModelForCausalLM
 
-    from moeshard.train.commands.export import export_hf, load_full_model
+    from moeshard.train.export import export_hf, load_full_model
 
     four = run_distributed(_four_ranks, 4, paths, ranks_per_node=2, timeout=400)[0]
     ref_losses, ref_norms, ref_tokens = _reference_losses(paths)
@@ -234,7 +234,7 @@ def test_parity_resume_layouts_export(paths):
 
 
 def _packed_runs(paths: dict, sft: dict) -> dict:
-    from moeshard.train.run.job import run_job
+    from moeshard.train.job import run_job
 
     base = [*HPARAMS, "--data.packing=true", "--train.steps=2", "--train.global_batch_size=4"]
     base += ["--train.micro_batch_size=2", "--parallel.ep_size=1", "--checkpoint.every_steps=0"]
@@ -313,7 +313,7 @@ def _eval_runs(paths: dict) -> dict:
     import torch.distributed as dist
 
     from moeshard.models.qwen3moe import routers
-    from moeshard.train.run.job import run_job as run
+    from moeshard.train.job import run_job as run
 
     evaluated = [*BALANCING, f"--eval.path={paths['b']}"]
     a = run(_cfg(paths, "val_a", *evaluated))

@@ -133,8 +133,8 @@ def test_a_job_from_a_hub_folder_names_it_and_its_exports_carry_its_tokenizer(cl
 
 def test_the_tokenizer_of_prepared_data_and_the_generation_config_of_token_ids(tmp_path):
     from moeshard.models.qwen3moe import get_preset_config
-    from moeshard.train.commands.export import _add_generation_config, find_tokenizer
     from moeshard.train.config import load_config
+    from moeshard.train.export import _add_generation_config, find_tokenizer
 
     tok, prepared = tmp_path / "tok", tmp_path / "prepared"
     tok.mkdir()
@@ -162,7 +162,7 @@ def test_the_tokenizer_of_prepared_data_and_the_generation_config_of_token_ids(t
 def test_a_checkpoint_without_a_model_config_is_one_line(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from moeshard.train.commands.export import export_hf
+    from moeshard.train.export import export_hf
 
     src = tmp_path / "step_00000001"
     dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=str(src), no_dist=True)

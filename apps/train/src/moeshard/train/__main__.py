@@ -11,16 +11,31 @@ moeshard-train prepare-data --input 'corpus/*.jsonl' --tokenizer DIR --output DI
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import gc
 import hashlib
+import json
 import os
 import sys
+import time
 import traceback
 import warnings
+from datetime import timedelta
 
-from moeshard.data import DataError, ExitStatus, print_error
-from moeshard.train.config import ConfigError, load_config
-from moeshard.train.errors import ArgumentParser
+import torch.distributed as dist
+import yaml
+
+from moeshard.checkpoint import CheckpointError, describe_failure
+from moeshard.data import DataError, ExitStatus, prepare_command, print_error
+from moeshard.train.cluster.launch_local import main as launch_main
+from moeshard.train.cluster.preemption import EXIT_STATUS
+from moeshard.train.commands.bench import main as bench_main
+from moeshard.train.commands.plan import plan
+from moeshard.train.config import GROUP_OFF, ConfigError, JobConfig, config_table, describe_keys, load_config
+from moeshard.train.errors import ArgumentParser, JobError, exit_status
+from moeshard.train.export import export_hf
+from moeshard.train.job import run_job
 
 PROG = "moeshard-train"  # the prefix of every error line: `moeshard-train: error: ...`
 ALIKE_WAIT_S = 30.0  # how long a rank waits for rank 0 to report an error every rank raised alike
@@ -56,8 +71,6 @@ def _help() -> str:
 
 def _keys_help() -> str:
     """Every config key with its default and meaning (the fields' own, as ``config --show`` prints them)."""
-    from moeshard.train.config import JobConfig, describe_keys
-
     rows = [f"  --{key}={_show(default)}\n      {meaning}" for key, _, default, meaning in describe_keys(JobConfig())]
     return (
         "Overrides: --section.key=value, e.g. --train.lr=1e-4 (`config --show`: the same keys, resolved):\n"
@@ -75,11 +88,6 @@ def _train(argv: list[str]) -> int:
     parser.add_argument("--config", default=None, help="YAML file; omitted: the embedded default job")
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
-    import torch.distributed as dist
-
-    from moeshard.train.cluster.preemption import EXIT_STATUS
-    from moeshard.train.run.job import run_job
-
     # Known and harmless here: DTensor's note on CPU random ops (initialisation).
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
     stopped = run_job(cfg)["stopped"] is not None  # a signal stopped it after saving a step (preemption)
@@ -106,17 +114,11 @@ def _config(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
     if args.markdown:
-        from moeshard.train.config import config_table
-
         print(config_table(cfg), end="")
         return 0
     if not args.show:
-        import yaml
-
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
-    from moeshard.train.config import GROUP_OFF, describe_keys
-
     rows = [(key, _show(v), _show(d), meaning) for key, v, d, meaning in describe_keys(cfg)]
     wk = max(len(r[0]) for r in rows)
     wv = min(24, max(len(r[1]) for r in rows))
@@ -130,8 +132,6 @@ def _config(argv: list[str]) -> int:
 
 def _show(value: object) -> str:
     """A value as YAML writes it in flow style (``null``, ``true``, ``[0.9, 0.95]``); floats short."""
-    import json
-
     if isinstance(value, float):
         short = f"{value:.6g}"
         return short if any(c in short for c in ".einf") else f"{short}.0"
@@ -140,8 +140,6 @@ def _show(value: object) -> str:
     if hasattr(value, "__dataclass_fields__"):
         return "{...}"  # a group of keys, shown on the rows below
     if isinstance(value, tuple) and value and hasattr(value[0], "__dataclass_fields__"):
-        import dataclasses
-
         value = [dataclasses.asdict(v) for v in value]
     return json.dumps(value, default=str).replace('"', "")
 
@@ -159,8 +157,6 @@ def _plan(argv: list[str]) -> int:
     )
     args, overrides = parser.parse_known_args(argv)
     cfg = load_config(args.config, overrides)
-    from moeshard.train.commands.plan import plan
-
     print(
         plan(
             cfg,
@@ -184,29 +180,21 @@ def _export(argv: list[str]) -> int:
     )
     parser.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors file, e.g. 5GB, 500MB")
     args = parser.parse_args(argv)
-    from moeshard.train.commands.export import export_hf
-
     path = export_hf(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
     print(f"wrote {path}")
     return 0
 
 
 def _launch_local(argv: list[str]) -> int:
-    from moeshard.train.cluster.launch_local import main as launch_main
-
     return launch_main(argv)
 
 
 def _prepare_data(argv: list[str]) -> int:
     # moeshard.data's prepare, under the job's name; its DataError is reported below like every user error.
-    from moeshard.data import prepare_command
-
     return prepare_command(argv, prog=f"{PROG} prepare-data")
 
 
 def _bench(argv: list[str]) -> int:
-    from moeshard.train.commands.bench import main as bench_main
-
     return bench_main(argv)
 
 
@@ -240,9 +228,6 @@ def _report(message: str, *, alike: bool) -> None:
 def _wait_for_rank0(store: object | None) -> bool:
     """Wait (at most ``ALIKE_WAIT_S``) for rank 0 to print an error every rank raised alike. True: it did, or there
     is no store to ask (then the wait is all: torchrun stops this process as soon as rank 0 exits)."""
-    import time
-    from datetime import timedelta
-
     if store is None:
         time.sleep(ALIKE_WAIT_S)
         return True
@@ -270,10 +255,6 @@ def _job_store() -> object | None:
     """The c10d store every rank of this job reaches, or None: torchrun's agent store (there from the start, before
     the process group; ``TORCHELASTIC_USE_AGENT_STORE``), else the process group's."""
     try:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
         wait = timedelta(seconds=10)  # never wait long on a store whose host is gone
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_PORT" in os.environ:
             host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
@@ -306,8 +287,6 @@ def _store_add(store: object | None, name: str, amount: int) -> int | None:
 def _one_line(error: BaseException) -> str:
     """``Type: first line``; for DCP's CheckpointException (a BaseException) each failed rank's error."""
     if type(error).__name__ == "CheckpointException":  # torch.distributed.checkpoint's, without importing it here
-        from moeshard.checkpoint import describe_failure
-
         return f"checkpoint read/write failed: {describe_failure(error)}"
     return f"{type(error).__name__}: {error}".splitlines()[0]
 
@@ -319,9 +298,6 @@ def _record_for_torchrun(message: str) -> None:
     then copies it without warning about the format, and its summary shows the line under ``traceback :``."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path and not os.path.exists(path):
-        import json
-        import time
-
         info = {"py_callstack": message, "timestamp": str(int(time.time()))}
         with open(path, "w") as f:
             json.dump({"message": {"message": message, "extraInfo": info}}, f)
@@ -329,8 +305,6 @@ def _record_for_torchrun(message: str) -> None:
 
 def _close_process_group() -> None:
     # Without a barrier (a peer may be gone): enough for a clean exit of the failing process.
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -346,16 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     rank 0, others from the first rank that reports them; a rank that only lost contact with a failed peer stays
     silent. ``MOESHARD_TRACEBACK=1`` adds the traceback.
     """
-    from moeshard.checkpoint import CheckpointError
-    from moeshard.train.errors import JobError, exit_status
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--help"], ["-h"], ["help"]):
         print(_help())
         return 0
     if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
-        import difflib
-
         near = difflib.get_close_matches(argv[0], COMMANDS, n=1)
         hint = f"did you mean {near[0]}? " if near else ""
         print_error(PROG, f"unknown command {argv[0]!r}; {hint}moeshard-train --help lists them")

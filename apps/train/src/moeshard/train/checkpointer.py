@@ -32,8 +32,8 @@ from moeshard.checkpoint import (
     save_checkpoint,
     start_async_save,
 )
-from moeshard.train.commands.export import find_tokenizer
 from moeshard.train.errors import JobError
+from moeshard.train.export import export_hf, find_tokenizer
 from moeshard.train.run import Callback, Job, StepStats, lr_at
 
 
@@ -82,16 +82,12 @@ def save_job(
     )
 
 
-def write_hub_folder(
-    checkpoint: Path, hf_dir: Path, dtype: str, say: Callable[[str], None] | None = None
-) -> Path:
+def write_hub_folder(checkpoint: Path, hf_dir: Path, dtype: str, say: Callable[[str], None] | None = None) -> Path:
     """``checkpoint.save_hf``: the Hub folder ``hf_dir/<checkpoint's name>`` written from a complete checkpoint by
-    :func:`moeshard.train.commands.export.export_hf` (streaming: host memory bounded by a shard; the tokenizer and
+    :func:`moeshard.train.export.export_hf` (streaming: host memory bounded by a shard; the tokenizer and
     generation config beside the weights), atomically (a temporary folder renamed; an earlier folder of the same
     step is replaced). ``say``: the export's lines on a missing tokenizer or generation config (``print``).
     Returns the folder."""
-    from moeshard.train.commands.export import export_hf
-
     final, tmp = hf_dir / checkpoint.name, hf_dir / f".tmp-{checkpoint.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     say = say or print

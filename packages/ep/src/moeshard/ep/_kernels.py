@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from moeshard.ep._options import GEMMS, KERNEL_TIERS
-from moeshard.ep._torch_internals import foreach_norm, mark_rows_dynamic
+from moeshard.ep._sort import inverse_permutation, sort_by_expert
+from moeshard.ep._squares import read_squares
+from moeshard.ep._torch_internals import mark_rows_dynamic
 
 __all__ = ["ACTIVATIONS", "Kernels", "activation_fn", "compile_rows_dynamic", "kernels_for", "resolve_gemm"]
 
@@ -131,22 +133,9 @@ def weight_grad_sum(parts: list, out_EMK: torch.Tensor, accumulate: bool, square
         read_squares(out_EMK, squares)
 
 
-def check_squares(name: str, squares: torch.Tensor | None) -> None:
-    """Refuse a ``squares`` argument that is not a one-element float32 tensor (or None)."""
-    if squares is not None and (squares.numel() != 1 or squares.dtype != torch.float32):
-        raise ValueError(f"{name}: squares must be a one-element float32 tensor, got {squares.dtype} {squares.shape}")
-
-
-def read_squares(t: torch.Tensor, squares: torch.Tensor) -> None:
-    """``squares = Σ t²`` in float32, by reading ``t`` once (no float32 copy of it)."""
-    squares.copy_(foreach_norm([t], 2.0, dtype=torch.float32)[0].square().reshape(squares.shape))
-
-
 def route(topk_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(order_N, inv_N, counts_E)``: the copies in expert order (stable), its inverse and the copies per expert,
-    by ``torch.sort`` (``moeshard.ep._permute``'s :func:`sort_by_expert` and :func:`inverse_permutation`)."""
-    from moeshard.ep._permute import inverse_permutation, sort_by_expert  # (it imports this module)
-
+    by ``torch.sort`` (``moeshard.ep._sort``'s :func:`sort_by_expert` and :func:`inverse_permutation`)."""
     order_N, counts_E = sort_by_expert(topk_ids_TK, num_experts)
     return order_N, inverse_permutation(order_N), counts_E
 

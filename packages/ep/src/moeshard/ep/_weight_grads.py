@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moeshard.ep._kernels import Kernels, check_squares, read_squares, resolve_gemm
+from moeshard.ep._kernels import Kernels, resolve_gemm
+from moeshard.ep._squares import check_squares, read_squares
 
 __all__ = [
     "Handoff",

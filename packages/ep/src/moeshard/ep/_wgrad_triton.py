@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeshard.ep._kernels import check_squares
+from moeshard.ep._squares import check_squares
 
 __all__ = ["CONFIGS", "MAX_PARTS", "TMA_CONFIGS", "grouped_weight_grad", "grouped_weight_grad_parts"]
 

@@ -31,6 +31,7 @@ import time
 import uuid
 from pathlib import Path
 
+from moeshard.train.config import check_layout, load_config
 from moeshard.train.errors import ArgumentParser
 
 GRACE_S = 60.0  # after one agent fails, how long the others get to notice and stop
@@ -99,8 +100,6 @@ def check_job(job_args: list[str], nnodes: int, nproc_per_node: int) -> None:
         return
     if any(a in ("-h", "--help") for a in job_args):
         return
-    from moeshard.train.config import check_layout, load_config
-
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--config", default=None)  # training's own option (moeshard.train.__main__)
     args, overrides = parser.parse_known_args(job_args)

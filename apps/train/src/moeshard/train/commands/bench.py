@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from typing import TYPE_CHECKING
 
@@ -54,10 +55,11 @@ from moeshard.train.commands.bench_steps import (
     synthetic_batches,
     timed_steps,
 )
-from moeshard.train.config import JobConfig, gradient_sync, load_config
+from moeshard.train.config import JobConfig, check_layout, gradient_sync, load_config
 from moeshard.train.errors import ArgumentParser
 from moeshard.train.observe.gpu_clock import ClockSampler
 from moeshard.train.observe.metrics import flops_per_token, mfu
+from moeshard.train.run import build, init_distributed
 
 if TYPE_CHECKING:
     from moeshard.train.run import Job
@@ -66,9 +68,6 @@ if TYPE_CHECKING:
 def main(argv: list[str]) -> int:
     """Run the benchmark under torchrun; rank 0 prints the table and writes ``--out``."""
     args, overrides = _parse_args(argv)
-
-    from moeshard.train.run import build, init_distributed
-
     device = init_distributed()
     world = dist.get_world_size()
     cfg = _job_config(args, overrides, world)
@@ -77,7 +76,9 @@ def main(argv: list[str]) -> int:
     args.seq_len, args.ep_size, args.data = cfg.data.seq_len, cfg.parallel.ep_size, cfg.data.path
     args.async_checkpoint = cfg.checkpoint.async_
     torch.manual_seed(0)
-    job = build(cfg, device)
+    # The checks training makes before it builds; the model config they resolve is the one built.
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    job = build(cfg, device, check_layout(cfg, world_size=world, ranks_per_node=per_node).model_config)
     if dist.get_rank() == 0:
         print("\n".join(job.parallel.options.describe()))
     g = torch.Generator().manual_seed(1234 + dist.get_rank())

@@ -15,8 +15,13 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, schedule
 
-from moeshard.data import Batch
+from moeshard.checkpoint import Stager, start_async_save
+from moeshard.data import Batch, PrefetchLoader, StepBatches, open_dataset
+from moeshard.data import DataConfig as Rows
+from moeshard.train import checkpointer
+from moeshard.train.run import train_step
 
 if TYPE_CHECKING:
     from moeshard.train.observe.gpu_clock import ClockSampler
@@ -62,9 +67,6 @@ def _document_ids(seq_len: int, mean: int, g: torch.Generator) -> torch.Tensor:
 
 def real_batches(args: argparse.Namespace, job: Job, world: int, mb: int):
     """The job's loader over ``--data`` for this rank, steps ``[0, --steps)``."""
-    from moeshard.data import DataConfig as Rows
-    from moeshard.data import PrefetchLoader, StepBatches, open_dataset
-
     mc = job.model_config
     data = open_dataset(Rows(path=job.cfg.data.path, seq_len=args.seq_len), vocab_size=mc.vocab_size)
     batches = StepBatches(data, global_batch=args.batch_per_gpu * world, world_size=world, micro_batch=mb)
@@ -86,9 +88,6 @@ class Saves:
     for the earlier save's write, its staging and write times and this rank's write rate."""
 
     def __init__(self, args: argparse.Namespace, job: Job) -> None:
-        from moeshard.checkpoint import Stager
-        from moeshard.train import checkpointer
-
         self.checkpointer, self.job, self.every = checkpointer, job, args.checkpoint_every
         self.dir = Path(args.checkpoint_dir)
         if dist.get_rank() == 0:  # bench's own folder (removed at the end): a crashed run's saves are no baseline
@@ -144,8 +143,6 @@ class Saves:
         if self.group is None:  # the package's own writers, as a run without a fault plan
             saved = self.checkpointer.save_job(self.job, self.dir, step, None, self.stager)
         else:
-            from moeshard.checkpoint import start_async_save
-
             state = self.checkpointer.job_state(self.job, step)
             keep = self.job.cfg.checkpoint.keep_last
             self.pending = start_async_save(
@@ -202,7 +199,6 @@ def timed_steps(
     ``clocks`` samples the GPU's clock and power over the steps after warm-up.
     A save of ``saves`` after a step counts in that step's time.
     """
-    from moeshard.train.run import train_step
 
     def before_update(stats: StepStats) -> None:
         if args.check_finite:
@@ -280,10 +276,6 @@ def profile_step(args: argparse.Namespace, job: Job, batches: Callable[[], list[
     host is near the device's pace it idles where a training loop's steps do not. The warm-up steps run under the
     profiler's warm-up phase (``torch.profiler.schedule``), which records nothing: with one or more, the trace holds
     steady steps only."""
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    from moeshard.train.run import train_step
-
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     if args.trace_gpu_only:
         activities = [ProfilerActivity.CUDA]

@@ -10,8 +10,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from moeshard.fsdp_moe import expert_grad_budget
+from moeshard.ep import kept_factor_elements
+from moeshard.fsdp_moe import expert_grad_budget, kept_factor_ratio
+from moeshard.meshes import build_meshes, fake_process_group
+from moeshard.models.common import parallelize
 from moeshard.train.commands.plan_memory import (
     GiB,
     MemoryEstimate,
@@ -29,16 +33,14 @@ from moeshard.train.config import (
     gradient_sync,
     parallel_options,
 )
+from moeshard.train.families import family_of
+from moeshard.train.observe.comm import estimate_comm_bytes
 
 
 def _kept_factor_ratio(config: Any, tokens: int, micro_batches: int, ep_size: int, dispatch: str) -> float:
     """What a step's kept weight-gradient factors hold over the local experts' gradients, per MoE layer: the EP
     dispatcher's report of one micro-batch's factors (``moeshard.ep.kept_factor_elements``, ``tokens · top_k``
     routed copies per rank) by ``moeshard.fsdp_moe.kept_factor_ratio`` against ``local experts · 3DF``."""
-    from moeshard.ep import kept_factor_elements
-    from moeshard.fsdp_moe import kept_factor_ratio
-    from moeshard.train.families import family_of
-
     facts = family_of(config).facts(config)  # the family's model says its shapes, whatever its config calls them
     d, k, f = facts.hidden_size, facts.top_k, facts.expert_width
     per_micro_batch = kept_factor_elements(dispatch, ep_size, tokens * k, d, f)
@@ -46,8 +48,6 @@ def _kept_factor_ratio(config: Any, tokens: int, micro_batches: int, ep_size: in
 
 
 def _placement(p: Any, expert_meta: Any) -> str:
-    from torch.distributed.tensor import DTensor
-
     parts = []
     if expert_meta is not None:
         parts.append(f"ep:Shard(0)x{expert_meta.ep_size}")
@@ -58,8 +58,6 @@ def _placement(p: Any, expert_meta: Any) -> str:
 
 
 def _local(p: Any) -> torch.Size:
-    from torch.distributed.tensor import DTensor
-
     return p.to_local().shape if isinstance(p, DTensor) else p.shape
 
 
@@ -172,10 +170,6 @@ def _compute_bytes(cfg: JobConfig) -> int:
 
 def _build(cfg: JobConfig, mcfg: Any, nnodes: int, nproc_per_node: int, rank: int, table: bool) -> _Built:
     """Build the job on meta under the fake backend as ``rank`` (the layout already checked)."""
-    from moeshard.meshes import build_meshes, fake_process_group
-    from moeshard.models.common import parallelize
-    from moeshard.train.families import family_of
-
     world = nnodes * nproc_per_node
     _, expert_reshard = parallel_options(cfg).resharding(world)
     lines: list[str] = []
@@ -434,8 +428,6 @@ def comm_estimate(
     cfg: JobConfig, mcfg: Any, world: int, per_node: int, elem: int, once_numel: int, *, uniform_routing: bool = True
 ) -> dict[tuple[str, str], float]:
     """Bytes per optimizer step per rank by ``(kind, link)`` for this job (see :mod:`moeshard.train.observe.comm`)."""
-    from moeshard.train.observe.comm import estimate_comm_bytes
-
     reshard, expert_reshard = parallel_options(cfg).resharding(world)
     return estimate_comm_bytes(
         mcfg,

@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from moeshard.models.common import LOSS_CHUNK_TOKENS
+from moeshard.train.families import family_of
+
 GiB = 2**30
 
 
@@ -67,8 +70,6 @@ def activation_bytes_per_token(
     hidden states and their gradient (its ``[V, D]`` weight gradient and one chunk's logits are
     :func:`loss_head_bytes`).
     """
-    from moeshard.train.families import family_of
-
     facts = family_of(config).facts(config)  # derived from the family's model, whatever its config calls things
     d, e, k, f = facts.hidden_size, facts.num_experts, facts.top_k, facts.expert_width
     attn_elems, mlp_elems = facts.attention_activations, facts.mlp_activations  # the attention, shared experts
@@ -95,8 +96,6 @@ def loss_head_bytes(config: Any, compute_bytes: int, tokens: int, held: bool = F
     which adds its product into the held gradient, and makes no ``[V, D]`` float32 gradient of its own.
     ``over_logits``: the loss kernel writes the gradient over the logits (:func:`loss_head_over_logits`), one
     ``chunk x V`` buffer instead of two."""
-    from moeshard.models.common import LOSS_CHUNK_TOKENS
-
     v, d = config.vocab_size, config.hidden_size
     chunk = (1 if over_logits else 2) * min(LOSS_CHUNK_TOKENS, tokens) * v * compute_bytes
     return chunk if head_adds_in_backward(compute_bytes, tokens, held) else 4 * v * d + chunk
@@ -112,8 +111,6 @@ def loss_head_over_logits(opts: Any, compute_bytes: int) -> bool:
 def head_adds_in_backward(compute_bytes: int, tokens: int, held: bool) -> bool:
     """Whether the loss head's micro-batch keeps its logit gradient and adds its weight-gradient product into the
     float32 gradient FSDP2 holds (see :func:`loss_head_bytes`): bf16 compute, one chunk, a gradient held."""
-    from moeshard.models.common import LOSS_CHUNK_TOKENS
-
     return held and compute_bytes == 2 and tokens <= LOSS_CHUNK_TOKENS
 
 

@@ -12,7 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from moeshard.data import DataError, check_batch_sizes
+from moeshard.meshes import plan_layout
+from moeshard.train.config.load import layout_error_for_config, resolve_model_config
 from moeshard.train.config.parse import ConfigError
+from moeshard.train.families import routed_experts
 
 __all__ = ["CheckedLayout", "check_layout", "check_model_fits"]
 
@@ -33,10 +37,6 @@ def check_layout(cfg: Any, *, world_size: int, ranks_per_node: int) -> CheckedLa
     Raises:
         ConfigError: one message naming the key to change and how.
     """
-    from moeshard.data import DataError, check_batch_sizes
-    from moeshard.meshes import plan_layout
-    from moeshard.train.config.load import layout_error_for_config, resolve_model_config
-
     p, t = cfg.parallel, cfg.train
     try:
         mesh = plan_layout(world_size, ranks_per_node, p.ep_size, allow_cross_node_ep=p.allow_cross_node_ep)
@@ -64,8 +64,6 @@ def check_layout(cfg: Any, *, world_size: int, ranks_per_node: int) -> CheckedLa
 
 def check_model_fits(cfg: Any, model_config: Any) -> None:
     """Raises ConfigError (naming the key to change) when the data or the EP size do not fit the model."""
-    from moeshard.train.families import routed_experts
-
     if cfg.data.seq_len > model_config.max_position_embeddings:
         raise ConfigError(
             f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings "

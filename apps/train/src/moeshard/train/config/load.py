@@ -14,6 +14,7 @@ import moeshard.data
 from moeshard.models.common import SCOPES as AUX_SCOPES
 from moeshard.train.config.parse import ConfigError, keys_of, parse_value, read_config_file, section_from_dict
 from moeshard.train.config.sections import DataConfig, JobConfig
+from moeshard.train.families import family_name, get_family
 
 SCHEDULES = ("cosine", "constant", "wsd")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
@@ -223,8 +224,6 @@ def resolve_model_config(cfg: JobConfig):
     Raises:
         ValueError: an override names a field the config does not have.
     """
-    from moeshard.train.families import family_name, get_family
-
     family = get_family(family_name(cfg.model.family, cfg.model.path))
     if cfg.model.path is not None:
         config = family.load_config(cfg.model.path)

@@ -8,6 +8,7 @@ Unknown keys and wrong types are errors that name the key. The defaults *are* th
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -280,8 +281,6 @@ TABLE_END = "<!-- config-table:end -->"
 def config_table(cfg: JobConfig | None = None) -> str:
     """Every key of the job with its default and meaning as a Markdown table, between :data:`TABLE_BEGIN` and
     :data:`TABLE_END` (the README's table; a test keeps it equal to this)."""
-    import json
-
     rows = [TABLE_BEGIN, "", "| key | default | meaning |", "|---|---|---|"]
     for key, _, default, meaning in describe_keys(cfg or JobConfig()):
         shown = json.dumps(default, default=str) if not dataclasses.is_dataclass(default) else "{...}"

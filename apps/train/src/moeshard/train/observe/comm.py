@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from moeshard.train.families import family_of
+
 
 def a2a_rows_per_token(config: Any, ep_size: int, uniform: bool = True) -> float:
     """Rows one token sends to the other EP ranks: each of its K routed copies whose expert lives elsewhere
     (every dispatch strategy of moeshard.ep sends copies). Expected value under uniform routing, or the upper
     bound (all K elsewhere)."""
-    from moeshard.train.families import family_of
-
     k, p = family_of(config).facts(config).top_k, ep_size
     return k * (p - 1) / p if uniform else float(k)
 
@@ -63,8 +63,6 @@ def estimate_comm_bytes(
     the per-expert row counts (int64) of each forward (the recompute replays them).
     Reduce-scatter is float32, the experts' ``expert_reduce_bytes`` per element.
     """
-    from moeshard.train.families import family_of
-
     facts = family_of(config).facts(config)
     d, moe_layers = facts.hidden_size, facts.moe_layers
     ep_fsdp = world_size // ep_size

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
+from moeshard.train.families import family_of
 from moeshard.train.run import Callback, Job, StepStats
 
 H200_BF16_PEAK_FLOPS = 989e12
@@ -48,8 +50,6 @@ def device_peak_flops(device: torch.device) -> float | None:
 def flops_per_token(config: Any, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward) with causal attention, by the model family's formula (see the
     module docstring; DeepSeek-V3 counts MLA from its real projections)."""
-    from moeshard.train.families import family_of
-
     return family_of(config).flops_per_token(config, seq_len)
 
 
@@ -126,8 +126,6 @@ class ProgressBar(Callback):
     """A tqdm bar with ETA on stderr (rank 0); :meth:`write` prints a line without breaking it."""
 
     def __init__(self, total_steps: int, start_step: int = 0) -> None:
-        from tqdm import tqdm
-
         self.bar = tqdm(
             total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr
         )
@@ -194,6 +192,7 @@ class MetricsLogger(Callback):
             ]
             self.path.write_text("".join(ln + "\n" for ln in kept))
         if self.tensorboard_dir is not None:
+            # Imported here: tensorboard (protobuf) costs every command ~0.5 s of start-up, `--help` included.
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step hides the events an interrupted attempt wrote after the checkpoint we resume from.

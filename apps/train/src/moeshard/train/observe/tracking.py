@@ -11,10 +11,13 @@ TensorBoard, at the same step. A resumed run continues the same tracked run: the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,9 +43,6 @@ def check_available(cfg: JobConfig) -> None:
     Raises:
         JobError: naming the key and the extra to install.
     """
-    import importlib.util
-    import sys
-
     for key, module in _EXTRA.items():
         missing = sys.modules.get(module) is None and importlib.util.find_spec(module) is None
         if getattr(cfg.logging, key) is not None and missing:
@@ -55,8 +55,6 @@ def check_available(cfg: JobConfig) -> None:
 def code_version() -> dict[str, Any]:
     """``{"moeshard_train": version}``, plus ``git_commit`` (and ``git_dirty``) where this code lies in a git
     checkout that tracks it (not a wheel inside some other repository)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         out: dict[str, Any] = {"moeshard_train": version("moeshard-train")}
     except PackageNotFoundError:

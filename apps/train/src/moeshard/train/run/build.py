@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -18,15 +19,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from moeshard.train.config import JobConfig, parallel_options, resolve_model_config
-from moeshard.train.config.layout import check_model_fits
+from moeshard.fsdp_moe import ExpertGradOptions, build_optimizer
+from moeshard.meshes import build_meshes
+from moeshard.models.common import Balancing, BalancingOptions, load_hf_weights, parallelize
+from moeshard.train.config import JobConfig, config_from_dict, parallel_options
+from moeshard.train.families import family_of
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from moeshard.fsdp_moe import OptimizersContainer
     from moeshard.meshes import ParallelMeshes
-    from moeshard.models.common import Balancing, BalancingOptions, Parallelized
+    from moeshard.models.common import Parallelized
 
 
 def init_distributed() -> torch.device:
@@ -39,8 +43,6 @@ def init_distributed() -> torch.device:
         os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            import socket
-
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
@@ -104,8 +106,6 @@ def schedule_change(saved: dict[str, Any], cfg: JobConfig, step: int) -> str | N
     changed = [f"train.{k} {saved.get(k)} -> {now[k]}" for k in SCHEDULE_KEYS if k in saved and saved[k] != now[k]]
     if not changed:
         return None
-    from moeshard.train.config import config_from_dict
-
     try:
         keys = (*SCHEDULE_KEYS, "lr")
         before = lr_at(step, config_from_dict({"train": {k: saved[k] for k in keys if k in saved}}))
@@ -129,8 +129,6 @@ def aux_loss_coef(cfg: JobConfig, model_config: PretrainedConfig) -> float:
 def balancing_options(cfg: JobConfig, model_config: PretrainedConfig) -> BalancingOptions:
     """The ``moeshard.models.common.BalancingOptions`` of ``train.aux_loss``, ``train.z_loss_coef`` and
     ``train.router_bias``."""
-    from moeshard.models.common import BalancingOptions
-
     t = cfg.train
     return BalancingOptions(
         aux_loss_coef=aux_loss_coef(cfg, model_config),
@@ -158,21 +156,18 @@ class Job:
     balancing: Balancing  # aux loss, z-loss, router-bias updates
 
 
-def build(cfg: JobConfig, device: torch.device) -> Job:
+def build(cfg: JobConfig, device: torch.device, model_config: PretrainedConfig) -> Job:
     """Compose the packages into a ready-to-train model and optimizer (weights loaded or initialised).
 
-    Raises:
-        ValueError: the layout or the data do not fit the model (see :func:`check_model_fits`).
-    """
-    from moeshard.fsdp_moe import ExpertGradOptions, build_optimizer
-    from moeshard.meshes import build_meshes
-    from moeshard.models.common import Balancing, load_hf_weights, parallelize
-    from moeshard.train.families import family_of
+    Args:
+        model_config: the model config :func:`moeshard.train.config.check_layout` resolved and checked against
+            ``cfg`` (``run.prepare`` hands it on as ``Prepared.model_config``); it is not resolved again here.
 
+    Raises:
+        ValueError: a weights file under ``model.path`` cannot be read.
+    """
     p, t = cfg.parallel, cfg.train
     meshes = build_meshes(p.ep_size, device_type=device.type, allow_cross_node_ep=p.allow_cross_node_ep)
-    model_config = resolve_model_config(cfg)
-    check_model_fits(cfg, model_config)
     with torch.device("meta"):
         model = family_of(model_config).model_class(model_config)  # model.family's causal LM
     parallel = parallelize(model, meshes, parallel_options(cfg))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from moeshard.data import EvalBatches
+from moeshard.models.common import evaluate
 from moeshard.train.run import Callback, Job, StepStats
 
 
@@ -57,8 +58,6 @@ class Evaluator(Callback):
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """Evaluate now (collective: every rank calls it) and log the record on rank 0; returns it."""
-        from moeshard.models.common import evaluate
-
         start = time.perf_counter()
         result = evaluate(self.job.model, self.batches.rank_batches(self.rank), device=self.job.device)
         record = {

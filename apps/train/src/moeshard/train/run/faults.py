@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import StorageWriter
+from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
 
+from moeshard.checkpoint import SaveOptions
 from moeshard.train.run import Callback, StepStats
 
 ENV = "MOESHARD_FAULT"
@@ -123,10 +124,6 @@ class Faults:
     def storage_writer(self, path: Path, step: int) -> StorageWriter:
         """The DCP storage writer for a checkpoint of ``step`` (a save's ``writer_factory``):
         ``moeshard.checkpoint``'s own (``SaveOptions().writer``) unless a fault is due during that save."""
-        from torch.distributed.checkpoint import FileSystemWriter
-
-        from moeshard.checkpoint import SaveOptions
-
         options = SaveOptions()
         due = [f for f in self.faults if f.where == "during_save" and f.step == step]
         if not due:

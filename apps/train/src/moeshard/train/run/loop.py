@@ -1,5 +1,5 @@
 """The step loop: :func:`run` over ``(step, micro_batches)`` with :class:`Callback` hooks (timing, fault injection,
-communication accounting, metrics, the progress bar and checkpoints are callbacks, see ``moeshard.train.run.job``).
+communication accounting, metrics, the progress bar and checkpoints are callbacks, see ``moeshard.train.job``).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moeshard.train.families import family_of
+
 if TYPE_CHECKING:
     import torch
 
@@ -44,8 +46,6 @@ def startup_block(
 ) -> str:
     """The block's lines (label, then text), aligned; parameter counts come from the family
     (``ModelFamily.count_parameters``)."""
-    from moeshard.train.families import family_of
-
     family = family_of(model_config)
     m = cfg.model
     if m.path is not None:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from moeshard.data import Batch
+from moeshard.fsdp_moe import num_items_for_global_mean
 from moeshard.train.config import gradient_sync
 from moeshard.train.run.build import Job
 
@@ -123,8 +124,6 @@ def train_step(
             reads the stats there; an exception leaves the parameters unchanged).
         stop_requested: this rank's vote to stop after this step, counted in ``StepStats.stop_votes``.
     """
-    from moeshard.fsdp_moe import num_items_for_global_mean
-
     model, world, balancing = job.model, dist.get_world_size(), job.balancing
     lr = job.optimizer.param_groups[0]["lr"]
     job.optimizer.zero_grad(set_to_none=True)

@@ -33,10 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeshard.models.common._expert_load import GlobalExpertCounts, expert_counts, weighted_counts
+from moeshard.models.common._expert_load import GlobalExpertCounts, expert_counts
 from moeshard.models.common._moe import routers
 from moeshard.models.common._sequence_balance import sequence_balancing_loss, sequence_rows
 from moeshard.models.common._topk import kernel_takes
+from moeshard.models.common._weighted_counts import weighted_counts
 
 __all__ = [
     "SCOPES",

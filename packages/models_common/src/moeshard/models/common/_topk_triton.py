@@ -24,10 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moeshard.models.common._expert_load import COUNT_LANES
 from moeshard.models.common._topk import KERNEL_MAX_EXPERTS as MAX_EXPERTS
 from moeshard.models.common._topk import KERNEL_MAX_TOP_K as MAX_TOP_K
 from moeshard.models.common._topk import kernel_takes
+from moeshard.models.common._weighted_counts import COUNT_LANES
 
 __all__ = ["MAX_EXPERTS", "MAX_TOP_K", "topk_counts", "topk_ids", "topk_ids_op"]
 

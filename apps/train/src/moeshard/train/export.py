@@ -21,9 +21,13 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from transformers import GenerationConfig
 
 from moeshard import checkpoint as ckpt
-from moeshard.train.config import JobConfig, config_from_dict
+from moeshard.models.common import stream_hf_weights
+from moeshard.train.config import JobConfig, config_from_dict, resolve_model_config
+from moeshard.train.families import family_of, get_family
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -85,15 +89,11 @@ class _Run:
     tensors' metadata, the Hub folder the weights started from and the tokenizer folder."""
 
     def __init__(self, src: Path) -> None:
-        from moeshard.train.config import resolve_model_config
-
         ckpt.read_marker(src)
         extra = ckpt.read_extra(src)  # JSON (or an older checkpoint's extra.pt, weights_only)
         self.cfg: JobConfig | None = config_from_dict(extra["config"]) if "config" in extra else None
         # The model config saved with the checkpoint: the run's model.path may be gone by now.
         if "model_config" in extra:  # the family from its model_type (runs of 0.3 and earlier: Qwen3-MoE)
-            from moeshard.train.families import get_family
-
             family = get_family(extra["model_config"].get("model_type", "qwen3_moe"))
             self.model_config = family.hf_format.config_class.from_dict(extra["model_config"])
         elif self.cfg is not None:
@@ -126,8 +126,6 @@ def load_full_model(checkpoint: str | Path):
     Raises:
         ValueError: ``checkpoint`` is not a complete moeshard-train checkpoint.
     """
-    from moeshard.train.families import family_of
-
     src = Path(checkpoint)
     run = _Run(src)
     model = family_of(run.model_config).model_class(run.model_config)
@@ -167,11 +165,6 @@ def export_hf(
         ValueError: ``checkpoint`` is not a complete checkpoint (or records no model config), ``out`` exists and is
             not empty, a bad dtype.
     """
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from moeshard.models.common import stream_hf_weights
-    from moeshard.train.families import family_of
-
     dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "keep": None}
     if dtype not in dtypes:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(dtypes)}")
@@ -244,7 +237,5 @@ def _add_generation_config(folder: Path, model_config: Any, model_path: str | No
             "no generation_config.json: the model config sets no bos/eos/pad token id; set them "
             "(--model.overrides.eos_token_id=N) or add the file"
         )
-    from transformers import GenerationConfig
-
     GenerationConfig(**{k: v for k, v in ids.items() if v is not None}).save_pretrained(folder)
     return None

@@ -1,5 +1,6 @@
-"""One training run: checks -> process group -> output-directory lock -> build -> resume -> the step loop with its
-callbacks -> summary. SIGTERM / SIGUSR1 end the loop after a saved step (``moeshard.train.cluster.preemption``).
+"""One training run, each stage handing its result to the next: ``prepare(cfg)`` (the checks; the model config is
+resolved once, there) -> process group -> output-directory lock -> ``build(cfg, device, prep.model_config)`` ->
+resume -> ``run(job, ...)``, the step loop with its callbacks -> summary. SIGTERM / SIGUSR1 end the loop after a saved step (``moeshard.train.cluster.preemption``).
 
     torchrun --nproc-per-node 4 -m moeshard.train --config apps/train/configs/default.yaml
 
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from moeshard import checkpoint as ckpt
 from moeshard.data import PrefetchLoader
@@ -103,7 +105,7 @@ def _build_and_resume(cfg: JobConfig, prep: Prepared, device: torch.device) -> t
     """The built job and the steps it has taken (a resume loads its checkpoint)."""
     try:
         torch.manual_seed(cfg.train.seed)
-        job = build(cfg, device)
+        job = build(cfg, device, prep.model_config)  # resolved and checked once, by prepare's check_layout
         print0(startup_block(cfg, job.model_config, job.meshes, prep.ranks_per_node, prep.data, device, prep.ckpt_dir))
         print0(job.meshes.describe())
         start_step = 0
@@ -237,6 +239,4 @@ def _open_trackers(cfg: JobConfig, output_dir: Path) -> tuple[Any, ...]:
 
 
 def _yaml(cfg: JobConfig) -> str:
-    import yaml
-
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
