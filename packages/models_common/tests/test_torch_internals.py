@@ -4,8 +4,13 @@ line naming torch's version and that internal, which is this test's failure mess
 
 from __future__ import annotations
 
+import inspect
+import re
+
+import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -22,3 +27,53 @@ def test_every_internal_is_where_it_is_read():
         assert ti.shard_offset(param) == (5, 0)
     (a, b) = ti.foreach_mul([torch.ones(2), torch.full((3,), 2.0)], torch.tensor(1.5))
     assert torch.equal(a, torch.full((2,), 1.5)) and torch.equal(b, torch.full((3,), 3.0))
+
+
+def test_the_attention_kernels_match_scaled_dot_product_attention():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    grad_out = torch.randn_like(expected)
+    expected.backward(grad_out)
+    out, lse = ti.causal_attention_cpu(q.detach(), k.detach(), v.detach(), 0.3)
+    torch.testing.assert_close(out, expected.detach())
+    assert lse.shape == (2, 3, 5)
+    grads = ti.causal_attention_cpu_backward(grad_out, q.detach(), k.detach(), v.detach(), out, lse, 0.3)
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got, want)
+    if not torch.cuda.is_available():
+        return
+    q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in (q, k, v))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    expected.backward(grad_out.to(expected))
+    out, lse, seed, offset = ti.causal_attention_cudnn(q.detach(), k.detach(), v.detach(), 0.3)
+    torch.testing.assert_close(out, expected.detach(), rtol=2e-2, atol=2e-2)
+    grads = ti.causal_attention_cudnn_backward(
+        grad_out.to(out), q.detach(), k.detach(), v.detach(), out, lse, seed, offset, 0.3
+    )
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("fn", "op"),
+    [
+        ("causal_attention_cpu", "_scaled_dot_product_flash_attention_for_cpu"),
+        ("causal_attention_cpu_backward", "_scaled_dot_product_flash_attention_for_cpu_backward"),
+        ("causal_attention_cudnn", "_scaled_dot_product_cudnn_attention"),
+        ("causal_attention_cudnn_backward", "_scaled_dot_product_cudnn_attention_backward"),
+    ],
+)
+def test_a_moved_attention_kernel_is_named_with_torchs_version(monkeypatch, fn, op):
+    class Gone:  # torch.ops.aten of a torch that dropped the op
+        def __getattr__(self, name):
+            if name == op:
+                raise AttributeError(name)
+            return getattr(torch.ops.aten, name)
+
+    monkeypatch.setattr(torch.ops, "aten", Gone())
+    line = rf"^torch {re.escape(torch.__version__)}: torch\.ops\.aten no longer has {op} "
+    line += rf"\(used by moeshard\.models\.common\._torch_internals\.{fn}\)$"
+    x = torch.zeros(1, 1, 2, 2)
+    with pytest.raises(RuntimeError, match=line):
+        getattr(ti, fn)(*[x] * (len(inspect.signature(getattr(ti, fn)).parameters) - 1), 1.0)

@@ -28,6 +28,7 @@ import yaml
 
 from moeshard.checkpoint import CheckpointError, describe_failure
 from moeshard.data import DataError, ExitStatus, prepare_command, print_error
+from moeshard.train._torch_internals import default_store
 from moeshard.train.cluster.launch_local import main as launch_main
 from moeshard.train.cluster.preemption import EXIT_STATUS
 from moeshard.train.commands.bench import main as bench_main
@@ -261,7 +262,7 @@ def _job_store() -> object | None:
             return dist.TCPStore(host, port, is_master=False, timeout=wait, wait_for_workers=False)
         if not dist.is_initialized():
             return None
-        store = dist.distributed_c10d._get_default_store()  # torch has no public accessor for the job's store
+        store = default_store()
         store.set_timeout(wait)
         return store
     except Exception:  # noqa: BLE001 - no store: the caller prints

@@ -26,6 +26,7 @@ import yaml
 
 from moeshard import checkpoint as ckpt
 from moeshard.data import PrefetchLoader
+from moeshard.train._torch_internals import default_store
 from moeshard.train.checkpointer import Checkpointer, resume_job
 from moeshard.train.cluster import preemption
 from moeshard.train.cluster.preemption import StopOnSignal
@@ -74,7 +75,7 @@ class Heartbeat(Callback):
 
 
 def _watchdog(cfg: JobConfig) -> ckpt.HangWatchdog:
-    store = dist.distributed_c10d._get_default_store()  # torch has no public accessor for the job's store
+    store = default_store()
     t = cfg.train
     return ckpt.HangWatchdog(t.timeout_s, init_timeout_s=t.init_timeout_s, store=store, key="train.timeout_s")
 

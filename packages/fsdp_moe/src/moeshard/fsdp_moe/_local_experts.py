@@ -209,7 +209,7 @@ class LocalExperts:
             n = self.options.micro_batches
             budget = None
             if n > 1:
-                grad_elements = sum(p._local_tensor.numel() for p in self._compute_params())
+                grad_elements = sum(local_tensor(p).numel() for p in self._compute_params())
                 ratio = None if self._expected is None else kept_factor_ratio(self._expected, n, grad_elements)
                 budget = expert_grad_budget(self.options.mode, ratio, self.options.budget)
             self._step_budget = budget

@@ -29,8 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-
+from moeshard.train._torch_internals import TorchDispatchMode, op_argument_names, resolve_process_group
 from moeshard.train.run import Callback, StepStats
 
 # Op name (c10d and _c10d_functional) -> kind. Ops not listed (barrier, wait_tensor, ...) move no data to count.
@@ -138,7 +137,7 @@ class CommAccounting(TorchDispatchMode):
         kwargs = kwargs or {}
         kind = _OPS.get(func._opname) if func.namespace in ("c10d", "_c10d_functional") else None
         if kind is not None and not self._paused:
-            named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+            named = dict(zip(op_argument_names(func), args)) | kwargs
             try:
                 self._count(kind, named)
             except Exception:  # noqa: BLE001 - accounting must never break the collective itself
@@ -150,7 +149,7 @@ class CommAccounting(TorchDispatchMode):
         if "process_group" in a:  # c10d ops: the ProcessGroup as a script object
             pg = dist.ProcessGroup.unbox(a["process_group"])
         else:  # functional collectives: the group's name
-            pg = dist.distributed_c10d._resolve_process_group(a["group_name"])
+            pg = resolve_process_group(a["group_name"])
         key = str(pg.group_name)
         if key not in self._groups:
             ranks = dist.get_process_group_ranks(pg)

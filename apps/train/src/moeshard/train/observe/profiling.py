@@ -6,7 +6,7 @@ Each rank writes ``<output_dir>/profile/steps_A-B_rank_RRRRR.pt.trace.json.gz``:
 and (on CUDA) the kernels of those steps, checkpoint saves left out. Open it in https://ui.perfetto.dev (or
 ``chrome://tracing``), or ``tensorboard --logdir <output_dir>/profile`` with the torch-tb-profiler plugin. With
 ``memory: true`` on CUDA each rank also writes ``memory_steps_A-B_rank_RRRRR.pickle``, the allocator's history over
-those steps (``torch.cuda.memory._record_memory_history``): drop it on https://pytorch.org/memory_viz.
+those steps: drop it on https://pytorch.org/memory_viz.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from moeshard.train._torch_internals import dump_memory_snapshot, record_memory_history, stop_memory_history
 from moeshard.train.config import ProfileConfig
 from moeshard.train.run import Callback, StepStats
 
@@ -53,7 +54,7 @@ class Profiler(Callback):
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         if self.memory:
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+            record_memory_history(max_entries=1_000_000)
         self._prof = torch.profiler.profile(activities=activities, record_shapes=True)
         self._prof.start()
 
@@ -75,8 +76,8 @@ class Profiler(Callback):
         prof.export_chrome_trace(str(self.trace))
         written = [self.trace.name]
         if self.memory:
-            torch.cuda.memory._dump_snapshot(str(self.snapshot))
-            torch.cuda.memory._record_memory_history(enabled=None)
+            dump_memory_snapshot(str(self.snapshot))
+            stop_memory_history()
             written.append(self.snapshot.name)
         if self.console is not None:
             self.console(

@@ -33,6 +33,12 @@ import torch
 
 from moeshard.models.common._fa4 import fa4_applies, fa4_backward, fa4_forward, fa4_unavailable
 from moeshard.models.common._topk import row_topk
+from moeshard.models.common._torch_internals import (
+    causal_attention_cpu,
+    causal_attention_cpu_backward,
+    causal_attention_cudnn,
+    causal_attention_cudnn_backward,
+)
 
 __all__ = [
     "KEPT_ATTENTION",
@@ -209,11 +215,8 @@ def kept_attention_applies(
 def _compute(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
     """``(out, logsumexp, philox seed, philox offset)`` of the causal attention, by the kernel SDPA picks."""
     if q.device.type == "cuda":
-        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, True, False, scale=scale
-        )
-        return out, lse, seed, offset
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        return causal_attention_cudnn(q, k, v, scale)
+    out, lse = causal_attention_cpu(q, k, v, scale)
     empty = torch.empty(0, dtype=torch.int64, device=q.device)
     return out, lse, empty, empty.clone()
 
@@ -258,14 +261,9 @@ def _backward(ctx, grad_out, *_):
     if grad_out is None:
         return None, None, None, None
     if q.device.type == "cuda":
-        s_q, s_k = q.shape[-2], k.shape[-2]
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            grad_out, q, k, v, out, lse, seed, offset, None, None, None, s_q, s_k, 0.0, True, scale=ctx.scale
-        )
+        dq, dk, dv = causal_attention_cudnn_backward(grad_out, q, k, v, out, lse, seed, offset, ctx.scale)
     else:
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, True, scale=ctx.scale
-        )
+        dq, dk, dv = causal_attention_cpu_backward(grad_out, q, k, v, out, lse, ctx.scale)
     return dq, dk, dv, None
 
 

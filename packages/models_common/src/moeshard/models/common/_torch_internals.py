@@ -1,5 +1,4 @@
-"""Every private part of torch this package reads outside attention kernels, in one place, each behind a small
-named function.
+"""Every private part of torch this package reads, in one place, each behind a small named function.
 
 A torch release may rename or drop any of these without notice. Each function here checks that what it reads is
 still there and otherwise raises one ``RuntimeError`` naming the installed torch, the internal that moved and the
@@ -12,6 +11,11 @@ Why each private access remains (torch 2.11-2.15 offer no public way to do the s
   checkpoint reads exactly that box.
 - :func:`foreach_mul`: ``torch._foreach_mul``, products of a list of tensors by one factor in one vectorised kernel
   per dtype (what ``torch.nn.utils.clip_grad_norm_`` calls).
+- :func:`causal_attention_cpu` / :func:`causal_attention_cpu_backward` and :func:`causal_attention_cudnn` /
+  :func:`causal_attention_cudnn_backward`: ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and
+  ``_scaled_dot_product_cudnn_attention`` with their backward ops, the kernels behind
+  ``F.scaled_dot_product_attention``. The public function returns the output only; the kept attention needs the
+  log-sum-exp (and cuDNN's random state) to run the backward from a kept output without computing it again.
 """
 
 from __future__ import annotations
@@ -21,7 +25,14 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["foreach_mul", "shard_offset"]
+__all__ = [
+    "causal_attention_cpu",
+    "causal_attention_cpu_backward",
+    "causal_attention_cudnn",
+    "causal_attention_cudnn_backward",
+    "foreach_mul",
+    "shard_offset",
+]
 
 
 def _moved(what: str, used_by: str) -> RuntimeError:
@@ -47,3 +58,62 @@ def foreach_mul(tensors: Sequence[torch.Tensor], factor: torch.Tensor | float) -
     if fn is None:
         raise _moved("torch no longer has _foreach_mul", "foreach_mul")
     return list(fn(list(tensors), factor))
+
+
+def _aten(name: str, used_by: str):
+    op = getattr(torch.ops.aten, name, None)
+    if op is None:
+        raise _moved(f"torch.ops.aten no longer has {name}", used_by)
+    return op
+
+
+def causal_attention_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, logsumexp)`` of causal attention over ``[B, H, S, D]`` tensors by the CPU flash kernel, no dropout."""
+    op = _aten("_scaled_dot_product_flash_attention_for_cpu", "causal_attention_cpu")
+    out, lse = op(q, k, v, 0.0, True, scale=scale)
+    return out, lse
+
+
+def causal_attention_cpu_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`causal_attention_cpu` from its outputs and the output's gradient."""
+    op = _aten("_scaled_dot_product_flash_attention_for_cpu_backward", "causal_attention_cpu_backward")
+    dq, dk, dv = op(grad_out, q, k, v, out, lse, 0.0, True, scale=scale)
+    return dq, dk, dv
+
+
+def causal_attention_cudnn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, logsumexp, philox seed, philox offset)`` of causal attention over ``[B, H, S, D]`` CUDA tensors by
+    cuDNN's kernel, no dropout."""
+    op = _aten("_scaled_dot_product_cudnn_attention", "causal_attention_cudnn")
+    out, lse, _, _, _, _, seed, offset, _ = op(q, k, v, None, True, 0.0, True, False, scale=scale)
+    return out, lse, seed, offset
+
+
+def causal_attention_cudnn_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`causal_attention_cudnn` from its outputs and the output's gradient."""
+    op = _aten("_scaled_dot_product_cudnn_attention_backward", "causal_attention_cudnn_backward")
+    s_q, s_k = q.shape[-2], k.shape[-2]
+    dq, dk, dv = op(grad_out, q, k, v, out, lse, seed, offset, None, None, None, s_q, s_k, 0.0, True, scale=scale)
+    return dq, dk, dv

@@ -22,6 +22,7 @@ from moeshard.models.common._family import ModelFamily
 from moeshard.models.common._hf_load import HFFormat
 from moeshard.models.common._layers import AttentionOptions, apply_rotary, attend, attention_output
 from moeshard.models.common._moe import Experts, MoEBlock, TopKRouter
+from moeshard.models.common._torch_internals import causal_attention_cpu, causal_attention_cpu_backward
 
 __all__ = [
     "DOCUMENT_LENGTHS",
@@ -202,9 +203,7 @@ class _ReferenceFA4:
     def _flash_attn_fwd(self, q, k, v, *, softmax_scale, causal, return_lse, out, lse):
         b, s, h, _ = q.shape
         assert causal and return_lse and out.shape == (b, s, h, v.shape[-1]) and lse.shape == (b, h, s)
-        o, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, True, scale=softmax_scale
-        )
+        o, logsumexp = causal_attention_cpu(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale)
         out.copy_(o.transpose(1, 2))
         lse.copy_(logsumexp)
         self.calls["forward"] += 1
@@ -213,9 +212,7 @@ class _ReferenceFA4:
     def _flash_attn_bwd(self, q, k, v, out, dout, lse, *, softmax_scale, causal, dq, dk, dv):
         assert causal
         bhsd = (t.transpose(1, 2) for t in (dout, q, k, v, out))
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            *bhsd, lse, 0.0, True, scale=softmax_scale
-        )
+        grads = causal_attention_cpu_backward(*bhsd, lse, softmax_scale)
         for into, g in zip((dq, dk, dv), grads):
             into.copy_(g.transpose(1, 2))
         self.calls["backward"] += 1
