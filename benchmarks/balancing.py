@@ -54,7 +54,8 @@ COLORS = {"none": "#d62728", "aux micro_batch": "#1f77b4", "aux global_batch": "
 def skewed_model(path: Path, seq_len: int = 32, layers: int = 2) -> Path:
     """A tiny random Qwen3-MoE Hub folder whose routers send nearly every token to experts 0 and 1."""
     from moeshard.data import DataConfig, open_dataset
-    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, get_preset_config, routers
+    from moeshard.models.common import routers
+    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, get_preset_config
 
     config = get_preset_config("tiny", num_hidden_layers=layers)
     torch.manual_seed(0)

@@ -58,7 +58,8 @@ def build(args: argparse.Namespace, device: torch.device):
     """The sharded model, its FSDP stages, the optimizer and the vocab size."""
     from moeshard.fsdp_moe import build_optimizer
     from moeshard.meshes import build_meshes
-    from moeshard.models.qwen3moe import ParallelOptions, Qwen3MoeForCausalLM, get_preset_config, parallelize
+    from moeshard.models.common import ParallelOptions, parallelize
+    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, get_preset_config
 
     meshes = build_meshes(args.ep_size, device_type=device.type)
     config = get_preset_config(args.preset, num_hidden_layers=args.layers)

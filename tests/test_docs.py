@@ -97,11 +97,11 @@ def test_contracts_name_no_package_that_does_not_exist():
 
 
 def test_the_contract_check_names_each_difference():
-    text = "## moeshard.meshes\nOwns: meshes.\n\n" + names_line("moeshard.meshes").replace("`plan_layout`, ", "")
+    text = "## moeshard.meshes\nOwns: meshes.\n\n" + names_line("moeshard.meshes").replace("`build_meshes`, ", "")
     text = text.replace("`MeshAxis`", "`MeshAxis`, `gone_name`")
     problems = contract_problems(text, "moeshard.meshes")
     assert len(problems) == 2
-    assert "`plan_layout` is in moeshard.meshes.__all__ but not in the doc: add it" in problems[0]
+    assert "`build_meshes` is in moeshard.meshes.__all__ but not in the doc: add it" in problems[0]
     assert "`gone_name` is listed but moeshard.meshes.__all__ does not export it: remove it" in problems[1]
     assert "is missing: add it" in contract_problems("## moeshard.ep\n", "moeshard.meshes")[0]
 

@@ -7,7 +7,8 @@ import torch
 from moeshard.ep import EPOptions, LocalDispatch, OverlappedDispatch, apply_ep
 from moeshard.ep.testing import reference_routed_experts
 from moeshard.meshes import build_meshes, fake_process_group
-from moeshard.models.qwen3moe import Experts, Qwen3MoeForCausalLM, get_preset_config
+from moeshard.models.common import Experts
+from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, get_preset_config
 
 
 def _experts(model):

@@ -91,12 +91,8 @@ def _run(path, config, force, optim):
     from moeshard.fsdp_moe import build_optimizer, num_items_for_global_mean, shard_model, split_master
     from moeshard.fsdp_moe.testing import full_tensors
     from moeshard.meshes import build_meshes
-    from moeshard.models.qwen3moe import (
-        Qwen3MoeForCausalLM,
-        apply_activation_checkpointing,
-        load_hf_config,
-        load_hf_weights,
-    )
+    from moeshard.models.common import apply_activation_checkpointing, load_hf_weights
+    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, load_hf_config
     from moeshard.prefetch import apply_schedule, build_schedule
 
     dtype, ac, weights = CONFIGS[config]

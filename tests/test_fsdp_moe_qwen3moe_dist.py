@@ -92,12 +92,8 @@ def _build(path, ep_size, foreach=False, checkpointing=False, **build_kwargs):
     from moeshard.ep import apply_ep
     from moeshard.fsdp_moe import OptimizersContainer, build_optimizer, shard_model
     from moeshard.meshes import build_meshes
-    from moeshard.models.qwen3moe import (
-        Qwen3MoeForCausalLM,
-        apply_activation_checkpointing,
-        load_hf_config,
-        load_hf_weights,
-    )
+    from moeshard.models.common import apply_activation_checkpointing, load_hf_weights
+    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, load_hf_config
 
     meshes = build_meshes(ep_size=ep_size, allow_cross_node_ep=True)  # EP 4 spans the two 2-rank nodes
     with torch.device("meta"):

@@ -216,7 +216,7 @@ SMOKE = {
     ),
     "moeshard-qwen3moe[parallel]": (
         "import moeshard.fsdp_moe, moeshard.meshes, moeshard.prefetch; "
-        "from moeshard.models.qwen3moe import ParallelOptions, parallelize; assert callable(parallelize)"
+        "from moeshard.models.common import ParallelOptions, parallelize; assert callable(parallelize)"
     ),
     "moeshard-models-common": (
         "import torch; from moeshard.models.common import linear_cross_entropy; "

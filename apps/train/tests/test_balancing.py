@@ -83,7 +83,7 @@ def test_balancing_loss_per_scope_without_ranks(runs, scope):
 
 def _one_step(scope: str) -> dict:
     from moeshard.data import DataConfig, StepBatches, open_dataset
-    from moeshard.models.qwen3moe import expert_counts, global_balancing_loss, load_balancing_loss
+    from moeshard.models.common import expert_counts, global_balancing_loss, load_balancing_loss
     from moeshard.train.config import load_config, resolve_model_config
     from moeshard.train.run import build, init_distributed, train_step
 

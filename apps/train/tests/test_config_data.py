@@ -168,7 +168,7 @@ def test_a_path_on_the_command_line_replaces_the_files_preset():
 
 def test_parallel_options_map_the_config_keys():
     from moeshard.ep import EPOptions
-    from moeshard.models.qwen3moe import ParallelOptions
+    from moeshard.models.common import ParallelOptions
     from moeshard.train.config import parallel_options
 
     assert parallel_options(JobConfig()) == ParallelOptions()  # the defaults are the package's

@@ -312,7 +312,7 @@ BALANCING = [
 def _eval_runs(paths: dict) -> dict:
     import torch.distributed as dist
 
-    from moeshard.models.qwen3moe import routers
+    from moeshard.models.common import routers
     from moeshard.train.job import run_job as run
 
     evaluated = [*BALANCING, f"--eval.path={paths['b']}"]

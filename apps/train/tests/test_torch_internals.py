@@ -72,16 +72,12 @@ def test_a_moved_internal_is_named_with_torchs_version(monkeypatch):
 
     with pytest.raises(RuntimeError, match=_moved("Stand no longer has _schema", "op_argument_names")):
         ti.op_argument_names(Stand())
+    c10d = "torch.distributed.distributed_c10d no longer has"
     monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
-    with pytest.raises(
-        RuntimeError, match=_moved("torch.distributed.distributed_c10d no longer has _get_default_store", "default_store")
-    ):
+    with pytest.raises(RuntimeError, match=_moved(f"{c10d} _get_default_store", "default_store")):
         ti.default_store()
     monkeypatch.delattr(dist.distributed_c10d, "_resolve_process_group")
-    with pytest.raises(
-        RuntimeError,
-        match=_moved("torch.distributed.distributed_c10d no longer has _resolve_process_group", "resolve_process_group"),
-    ):
+    with pytest.raises(RuntimeError, match=_moved(f"{c10d} _resolve_process_group", "resolve_process_group")):
         ti.resolve_process_group("0")
     monkeypatch.delattr(torch.cuda.memory, "_record_memory_history")
     monkeypatch.delattr(torch.cuda.memory, "_dump_snapshot")
@@ -89,9 +85,7 @@ def test_a_moved_internal_is_named_with_torchs_version(monkeypatch):
         (lambda: ti.record_memory_history(max_entries=1), "record_memory_history"),
         (ti.stop_memory_history, "stop_memory_history"),
     ):
-        with pytest.raises(
-            RuntimeError, match=_moved("torch.cuda.memory no longer has _record_memory_history", name)
-        ):
+        with pytest.raises(RuntimeError, match=_moved("torch.cuda.memory no longer has _record_memory_history", name)):
             fn()
     with pytest.raises(
         RuntimeError, match=_moved("torch.cuda.memory no longer has _dump_snapshot", "dump_memory_snapshot")

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from moeshard.data import ExitStatus, main
+from moeshard.data import ExitStatus
+from moeshard.data._cli import main
 
 PREFIX = "moeshard.data: error: "
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeshard.data import IGNORE_INDEX, DataConfig, DataError, EvalBatches, StepBatches, open_dataset
+from moeshard.data import DataConfig, DataError, EvalBatches, StepBatches, open_dataset
+from moeshard.data._packing import IGNORE_INDEX
 
 
 @pytest.fixture

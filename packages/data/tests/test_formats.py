@@ -11,7 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from moeshard.data import DataConfig, DataError, main, open_dataset, prepare
+from moeshard.data import DataConfig, DataError, open_dataset, prepare
+from moeshard.data._cli import main
 from moeshard.data._format import shard_file
 from moeshard.data._inputs import InputFile, Schema, plan_units
 from moeshard.data._tokenize import EncodeOptions, load_tokenizer

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeshard.data import DataConfig, StepBatches, document_causal_mask, open_dataset, prepare
+from moeshard.data import DataConfig, StepBatches, open_dataset, prepare
+from moeshard.data._packing import document_causal_mask
 
 transformers = pytest.importorskip("transformers")
 V, E, S = 64, 1, 16

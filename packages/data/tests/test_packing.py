@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from moeshard.data import DataConfig, StepBatches, document_causal_mask, open_dataset
+from moeshard.data import DataConfig, StepBatches, open_dataset
 from moeshard.data._format import TokenStore
-from moeshard.data._packing import collate, pack_window
+from moeshard.data._packing import collate, document_causal_mask, pack_window
 
 E = 99  # EOS in these tests
 

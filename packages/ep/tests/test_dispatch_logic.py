@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from moeshard.ep import EPOptions, routed_experts
+from moeshard.ep import EPOptions
+from moeshard.ep._dispatch import routed_experts
 from moeshard.ep._kernels import kernels_for
 from moeshard.ep._permute import (
     combine,

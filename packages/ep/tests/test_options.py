@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from moeshard.ep import EPOptions, LocalDispatch, apply_ep, make_dispatch
+from moeshard.ep import EPOptions, LocalDispatch, apply_ep
 from moeshard.ep import _kernels as k
+from moeshard.ep._dispatch import make_dispatch
 from moeshard.ep.testing import ToyMoE, count_host_syncs, toy_plan
 
 # T tokens, K top-k, D hidden, E experts, F expert width
@@ -123,4 +124,4 @@ def test_a_distributed_strategy_refuses_ep_size_one(strategy):
 
     with pytest.raises(ValueError, match=f"{strategy} runs over an EP group of 2 or more ranks.*make_dispatch"):
         getattr(ep, strategy)(8)
-    assert isinstance(ep.make_dispatch(8, None), ep.LocalDispatch)
+    assert isinstance(make_dispatch(8, None), ep.LocalDispatch)

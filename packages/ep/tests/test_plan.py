@@ -13,11 +13,9 @@ from moeshard.ep import (
     OverlappedDispatch,
     ParallelPlan,
     apply_ep,
-    ep_group,
-    find_expert_modules,
     fqn_matches,
-    is_expert_module,
 )
+from moeshard.ep._plan import ep_group, find_expert_modules, is_expert_module
 from moeshard.ep.testing import ToyMoE, toy_plan
 from moeshard.meshes import build_meshes, fake_process_group
 

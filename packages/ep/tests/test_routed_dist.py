@@ -21,11 +21,11 @@ from moeshard.ep import (
     LocalDispatch,
     OverlappedDispatch,
     apply_ep,
-    ep_group,
     recompute_contexts,
-    routed_experts,
     sum_weight_grads,
 )
+from moeshard.ep._dispatch import routed_experts
+from moeshard.ep._plan import ep_group
 from moeshard.ep.testing import ToyMoE, count_host_syncs, reference_routed_experts, toy_plan
 from moeshard.meshes import build_meshes
 from moeshard.meshes.testing import run_distributed

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from moeshard.ep import EPOptions, LocalDispatch, grouped_expert_mlp, routed_experts
+from moeshard.ep import EPOptions, LocalDispatch
+from moeshard.ep._dispatch import routed_experts
 from moeshard.ep._kernels import kernels_for
-from moeshard.ep._mlp import ExpertPass
+from moeshard.ep._mlp import ExpertPass, grouped_expert_mlp
 from moeshard.ep.testing import reference_routed_experts
 
 # T tokens, K top-k, D hidden, E experts, F expert width
@@ -164,7 +165,7 @@ def test_expert_pass_backward_equals_autograd(gemm, activation, weighted):
 
 
 def _autograd_mlp(x, w1, w2, counts, activation, s=None):
-    from moeshard.ep import ACTIVATIONS
+    from moeshard.ep._kernels import ACTIVATIONS
 
     outs, start = [], 0
     for e, n in enumerate(counts):

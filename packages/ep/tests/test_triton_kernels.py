@@ -16,8 +16,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from moeshard.ep import EPOptions, routed_experts  # noqa: E402
+from moeshard.ep import EPOptions
 from moeshard.ep import _kernels as k  # noqa: E402
+from moeshard.ep._dispatch import routed_experts
 from moeshard.ep._permute import inverse_permutation, sort_by_expert  # noqa: E402
 from moeshard.ep.testing import interpreter_numpy_fix  # noqa: E402
 

@@ -5,13 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from moeshard.fsdp_moe import (
-    DEFAULT_BUDGET,
-    EXPERT_WEIGHT_GRADS,
-    ExpertGradOptions,
-    expert_grad_budget,
-    kept_factor_ratio,
-)
+from moeshard.fsdp_moe import ExpertGradOptions, expert_grad_budget, kept_factor_ratio
+from moeshard.fsdp_moe._deferral import DEFAULT_BUDGET, EXPERT_WEIGHT_GRADS
 
 
 def test_budget_by_mode_and_ratio():

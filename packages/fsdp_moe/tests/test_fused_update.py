@@ -103,8 +103,8 @@ def check_kernel(device: str) -> int:
 def _check_split_kernel(device: str) -> int:
     """Masters held split (a bf16 compute dtype): the split step gives the float32 step's masters bit for bit, on the
     tensor operations (CPU) and in the kernel (against the float32 kernel), with the parameter their high half."""
-    from moeshard.fsdp_moe import _triton, joined_master, split_master
-    from moeshard.fsdp_moe._adamw_step import adamw_step, adamw_step_split
+    from moeshard.fsdp_moe import _triton, split_master
+    from moeshard.fsdp_moe._adamw_step import adamw_step, adamw_step_split, joined_master
 
     cases = 0
     for n, mult in ((5000, None), (4096, 0.7)):
@@ -141,7 +141,8 @@ def test_split_masters_are_exact():
     """``split_master`` / ``joined_master`` round-trip every float32 bit pattern of a number exactly (zeros,
     infinities, the largest finite values, subnormals, ties of the rounding), and the high half is the
     round-to-nearest bf16 value, ties away from zero."""
-    from moeshard.fsdp_moe import SplitMaster, join_master_into, joined_master, joined_masters, split_master
+    from moeshard.fsdp_moe import SplitMaster, joined_masters, split_master
+    from moeshard.fsdp_moe._adamw_step import join_master_into, joined_master
 
     special = [0.0, -0.0, float("inf"), -float("inf"), 3.4028235e38, -3.4028235e38, 1e-45, -1e-45, 1.1754944e-38]
     x = torch.cat([torch.tensor(special), torch.randn(20000, generator=torch.Generator().manual_seed(3)) * 1e3])
@@ -296,7 +297,7 @@ CONFIGS = {
 
 
 def _compare(config):
-    from moeshard.fsdp_moe import LocalExpertAdamW
+    from moeshard.fsdp_moe._local_adamw import LocalExpertAdamW
     from moeshard.fsdp_moe.testing import full_tensors
 
     dtype, ac, micro = CONFIGS[config]
@@ -363,9 +364,8 @@ def _deferred():
     between and held beside the gradients; the budget (none, all, part of the step's factors); the refusal and
     ``zero_grad``."""
     from moeshard.ep import EPOptions
-    from moeshard.fsdp_moe import defer_expert_weight_grads
     from moeshard.fsdp_moe._grad_records import forget_squares, formed_squares, kept_factors
-    from moeshard.fsdp_moe._local_experts import LocalExperts, local_experts_state
+    from moeshard.fsdp_moe._local_experts import LocalExperts, defer_expert_weight_grads, local_experts_state
     from moeshard.fsdp_moe.testing import full_tensors
 
     out = {}
@@ -440,9 +440,9 @@ def _automatic():
     ``defer_expert_weight_grads`` called by hand, formed from the same parts; ``auto`` keeps nothing where its
     budget is 0; a step of fewer backwards leaves factors that the optimizer forms when it reads the gradients."""
     from moeshard.ep import EPOptions
-    from moeshard.fsdp_moe import ExpertGradOptions, defer_expert_weight_grads
+    from moeshard.fsdp_moe import ExpertGradOptions
     from moeshard.fsdp_moe._grad_records import kept_factors
-    from moeshard.fsdp_moe._local_experts import LocalExperts
+    from moeshard.fsdp_moe._local_experts import LocalExperts, defer_expert_weight_grads
     from moeshard.fsdp_moe.testing import full_tensors
 
     out = {}
@@ -715,7 +715,8 @@ def test_clipping_twice_sees_the_first_clip(runs):
 
 def _errors():
     from moeshard.ep import apply_ep
-    from moeshard.fsdp_moe import LocalExpertAdamW, OptimizersContainer, clip_grad_norm_, get_state_dict, shard_model
+    from moeshard.fsdp_moe import OptimizersContainer, clip_grad_norm_, get_state_dict, shard_model
+    from moeshard.fsdp_moe._local_adamw import LocalExpertAdamW
     from moeshard.fsdp_moe.testing import ToyMoELM
 
     out = {}

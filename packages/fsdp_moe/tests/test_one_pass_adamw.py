@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from moeshard.fsdp_moe import OnePassAdamW
+from moeshard.fsdp_moe._one_pass_adamw import OnePassAdamW
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 

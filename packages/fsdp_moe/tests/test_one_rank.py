@@ -18,7 +18,7 @@ def _grads(in_place: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from moeshard.fsdp_moe import reduce_in_place_on_one_rank
+    from moeshard.fsdp_moe._one_rank import reduce_in_place_on_one_rank
     from moeshard.fsdp_moe._torch_internals import fsdp_param_groups, reduce_scatter_comm
 
     torch.manual_seed(0)
@@ -88,7 +88,7 @@ def test_another_order_of_foreach_reduce_changes_nothing(monkeypatch):
 
 
 def test_refuses_a_module_without_fsdp():
-    from moeshard.fsdp_moe import reduce_in_place_on_one_rank
+    from moeshard.fsdp_moe._one_rank import reduce_in_place_on_one_rank
 
     with pytest.raises(TypeError, match="not an FSDP unit"):
         reduce_in_place_on_one_rank(nn.Linear(2, 2))

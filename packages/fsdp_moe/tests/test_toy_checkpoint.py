@@ -224,7 +224,8 @@ def _split_entries_join_to_the_joined_dict(model, opt):
 
 
 def _split_masters_round_trip(path):
-    from moeshard.fsdp_moe import LocalExpertAdamW, load_checkpoint, save_checkpoint
+    from moeshard.fsdp_moe import load_checkpoint, save_checkpoint
+    from moeshard.fsdp_moe._local_adamw import LocalExpertAdamW
 
     meshes, model, opt = _build(2, seed=0, lr=1e-2, fuse=True, bf16=True)  # EP 2 x 1, bf16 compute
     local = next(o for o in opt.optimizers if isinstance(o, LocalExpertAdamW))

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from moeshard.lora import expert_lora_delta, resolve_lora_gemm
+from moeshard.lora import expert_lora_delta
+from moeshard.lora._grouped import resolve_lora_gemm
 
 
 def _reference(x, counts, A, B, s):

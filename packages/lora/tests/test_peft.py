@@ -13,15 +13,8 @@ import types
 import pytest
 import torch
 
-from moeshard.lora import (
-    LoraOptions,
-    apply_lora,
-    expert_lora_delta,
-    load_adapter,
-    merged_weights,
-    read_adapter_options,
-    save_adapter,
-)
+from moeshard.lora import LoraOptions, apply_lora, expert_lora_delta, load_adapter, merged_weights, save_adapter
+from moeshard.lora._peft import read_adapter_options
 
 peft = pytest.importorskip("peft", reason="the parity tests need the `test` extra (peft)")
 transformers = pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ def _model() -> ToyForCausalLM:
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_attention_half_then_mlp_is_the_layer(padded):
-    from moeshard.models.common import build_attention_mask
+    from moeshard.models.common._layers import build_attention_mask
 
     torch.manual_seed(0)
     model = _model()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeshard.models.common import document_block_mask, document_causal_mask
+from moeshard.models.common._layers import document_block_mask, document_causal_mask
 from moeshard.models.common.testing import ToyForCausalLM, check_packed_documents, pack_documents
 
 

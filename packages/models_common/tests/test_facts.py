@@ -17,8 +17,8 @@ from moeshard.models.common import (
     MoEBlock,
     MoECausalLM,
     TopKRouter,
-    model_facts,
 )
+from moeshard.models.common._facts import model_facts
 
 V, D, L, H, DQK, DV, E, K, FW, SHARED, DENSE = 96, 32, 3, 4, 12, 8, 6, 2, 16, 24, 40
 

@@ -10,13 +10,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import moeshard.models.common._kept as kept
-from moeshard.models.common import (
+from moeshard.models.common import AttentionOptions, ParallelOptions, attend
+from moeshard.models.common._fa4 import fa4_unavailable
+from moeshard.models.common._kept import (
     KEPT_ATTENTION,
     AttentionKeep,
-    AttentionOptions,
-    ParallelOptions,
-    attend,
-    fa4_unavailable,
     kept_attention_applies,
     kept_attention_device,
     kept_causal_attention,

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moeshard.models.common import GroupLimitedRouter
 from moeshard.models.common.testing import max_rel_grad_error
-from moeshard.models.deepseekv3 import DeepseekV3ForCausalLM, DeepseekV3MoE, GroupLimitedRouter
+from moeshard.models.deepseekv3 import DeepseekV3ForCausalLM, DeepseekV3MoE
 
 
 def _check(ref, ours, ids, labels, attention_mask):

@@ -13,8 +13,8 @@ from moeshard.models.deepseekv3 import (
     flops_per_token,
     get_preset_config,
     is_moe_layer,
-    softmax_scale,
 )
+from moeshard.models.deepseekv3._layers import softmax_scale
 
 
 def test_16b_is_torchtitans_flavor():

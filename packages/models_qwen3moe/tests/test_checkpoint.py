@@ -11,13 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from moeshard.models.qwen3moe import (
-    CheckpointError,
-    Qwen3MoeForCausalLM,
-    get_preset_config,
-    load_hf_config,
-    load_hf_weights,
-)
+from moeshard.models.common import CheckpointError, load_hf_weights
+from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, get_preset_config, load_hf_config
 
 EXPERTS0 = "model.layers.0.mlp.experts"
 

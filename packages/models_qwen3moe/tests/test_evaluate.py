@@ -12,7 +12,7 @@ from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
 def test_evaluate_is_the_mean_token_loss_of_transformers(hf_dir, batch, load_reference):
     from types import SimpleNamespace
 
-    from moeshard.models.qwen3moe import evaluate
+    from moeshard.models.common import evaluate
 
     ids, mask, labels = batch
     ours = Qwen3MoeForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)

@@ -8,7 +8,8 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from moeshard.meshes import build_meshes, fake_process_group
-from moeshard.models.qwen3moe import ParallelOptions, Qwen3MoeForCausalLM, parallelize
+from moeshard.models.common import ParallelOptions, parallelize
+from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
 
 
 @pytest.mark.filterwarnings("ignore:DTensor random operators")

@@ -7,8 +7,9 @@ import collections
 import pytest
 import torch
 
+from moeshard.models.common import apply_activation_checkpointing
 from moeshard.models.common.testing import max_rel_grad_error
-from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, apply_activation_checkpointing
+from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "left-padding"])

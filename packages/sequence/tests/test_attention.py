@@ -4,14 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeshard.sequence import (
-    UlyssesAttention,
-    heads_to_sequence,
-    kv_replication,
-    replicate_kv_heads,
-    sequence_to_heads,
-    ulysses_attention,
-)
+from moeshard.sequence import UlyssesAttention, heads_to_sequence, kv_replication, sequence_to_heads, ulysses_attention
+from moeshard.sequence._attention import replicate_kv_heads
 
 
 def test_kv_replication_factor():

@@ -4,7 +4,8 @@ documents; the checks of an sp size."""
 import pytest
 import torch
 
-from moeshard.sequence import IGNORE_INDEX, check_sequence_parallel, shard_row, shift_labels
+from moeshard.sequence import check_sequence_parallel, shard_row
+from moeshard.sequence._shard import IGNORE_INDEX, shift_labels
 
 X = IGNORE_INDEX
 

@@ -20,28 +20,23 @@ output directory (:class:`OutputLock`); a hang ends the job within a timeout (:c
 
 from moeshard.checkpoint._async import PendingSave, start_async_save
 from moeshard.checkpoint._checkpoint import (
-    COMPLETE,
     Saved,
     SaveOptions,
     check_room_for_run,
-    checkpoint_name,
     complete_checkpoints,
     describe_failure,
     newest_checkpoint,
-    prune,
     read_marker,
     save_checkpoint,
 )
 from moeshard.checkpoint._errors import CheckpointError, CheckpointSaveError
 from moeshard.checkpoint._lock import OutputLock
 from moeshard.checkpoint._resume import find_resume, load_checkpoint, read_extra, set_aside, validate_checkpoint
-from moeshard.checkpoint._space import check_room_for_save
-from moeshard.checkpoint._stage import Stager, state_bytes
+from moeshard.checkpoint._stage import Stager
 from moeshard.checkpoint._state import load_model_state, model_state
 from moeshard.checkpoint._watchdog import HangWatchdog
 
 __all__ = [
-    "COMPLETE",
     "CheckpointError",
     "CheckpointSaveError",
     "HangWatchdog",
@@ -51,8 +46,6 @@ __all__ = [
     "Saved",
     "Stager",
     "check_room_for_run",
-    "check_room_for_save",
-    "checkpoint_name",
     "complete_checkpoints",
     "describe_failure",
     "find_resume",
@@ -60,12 +53,10 @@ __all__ = [
     "load_model_state",
     "model_state",
     "newest_checkpoint",
-    "prune",
     "read_extra",
     "read_marker",
     "save_checkpoint",
     "set_aside",
     "start_async_save",
-    "state_bytes",
     "validate_checkpoint",
 ]

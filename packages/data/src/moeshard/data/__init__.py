@@ -14,17 +14,16 @@ Example::
                 model(b.input_ids, labels=b.labels, position_ids=b.position_ids, document_ids=b.document_ids)
 """
 
-from moeshard.data._cli import main, prepare_command
+from moeshard.data._cli import prepare_command
 from moeshard.data._config import DataConfig, SourceConfig
 from moeshard.data._dataset import Dataset, StepBatches, check_batch_sizes, open_dataset
 from moeshard.data._errors import DataError, ExitStatus, print_error
 from moeshard.data._eval import EvalBatches
 from moeshard.data._loader import PrefetchLoader
-from moeshard.data._packing import IGNORE_INDEX, Batch, document_causal_mask
+from moeshard.data._packing import Batch
 from moeshard.data._prepare import PrepareResult, prepare
 
 __all__ = [
-    "IGNORE_INDEX",
     "Batch",
     "DataConfig",
     "DataError",
@@ -36,8 +35,6 @@ __all__ = [
     "SourceConfig",
     "StepBatches",
     "check_batch_sizes",
-    "document_causal_mask",
-    "main",
     "open_dataset",
     "prepare",
     "prepare_command",

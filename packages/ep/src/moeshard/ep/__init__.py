@@ -22,29 +22,15 @@ from moeshard.ep._dispatch import (
     HostSyncHooks,
     LocalDispatch,
     OverlappedDispatch,
-    all_to_all,
     kept_factor_elements,
-    make_dispatch,
     recompute_contexts,
-    routed_experts,
 )
-from moeshard.ep._kernels import ACTIVATIONS, compile_rows_dynamic
-from moeshard.ep._mlp import grouped_expert_mlp
+from moeshard.ep._kernels import compile_rows_dynamic
 from moeshard.ep._options import EPOptions
-from moeshard.ep._plan import (
-    EPInfo,
-    EPParamMeta,
-    ParallelPlan,
-    apply_ep,
-    ep_group,
-    find_expert_modules,
-    fqn_matches,
-    is_expert_module,
-)
+from moeshard.ep._plan import EPInfo, EPParamMeta, ParallelPlan, apply_ep, fqn_matches
 from moeshard.ep._weight_grads import WeightGradFactors, WeightGradTarget, sum_weight_grads
 
 __all__ = [
-    "ACTIVATIONS",
     "AllToAllDispatch",
     "EPInfo",
     "EPOptions",
@@ -56,17 +42,10 @@ __all__ = [
     "ParallelPlan",
     "WeightGradFactors",
     "WeightGradTarget",
-    "all_to_all",
     "apply_ep",
     "compile_rows_dynamic",
-    "ep_group",
-    "find_expert_modules",
     "fqn_matches",
-    "grouped_expert_mlp",
-    "is_expert_module",
     "kept_factor_elements",
-    "make_dispatch",
     "recompute_contexts",
-    "routed_experts",
     "sum_weight_grads",
 ]

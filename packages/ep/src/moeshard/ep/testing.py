@@ -128,7 +128,7 @@ class _SyncOpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = func._schema.name.split("::")[-1]
+        name = func.overloadpacket.__name__  # "nonzero" of aten::nonzero.default
         if name in _SYNC_OPS:
             self.counts[name] += 1
         elif name == "repeat_interleave" and kwargs.get("output_size") is None:

@@ -22,20 +22,10 @@ one-pass CUDA update) for the rest, in one :class:`OptimizersContainer`. Example
     save_checkpoint("ckpt/step_100", model, optim)           # loads into any EP size / world size
 """
 
-from moeshard.fsdp_moe._adamw_step import join_master_into, joined_master, split_master
+from moeshard.fsdp_moe._adamw_step import split_master
 from moeshard.fsdp_moe._clip import clip_grad_norm_, get_total_norm
-from moeshard.fsdp_moe._deferral import (
-    DEFAULT_BUDGET,
-    EXPERT_WEIGHT_GRADS,
-    ExpertGradOptions,
-    expert_grad_budget,
-    kept_factor_ratio,
-)
-from moeshard.fsdp_moe._local_adamw import LocalExpertAdamW
-from moeshard.fsdp_moe._local_experts import defer_expert_weight_grads
+from moeshard.fsdp_moe._deferral import ExpertGradOptions, expert_grad_budget, kept_factor_ratio
 from moeshard.fsdp_moe._loss import num_items_for_global_mean
-from moeshard.fsdp_moe._one_pass_adamw import OnePassAdamW
-from moeshard.fsdp_moe._one_rank import OneRankReduceScatter, reduce_in_place_on_one_rank
 from moeshard.fsdp_moe._optim import OptimizersContainer, build_optimizer
 from moeshard.fsdp_moe._reduced_grad import (
     ReducedGrad,
@@ -43,16 +33,8 @@ from moeshard.fsdp_moe._reduced_grad import (
     grouped_grad_accumulation,
     reduced_grad_target,
 )
-from moeshard.fsdp_moe._shard import (
-    FSDPUnits,
-    ShardingInfo,
-    Stage,
-    default_mp_policy,
-    get_sharding_info,
-    shard_model,
-)
+from moeshard.fsdp_moe._shard import FSDPUnits, Stage, default_mp_policy, shard_model
 from moeshard.fsdp_moe._state_dict import (
-    MASTERS,
     SplitMaster,
     get_state_dict,
     joined_masters,
@@ -62,36 +44,24 @@ from moeshard.fsdp_moe._state_dict import (
 )
 
 __all__ = [
-    "DEFAULT_BUDGET",
-    "EXPERT_WEIGHT_GRADS",
-    "MASTERS",
     "ExpertGradOptions",
     "FSDPUnits",
-    "LocalExpertAdamW",
-    "OnePassAdamW",
-    "OneRankReduceScatter",
     "OptimizersContainer",
     "ReducedGrad",
     "ReducedGradTarget",
-    "ShardingInfo",
     "SplitMaster",
     "Stage",
     "build_optimizer",
     "clip_grad_norm_",
     "default_mp_policy",
-    "defer_expert_weight_grads",
     "expert_grad_budget",
-    "get_sharding_info",
     "get_state_dict",
     "get_total_norm",
     "grouped_grad_accumulation",
-    "join_master_into",
-    "joined_master",
     "joined_masters",
     "kept_factor_ratio",
     "load_checkpoint",
     "num_items_for_global_mean",
-    "reduce_in_place_on_one_rank",
     "reduced_grad_target",
     "save_checkpoint",
     "set_state_dict",

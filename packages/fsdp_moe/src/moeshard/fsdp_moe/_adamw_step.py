@@ -1,5 +1,5 @@
-"""The one-pass AdamW update both of this package's AdamWs run (:class:`~moeshard.fsdp_moe.LocalExpertAdamW` over the
-local experts' float32 masters, :class:`~moeshard.fsdp_moe.OnePassAdamW` over float32 parameters): the group options
+"""The one-pass AdamW update both of this package's AdamWs run (:class:`LocalExpertAdamW` over the
+local experts' float32 masters, :class:`OnePassAdamW` over float32 parameters): the group options
 it refuses, a group's hyper-parameters, and the step of one parameter, the triton pass on CUDA (``_triton``) or
 torch's for-loop AdamW's tensor operations (``_single_tensor_adam``) elsewhere.
 """

@@ -4,7 +4,7 @@ Where ``ep_fsdp`` has one rank, the experts' weight gradients of a step's micro-
 ``moeshard.ep.WeightGradFactors``) and formed once, in the step's last backward (``_local_experts``). Keeping them
 holds memory: each micro-batch's factors hold ``moeshard.ep.kept_factor_elements`` elements (what the EP dispatcher
 reports), all but the last micro-batch's are kept, against the gradients' own elements. This module owns that
-arithmetic and the rule that turns it into a budget; the optimizer (:class:`moeshard.fsdp_moe.LocalExpertAdamW`)
+arithmetic and the rule that turns it into a budget; the optimizer (:class:`LocalExpertAdamW`)
 takes :class:`ExpertGradOptions` and applies them at every step by itself.
 """
 
@@ -28,7 +28,7 @@ budget, else the former."""
 class ExpertGradOptions:
     """How the weight gradients of the experts kept out of FSDP accumulate over a step's micro-batches.
 
-    Given to :func:`moeshard.fsdp_moe.build_optimizer` (or :class:`moeshard.fsdp_moe.LocalExpertAdamW`): from
+    Given to :func:`moeshard.fsdp_moe.build_optimizer` (or :class:`LocalExpertAdamW`): from
     then on each ``zero_grad`` starts a step of ``micro_batches`` backwards, the first ``micro_batches - 1`` of
     which keep the experts' weight gradients as factors and the last forms them all, each written once over every
     micro-batch's rows; the trainer calls nothing else. A step with fewer backwards leaves factors kept, which the

@@ -20,7 +20,7 @@ Two modes per parameter:
   ``1 / W`` (W the world size, as FSDP2 applies it), in the master dtype, in one pass, returned as a DTensor like
   the parameter, so autograd stores it in (first micro-batch) or adds it to (later ones) ``param.grad``. With
   activation checkpointing the recomputation casts again; only the first forward's graph carries the gradients.
-- *compute* (after :class:`moeshard.fsdp_moe.LocalExpertAdamW` took the master into its state): the parameter is
+- *compute* (after :class:`LocalExpertAdamW` took the master into its state): the parameter is
   already in the compute dtype; the forward uses its local tensor as it is and the backward hands the gradient
   to autograd unchanged (no cast, no divide factor: the optimizer applies ``1 / W`` in float32 as it reads it).
 
@@ -30,7 +30,7 @@ a gradient (the first micro-batch's, stored by autograd), the dispatcher's backw
 gradients straight into it (inside the grouped GEMM on CUDA with the triton tier) instead of returning a new tensor
 for autograd to add in a second pass; :class:`_ToCompute` then gets no gradient and passes none on.
 
-Weight gradients kept unformed (*compute* mode): under :class:`moeshard.fsdp_moe.LocalExpertAdamW` with
+Weight gradients kept unformed (*compute* mode): under :class:`LocalExpertAdamW` with
 ``ExpertGradOptions(micro_batches=n)`` every step defers by itself (each ``zero_grad`` starts one; the first ``n - 1``
 backwards of each weight defer, the ``n``-th forms; ``auto`` decides per step from what the EP dispatcher reports
 its factors would hold, ``_deferral``); :func:`defer_expert_weight_grads` sets the same by hand until the next
@@ -44,7 +44,7 @@ over (its :class:`_ToCompute`'s backward), forms everything kept for it in one g
 budget does not admit forms everything the module keeps at once
 (``moeshard.ep.sum_weight_grads``): each expert's gradient is written once over all the micro-batches' rows instead
 of being written at the first and read and written again at every later one. Kept factors are part of the
-parameter's gradient: :class:`moeshard.fsdp_moe.LocalExpertAdamW` refuses to read gradients while any are kept and
+parameter's gradient: :class:`LocalExpertAdamW` refuses to read gradients while any are kept and
 its ``zero_grad`` drops them with the gradients.
 
 Forming a gradient also records its sum of squares for the clipping norm (``_grad_records.formed_squares``).
@@ -382,7 +382,7 @@ def defer_expert_weight_grads(model: nn.Module, defer: bool, *, budget: float = 
     before the last (one micro-batch: never needed) write the step's gradients each once over all micro-batches'
     rows. Factors still kept when the optimizer reads the gradients are then refused (its ``zero_grad`` drops them).
 
-    Only *compute*-mode parameters (under :class:`moeshard.fsdp_moe.LocalExpertAdamW`) keep any (every
+    Only *compute*-mode parameters (under :class:`LocalExpertAdamW`) keep any (every
     ``moeshard.ep`` dispatcher hands factors over; the overlapped one each weight's in three parts); the rest form
     their gradients as before. ``budget``: per expert module, what is held for the gradients (kept factors, and
     gradients once formed) stays within this times the gradients' bytes; the first backward whose factors would not

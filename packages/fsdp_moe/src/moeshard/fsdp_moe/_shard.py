@@ -7,7 +7,7 @@ first): for each FSDP unit of the plan (deepest first), the expert modules insid
 Where ``ep_fsdp`` has one rank (EP size = world size) there is nothing to gather or reduce for the experts, so
 they get no FSDP unit: their parameters become the same ``Shard(1)`` DTensors on ``ep_fsdp`` that FSDP2 would
 make, cast to the compute dtype by a forward hook (see ``_local_experts``), and every ``fully_shard`` call above
-them ignores them (``ignored_params``). :class:`~moeshard.fsdp_moe.LocalExpertAdamW` may later take their float32
+them ignores them (``ignored_params``). :class:`LocalExpertAdamW` may later take their float32
 values as its masters and keep the parameters in the compute dtype.
 
 Gradient divide factor: both kinds of parameter are divided by the world size W (see ``_divide_factors``).
@@ -270,7 +270,7 @@ def shard_model(
     and a forward hook hands the module compute-dtype copies (``mp_policy.param_dtype``) whose backward casts the
     gradient back and divides it by the world size. They are listed in ``FSDPUnits.local_experts`` and
     ``Stage.local_experts``, not in the units; checkpoints, clipping and torch's AdamW treat them as before, and
-    ``build_optimizer`` updates them with :class:`~moeshard.fsdp_moe.LocalExpertAdamW` (float32 masters in the
+    ``build_optimizer`` updates them with :class:`LocalExpertAdamW` (float32 masters in the
     optimizer, the parameters in the compute dtype).
 
     Args:

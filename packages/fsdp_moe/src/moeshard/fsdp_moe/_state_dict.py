@@ -11,7 +11,7 @@ Format: ``{"model": {fqn: tensor}, "optimizer": {"state": {fqn: {...}}, "param_g
 DCP stores each rank's pieces with their global offsets, so a checkpoint written with one EP size / world size
 loads into any other: ``dcp.load`` reads exactly the slices the loading rank holds.
 
-The optimizer may be a torch optimizer, a :class:`~moeshard.fsdp_moe.LocalExpertAdamW` or an
+The optimizer may be a torch optimizer, a :class:`LocalExpertAdamW` or an
 :class:`~moeshard.fsdp_moe.OptimizersContainer` of them. Experts updated by a LocalExpertAdamW are written as torch's
 AdamW over their float32 parameters would write them: the model entry is the float32 master (not the compute-dtype
 parameter), the optimizer entry ``{step, exp_avg, exp_avg_sq}``, and its parameter groups have AdamW's keys. So a

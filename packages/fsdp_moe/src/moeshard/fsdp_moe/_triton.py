@@ -1,4 +1,4 @@
-"""Triton kernels of :class:`~moeshard.fsdp_moe.LocalExpertAdamW` (CUDA; see ``_local_adamw``): the AdamW pass,
+"""Triton kernels of :class:`LocalExpertAdamW` (CUDA; see ``_local_adamw``): the AdamW pass,
 and the sum of squares of compute-dtype gradients for the clipping norm. (The kernels of the float32 gradients FSDP2
 holds are in ``_grad_triton``.)
 

@@ -51,7 +51,7 @@ def full_tensors(
 ) -> dict[str, torch.Tensor]:
     """Every parameter (or gradient) of a sharded model as a full plain tensor, by FQN (all ranks gather).
 
-    Experts updated by a :class:`~moeshard.fsdp_moe.LocalExpertAdamW` (pass it, or the container holding it) show
+    Experts updated by a :class:`LocalExpertAdamW` (pass it, or the container holding it) show
     their float32 master, and their gradient as the float32 path holds it (divide factor applied). For tests and
     debugging only: it all-gathers everything.
     """

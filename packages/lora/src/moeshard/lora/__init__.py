@@ -13,9 +13,9 @@ Example (any ``nn.Module`` whose module names are the transformers model's)::
 """
 
 from moeshard.lora._apply import ExpertAdapter, LoraAdapters, LoraTarget, apply_lora, merged_weights
-from moeshard.lora._grouped import expert_lora_delta, resolve_lora_gemm
+from moeshard.lora._grouped import expert_lora_delta
 from moeshard.lora._options import LoraOptions
-from moeshard.lora._peft import load_adapter, read_adapter_options, save_adapter
+from moeshard.lora._peft import load_adapter, save_adapter
 
 __all__ = [
     "ExpertAdapter",
@@ -26,7 +26,5 @@ __all__ = [
     "expert_lora_delta",
     "load_adapter",
     "merged_weights",
-    "read_adapter_options",
-    "resolve_lora_gemm",
     "save_adapter",
 ]

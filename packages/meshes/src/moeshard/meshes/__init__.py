@@ -11,13 +11,7 @@ Example (under torchrun)::
     meshes.ep, meshes.ep_fsdp, meshes.fsdp    # 1-D DeviceMeshes
 """
 
-from moeshard.meshes._build import (
-    ParallelMeshes,
-    build_meshes,
-    default_device_type,
-    fake_process_group,
-    ranks_per_node_from_env,
-)
+from moeshard.meshes._build import ParallelMeshes, build_meshes, fake_process_group
 from moeshard.meshes._layout import MeshAxis, MeshLayout, plan_layout
 
 __all__ = [
@@ -25,8 +19,6 @@ __all__ = [
     "MeshLayout",
     "ParallelMeshes",
     "build_meshes",
-    "default_device_type",
     "fake_process_group",
     "plan_layout",
-    "ranks_per_node_from_env",
 ]

@@ -13,20 +13,17 @@ Example (one rank of a sequence group ``group``; ``attend``: the models' shared 
 """
 
 from moeshard.sequence._all_to_all import SequenceGroup, heads_to_sequence, sequence_to_heads
-from moeshard.sequence._attention import UlyssesAttention, kv_replication, replicate_kv_heads, ulysses_attention
-from moeshard.sequence._shard import IGNORE_INDEX, SequenceShard, check_sequence_parallel, shard_row, shift_labels
+from moeshard.sequence._attention import UlyssesAttention, kv_replication, ulysses_attention
+from moeshard.sequence._shard import SequenceShard, check_sequence_parallel, shard_row
 
 __all__ = [
-    "IGNORE_INDEX",
     "SequenceGroup",
     "SequenceShard",
     "UlyssesAttention",
     "check_sequence_parallel",
     "heads_to_sequence",
     "kv_replication",
-    "replicate_kv_heads",
     "sequence_to_heads",
     "shard_row",
-    "shift_labels",
     "ulysses_attention",
 ]

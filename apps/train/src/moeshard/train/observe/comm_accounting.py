@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from moeshard.train._torch_internals import TorchDispatchMode, op_argument_names, resolve_process_group
 from moeshard.train.run import Callback, StepStats
 

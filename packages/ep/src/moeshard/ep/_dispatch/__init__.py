@@ -56,7 +56,7 @@ def make_dispatch(
 
 
 def kept_factor_elements(dispatch: str, ep_size: int, rows: int, hidden: int, width: int) -> float:
-    """What the dispatcher :func:`make_dispatch` picks for ``dispatch`` and ``ep_size`` keeps of one pass's
+    """What the dispatcher ``apply_ep`` picks for ``dispatch`` and ``ep_size`` keeps of one pass's
     weight-gradient factors, in elements of the compute dtype (:meth:`ExpertDispatch.kept_factor_elements`), for
     ``rows`` routed copies per rank (tokens · top-k) of experts with ``hidden`` D and ``width`` F; each dispatcher
     also tells its weight-gradient target this in every forward (``WeightGradTarget``'s ``expect_factors``)."""

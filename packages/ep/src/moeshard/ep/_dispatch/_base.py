@@ -251,7 +251,7 @@ class ExpertDispatch:
         Args:
             x_sorted_ND: the copies sorted by global expert (so grouped by destination rank, then local expert).
             w_sorted_N: each copy's routing weight (float32), applied by the expert pass (``row_weights`` of
-                :func:`~moeshard.ep.grouped_expert_mlp`): it travels with its copy and its gradient comes home.
+                :func:`~moeshard.ep._mlp.grouped_expert_mlp`): it travels with its copy and its gradient comes home.
             counts_E: copies per global expert (device tensor).
             w_gate_up_EXD, w_down_EDF: this rank's experts.
             activation: a name of ``ACTIVATIONS``.

@@ -6,8 +6,8 @@
   dispatchers, optional shared experts), the routers :class:`TopKRouter` (softmax top-k) and
   :class:`GroupLimitedRouter` (sigmoid/softmax, selection-only correction bias, group-limited top-k, scaling).
 - Dense blocks: :class:`RMSNorm`, :class:`RotaryEmbedding` (the config's RoPE scaling), :class:`DenseMLP`, the
-  attention masks (padding, packed documents) and :func:`attend` under them; :class:`AttentionKeep`, the attention
-  output a checkpointed layer keeps for its recompute.
+  attention under a padding or packed-documents mask (:func:`attend`), with :class:`AttentionOptions` choosing its
+  kernel and whether a checkpointed layer keeps its output for the recompute.
 - :func:`parallelize` (EP, activation checkpointing, compile, FSDP2, prefetch; the ``parallel`` extra) and
   :class:`ParallelOptions`, for any family's model.
 - Balancing: :class:`Balancing` with the hooks a loop calls (aux loss per micro-batch, global batch or sequence, z-loss,
@@ -19,7 +19,7 @@
   :func:`save_hf_checkpoint` write folders transformers loads.
 - :class:`ModelFamily`: a family's entry points as one value (each family package exports its ``FAMILY``), so a
   trainer picks a family by name and knows none; its :class:`ModelFacts` (parameter and FLOP counts, activation
-  sizes, expert shapes) are derived from the model built on the meta device (:func:`model_facts`), never written.
+  sizes, expert shapes) are derived from the model built on the meta device (``ModelFamily.facts``), never written.
 
     from moeshard.models.common import load_hf_weights, parallelize
     par = parallelize(model, meshes)                                  # any family's model
@@ -42,49 +42,13 @@ from moeshard.models.common._balancing import (
 from moeshard.models.common._causal_lm import DecoderLayer, DecoderModel, MoECausalLM
 from moeshard.models.common._checkpointing import apply_activation_checkpointing
 from moeshard.models.common._evaluation import EvalResult, evaluate
-from moeshard.models.common._fa4 import fa4_unavailable
-from moeshard.models.common._facts import ATTENTION_ATTRIBUTES, ModelFacts, model_facts
+from moeshard.models.common._facts import ATTENTION_ATTRIBUTES, ModelFacts
 from moeshard.models.common._family import ModelFamily
 from moeshard.models.common._head import CausalLMOutput, LMHead, causal_lm_loss
-from moeshard.models.common._hf_load import (
-    HFFormat,
-    LoadReport,
-    load_hf_config,
-    load_hf_weights,
-    local_region,
-    model_format,
-)
-from moeshard.models.common._hf_save import (
-    EXPERT_LAYOUTS,
-    parse_size,
-    save_hf_checkpoint,
-    save_hf_weights,
-    stream_hf_weights,
-)
-from moeshard.models.common._kept import (
-    CAUSAL_KERNELS,
-    KEPT_ATTENTION,
-    AttentionKeep,
-    AttentionOptions,
-    kept_attention_applies,
-    kept_attention_device,
-    kept_causal_attention,
-    kept_linear,
-    kept_topk,
-)
-from moeshard.models.common._layers import (
-    DenseMLP,
-    RMSNorm,
-    RotaryEmbedding,
-    TokenEmbedding,
-    apply_rotary,
-    attend,
-    attention_output,
-    build_attention_mask,
-    document_block_mask,
-    document_causal_mask,
-    rms_norm,
-)
+from moeshard.models.common._hf_load import HFFormat, LoadReport, load_hf_config, load_hf_weights, local_region
+from moeshard.models.common._hf_save import save_hf_checkpoint, save_hf_weights, stream_hf_weights
+from moeshard.models.common._kept import CAUSAL_KERNELS, AttentionOptions
+from moeshard.models.common._layers import DenseMLP, RMSNorm, RotaryEmbedding, apply_rotary, attend, attention_output
 from moeshard.models.common._lm_loss import IGNORE_INDEX, LOSS_CHUNK_TOKENS, ce_chunk, linear_cross_entropy
 from moeshard.models.common._moe import (
     SCORING_FUNCS,
@@ -98,20 +62,16 @@ from moeshard.models.common._moe import (
 from moeshard.models.common._parallel_options import ParallelOptions
 from moeshard.models.common._parallelize import Parallelized, parallelize
 from moeshard.models.common._presets import check_common_config, config_keys, preset_config
-from moeshard.models.common._safetensors import INDEX_NAME, CheckpointError, SafetensorsDir, TensorInfo
+from moeshard.models.common._safetensors import CheckpointError, SafetensorsDir, TensorInfo
 from moeshard.models.common._sequence_parallel import apply_sequence_parallel
 
 __all__ = [
     "ATTENTION_ATTRIBUTES",
     "CAUSAL_KERNELS",
-    "EXPERT_LAYOUTS",
     "IGNORE_INDEX",
-    "INDEX_NAME",
-    "KEPT_ATTENTION",
     "LOSS_CHUNK_TOKENS",
     "SCOPES",
     "SCORING_FUNCS",
-    "AttentionKeep",
     "AttentionOptions",
     "Balancing",
     "BalancingOptions",
@@ -136,7 +96,6 @@ __all__ = [
     "RMSNorm",
     "Router",
     "RotaryEmbedding",
-    "TokenEmbedding",
     "SafetensorsDir",
     "StepBalance",
     "TensorInfo",
@@ -146,33 +105,20 @@ __all__ = [
     "apply_rotary",
     "attend",
     "attention_output",
-    "build_attention_mask",
     "causal_lm_loss",
     "ce_chunk",
     "check_common_config",
     "config_keys",
-    "document_block_mask",
-    "document_causal_mask",
     "evaluate",
     "expert_counts",
-    "fa4_unavailable",
     "global_balancing_loss",
-    "kept_attention_applies",
-    "kept_attention_device",
-    "kept_causal_attention",
-    "kept_linear",
-    "kept_topk",
     "linear_cross_entropy",
     "load_balancing_loss",
     "load_hf_config",
     "load_hf_weights",
     "local_region",
-    "model_facts",
-    "model_format",
-    "parse_size",
     "parallelize",
     "preset_config",
-    "rms_norm",
     "router_z_loss",
     "routers",
     "save_hf_checkpoint",

@@ -114,7 +114,7 @@ class DecoderModel(nn.Module):
     ``apply_activation_checkpointing``) says which kernels a plain causal attention (no padding mask, no documents)
     runs, ``"sdpa"`` (default; SDPA's choice, cuDNN's on Hopper) or ``"fa4"`` (FlashAttention 4's, the optional
     ``flash-attn-4`` package; refused with the reason where it cannot run), and whether a checkpointed layer keeps
-    that attention's output (``moeshard.models.common.AttentionKeep``). Every layer gets it, resolved for the
+    that attention's output (``_kept.AttentionKeep``). Every layer gets it, resolved for the
     forward's device, beside the mask, which says only which keys a query sees.
     """
 

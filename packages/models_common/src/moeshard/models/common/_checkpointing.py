@@ -33,7 +33,7 @@ def apply_activation_checkpointing(model: MoECausalLM, *, keep_attention: bool =
 
     ``keep_attention``: each layer keeps its attention's output and log-sum-exp, its output projection's output and
     its router's top-k from the forward, and the recompute replays them instead of running the attention kernel,
-    the projection's GEMM and the selection (``moeshard.models.common.AttentionKeep``; plain causal rows, see
+    the projection's GEMM and the selection (``_kept.AttentionKeep``; plain causal rows, see
     ``ParallelOptions.keep_attention``; the top-k of :class:`TopKRouter`). The EP layers replay their route (the
     copies' order) too, always. The same bits.
 

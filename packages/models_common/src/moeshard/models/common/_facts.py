@@ -36,14 +36,14 @@ from moeshard.models.common._moe import Experts, MoEBlock
 __all__ = ["ATTENTION_ATTRIBUTES", "ModelFacts", "model_facts"]
 
 ATTENTION_ATTRIBUTES = ("num_heads", "num_kv_heads", "qk_head_dim", "v_head_dim")
-"""What every family's attention module declares for :func:`model_facts` (ints)."""
+"""What every family's attention module declares for :meth:`ModelFamily.facts` (ints)."""
 
 _TOKENS = 2  # tokens of the meta forward that measures per-token sizes (any count gives the same widths)
 
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What a trainer needs to know of a model, derived from it by :func:`model_facts` (never from field names).
+    """What a trainer needs to know of a model, derived from it by :meth:`ModelFamily.facts` (never from field names).
 
     Attributes:
         parameters: all parameters (and stored buffers) of the causal LM.
@@ -156,7 +156,7 @@ def _attention_dims(attn: nn.Module) -> tuple[int, int, int, int]:
     if missing:
         raise ValueError(
             f"{type(attn).__name__} does not declare {', '.join(missing)}: set them (ints) in its __init__, as "
-            "moeshard.models.common.model_facts reads them"
+            "ModelFamily.facts reads them"
         )
     return tuple(int(getattr(attn, a)) for a in ATTENTION_ATTRIBUTES)  # type: ignore[return-value]
 

@@ -16,9 +16,8 @@ skipped), and the model's parallel plan for the shared ``parallelize``.
 
 from transformers import DeepseekV3Config as _DeepseekV3Config
 
-from moeshard.models.common import GroupLimitedRouter
 from moeshard.models.common import ModelFamily as _ModelFamily
-from moeshard.models.deepseekv3._layers import MLAttention, softmax_scale
+from moeshard.models.deepseekv3._layers import MLAttention
 from moeshard.models.deepseekv3._model import (
     DEEPSEEK_V3_FORMAT,
     STRUCTURAL_CONFIG_KEYS,
@@ -26,14 +25,7 @@ from moeshard.models.deepseekv3._model import (
     DeepseekV3Model,
 )
 from moeshard.models.deepseekv3._moe import DeepseekV3MoE
-from moeshard.models.deepseekv3._presets import (
-    MODEL_TYPE,
-    PRESETS,
-    check_config,
-    get_preset_config,
-    is_moe_layer,
-    scoring_func,
-)
+from moeshard.models.deepseekv3._presets import MODEL_TYPE, PRESETS, check_config, get_preset_config, is_moe_layer
 
 FAMILY = _ModelFamily(DeepseekV3ForCausalLM, PRESETS, get_preset_config)
 """DeepSeek-V3 as a :class:`moeshard.models.common.ModelFamily` (what a trainer needs, by family name)."""
@@ -61,13 +53,10 @@ __all__ = [
     "DeepseekV3ForCausalLM",
     "DeepseekV3MoE",
     "DeepseekV3Model",
-    "GroupLimitedRouter",
     "MLAttention",
     "check_config",
     "count_parameters",
     "flops_per_token",
     "get_preset_config",
     "is_moe_layer",
-    "scoring_func",
-    "softmax_scale",
 ]

@@ -1,8 +1,8 @@
 """moeshard.models.qwen3moe: Qwen3-MoE (30B-A3B) in plain PyTorch, numerically equal to transformers.
 
-Qwen3-MoE's attention, MoE block, presets and checkpoint format; the rest (the causal LM, fused experts through
-``moeshard.ep``'s dispatchers, HF safetensors load/save, :func:`parallelize`, balancing) is
-``moeshard.models.common``'s, re-exported here under the names this package always had.
+Qwen3-MoE's model, MoE block, presets and checkpoint format (:data:`FAMILY` holds them as one value); the rest (the
+causal LM, fused experts through ``moeshard.ep``'s dispatchers, HF safetensors load/save, ``parallelize``,
+balancing) is ``moeshard.models.common``'s, imported from there.
 
     from moeshard.models.qwen3moe import Qwen3MoeForCausalLM
 
@@ -13,41 +13,9 @@ Qwen3-MoE's attention, MoE block, presets and checkpoint format; the rest (the c
 
 from transformers import Qwen3MoeConfig as _Qwen3MoeConfig
 
-from moeshard.models.common import (
-    IGNORE_INDEX,
-    Balancing,
-    BalancingOptions,
-    CausalLMOutput,
-    CheckpointError,
-    DecoderLayer,
-    EvalResult,
-    Experts,
-    GlobalExpertCounts,
-    Parallelized,
-    ParallelOptions,
-    SafetensorsDir,
-    StepBalance,
-    TopKRouter,
-    apply_activation_checkpointing,
-    causal_lm_loss,
-    evaluate,
-    expert_counts,
-    global_balancing_loss,
-    load_balancing_loss,
-    parallelize,
-    router_z_loss,
-    routers,
-    update_router_bias,
-)
 from moeshard.models.common import ModelFamily as _ModelFamily
-from moeshard.models.qwen3moe.checkpoint import (
-    STRUCTURAL_CONFIG_KEYS,
-    LoadReport,
-    load_hf_config,
-    load_hf_weights,
-    local_region,
-)
-from moeshard.models.qwen3moe.checkpoint_save import save_hf_checkpoint, save_hf_weights
+from moeshard.models.qwen3moe.checkpoint import QWEN3_FORMAT, STRUCTURAL_CONFIG_KEYS, load_hf_config
+from moeshard.models.qwen3moe.checkpoint_save import save_hf_weights
 from moeshard.models.qwen3moe.model import Qwen3MoeForCausalLM, Qwen3MoeModel
 from moeshard.models.qwen3moe.moe import SparseMoeBlock
 from moeshard.models.qwen3moe.presets import (
@@ -77,45 +45,18 @@ def flops_per_token(config: _Qwen3MoeConfig, seq_len: int) -> float:
 
 __all__ = [
     "FAMILY",
-    "IGNORE_INDEX",
     "MODEL_TYPE",
     "PRESETS",
+    "QWEN3_FORMAT",
     "STRUCTURAL_CONFIG_KEYS",
-    "Balancing",
-    "BalancingOptions",
-    "CausalLMOutput",
-    "CheckpointError",
-    "DecoderLayer",
-    "EvalResult",
-    "Experts",
-    "GlobalExpertCounts",
-    "LoadReport",
-    "ParallelOptions",
-    "Parallelized",
     "Qwen3MoeForCausalLM",
     "Qwen3MoeModel",
-    "SafetensorsDir",
     "SparseMoeBlock",
-    "StepBalance",
-    "TopKRouter",
-    "apply_activation_checkpointing",
-    "causal_lm_loss",
     "check_config",
     "count_parameters",
-    "evaluate",
-    "expert_counts",
     "flops_per_token",
     "get_preset_config",
-    "global_balancing_loss",
     "is_moe_layer",
-    "load_balancing_loss",
     "load_hf_config",
-    "load_hf_weights",
-    "local_region",
-    "parallelize",
-    "router_z_loss",
-    "routers",
-    "save_hf_checkpoint",
     "save_hf_weights",
-    "update_router_bias",
 ]
