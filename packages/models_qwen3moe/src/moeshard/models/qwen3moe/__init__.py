@@ -14,11 +14,11 @@ balancing) is ``moeshard.models.common``'s, imported from there.
 from transformers import Qwen3MoeConfig as _Qwen3MoeConfig
 
 from moeshard.models.common import ModelFamily as _ModelFamily
-from moeshard.models.qwen3moe.checkpoint import QWEN3_FORMAT, STRUCTURAL_CONFIG_KEYS, load_hf_config
-from moeshard.models.qwen3moe.checkpoint_save import save_hf_weights
-from moeshard.models.qwen3moe.model import Qwen3MoeForCausalLM, Qwen3MoeModel
-from moeshard.models.qwen3moe.moe import SparseMoeBlock
-from moeshard.models.qwen3moe.presets import (
+from moeshard.models.qwen3moe._checkpoint import QWEN3_FORMAT, STRUCTURAL_CONFIG_KEYS, load_hf_config
+from moeshard.models.qwen3moe._checkpoint_save import save_hf_weights
+from moeshard.models.qwen3moe._model import Qwen3MoeForCausalLM, Qwen3MoeModel
+from moeshard.models.qwen3moe._moe import SparseMoeBlock
+from moeshard.models.qwen3moe._presets import (
     MODEL_TYPE,
     PRESETS,
     check_config,

@@ -17,10 +17,10 @@ in each layer and how its checkpoints look.
 from __future__ import annotations
 
 from moeshard.models.common import DecoderModel, MoECausalLM
-from moeshard.models.qwen3moe.checkpoint import QWEN3_FORMAT
-from moeshard.models.qwen3moe.layers import Attention
-from moeshard.models.qwen3moe.moe import SparseMoeBlock
-from moeshard.models.qwen3moe.presets import is_moe_layer
+from moeshard.models.qwen3moe._checkpoint import QWEN3_FORMAT
+from moeshard.models.qwen3moe._layers import Attention
+from moeshard.models.qwen3moe._moe import SparseMoeBlock
+from moeshard.models.qwen3moe._presets import is_moe_layer
 
 __all__ = ["Qwen3MoeForCausalLM", "Qwen3MoeModel"]
 

@@ -12,7 +12,7 @@ from transformers import Qwen3MoeConfig
 from moeshard.models.common import save_hf_checkpoint
 from moeshard.models.common import save_hf_weights as _save_hf_weights
 from moeshard.models.common import stream_hf_weights as _stream_hf_weights
-from moeshard.models.qwen3moe.checkpoint import QWEN3_FORMAT
+from moeshard.models.qwen3moe._checkpoint import QWEN3_FORMAT
 
 __all__ = ["save_hf_checkpoint", "save_hf_weights", "stream_hf_weights"]
 

@@ -13,7 +13,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from transformers import Qwen3MoeConfig
 
 from moeshard.models.common import AttentionOptions, RMSNorm, apply_rotary, attend, attention_output
-from moeshard.models.qwen3moe.presets import head_dim
+from moeshard.models.qwen3moe._presets import head_dim
 
 __all__ = ["Attention"]
 

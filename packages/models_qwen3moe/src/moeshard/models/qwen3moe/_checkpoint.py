@@ -12,7 +12,7 @@ from transformers import Qwen3MoeConfig
 
 from moeshard.models.common import CheckpointError, HFFormat, LoadReport, load_hf_weights, local_region
 from moeshard.models.common import load_hf_config as _load_hf_config
-from moeshard.models.qwen3moe.presets import MODEL_TYPE, check_config, head_dim
+from moeshard.models.qwen3moe._presets import MODEL_TYPE, check_config, head_dim
 
 __all__ = [
     "QWEN3_FORMAT",
