@@ -3,8 +3,8 @@
 The base keeps its names: a targeted linear module ``m`` gets the parameters ``m.lora_A [r, in]`` and
 ``m.lora_B [out, r]`` beside ``m.weight`` and a forward hook that adds ``s · x Aᵀ Bᵀ``; a targeted fused expert
 tensor ``m.p [E, out, in]`` gets ``m.p_lora_A [E, r, in]`` and ``m.p_lora_B [E, out, r]`` beside it, which the
-expert module's own grouped GEMMs apply (:func:`moeshard.lora.expert_lora_delta`, through
-:meth:`LoraAdapters.expert`). So a base checkpoint loads into the adapted model unchanged, and sharding plans that
+expert module's own grouped GEMMs apply (``moeshard.ep.LowRankDelta`` in the expert pass of every dispatcher, or
+:func:`moeshard.lora.expert_lora_delta`), and the module gets the plain attribute ``lora_scaling`` (the scaling). So a base checkpoint loads into the adapted model unchanged, and sharding plans that
 name ``m.p`` name its adapters by suffix. PEFT's names (``base_layer``, ``lora_A.weight``, ...) exist only in the
 folder format (:mod:`moeshard.lora._peft`).
 """
@@ -243,6 +243,8 @@ def apply_lora(
         module.register_parameter(t.b_name.rpartition(".")[2], nn.Parameter(B))
         if t.kind == LINEAR:
             handles.append(module.register_forward_hook(_linear_hook(options.scaling)))
+        else:
+            module.lora_scaling = options.scaling  # read by the expert module with its adapters (see the docstring)
     return LoraAdapters(options, tuple(targets), shapes, handles)
 
 
