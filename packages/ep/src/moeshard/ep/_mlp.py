@@ -64,8 +64,12 @@ class LowRankDelta(NamedTuple):
         """ValueError unless the delta fits ``weight`` ``[E, out, in]``."""
         E, out_f, in_f = weight.shape
         A, B = self.A, self.B
-        if A.dim() != 3 or B.dim() != 3 or tuple(A.shape[::2]) != (E, in_f) or tuple(B.shape[:2]) != (E, out_f) or (
-            A.shape[1] != B.shape[2]
+        if (
+            A.dim() != 3
+            or B.dim() != 3
+            or tuple(A.shape[::2]) != (E, in_f)
+            or tuple(B.shape[:2]) != (E, out_f)
+            or (A.shape[1] != B.shape[2])
         ):
             raise ValueError(
                 f"the low-rank delta of {what} {tuple(weight.shape)} must be A [{E}, r, {in_f}] and B [{E}, {out_f}, "
@@ -312,7 +316,9 @@ class _ExpertMLP(torch.autograd.Function):
 
 def _deltas(scalings, A1, B1, A2, B2) -> tuple[LowRankDelta | None, LowRankDelta | None]:
     """The deltas again from their tensors (autograd Functions take tensors as inputs, not tuples of them)."""
-    return tuple(None if A is None else LowRankDelta(A, B, s) for A, B, s in ((A1, B1, scalings[0]), (A2, B2, scalings[1])))
+    return tuple(
+        None if A is None else LowRankDelta(A, B, s) for A, B, s in ((A1, B1, scalings[0]), (A2, B2, scalings[1]))
+    )
 
 
 def delta_inputs(deltas, weights, dtype) -> tuple:
@@ -327,7 +333,9 @@ def delta_inputs(deltas, weights, dtype) -> tuple:
             scalings.append(0.0)
             continue
         if not isinstance(delta, LowRankDelta):
-            raise ValueError(f"the delta of {what} must be a moeshard.ep.LowRankDelta or None, got {type(delta).__name__}")
+            raise ValueError(
+                f"the delta of {what} must be a moeshard.ep.LowRankDelta or None, got {type(delta).__name__}"
+            )
         delta.check(w, what)
         delta = delta.to(dtype)
         tensors += [delta.A.contiguous(), delta.B.contiguous()]

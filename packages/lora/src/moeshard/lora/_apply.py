@@ -272,7 +272,9 @@ def reset_adapters(model: nn.Module, adapters: LoraAdapters, seed: int = 0, *, e
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    for t, full in zip(adapters.targets, _initial(model, adapters.targets, adapters.options.rank, seed, adapters.shapes)):
+    for t, full in zip(
+        adapters.targets, _initial(model, adapters.targets, adapters.options.rank, seed, adapters.shapes)
+    ):
         for name, value in zip((t.a_name, t.b_name), full):
             p = model.get_parameter(name)
             if t.kind == EXPERTS and p.shape[0] != value.shape[0]:

@@ -231,9 +231,7 @@ class ExpertDispatch:
         order_N, inv_N, counts_E = self._logged("routes", lambda: self.kernels.route(topk_ids_TK, self.num_experts))
         x_sorted_ND, w_sorted_N = expand_rows_and_weights(x_TD, topk_weights_TK, order_N, inv_N, K, self.kernels)
         # dispatch → expert compute (weighted) → back, in the same order
-        y_sorted_ND = self.run_experts(
-            x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation, deltas
-        )
+        y_sorted_ND = self.run_experts(x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation, deltas)
         # combine
         return combine(y_sorted_ND, order_N, inv_N, K, self.kernels, x_TD.dtype, compute=not self.outputs_discarded)
 
