@@ -19,6 +19,7 @@ from moeshard.lora._apply import (
     apply_lora,
     merged_weights,
     reset_adapters,
+    set_adapters,
 )
 from moeshard.lora._grouped import expert_lora_delta, resolve_lora_gemm
 from moeshard.lora._options import LoraOptions
@@ -37,4 +38,5 @@ __all__ = [
     "reset_adapters",
     "resolve_lora_gemm",
     "save_adapter",
+    "set_adapters",
 ]

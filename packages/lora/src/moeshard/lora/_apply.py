@@ -22,7 +22,15 @@ import torch.nn.functional as F
 
 from moeshard.lora._options import LoraOptions
 
-__all__ = ["ExpertAdapter", "LoraAdapters", "LoraTarget", "apply_lora", "merged_weights", "reset_adapters"]
+__all__ = [
+    "ExpertAdapter",
+    "LoraAdapters",
+    "LoraTarget",
+    "apply_lora",
+    "merged_weights",
+    "reset_adapters",
+    "set_adapters",
+]
 
 LINEAR, EXPERTS = "linear", "experts"
 
@@ -204,7 +212,12 @@ def _find_targets(model: nn.Module, options: LoraOptions) -> list[LoraTarget]:
 
 
 def apply_lora(
-    model: nn.Module, options: LoraOptions, *, seed: int = 0, dtype: torch.dtype = torch.float32
+    model: nn.Module,
+    options: LoraOptions,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    base_dtype: torch.dtype | None = None,
 ) -> LoraAdapters:
     """Add LoRA adapters to ``model`` in place and freeze everything else.
 
@@ -214,6 +227,9 @@ def apply_lora(
         seed: the adapters' initialisation seed (A: PEFT's kaiming-uniform with ``a = sqrt(5)``, per expert row
             block like PEFT's stacked ``[E·r, in]``; B: zeros, so the adapted model starts equal to the base).
         dtype: the adapters' dtype (float32: they are the trained masters; the forward casts them to the input's).
+        base_dtype: the frozen base parameters' dtype (the compute dtype, e.g. bfloat16: a frozen weight needs no
+            float32 master, so the base is held once, in the dtype the forward uses); None keeps theirs. Works on
+            the meta device (before sharding: FSDP then shards the compute-dtype tensors).
 
     Returns:
         :class:`LoraAdapters`. The base parameters get ``requires_grad = False``.
@@ -223,6 +239,8 @@ def apply_lora(
     targets = _find_targets(model, options)
     for p in model.parameters():
         p.requires_grad_(False)
+    if base_dtype is not None:
+        _cast_parameters(model, base_dtype)
     r, handles, shapes = options.rank, [], {}
     for t, (A, B) in zip(targets, _initial(model, targets, r, seed)):
         module = model.get_submodule(t.module)
@@ -236,6 +254,16 @@ def apply_lora(
         else:
             module.lora_scaling = options.scaling  # read by the expert module with its adapters (see the docstring)
     return LoraAdapters(options, tuple(targets), shapes, handles)
+
+
+@torch.no_grad()
+def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every floating-point parameter of ``model`` as a new frozen parameter of ``dtype`` (buffers keep theirs:
+    rotary tables and the like are computed in float32)."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_floating_point() and p.dtype != dtype:
+                setattr(module, name, nn.Parameter(p.to(dtype), requires_grad=False))
 
 
 def _initial(
@@ -270,23 +298,44 @@ def reset_adapters(model: nn.Module, adapters: LoraAdapters, seed: int = 0, *, e
     alike, then cut to what the rank holds: this EP rank's experts (``ep_rank`` times the local expert count, on
     dim 0, for expert adapters whose dim 0 is smaller than the full one) and, for a DTensor (FSDP), its shard.
     """
+    initial = _initial(model, adapters.targets, adapters.options.rank, seed, adapters.shapes)
+    full = {name: value for t, pair in zip(adapters.targets, initial) for name, value in zip((t.a_name, t.b_name), pair)}
+    set_adapters(model, adapters, full, ep_rank=ep_rank)
+
+
+@torch.no_grad()
+def set_adapters(
+    model: nn.Module, adapters: LoraAdapters, tensors: Mapping[str, torch.Tensor], *, ep_rank: int = 0
+) -> None:
+    """Copy full (unsharded) adapter tensors into a model that may be sharded: each rank keeps what it holds.
+
+    Args:
+        tensors: every adapter by its name in the model, in its full shape (:func:`~moeshard.lora.load_adapter`'s
+            result, or :meth:`LoraAdapters.state_dict` of an unsharded copy).
+        ep_rank: this rank's EP rank: an expert adapter whose dim 0 is smaller than the full one holds experts
+            ``ep_rank * local ... (ep_rank + 1) * local``; a DTensor (FSDP) keeps its shard of the rest.
+    """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    for t, full in zip(
-        adapters.targets, _initial(model, adapters.targets, adapters.options.rank, seed, adapters.shapes)
-    ):
-        for name, value in zip((t.a_name, t.b_name), full):
-            p = model.get_parameter(name)
+    missing = [n for n in adapters.names() if n not in tensors]
+    if missing:
+        raise ValueError(f"lora: the adapter tensors lack {missing[0]} ({len(missing)} missing)")
+    for t in adapters.targets:
+        for name in (t.a_name, t.b_name):
+            p, value = model.get_parameter(name), tensors[name]
+            if tuple(value.shape) != adapters.shapes[name]:
+                raise ValueError(f"lora: {name} has shape {tuple(value.shape)}, the model's adapter {adapters.shapes[name]}")
             if t.kind == EXPERTS and p.shape[0] != value.shape[0]:
                 local = p.shape[0]
                 if value.shape[0] % local or not 0 <= ep_rank < value.shape[0] // local:
                     raise ValueError(
-                        f"reset_adapters: {name} holds {local} of {value.shape[0]} experts, which EP rank {ep_rank} "
+                        f"lora: {name} holds {local} of {value.shape[0]} experts, which EP rank {ep_rank} "
                         "cannot hold; pass the rank's EP rank"
                     )
                 value = value[ep_rank * local : (ep_rank + 1) * local]
+            value = value.to(device=p.device, dtype=p.dtype)
             if isinstance(p, DTensor):
-                value = distribute_tensor(value.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+                value = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
                 p.to_local().copy_(value.to_local())
             else:
                 p.copy_(value)
