@@ -350,6 +350,8 @@ def load_hf_weights(
     (``HFFormat.buffers``) load like parameters; layers the format says the model does not build
     (``HFFormat.skipped_layers``) are skipped with one logged line. The format is the model class's ``hf_format``;
     a folder of one of its :class:`FolderLayout` s (a vision-language checkpoint) loads the model's part of it.
+    LoRA adapters beside the base (``moeshard.lora``'s ``*lora_A`` / ``*lora_B``) are not read: they are not the
+    base's (``moeshard.lora.reset_adapters`` or ``load_adapter`` give them their values).
 
     Args:
         model: a materialised model (no ``meta`` parameters) with our FQNs (wrappers' segments are ignored).
@@ -423,6 +425,9 @@ def load_hf_weights(
     )
 
 
+_ADAPTER_SUFFIXES = (".lora_A", ".lora_B", "_lora_A", "_lora_B")
+
+
 def _plan(
     model: nn.Module,
     ckpt: SafetensorsDir,
@@ -437,6 +442,8 @@ def _plan(
     wanted_shape: dict[str, tuple[int, ...]] = {}
     for raw_fqn, param in _tensors(model, fmt):
         fqn = _clean_fqn(raw_fqn)
+        if fqn.endswith(_ADAPTER_SUFFIXES):
+            continue  # LoRA's adapters (moeshard.lora) beside a frozen base: not in the base's checkpoint
         if param.device.type == "meta":
             raise ValueError(f"parameter {fqn} is on the meta device: materialise the model (to_empty) before loading")
         offset, local = local_region(param)

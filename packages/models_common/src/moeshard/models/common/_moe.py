@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeshard.ep import LocalDispatch
+from moeshard.ep import LocalDispatch, LowRankDelta
 from moeshard.models.common._kept import kept_topk
 from moeshard.models.common._topk import TopkIds, row_topk
 
@@ -145,7 +145,17 @@ class Experts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
         """``y_TD``: each token's routed experts' outputs, weighted by ``topk_weights_TK`` (in float32)."""
-        return self.dispatch(x_TD, topk_ids_TK, topk_weights_TK, self.gate_up_proj, self.down_proj)
+        deltas = (self._low_rank("gate_up_proj"), self._low_rank("down_proj"))
+        return self.dispatch(x_TD, topk_ids_TK, topk_weights_TK, self.gate_up_proj, self.down_proj, deltas=deltas)
+
+    def _low_rank(self, name: str) -> LowRankDelta | None:
+        """The adapter of the fused tensor ``name`` as the dispatcher takes it, or None: ``moeshard.lora`` adds
+        ``<name>_lora_A [E, r, in]`` and ``<name>_lora_B [E, out, r]`` beside it and sets ``lora_scaling``. Looked up
+        at each call, since FSDP swaps the parameter objects between their sharded and unsharded forms."""
+        A = getattr(self, f"{name}_lora_A", None)
+        if A is None:
+            return None
+        return LowRankDelta(A, getattr(self, f"{name}_lora_B"), self.lora_scaling)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, local={tuple(self.gate_up_proj.shape[:1])}"
