@@ -180,8 +180,16 @@ def _export(argv: list[str]) -> int:
         "--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "keep"), help="of the weights"
     )
     parser.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors file, e.g. 5GB, 500MB")
+    parser.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a LoRA run's checkpoint: the base model (the run's model.path) with the adapters merged; without "
+        "it such a checkpoint gives its adapter in PEFT's format",
+    )
     args = parser.parse_args(argv)
-    path = export_hf(args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
+    path = export_hf(
+        args.checkpoint, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, merge_lora=args.merge_lora
+    )
     print(f"wrote {path}")
     return 0
 

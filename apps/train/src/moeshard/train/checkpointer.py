@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import StorageWriter
+from torch.distributed.tensor import DTensor
 
 from moeshard.checkpoint import (
     PendingSave,
@@ -25,6 +28,7 @@ from moeshard.checkpoint import (
     Stager,
     check_room_for_run,
     describe_failure,
+    load_checkpoint,
     load_model_state,
     model_state,
     newest_checkpoint,
@@ -32,14 +36,54 @@ from moeshard.checkpoint import (
     save_checkpoint,
     start_async_save,
 )
+from moeshard.fsdp_moe import set_state_dict
+from moeshard.lora import save_adapter
 from moeshard.train.errors import JobError
-from moeshard.train.export import export_hf, find_tokenizer
+from moeshard.train.export import export_adapter, export_hf, find_tokenizer
 from moeshard.train.run import Callback, Job, StepStats, lr_at
+from moeshard.train.run.build import base_model_name
+
+OPTIMIZER_KEY = "optimizer"
+_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
 
 
 def app_state(job: Job) -> dict[str, Any]:
-    """Model and optimizer state for DCP (layout independent, see ``moeshard.checkpoint.model_state``)."""
-    return model_state(job.model, job.optimizer, masters="split")
+    """Model and optimizer state for DCP (layout independent, see ``moeshard.checkpoint.model_state``). A LoRA job's
+    holds no frozen base parameter: its adapters, its buffers (what the run may change, e.g. routing biases) and
+    the optimizer's state (the adapters')."""
+    state = model_state(job.model, job.optimizer, masters="split")
+    if job.adapters is not None:
+        state["model"] = _without_frozen(job, state["model"])
+    return state
+
+
+def _without_frozen(job: Job, model_entries: dict[str, Any]) -> dict[str, Any]:
+    # Parameter names as the state dict has them: without the wrappers' segments (checkpointing, compile).
+    frozen = {_WRAPPERS.sub("", n) for n, p in job.model.named_parameters() if not p.requires_grad}
+    return {k: v for k, v in model_entries.items() if k not in frozen}
+
+
+def full_adapters(job: Job) -> dict[str, torch.Tensor]:
+    """The LoRA adapters of the job, full (gathered over EP and FSDP), by their names in the model; every rank
+    calls it (collectives), every rank gets them, on the CPU."""
+    assert job.adapters is not None
+    entries = model_state(job.model, job.optimizer)["model"]
+    out = {}
+    for name in job.adapters.names():
+        t = entries[name]
+        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().to("cpu", copy=True)
+    return out
+
+
+def write_adapter(job: Job, folder: Path) -> Path | None:
+    """``<folder>`` in PEFT's format (``moeshard.lora.save_adapter``: ``adapter_config.json``,
+    ``adapter_model.safetensors``, float32) from the job's adapters; every rank calls it, rank 0 writes. Returns
+    the folder on rank 0, None elsewhere."""
+    tensors = full_adapters(job)
+    if dist.get_rank() != 0:
+        return None
+    model_class = type(job.model_config).__name__.replace("Config", "ForCausalLM")
+    return save_adapter(folder, job.adapters, tensors, base_model=base_model_name(job.cfg), model_class=model_class)
 
 
 def job_state(job: Job, step: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
@@ -82,16 +126,22 @@ def save_job(
     )
 
 
-def write_hub_folder(checkpoint: Path, hf_dir: Path, dtype: str, say: Callable[[str], None] | None = None) -> Path:
+def write_hub_folder(
+    checkpoint: Path, hf_dir: Path, dtype: str, say: Callable[[str], None] | None = None, *, lora: bool = False
+) -> Path:
     """``checkpoint.save_hf``: the Hub folder ``hf_dir/<checkpoint's name>`` written from a complete checkpoint by
     :func:`moeshard.train.export.export_hf` (streaming: host memory bounded by a shard; the tokenizer and
     generation config beside the weights), atomically (a temporary folder renamed; an earlier folder of the same
     step is replaced). ``say``: the export's lines on a missing tokenizer or generation config (``print``).
-    Returns the folder."""
+    A LoRA run's checkpoint gives ``<folder>/adapter/`` in PEFT's format (``export-hf --merge-lora`` merges it
+    into the base later). Returns the folder."""
     final, tmp = hf_dir / checkpoint.name, hf_dir / f".tmp-{checkpoint.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     say = say or print
-    export_hf(checkpoint, tmp, dtype=dtype, say=lambda line: say(line.replace(str(tmp), str(final))))
+    if lora:
+        export_adapter(checkpoint, tmp / "adapter")
+    else:
+        export_hf(checkpoint, tmp, dtype=dtype, say=lambda line: say(line.replace(str(tmp), str(final))))
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -99,8 +149,16 @@ def write_hub_folder(checkpoint: Path, hf_dir: Path, dtype: str, say: Callable[[
 
 
 def resume_job(job: Job, path: Path) -> int:
-    """Load a checkpoint of any layout into the job; returns the step it was taken after."""
-    extra, rank_state = load_model_state(path, job.model, job.optimizer)
+    """Load a checkpoint of any layout into the job; returns the step it was taken after. A LoRA job reads only
+    what its checkpoints hold (:func:`app_state`); its base is the one ``build`` loaded."""
+    if job.adapters is None:
+        extra, rank_state = load_model_state(path, job.model, job.optimizer)
+    else:
+        state = model_state(job.model, job.optimizer)
+        stored = {"model": _without_frozen(job, state["model"]), OPTIMIZER_KEY: state[OPTIMIZER_KEY]}
+        _check_lora_checkpoint(path, stored["model"])
+        extra, rank_state = load_checkpoint(path, stored)  # into the entries of `state` (the same tensors)
+        set_state_dict(job.model, state, job.optimizer)
     step = int(extra["step"])
     # The schedule is a function of the step (the saved scheduler state has one entry per parameter group, and the
     # groups depend on the layout: experts outside FSDP have an optimizer of their own). train.steps may have
@@ -114,6 +172,18 @@ def resume_job(job: Job, path: Path) -> int:
         if "cuda_rng" in rank_state and job.device.type == "cuda":
             torch.cuda.set_rng_state(rank_state["cuda_rng"], job.device)
     return step
+
+
+def _check_lora_checkpoint(path: Path, wanted: dict[str, Any]) -> None:
+    """One line where the checkpoint is not one of this LoRA job (another rank, targets, or a full run's)."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing = [k for k in wanted if f"model.{k}" not in stored]
+    if missing:
+        raise ValueError(
+            f"checkpoint {path} holds no {missing[0]} ({len(missing)} entries of this job missing): it is not a "
+            "checkpoint of this LoRA job (lora.rank and targets); resume it with its own lora settings, or start "
+            "in a new logging.output_dir"
+        )
 
 
 class Checkpointer(Callback):
@@ -228,14 +298,16 @@ class Checkpointer(Callback):
         ):
             try:
                 hf_dir = Path(self.job.cfg.logging.output_dir) / "hf"
-                hub = write_hub_folder(path, hf_dir, c.hf_dtype, say=self._say_once)
+                lora = self.job.adapters is not None
+                hub = write_hub_folder(path, hf_dir, c.hf_dtype, say=self._say_once, lora=lora)
             except (OSError, ValueError) as e:  # e.g. a full disk; rank 0 only: the others stop on losing it
                 raise JobError(
                     f"writing the Hub folder of step {step} failed ({describe_failure(e)}); the checkpoint {path} is "
                     "complete: resume from it, or export it later with moeshard-train export-hf",
                     every_rank=False,
                 ) from e
-            self.console(f"Hub folder {hub} written from checkpoint {path.name} ({c.hf_dtype})")
+            what = f"adapter {hub / 'adapter'}" if lora else f"Hub folder {hub}"
+            self.console(f"{what} written from checkpoint {path.name} ({'float32' if lora else c.hf_dtype})")
 
     def _say_once(self, line: str) -> None:
         """An export's line on what a Hub folder lacks (``<folder>: no tokenizer: ...``): the first folder's only,

@@ -10,6 +10,7 @@ app's job config, optional), ``model_path`` (the local Hub folder the weights st
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import GenerationConfig
 
 from moeshard import checkpoint as ckpt
+from moeshard.lora import LoraAdapters, LoraOptions, apply_lora, merged_weights, save_adapter
 from moeshard.models.common import stream_hf_weights
 from moeshard.train.config import JobConfig, config_from_dict, resolve_model_config
 from moeshard.train.families import family_of, get_family
@@ -146,6 +148,7 @@ def export_hf(
     dtype: str = "bfloat16",
     max_shard_size: str | int = "5GB",
     say: Callable[[str], None] = print,
+    merge_lora: bool = False,
 ) -> Path:
     """Write ``config.json``, per-expert safetensors shards + index, the run's tokenizer files and
     ``generation_config.json`` to ``out``, streaming from the checkpoint's DCP files: each output shard reads only
@@ -160,6 +163,9 @@ def export_hf(
             checkpoint's, float32 for moeshard-train runs).
         max_shard_size: bytes per safetensors file (``"5GB"``, ``"500MB"``, an int).
         say: where the lines on a missing tokenizer or generation config go.
+        merge_lora: a LoRA run's checkpoint: the base (its ``model.path``, read whole into host memory) with the
+            adapters merged (``moeshard.lora.merged_weights``). Without it such a checkpoint gives its adapter in
+            PEFT's format (:func:`export_adapter`), with a line on ``--merge-lora``.
 
     Raises:
         ValueError: ``checkpoint`` is not a complete checkpoint (or records no model config), ``out`` exists and is
@@ -173,31 +179,19 @@ def export_hf(
         raise ValueError(f"--out {dst} exists and is not an empty folder; nothing was overwritten. Choose a new folder")
     src = Path(checkpoint)
     run = _Run(src)
-    mcfg, stored = run.model_config, run.stored
+    mcfg = run.model_config
     fmt = family_of(mcfg).hf_format
-    with torch.device("meta"):
-        model = family_of(mcfg).model_class(mcfg)
-    # The HF tensors, in model order: parameters and the buffers the format stores (DeepSeek-V3's correction bias).
-    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers() if n.endswith(fmt.buffers)]
-    specs = {}
-    for name in names:
-        md = stored.get(f"model.{name}")
-        if not isinstance(md, TensorStorageMetadata):
-            raise ValueError(f"{src} holds no tensor model.{name}: it is not a checkpoint of this model")
-        specs[name] = (tuple(md.size), md.properties.dtype)
-    if any(k.startswith("model.") and k.endswith(".mlp.gate.bias") for k in stored):
-        warnings.warn(
-            "the routers' selection bias (train.router_bias) is not exported: transformers' Qwen3-MoE has no such "
-            "tensor, so the exported model routes without it (DeepSeek-V3's e_score_correction_bias is exported)",
-            stacklevel=2,
-        )
-
-    def read(keys: list[str]) -> dict[str, torch.Tensor]:
-        state = {"model": {k: torch.empty(specs[k][0], dtype=specs[k][1]) for k in keys}}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(src), no_dist=True)  # reads only these tensors' bytes
-        return state["model"]
+    lora = run.cfg.lora if run.cfg is not None and run.cfg.lora.enabled else None
+    if lora is not None and not merge_lora:  # a LoRA run's checkpoint holds its adapters, not the base
+        export_adapter(src, dst)
+        say(f"{dst}: a LoRA run's adapter in PEFT's format; pass --merge-lora for the base with it merged")
+        return dst
+    if merge_lora and lora is None:
+        raise ValueError(f"--merge-lora: {src} is not a checkpoint of a LoRA run (its config has lora.rank 0)")
+    if lora is not None:
+        specs, read = _merged(src, run, lora)
+    else:
+        specs, read = _stored(src, run, fmt)
 
     # Written beside --out and renamed into place when complete: a crash leaves no folder that looks like an export.
     stage = dst.parent / f".{dst.name}.exporting-{uuid.uuid4().hex[:8]}"
@@ -239,3 +233,83 @@ def _add_generation_config(folder: Path, model_config: Any, model_path: str | No
         )
     GenerationConfig(**{k: v for k, v in ids.items() if v is not None}).save_pretrained(folder)
     return None
+
+
+def _stored(src: Path, run: _Run, fmt: Any) -> tuple[dict[str, Any], Callable[[list[str]], dict[str, torch.Tensor]]]:
+    """The Hub tensors of a full checkpoint: their shapes and dtypes, and a reader of some of them from its files."""
+    mcfg, stored = run.model_config, run.stored
+    with torch.device("meta"):
+        model = family_of(mcfg).model_class(mcfg)
+    # The HF tensors, in model order: parameters and the buffers the format stores (DeepSeek-V3's correction bias).
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers() if n.endswith(fmt.buffers)]
+    specs = {}
+    for name in names:
+        md = stored.get(f"model.{name}")
+        if not isinstance(md, TensorStorageMetadata):
+            raise ValueError(f"{src} holds no tensor model.{name}: it is not a checkpoint of this model")
+        specs[name] = (tuple(md.size), md.properties.dtype)
+    if any(k.startswith("model.") and k.endswith(".mlp.gate.bias") for k in stored):
+        warnings.warn(
+            "the routers' selection bias (train.router_bias) is not exported: transformers' Qwen3-MoE has no such "
+            "tensor, so the exported model routes without it (DeepSeek-V3's e_score_correction_bias is exported)",
+            stacklevel=3,
+        )
+    return specs, functools.partial(_read, src, specs)
+
+
+def _read(src: Path, specs: dict[str, Any], keys: list[str]) -> dict[str, torch.Tensor]:
+    state = {"model": {k: torch.empty(specs[k][0], dtype=specs[k][1]) for k in keys}}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(src), no_dist=True)  # reads only these tensors' bytes
+    return state["model"]
+
+
+def _adapters(src: Path, run: _Run, lora: LoraOptions) -> tuple[LoraAdapters, dict[str, torch.Tensor]]:
+    """The LoRA adapters of a LoRA run's checkpoint (full, float32) and what they target."""
+    with torch.device("meta"):
+        model = family_of(run.model_config).model_class(run.model_config)
+    adapters = apply_lora(model, lora)
+    specs = {}
+    for name in adapters.names():
+        md = run.stored.get(f"model.{name}")
+        if not isinstance(md, TensorStorageMetadata):
+            raise ValueError(f"{src} holds no adapter model.{name}: it is not a checkpoint of this LoRA run")
+        specs[name] = (tuple(md.size), md.properties.dtype)
+    return adapters, _read(src, specs, list(specs))
+
+
+def export_adapter(checkpoint: str | Path, out: str | Path) -> Path:
+    """A LoRA run's checkpoint (any layout) as a PEFT adapter folder (``adapter_config.json``,
+    ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads over the base model.
+
+    Raises:
+        ValueError: ``checkpoint`` is not a complete checkpoint of a LoRA run.
+    """
+    src = Path(checkpoint)
+    run = _Run(src)
+    if run.cfg is None or not run.cfg.lora.enabled:
+        raise ValueError(f"{src} is not a checkpoint of a LoRA run (its config has lora.rank 0): use export-hf")
+    adapters, tensors = _adapters(src, run, run.cfg.lora)
+    base = run.model_path or run.cfg.model.preset
+    model_class = type(run.model_config).__name__.replace("Config", "ForCausalLM")
+    return save_adapter(out, adapters, tensors, base_model=base, model_class=model_class)
+
+
+def _merged(src: Path, run: _Run, lora: LoraOptions) -> tuple[dict[str, Any], Callable[[list[str]], dict]]:
+    """The Hub tensors of a LoRA run: its base (``model.path``, whole in host memory) with the adapters merged."""
+    if run.model_path is None or not Path(run.model_path).is_dir():
+        raise ValueError(
+            f"--merge-lora: the run of {src} started from "
+            f"{run.model_path or 'a preset (model.path null)'}, which is not a folder here: the base weights to "
+            "merge into are missing; export the adapter (export-hf without --merge-lora) and merge it over the base"
+        )
+    adapters, tensors = _adapters(src, run, lora)
+    model = family_of(run.model_config).model_class.from_pretrained(run.model_path, dtype=torch.float32)
+    fmt = family_of(run.model_config).hf_format
+    state = dict(model.named_parameters())
+    state.update({n: b for n, b in model.named_buffers() if n.endswith(fmt.buffers)})
+    state = {n: t.detach() for n, t in state.items()}
+    state.update(merged_weights(adapters, state, tensors))
+    specs = {n: (tuple(t.shape), t.dtype) for n, t in state.items()}
+    return specs, lambda keys: {k: state[k] for k in keys}

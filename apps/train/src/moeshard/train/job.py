@@ -27,7 +27,7 @@ import yaml
 from moeshard import checkpoint as ckpt
 from moeshard.data import PrefetchLoader
 from moeshard.train._torch_internals import default_store
-from moeshard.train.checkpointer import Checkpointer, resume_job
+from moeshard.train.checkpointer import Checkpointer, resume_job, write_adapter
 from moeshard.train.cluster import preemption
 from moeshard.train.cluster.preemption import StopOnSignal
 from moeshard.train.config import JobConfig
@@ -188,6 +188,10 @@ def _run(
                 f"stopped by {stopped['signal']} after step {step}: checkpoint {checkpointer.last_saved} is "
                 f"complete; exit status {preemption.EXIT_STATUS}, the same command resumes at step {step + 1}"
             )
+    if job.adapters is not None and stopped is None:  # the trained adapter in PEFT's format, every rank gathering
+        adapter = write_adapter(job, prep.output_dir / "adapter")
+        if adapter is not None:
+            print0(f"adapter {adapter} written (PEFT's format: PeftModel.from_pretrained(base model, folder))")
     print0(summary_line(start_step, step, totals, evaluator, checkpointer.last_saved, job.meshes.world_size))
     return {
         "losses": losses.losses,

@@ -12,10 +12,18 @@ Example (any ``nn.Module`` whose module names are the transformers model's)::
     save_adapter("out/adapter", adapters, adapters.state_dict(model))   # PeftModel.from_pretrained loads it
 """
 
-from moeshard.lora._apply import ExpertAdapter, LoraAdapters, LoraTarget, apply_lora, merged_weights
+from moeshard.lora._apply import (
+    ExpertAdapter,
+    LoraAdapters,
+    LoraTarget,
+    apply_lora,
+    merged_weights,
+    reset_adapters,
+    set_adapters,
+)
 from moeshard.lora._grouped import expert_lora_delta
 from moeshard.lora._options import LoraOptions
-from moeshard.lora._peft import load_adapter, save_adapter
+from moeshard.lora._peft import load_adapter, read_adapter_options, save_adapter
 
 __all__ = [
     "ExpertAdapter",
@@ -26,5 +34,8 @@ __all__ = [
     "expert_lora_delta",
     "load_adapter",
     "merged_weights",
+    "read_adapter_options",
+    "reset_adapters",
     "save_adapter",
+    "set_adapters",
 ]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import moeshard.data
+from moeshard.lora import LoraOptions
 from moeshard.train.config.parallel import ParallelConfig
 from moeshard.train.config.parse import yaml_key
 
@@ -245,6 +246,8 @@ class JobConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # moeshard.lora's options themselves (each key its field, help and checks), as parallel is ParallelOptions.
+    lora: LoraOptions = field(default_factory=LoraOptions)
     data: DataConfig = field(default_factory=lambda: DataConfig(synthetic=True))
     eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -3,8 +3,10 @@ the optimizer, the balancing). The step is :mod:`moeshard.train.run.step`, the l
 
     torchrun --nproc-per-node 4 -m moeshard.train --config apps/train/configs/default.yaml
 
-:func:`build`: meshes -> model on meta -> ``parallelize`` (EP -> activation checkpointing -> compile -> FSDP2 ->
-prefetch) -> memory -> weights (loaded or initialised) -> optimizer -> learning-rate schedule -> balancing.
+:func:`build`: meshes -> model on meta -> LoRA adapters (``lora``: before ``parallelize``, whose EP plan then slices the
+expert adapters with their experts) -> ``parallelize`` (EP -> activation checkpointing -> compile -> FSDP2 ->
+prefetch) -> memory -> weights (loaded or initialised; then the adapters' values) -> optimizer -> learning-rate
+schedule -> balancing.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from moeshard.fsdp_moe import ExpertGradOptions, build_optimizer
+from moeshard.fsdp_moe import ExpertGradOptions, build_optimizer, default_mp_policy
+from moeshard.lora import LoraAdapters, apply_lora, load_adapter, reset_adapters, set_adapters
 from moeshard.meshes import build_meshes
 from moeshard.models.common import Balancing, BalancingOptions, load_hf_weights, parallelize
 from moeshard.train.config import JobConfig, config_from_dict, parallel_options
@@ -154,6 +157,23 @@ class Job:
     optimizer: OptimizersContainer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     balancing: Balancing  # aux loss, z-loss, router-bias updates
+    adapters: LoraAdapters | None = None  # lora: the adapters (the only trained tensors); None without LoRA
+
+
+def compute_dtype(cfg: JobConfig, device_type: str) -> torch.dtype:
+    """The dtype the forward computes in: ``parallel.param_dtype``, or for ``auto`` the FSDP mixed-precision
+    default of the device (bf16 on CUDA, float32 elsewhere)."""
+    if cfg.parallel.param_dtype != "auto":
+        return getattr(torch, cfg.parallel.param_dtype)
+    return default_mp_policy(device_type).param_dtype or torch.float32
+
+
+def base_model_name(cfg: JobConfig) -> str | None:
+    """What an adapter of this job names as its base model (PEFT's ``base_model_name_or_path``): ``model.path``,
+    absolute, or the preset's name."""
+    if cfg.model.path is not None:
+        return os.path.abspath(cfg.model.path)
+    return cfg.model.preset
 
 
 def build(cfg: JobConfig, device: torch.device, model_config: PretrainedConfig) -> Job:
@@ -170,6 +190,12 @@ def build(cfg: JobConfig, device: torch.device, model_config: PretrainedConfig) 
     meshes = build_meshes(p.ep_size, device_type=device.type, allow_cross_node_ep=p.allow_cross_node_ep)
     with torch.device("meta"):
         model = family_of(model_config).model_class(model_config)  # model.family's causal LM
+    adapters = None
+    if cfg.lora.enabled:
+        # Before parallelize: its EP plan names the expert adapters beside their experts (sliced on dim 0 with
+        # them). The frozen base is held in the compute dtype: no float32 master, gradient or optimizer state.
+        base_dtype = compute_dtype(cfg, device.type)
+        adapters = apply_lora(model, cfg.lora, seed=cfg.train.seed, base_dtype=base_dtype)
     parallel = parallelize(model, meshes, parallel_options(cfg))
     model.to_empty(device=device)
     if cfg.model.path is not None:
@@ -177,6 +203,13 @@ def build(cfg: JobConfig, device: torch.device, model_config: PretrainedConfig) 
     else:
         torch.manual_seed(cfg.model.init_seed)
         model.init_weights()
+    if adapters is not None:  # the base's loaders leave the adapters alone: their values come now
+        ep_rank = parallel.ep_info.ep_rank
+        if cfg.lora.init_from is not None:
+            tensors = load_adapter(cfg.lora.init_from, adapters, base_model=base_model_name(cfg))
+            set_adapters(model, adapters, tensors, ep_rank=ep_rank)
+        else:
+            reset_adapters(model, adapters, cfg.train.seed, ep_rank=ep_rank)
     if t.router_bias is not None:
         model.enable_router_bias()  # after the HF weights (no such tensor there), before a resume (DCP has it)
     # train.expert_weight_grads: the optimizer keeps the local experts' weight gradients of a step's micro-batches
@@ -193,4 +226,4 @@ def build(cfg: JobConfig, device: torch.device, model_config: PretrainedConfig) 
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / t.lr)
     balancing = Balancing(model, balancing_options(cfg, model_config), device=device)
-    return Job(cfg, device, meshes, model, model_config, parallel, optimizer, scheduler, balancing)
+    return Job(cfg, device, meshes, model, model_config, parallel, optimizer, scheduler, balancing, adapters)

@@ -16,12 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from moeshard import checkpoint as ckpt
 from moeshard.data import Dataset, EvalBatches, StepBatches
+from moeshard.lora import apply_lora, load_adapter
 from moeshard.train.config import ConfigError, JobConfig, check_layout
 from moeshard.train.errors import JobError
 from moeshard.train.families import family_of
-from moeshard.train.run.build import SCHEDULE_KEYS
+from moeshard.train.run.build import SCHEDULE_KEYS, base_model_name
 from moeshard.train.run.data import build_data
 
 
@@ -198,6 +201,7 @@ def prepare(cfg: JobConfig) -> Prepared:
         if resume_path is not None:
             _check_same_model(resume_path, mcfg)
         _check_tokenizer_folder(cfg.data.tokenizer)
+        _check_lora(cfg, mcfg)
         data, batches, eval_batches = build_data(cfg, mcfg, world)  # opened here: the run's identity needs it
         identity = run_identity(cfg, data)
         guard_output_dir(cfg, output_dir, resuming=resume != "none", identity=identity)
@@ -206,6 +210,19 @@ def prepare(cfg: JobConfig) -> Prepared:
     return Prepared(
         mcfg, data, batches, identity, output_dir, ckpt_dir, resume_path, rank, world, per_node, damaged, eval_batches
     )
+
+
+def _check_lora(cfg: JobConfig, mcfg: Any) -> None:
+    """The ``lora`` section against the model, before anything is built: every target matches (on a model on the
+    meta device), and ``init_from``'s folder has this job's rank, scaling, targets, base model and shapes.
+    Raises ValueError with one line."""
+    if not cfg.lora.enabled:
+        return
+    with torch.device("meta"):
+        model = family_of(mcfg).model_class(mcfg)
+    adapters = apply_lora(model, cfg.lora)
+    if cfg.lora.init_from is not None:
+        load_adapter(cfg.lora.init_from, adapters, base_model=base_model_name(cfg))
 
 
 def _check_tokenizer_folder(tokenizer: str | None) -> None:

@@ -5,6 +5,10 @@
 - The MoE block and its parts: :class:`MoEBlock` (router, routed :class:`Experts` through ``moeshard.ep``'s
   dispatchers, optional shared experts), the routers :class:`TopKRouter` (softmax top-k) and
   :class:`GroupLimitedRouter` (sigmoid/softmax, selection-only correction bias, group-limited top-k, scaling).
+- Sequence mixers' hooks: a decoder layer's mixer of any kind (``DecoderModel.build_mixer``, ``mask_kind``), the
+  linear-attention kernels (the gated delta rule and the short causal convolution, restarting per document:
+  :func:`linear_attention_kernels`), the norm kind (:class:`ZeroCenteredRMSNorm`), gated shared experts
+  (``MoEBlock(shared_gate=...)``).
 - Dense blocks: :class:`RMSNorm`, :class:`RotaryEmbedding` (the config's RoPE scaling), :class:`DenseMLP`, the
   attention under a padding or packed-documents mask (:func:`attend`), with :class:`AttentionOptions` choosing its
   kernel and whether a checkpointed layer keeps its output for the recompute.
@@ -41,14 +45,38 @@ from moeshard.models.common._balancing import (
 )
 from moeshard.models.common._causal_lm import DecoderLayer, DecoderModel, MoECausalLM
 from moeshard.models.common._checkpointing import apply_activation_checkpointing
+from moeshard.models.common._delta_rule import (
+    DELTA_RULE_CHUNK,
+    LinearAttentionKernels,
+    RowSegments,
+    causal_conv1d_reference,
+    chunk_gated_delta_rule_reference,
+    delta_rule_flops_per_token,
+    linear_attention_kernels,
+)
 from moeshard.models.common._evaluation import EvalResult, evaluate
 from moeshard.models.common._facts import ATTENTION_ATTRIBUTES, ModelFacts
 from moeshard.models.common._family import ModelFamily
 from moeshard.models.common._head import CausalLMOutput, LMHead, causal_lm_loss
-from moeshard.models.common._hf_load import HFFormat, LoadReport, load_hf_config, load_hf_weights, local_region
+from moeshard.models.common._hf_load import (
+    FolderLayout,
+    HFFormat,
+    LoadReport,
+    load_hf_config,
+    load_hf_weights,
+    local_region,
+)
 from moeshard.models.common._hf_save import save_hf_checkpoint, save_hf_weights, stream_hf_weights
 from moeshard.models.common._kept import CAUSAL_KERNELS, AttentionOptions
-from moeshard.models.common._layers import DenseMLP, RMSNorm, RotaryEmbedding, apply_rotary, attend, attention_output
+from moeshard.models.common._layers import (
+    DenseMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    ZeroCenteredRMSNorm,
+    apply_rotary,
+    attend,
+    attention_output,
+)
 from moeshard.models.common._lm_loss import IGNORE_INDEX, LOSS_CHUNK_TOKENS, ce_chunk, linear_cross_entropy
 from moeshard.models.common._moe import (
     SCORING_FUNCS,
@@ -68,6 +96,7 @@ from moeshard.models.common._sequence_parallel import apply_sequence_parallel
 __all__ = [
     "ATTENTION_ATTRIBUTES",
     "CAUSAL_KERNELS",
+    "DELTA_RULE_CHUNK",
     "IGNORE_INDEX",
     "LOSS_CHUNK_TOKENS",
     "SCOPES",
@@ -82,10 +111,12 @@ __all__ = [
     "DenseMLP",
     "EvalResult",
     "Experts",
+    "FolderLayout",
     "GlobalExpertCounts",
     "GroupLimitedRouter",
     "HFFormat",
     "LMHead",
+    "LinearAttentionKernels",
     "LoadReport",
     "MoEBlock",
     "MoECausalLM",
@@ -95,23 +126,29 @@ __all__ = [
     "Parallelized",
     "RMSNorm",
     "Router",
+    "RowSegments",
     "RotaryEmbedding",
     "SafetensorsDir",
     "StepBalance",
     "TensorInfo",
     "TopKRouter",
+    "ZeroCenteredRMSNorm",
     "apply_activation_checkpointing",
     "apply_sequence_parallel",
     "apply_rotary",
     "attend",
     "attention_output",
+    "causal_conv1d_reference",
     "causal_lm_loss",
     "ce_chunk",
     "check_common_config",
+    "chunk_gated_delta_rule_reference",
     "config_keys",
+    "delta_rule_flops_per_token",
     "evaluate",
     "expert_counts",
     "global_balancing_loss",
+    "linear_attention_kernels",
     "linear_cross_entropy",
     "load_balancing_loss",
     "load_hf_config",

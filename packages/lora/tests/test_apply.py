@@ -1,0 +1,65 @@
+"""apply_lora's frozen base in the compute dtype, and set_adapters' full tensors into a sharded layout."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from moeshard.lora import LoraOptions, apply_lora, reset_adapters, set_adapters
+
+
+class Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(4, 6, 3))
+        self.down_proj = nn.Parameter(torch.randn(4, 3, 3))
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(3, 5)
+        self.experts = Experts()
+        self.register_buffer("table", torch.ones(2))
+
+
+OPTIONS = LoraOptions(rank=2, target_modules=("q_proj",), target_parameters=("experts.gate_up_proj",))
+
+
+def test_base_dtype_holds_the_frozen_base_once_in_that_dtype_and_adapters_in_float32():
+    model = Tiny()
+    adapters = apply_lora(model, OPTIONS, base_dtype=torch.bfloat16)
+    trained = {id(p) for p in adapters.parameters(model)}
+    for name, p in model.named_parameters():
+        if id(p) in trained:
+            assert p.dtype == torch.float32 and p.requires_grad, name
+        else:
+            assert p.dtype == torch.bfloat16 and not p.requires_grad, name
+    assert model.table.dtype == torch.float32  # buffers keep theirs
+    out = model.q_proj(torch.randn(2, 3, dtype=torch.bfloat16))  # the hook casts the adapters to the input's dtype
+    assert out.dtype == torch.bfloat16
+
+
+def test_set_adapters_keeps_this_ep_rank_s_experts_of_full_tensors():
+    full_model = Tiny()
+    adapters = apply_lora(full_model, OPTIONS, seed=3)
+    full = {k: v.clone() for k, v in adapters.state_dict(full_model).items()}
+    full = {k: v + torch.arange(v.numel()).reshape(v.shape) for k, v in full.items()}  # B is zeros: make it distinct
+    local = Tiny()
+    local_adapters = apply_lora(local, OPTIONS, seed=0)
+    for suffix in ("_lora_A", "_lora_B"):  # EP 2: this rank holds experts 2 and 3
+        name = f"gate_up_proj{suffix}"
+        setattr(local.experts, name, nn.Parameter(getattr(local.experts, name).detach()[2:].clone()))
+    set_adapters(local, local_adapters, full, ep_rank=1)
+    for name in adapters.names():
+        want = full[name][2:] if "experts" in name else full[name]
+        assert torch.equal(local.get_parameter(name), want), name
+    with pytest.raises(ValueError, match="which EP rank 2 cannot hold"):
+        set_adapters(local, local_adapters, full, ep_rank=2)
+    with pytest.raises(ValueError, match="lack"):
+        set_adapters(local, local_adapters, {})
+    # reset_adapters is set_adapters of the seeded initial values
+    reset_adapters(local, local_adapters, seed=3, ep_rank=1)
+    fresh = Tiny()
+    seeded = apply_lora(fresh, OPTIONS, seed=3).state_dict(fresh)
+    assert torch.equal(local.get_parameter("q_proj.lora_A"), seeded["q_proj.lora_A"])
+    assert torch.equal(local.get_parameter("experts.gate_up_proj_lora_A"), seeded["experts.gate_up_proj_lora_A"][2:])
