@@ -99,7 +99,7 @@ from moeshard.models.common._parallel_options import ParallelOptions
 from moeshard.models.common._parallelize import Parallelized, parallelize
 from moeshard.models.common._presets import check_common_config, config_keys, preset_config
 from moeshard.models.common._safetensors import INDEX_NAME, CheckpointError, SafetensorsDir, TensorInfo
-from moeshard.models.common._sequence_parallel import apply_sequence_parallel
+from moeshard.models.common._sequence_parallel import ModelInputs, apply_sequence_parallel, model_inputs
 
 __all__ = [
     "ATTENTION_ATTRIBUTES",
@@ -131,6 +131,7 @@ __all__ = [
     "MoECausalLM",
     "ModelFacts",
     "ModelFamily",
+    "ModelInputs",
     "ParallelOptions",
     "Parallelized",
     "RMSNorm",
@@ -143,6 +144,7 @@ __all__ = [
     "TopKRouter",
     "apply_activation_checkpointing",
     "apply_sequence_parallel",
+    "model_inputs",
     "apply_rotary",
     "attend",
     "attention_output",
