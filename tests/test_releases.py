@@ -232,17 +232,33 @@ SMOKE = {
         assert model(ids, labels=ids).loss.isfinite()
         """
     ),
+    "moeshard-qwen35moe": textwrap.dedent(
+        """
+        import torch
+        from moeshard.models.qwen35moe import Qwen35MoeForCausalLM, get_preset_config
+        model = Qwen35MoeForCausalLM(get_preset_config("tiny"))
+        model.init_weights()
+        ids = torch.randint(0, 512, (1, 8))
+        assert model(ids, labels=ids).loss.isfinite()
+        """
+    ),
     "moeshard-train": "from moeshard.train import load_config; assert load_config().parallel.ep_size == 2",
 }
 # Distributions that bring transformers in (the model families and what they share; the app through them).
-TRANSFORMERS_USERS = {"moeshard-models-common", "moeshard-qwen3moe", "moeshard-deepseekv3", "moeshard-train"}
+TRANSFORMERS_USERS = {
+    "moeshard-models-common",
+    "moeshard-qwen3moe",
+    "moeshard-deepseekv3",
+    "moeshard-qwen35moe",
+    "moeshard-train",
+}
 # Chains of wheel sets (a name, or a name with an extra), one fresh environment each: every step's environment is
 # exactly its closure (the extras of a package's `test` extra are never installed). The longest chain first: the
 # pool starts the chains in this order, and the others then fit beside it (last, it ran alone for a minute).
 CHAINS = [
     ["moeshard-qwen3moe", "moeshard-qwen3moe[parallel]", "moeshard-train"],
     ["moeshard-meshes", "moeshard-ep", "moeshard-fsdp-moe", "moeshard-checkpoint"],
-    ["moeshard-models-common", "moeshard-deepseekv3"],
+    ["moeshard-models-common", "moeshard-deepseekv3", "moeshard-qwen35moe"],
     ["moeshard-prefetch"],
     ["moeshard-sequence"],
     ["moeshard-lora"],

@@ -22,14 +22,19 @@ __all__ = [
     "routed_experts",
 ]
 
-FAMILIES = {"qwen3_moe": "moeshard.models.qwen3moe", "deepseek_v3": "moeshard.models.deepseekv3"}
+FAMILIES = {
+    "qwen3_moe": "moeshard.models.qwen3moe",
+    "deepseek_v3": "moeshard.models.deepseekv3",
+    "qwen3_5_moe_text": "moeshard.models.qwen35moe",
+    "qwen3_5_moe": "moeshard.models.qwen35moe",  # the Hub's vision-language folders: their language model
+}
 """``model.family`` → the package that implements it (its ``FAMILY``)."""
 DEFAULT_FAMILY = "qwen3_moe"
 """The family of a preset job that names none."""
 
 
 def get_family(name: str):
-    """The ``ModelFamily`` of ``name`` (``qwen3_moe`` or ``deepseek_v3``).
+    """The ``ModelFamily`` of ``name`` (``qwen3_moe``, ``deepseek_v3``, ``qwen3_5_moe_text`` / ``qwen3_5_moe``).
 
     Raises:
         ValueError: an unknown family, naming the choices.
