@@ -34,3 +34,24 @@ def test_global_batch_counts_rows_per_data_parallel_group():
     assert (checked.mesh.dp_size, checked.micro_batches) == (2, 1)
     with pytest.raises(ConfigError, match="smaller than the 8 data-parallel ranks"):
         check_layout(_cfg("--train.global_batch_size=2", "--train.micro_batch_size=1"), world_size=8, ranks_per_node=8)
+
+
+def test_comm_estimate_adds_the_attentions_all_to_all_inside_the_node():
+    from moeshard.models.qwen3moe import get_preset_config
+    from moeshard.train.observe.comm import estimate_comm_bytes
+
+    cfg = get_preset_config("qwen3-30b-a3b")
+    common = dict(world_size=16, ranks_per_node=8, ep_size=8, tokens_per_rank=4096, micro_batches=1)
+    base = estimate_comm_bytes(cfg, **common, compute_bytes=2, reshard_after_forward=True)
+    sp8 = estimate_comm_bytes(cfg, **common, compute_bytes=2, reshard_after_forward=True, sp_size=8)
+    ckpt = estimate_comm_bytes(
+        cfg, **common, compute_bytes=2, reshard_after_forward=True, sp_size=8, activation_checkpointing=True
+    )
+    assert not any(kind == "sp_all_to_all" for kind, _ in base)
+    assert {k: v for k, v in sp8.items() if k[0] != "sp_all_to_all"} == base  # nothing else changes
+    # 48 layers x (q: 32 heads + out: 32 heads + k, v: 4 heads replicated to 8) x 128 wide, bf16, 7/8 to peers,
+    # forward and backward
+    want = 4096 * 48 * (32 + 32 + 8 + 8) * 128 * 2 * 7 / 8 * 2
+    assert sp8[("sp_all_to_all", "intra-node")] == pytest.approx(want)
+    assert ("sp_all_to_all", "inter-node") not in sp8
+    assert ckpt[("sp_all_to_all", "intra-node")] == pytest.approx(want * 3 / 2)  # the recompute exchanges again

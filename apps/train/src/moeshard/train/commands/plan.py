@@ -448,6 +448,7 @@ def comm_estimate(
         expert_reduce_bytes=_expert_grad_bytes(cfg),
         activation_checkpointing=parallel_options(cfg).activation_checkpointing == "full",
         reduce_every_micro_batch=gradient_sync(cfg.train, world) == "every_micro_batch",
+        sp_size=cfg.parallel.sp_size,
         uniform_routing=uniform_routing,
     )
 
