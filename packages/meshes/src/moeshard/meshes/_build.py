@@ -172,9 +172,7 @@ def build_meshes(
     world_size = dist.get_world_size()
     if ranks_per_node is None:
         ranks_per_node = ranks_per_node_from_env(world_size)
-    layout = plan_layout(
-        world_size, ranks_per_node, ep_size, allow_cross_node_ep=allow_cross_node_ep, sp_size=sp_size
-    )
+    layout = plan_layout(world_size, ranks_per_node, ep_size, allow_cross_node_ep=allow_cross_node_ep, sp_size=sp_size)
     device_type = device_type or default_device_type()
     fsdp = init_device_mesh(device_type, (world_size,), mesh_dim_names=(MeshAxis.FSDP.value,))
     # The expert mesh's groups get communicators of their own even where a group spans the whole world (EP 8 on

@@ -198,7 +198,9 @@ def prepare(cfg: JobConfig) -> Prepared:
         if resume_path is not None:
             _check_same_model(resume_path, mcfg)
         _check_tokenizer_folder(cfg.data.tokenizer)
-        data, batches, eval_batches = build_data(cfg, mcfg, world // cfg.parallel.sp_size)  # opened here: the run's identity needs it
+        data, batches, eval_batches = build_data(
+            cfg, mcfg, world // cfg.parallel.sp_size
+        )  # opened here: the run's identity needs it
         identity = run_identity(cfg, data)
         guard_output_dir(cfg, output_dir, resuming=resume != "none", identity=identity)
     except (ValueError, FileNotFoundError) as e:

@@ -204,9 +204,7 @@ class Balancing:
                     out.router_logits, self.routers, self.top_k, b, attention_mask_BS, router_ids=router_ids, group=sg
                 )
             elif sg is not None:  # the model's own aux loss is its shard's: the whole rows' instead
-                aux = load_balancing_loss(
-                    out.router_logits, counts.shape[-1], self.top_k, attention_mask_BS, group=sg
-                )
+                aux = load_balancing_loss(out.router_logits, counts.shape[-1], self.top_k, attention_mask_BS, group=sg)
             if o.z_loss_coef:
                 z = router_z_loss(out.router_logits, attention_mask_BS, group=sg)
         self._aux_sum += aux.detach().float() / self._n

@@ -198,9 +198,7 @@ class ParallelOptions:
                 raise ValueError(f"ParallelOptions.{name}={value!r} is not allowed: None ({default}), True or False")
         sp = self.sp_size
         if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
-            raise ValueError(
-                f"ParallelOptions.sp_size={sp!r} is not allowed: an int >= 1 (1: no sequence parallelism)"
-            )
+            raise ValueError(f"ParallelOptions.sp_size={sp!r} is not allowed: an int >= 1 (1: no sequence parallelism)")
         if sp > 1 and self.compile:
             raise ValueError(
                 f"ParallelOptions.sp_size={sp} with compile=True is not supported: the attention's all-to-alls "
