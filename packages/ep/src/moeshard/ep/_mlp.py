@@ -19,6 +19,11 @@ scales the gated activation by it before the down projection, ``y_n = down(w_n �
 backward returns the weights' gradient ``Σ_f grad_a · act(gate) · up`` from the activation's backward kernel: the
 dispatchers' combine then only adds each token's copies, and nothing of the outputs is kept for that gradient.
 
+**Expert biases** (optional, each independently): ``b_gate_up [E, X]`` added to the gate/up GEMM's rows and
+``b_down [E, D]`` to the down projection's, scaled by the row's routing weight like the rest of its output,
+``y_n = s_n · (down(act(gate x_n + b) · up ...) + b_down)``. Their gradients are each expert's row sums (an
+``index_add`` over the rows' experts, no host sync) and go to autograd; without biases none of this runs.
+
 The weight gradients go where their owner says (:mod:`moeshard.ep._weight_grads`: added into the gradient that
 is already there, or handed over unformed as factors).
 """
@@ -31,7 +36,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from moeshard.ep._kernels import Kernels, activation_fn, gated, kernels_for, resolve_gemm, weighted_gated
+from moeshard.ep._kernels import Activation, Kernels, activation_fn, gated, kernels_for, resolve_gemm, weighted_gated
 from moeshard.ep._options import RECOMPUTES
 from moeshard.ep._weight_grads import Handoff, WeightGradTarget, add_into, weight_grad_buffers
 
@@ -51,7 +56,7 @@ class ExpertPass:
         self,
         counts_E: torch.Tensor,
         host_counts: Sequence[int] | None,
-        activation: str,
+        activation: Activation,
         gemm: str,
         kernels: Kernels,
         offsets: torch.Tensor | None = None,
@@ -61,7 +66,7 @@ class ExpertPass:
         Args:
             counts_E: rows per local expert (int tensor on the rows' device).
             host_counts: the same as host ints; required by the loop backend, unused by grouped_mm.
-            activation: a name of ``ACTIVATIONS``.
+            activation: a name of ``ACTIVATIONS`` or a spec (``ClampedSwiGLU``).
             gemm: ``"grouped_mm"`` or ``"loop"`` (resolved, see :func:`resolve_gemm`).
             kernels: the kernel tier (the gated activation of the grouped_mm backend).
             offsets: the int32 cumulative ``counts_E`` when the caller computed them already (grouped_mm).
@@ -75,29 +80,71 @@ class ExpertPass:
         self.activation, self.gemm, self.kernels = activation, gemm, kernels
         self.offs = offsets
         self.recompute = recompute
+        self.row_experts: torch.Tensor | None = None  # each row's local expert, for the biases (built once)
 
-    def forward(self, x_ND, w_gate_up, w_down, s_N=None, output: bool = True):
+    def forward(self, x_ND, w_gate_up, w_down, s_N=None, output: bool = True, biases=(None, None)):
         """``(y_ND, saved)``: the output and the tensors :meth:`backward` takes back.
 
         ``s_N``: each row's routing weight (float32) or None. With it the output rows come out weighted,
         ``y_n = s_n · down(act(gate x_n) · up x_n)``: the weight scales the gated activation before the down
         projection, so nothing of the output is needed for its gradient (it comes from the activation).
         ``output=False``: ``y_ND`` is None, the down projection is not run (a recompute that discards its
-        outputs); ``saved`` is the same."""
-        h_NX = self._gate_up(x_ND, w_gate_up)
+        outputs); ``saved`` is the same. ``biases``: ``(b_gate_up [E, X] | None, b_down [E, D] | None)``."""
+        h_NX = self._gate_up(x_ND, w_gate_up, biases[0])
         a_NF = self._gated(h_NX, s_N)
         y_ND = self._down(a_NF, w_down) if output else None
+        if output and biases[1] is not None:
+            y_ND = y_ND + self._down_bias(biases[1], s_N, x_ND)
         kept = {"none": (x_ND, h_NX, a_NF), "activation": (x_ND, h_NX), "mlp": (x_ND,)}[self.recompute]
         return y_ND, (s_N, *kept)
 
-    def _gate_up(self, x_ND, w_gate_up):
-        """``h_NX``: each expert's gate/up GEMM on its rows."""
+    def _gate_up(self, x_ND, w_gate_up, b_EX=None):
+        """``h_NX``: each expert's gate/up GEMM on its rows (plus its bias where given)."""
         if self.gemm == "grouped_mm":
             if self.offs is None:
                 self.offs = torch.cumsum(self.counts_E.to(x_ND.device), 0, dtype=torch.int32)
-            return F.grouped_mm(x_ND, w_gate_up.transpose(-2, -1), offs=self.offs)
-        hs = [x_ND[s : s + n] @ w_gate_up[e].transpose(0, 1) for e, (s, n) in enumerate(self._spans())]
-        return torch.cat(hs) if hs else x_ND.new_zeros((0, w_gate_up.shape[1]))
+            h_NX = F.grouped_mm(x_ND, w_gate_up.transpose(-2, -1), offs=self.offs)
+        else:
+            hs = [x_ND[s : s + n] @ w_gate_up[e].transpose(0, 1) for e, (s, n) in enumerate(self._spans())]
+            h_NX = torch.cat(hs) if hs else x_ND.new_zeros((0, w_gate_up.shape[1]))
+        if b_EX is None:
+            return h_NX
+        return h_NX + b_EX.index_select(0, self._row_experts(x_ND))
+
+    def _row_experts(self, x_ND) -> torch.Tensor:
+        """``[N]``: each row's local expert (from the device counts, no host sync; the loop's host counts)."""
+        if self.row_experts is None:
+            n = x_ND.shape[0]
+            if self.host is not None:
+                counts = torch.tensor(self.host, dtype=torch.int64)
+                e = torch.repeat_interleave(torch.arange(len(self.host)), counts, output_size=n).to(x_ND.device)
+            else:
+                counts = self.counts_E.to(x_ND.device)
+                e = torch.repeat_interleave(torch.arange(counts.numel(), device=x_ND.device), counts, output_size=n)
+            self.row_experts = e
+        return self.row_experts
+
+    def _down_bias(self, b_ED, s_N, x_ND):
+        """Each row's down bias, times its routing weight (in float32) where given, in the rows' dtype."""
+        rows_ND = b_ED.index_select(0, self._row_experts(x_ND))
+        return rows_ND if s_N is None else (rows_ND.float() * s_N.float().unsqueeze(-1)).to(rows_ND.dtype)
+
+    def bias_grads(self, grad_ND, gh_NX, s_N, biases, x_ND):
+        """``(grad b_gate_up, grad b_down, the down bias's part of grad s)``; None where that bias is None."""
+        b_gu, b_d = biases
+        gb1 = gb2 = gs_N = None
+        if b_gu is not None:
+            rows = self._row_experts(x_ND)
+            gb1 = torch.zeros(b_gu.shape, dtype=torch.float32, device=gh_NX.device)
+            gb1 = gb1.index_add_(0, rows, gh_NX.float()).to(b_gu.dtype)
+        if b_d is not None:
+            rows = self._row_experts(x_ND)
+            g_ND = grad_ND.float() if s_N is None else grad_ND.float() * s_N.float().unsqueeze(-1)
+            gb2 = torch.zeros(b_d.shape, dtype=torch.float32, device=grad_ND.device).index_add_(0, rows, g_ND)
+            gb2 = gb2.to(b_d.dtype)
+            if s_N is not None:
+                gs_N = (grad_ND.float() * b_d.index_select(0, rows).float()).sum(-1)
+        return gb1, gb2, gs_N
 
     def _down(self, a_NF, w_down):
         """``y_ND``: each expert's down projection of its rows' gated activation."""
@@ -130,15 +177,17 @@ class ExpertPass:
             yield start, n
             start += n
 
-    def backward(self, grad_ND, saved, w_gate_up, w_down, need_x: bool, need_w: bool, into=(None, None)):
-        """``(grad x, grad w_gate_up, grad w_down, grad s)``; None where not needed (``grad s``: where forward had no
-        routing weights). Every expert's weight gradient is produced (zeros for an expert without rows), so every
+    def backward(
+        self, grad_ND, saved, w_gate_up, w_down, need_x: bool, need_w: bool, into=(None, None), biases=(None, None)
+    ):
+        """``(grad x, grad w_gate_up, grad w_down, grad s, grad b_gate_up, grad b_down)``; None where not needed
+        (``grad s``: where forward had no routing weights; a bias's: where forward had none). Every expert's weight gradient is produced (zeros for an expert without rows), so every
         rank reduces the same set of gradients.
 
         ``into``: a buffer per weight (gate/up, down) or None: a weight with a buffer gets this pass's gradient
         added into it (see :data:`WeightGradTarget`) and None in the returned tuple."""
         s_N, x_ND, *kept = saved
-        h_NX = kept[0] if kept else self._gate_up(x_ND, w_gate_up)
+        h_NX = kept[0] if kept else self._gate_up(x_ND, w_gate_up, biases[0])
         a_kept = kept[1] if len(kept) > 1 else None
         need_a = need_w and a_kept is None
         grad_ND = grad_ND.contiguous()
@@ -152,7 +201,7 @@ class ExpertPass:
                 gx = F.grouped_mm(gh_NX, w_gate_up, offs=self.offs)
             if need_w:
                 gw1 = self._weight_grad(gh_NX, x_ND, into[0], self.offs)
-            return gx, gw1, gw2, gs_N
+            return (gx, gw1, gw2, *self._with_bias_grads(grad_ND, gh_NX, s_N, gs_N, biases, x_ND))
         gxs, ghs, a_s, gss = [], [], [], []
         for e, (s, n) in enumerate(self._spans()):
             g_nD = grad_ND[s : s + n]
@@ -165,14 +214,25 @@ class ExpertPass:
             gss.append(gs_n)
         if need_x:
             gx = torch.cat(gxs) if gxs else grad_ND.new_zeros((0, w_gate_up.shape[-1]))
+        gh_NX = None
+        if need_w or biases[0] is not None:
+            gh_NX = torch.cat(ghs) if ghs else grad_ND.new_zeros((0, w_gate_up.shape[1]))
         if need_w:
             offs = torch.tensor(list(itertools.accumulate(self.host)), dtype=torch.int32, device=grad_ND.device)
-            gh_NX = torch.cat(ghs) if ghs else grad_ND.new_zeros((0, w_gate_up.shape[1]))
             a_NF = torch.cat(a_s) if a_s else grad_ND.new_zeros((0, w_down.shape[2]))
             gw2 = self._weight_grad(grad_ND, a_NF, into[1], offs)
             gw1 = self._weight_grad(gh_NX, x_ND, into[0], offs)
         gs_N = None if s_N is None else (torch.cat(gss) if gss else s_N.new_zeros(0))
-        return gx, gw1, gw2, gs_N
+        return (gx, gw1, gw2, *self._with_bias_grads(grad_ND, gh_NX, s_N, gs_N, biases, x_ND))
+
+    def _with_bias_grads(self, grad_ND, gh_NX, s_N, gs_N, biases, x_ND):
+        """``(grad s, grad b_gate_up, grad b_down)``: the biases' gradients and the down bias's part of grad s."""
+        if biases[0] is None and biases[1] is None:
+            return gs_N, None, None
+        gb1, gb2, gs_bias = self.bias_grads(grad_ND, gh_NX, s_N, biases, x_ND)
+        if gs_bias is not None:
+            gs_N = gs_bias if gs_N is None else gs_N + gs_bias
+        return gs_N, gb1, gb2
 
     def _weight_grad(self, a_NM, b_NK, into, offs):
         """Each expert's ``a[rows]^T @ b[rows]``: taken by the target as factors, added into its buffer (None), or a
@@ -198,20 +258,23 @@ class _ExpertMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(  # noqa: D102
-        ctx, x_ND, s_N, w_gate_up, w_down, run: ExpertPass, target: WeightGradTarget | None, output: bool
+        ctx, x_ND, s_N, w_gate_up, w_down, run: ExpertPass, target: WeightGradTarget | None, output: bool, b1, b2
     ):
-        y_ND, saved = run.forward(x_ND, w_gate_up, w_down, s_N, output)
-        ctx.run, ctx.target = run, target
-        ctx.save_for_backward(w_gate_up, w_down, *saved)
+        y_ND, saved = run.forward(x_ND, w_gate_up, w_down, s_N, output, (b1, b2))
+        ctx.run, ctx.target, ctx.biased = run, target, (b1 is not None, b2 is not None)
+        ctx.save_for_backward(w_gate_up, w_down, *[b for b in (b1, b2) if b is not None], *saved)
         return y_ND if output else x_ND.new_empty((x_ND.shape[0], w_down.shape[1]))
 
     @staticmethod
     def backward(ctx, grad_ND):  # noqa: D102
         w_gate_up, w_down, *saved = ctx.saved_tensors
+        biases = [saved.pop(0) if has else None for has in ctx.biased]
         need_x, need_s, need_w1, need_w2 = ctx.needs_input_grad[:4]
         into = weight_grad_buffers(ctx.target, w_gate_up, w_down, need_w1, need_w2, factors=True)
-        gx, gw1, gw2, gs = ctx.run.backward(grad_ND, saved, w_gate_up, w_down, need_x, need_w1 or need_w2, into)
-        return gx, gs if need_s else None, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None, None
+        gx, gw1, gw2, gs, gb1, gb2 = ctx.run.backward(
+            grad_ND, saved, w_gate_up, w_down, need_x, need_w1 or need_w2, into, tuple(biases)
+        )
+        return gx, gs if need_s else None, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None, None, gb1, gb2
 
 
 def grouped_expert_mlp(
@@ -221,13 +284,14 @@ def grouped_expert_mlp(
     w_down: torch.Tensor,
     *,
     host_counts: Sequence[int] | None = None,
-    activation: str = "silu",
+    activation: Activation = "silu",
     gemm: str = "auto",
     kernels: str = "eager",
     recompute: str = "none",
     weight_grads: WeightGradTarget | None = None,
     row_weights: torch.Tensor | None = None,
     output: bool = True,
+    biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> torch.Tensor:
     """Run each local expert's gated MLP on its rows: ``down_e(act(gate_e x) * up_e x)`` (SwiGLU with silu).
 
@@ -239,7 +303,7 @@ def grouped_expert_mlp(
         w_down: ``[E, D, F]``.
         host_counts: the same counts as host ints when the caller already has them: spares the loop backend
             its one ``.tolist()`` (a device→host sync).
-        activation: ``"silu"`` (SwiGLU), ``"gelu"`` or ``"gelu_tanh"``.
+        activation: ``"silu"`` (SwiGLU), ``"gelu"``, ``"gelu_tanh"`` or a spec (``ClampedSwiGLU``).
         gemm: ``"grouped_mm"``, ``"loop"`` or ``"auto"`` (see :class:`~moeshard.ep.EPOptions`).
         kernels: the kernel tier of the gated activation, ``"eager"``, ``"compiled"`` or ``"triton"``.
         recompute: ``"none"``, ``"activation"`` or ``"mlp"``: what backward recomputes instead of keeping it
@@ -252,6 +316,8 @@ def grouped_expert_mlp(
         output: False: the down projection is not run and the result's values are undefined (the recompute of a
             checkpointed region that discards its outputs, see ``moeshard.ep.recompute_contexts``); what backward
             saves and computes is the same.
+        biases: ``(b_gate_up [E, 2F] | None, b_down [E, D] | None)``, the experts' biases (see the module
+            docstring); they get their gradients.
 
     Returns:
         ``y_ND`` in the rows' order. Every expert's weights get a gradient, zeros for an expert without rows.
@@ -289,4 +355,16 @@ def grouped_expert_mlp(
         run = ExpertPass(counts_t, counts, activation, backend, tier, recompute=recompute)
     if row_weights is not None and row_weights.shape != (x_ND.shape[0],):
         raise ValueError(f"row_weights must be [N] = [{x_ND.shape[0]}], one per row, got {tuple(row_weights.shape)}")
-    return _ExpertMLP.apply(x_ND, row_weights, w_gate_up, w_down, run, weight_grads, output)
+    _check_biases(biases, w_gate_up, w_down)
+    return _ExpertMLP.apply(x_ND, row_weights, w_gate_up, w_down, run, weight_grads, output, *biases)
+
+
+def _check_biases(biases, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    b_gu, b_d = biases
+    want = ((w_gate_up.shape[0], w_gate_up.shape[1]), (w_down.shape[0], w_down.shape[1]))
+    for name, b, shape in (("gate_up", b_gu, want[0]), ("down", b_d, want[1])):
+        if b is not None and tuple(b.shape) != shape:
+            raise ValueError(
+                f"the {name} bias must be [E, {'2F' if name == 'gate_up' else 'D'}] = {list(shape)} like its "
+                f"weight, got {list(b.shape)}"
+            )

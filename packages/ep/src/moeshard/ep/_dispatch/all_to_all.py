@@ -63,7 +63,7 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 class AllToAllDispatch(ExpertDispatch):
     """The routed experts of one MoE layer over an EP group of 2+ ranks, with plain all-to-alls (no overlap)."""
 
-    def run_experts(self, x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation) -> torch.Tensor:
+    def run_experts(self, x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation, biases=(None, None)):
         """The copies to their experts' ranks and back (see :meth:`ExpertDispatch.run_experts`)."""
         P, El = self.ep_size, w_gate_up_EXD.shape[0]
         discard = self.outputs_discarded
@@ -96,6 +96,7 @@ class AllToAllDispatch(ExpertDispatch):
             recompute=self.options.recompute,
             weight_grads=self.weight_grads,
             row_weights=w_in_R,
+            biases=biases,
             output=not discard,
         )
         y_recv_RD = y_out_RD if perm_R is None else permute_rows(y_out_RD, inv_R, perm_R, compute=not discard)

@@ -21,7 +21,7 @@ class LocalDispatch(ExpertDispatch):
 
     distributed = False
 
-    def run_experts(self, x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation) -> torch.Tensor:
+    def run_experts(self, x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation, biases=(None, None)):
         """The copies through the local experts' MLP (see :meth:`ExpertDispatch.run_experts`)."""
         return grouped_expert_mlp(
             x_sorted_ND,
@@ -34,6 +34,7 @@ class LocalDispatch(ExpertDispatch):
             recompute=self.options.recompute,
             weight_grads=self.weight_grads,
             row_weights=w_sorted_N,
+            biases=biases,
             output=not self.outputs_discarded,
         )
 

@@ -49,7 +49,7 @@ class OverlappedDispatch(ExpertDispatch):
         own = super().kept_factor_elements(rows, hidden, width, ep_size)
         return own + rows * 2 * hidden * (ep_size - 1) / ep_size
 
-    def run_experts(self, x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation) -> torch.Tensor:
+    def run_experts(self, x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation, biases=(None, None)):
         """The copies to their experts' ranks and back (see :meth:`ExpertDispatch.run_experts`)."""
         P, El, me = self.ep_size, w_gate_up_EXD.shape[0], self.ep_rank
         recv_counts_E = self.exchange_counts(counts_E)  # El counts to and from each rank; replayed in a recompute
@@ -63,7 +63,9 @@ class OverlappedDispatch(ExpertDispatch):
         host = self.host_sizes(counts_E, recv_counts_E)  # replayed in a checkpoint recompute
         gemm = resolve_gemm(self.options.gemm, x_sorted_ND, w_gate_up_EXD)
         ex = _Exchange(self, El, host[: P * El], host[P * El :], sources_SEl, device_counts, offsets, gemm, activation)
-        return _OverlappedExperts.apply(x_sorted_ND, w_sorted_N, w_gate_up_EXD, w_down_EDF, ex, self.weight_grads)
+        return _OverlappedExperts.apply(
+            x_sorted_ND, w_sorted_N, w_gate_up_EXD, w_down_EDF, ex, self.weight_grads, *biases
+        )
 
 
 class _Exchange:
@@ -135,6 +137,11 @@ def _widen(offsets: torch.Tensor, first: int, total: int) -> torch.Tensor:
     if rest and offsets.numel():
         parts.append(offsets[-1:].expand(rest))
     return torch.cat(parts) if len(parts) > 1 else offsets
+
+
+def _sliced(biases, experts: slice) -> tuple:
+    """The biases of local experts ``experts`` (None stays None)."""
+    return tuple(None if b is None else b[experts] for b in biases)
 
 
 def _wait(works: list) -> None:
@@ -215,7 +222,7 @@ class _OverlappedExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_sorted_ND, w_sorted_N, w_gate_up_EXD, w_down_EDF, ex: _Exchange, target):  # noqa: D102
+    def forward(ctx, x_sorted_ND, w_sorted_N, w_gate_up_EXD, w_down_EDF, ex: _Exchange, target, b1, b2):  # noqa: D102
         N, D = x_sorted_ND.shape
         El = w_gate_up_EXD.shape[0]
         half_a, half_b = _LocalHalf(ex, 0, El // 2, 0), _LocalHalf(ex, El // 2, El, 2)
@@ -229,7 +236,7 @@ class _OverlappedExperts(torch.autograd.Function):
                 return None, ()
             sl = part.experts
             x, s = x_sorted_ND[part.rows], w_sorted_N[part.rows]
-            return part.run.forward(x, w_gate_up_EXD[sl], w_down_EDF[sl], s, ex.output)
+            return part.run.forward(x, w_gate_up_EXD[sl], w_down_EDF[sl], s, ex.output, _sliced((b1, b2), sl))
 
         recv_MD = x_sorted_ND.new_empty((ex.rows_in, D))
         recv_M = w_sorted_N.new_empty(ex.rows_in)
@@ -239,7 +246,7 @@ class _OverlappedExperts(torch.autograd.Function):
         _wait(works)
         x_in = recv_MD if ex.perm is None else recv_MD.index_select(0, ex.perm[0])
         w_in = recv_M if ex.perm is None else recv_M.index_select(0, ex.perm[0])
-        y_rem, saved_r = remote.forward(x_in, w_gate_up_EXD, w_down_EDF, w_in, ex.output)
+        y_rem, saved_r = remote.forward(x_in, w_gate_up_EXD, w_down_EDF, w_in, ex.output, (b1, b2))
         if ex.perm is not None and ex.output:
             y_rem = y_rem.index_select(0, ex.perm[1])
         y_sorted_ND = x_sorted_ND.new_empty((N, D))
@@ -254,7 +261,9 @@ class _OverlappedExperts(torch.autograd.Function):
         _wait(works)
         ctx.ex, ctx.passes, ctx.target = ex, (half_a, remote, half_b), target
         ctx.sizes = (len(saved_a), len(saved_r), len(saved_b))
-        ctx.save_for_backward(w_gate_up_EXD, w_down_EDF, *saved_a, *saved_r, *saved_b)
+        ctx.biased = (b1 is not None, b2 is not None)
+        biases = [b for b in (b1, b2) if b is not None]
+        ctx.save_for_backward(w_gate_up_EXD, w_down_EDF, *biases, *saved_a, *saved_r, *saved_b)
         return y_sorted_ND
 
     @staticmethod
@@ -262,6 +271,7 @@ class _OverlappedExperts(torch.autograd.Function):
         ex = ctx.ex
         half_a, remote, half_b = ctx.passes
         w1, w2, *saved = ctx.saved_tensors
+        biases = tuple(saved.pop(0) if has else None for has in ctx.biased)
         na, nr, _ = ctx.sizes
         saved_a, saved_r, saved_b = saved[:na], saved[na : na + nr], saved[na + nr :]
         need_x, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -301,17 +311,21 @@ class _OverlappedExperts(torch.autograd.Function):
 
         def local(part, saved_part, which):
             if not saved_part:
-                return None, None, None, None
+                return None, None, None, None, None, None
             sl = part.experts
-            return part.run.backward(grad_ND[part.rows], saved_part, w1[sl], w2[sl], need_x, need_w, offer(which))
+            return part.run.backward(
+                grad_ND[part.rows], saved_part, w1[sl], w2[sl], need_x, need_w, offer(which), _sliced(biases, sl)
+            )
 
         grad_in_MD = grad_ND.new_empty((ex.rows_in, D))
         works = ex.start(((grad_ND, grad_in_MD),), ex.send, ex.recv)
         with ex.carveout(dev, bool(works)):
-            gx_a, gw1_a, gw2_a, gs_a = local(half_a, saved_a, 0)
+            gx_a, gw1_a, gw2_a, gs_a, gb1_a, gb2_a = local(half_a, saved_a, 0)
         _wait(works)
         g_rem = grad_in_MD if ex.perm is None else grad_in_MD.index_select(0, ex.perm[0])
-        gx_rem, gw1, gw2, gs_rem = remote.backward(g_rem, saved_r, w1, w2, need_x, need_w, offer(1))
+        gx_rem, gw1, gw2, gs_rem, gb1, gb2 = remote.backward(
+            g_rem, saved_r, w1, w2, need_x, need_w, offer(1), biases
+        )
         # the remote copies' input and routing-weight gradients go home, in one batch
         home, gx, gs = [], None, None
         if need_x:
@@ -322,7 +336,7 @@ class _OverlappedExperts(torch.autograd.Function):
             home.append((gs_rem if ex.perm is None else gs_rem.index_select(0, ex.perm[1]), gs))
         works = ex.start(home, ex.recv, ex.send) if home else []
         with ex.carveout(dev, bool(works)):
-            gx_b, gw1_b, gw2_b, gs_b = local(half_b, saved_b, 2)
+            gx_b, gw1_b, gw2_b, gs_b, gb1_b, gb2_b = local(half_b, saved_b, 2)
         for full, parts in ((gx, (gx_a, gx_b)), (gs, (gs_a, gs_b))):
             if full is not None:
                 for part, g in zip((half_a, half_b), parts):
@@ -335,5 +349,8 @@ class _OverlappedExperts(torch.autograd.Function):
             gw2 = _whole(gw2, ((half_a, gw2_a), (half_b, gw2_b)), El)
             into = weight_grad_buffers(ctx.target, w1, w2, need_w1 and gw1 is not None, need_w2 and gw2 is not None)
             gw1, gw2 = add_into(gw1, into[0]), add_into(gw2, into[1])
+        # the biases' gradients: the received copies' pass covers every local expert, the halves add their slices
+        gb1 = _whole(gb1, ((half_a, gb1_a), (half_b, gb1_b)), El)
+        gb2 = _whole(gb2, ((half_a, gb2_a), (half_b, gb2_b)), El)
         _wait(works)
-        return gx, gs, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None
+        return gx, gs, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None, gb1, gb2
