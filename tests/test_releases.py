@@ -232,10 +232,26 @@ SMOKE = {
         assert model(ids, labels=ids).loss.isfinite()
         """
     ),
+    "moeshard-gptoss": textwrap.dedent(
+        """
+        import torch
+        from moeshard.models.gptoss import GptOssForCausalLM, get_preset_config
+        model = GptOssForCausalLM(get_preset_config("tiny"))
+        model.init_weights()
+        ids = torch.randint(0, 512, (1, 8))
+        assert model(ids, labels=ids).loss.isfinite()
+        """
+    ),
     "moeshard-train": "from moeshard.train import load_config; assert load_config().parallel.ep_size == 2",
 }
 # Distributions that bring transformers in (the model families and what they share; the app through them).
-TRANSFORMERS_USERS = {"moeshard-models-common", "moeshard-qwen3moe", "moeshard-deepseekv3", "moeshard-train"}
+TRANSFORMERS_USERS = {
+    "moeshard-models-common",
+    "moeshard-qwen3moe",
+    "moeshard-deepseekv3",
+    "moeshard-gptoss",
+    "moeshard-train",
+}
 # Chains of wheel sets (a name, or a name with an extra), one fresh environment each: every step's environment is
 # exactly its closure (the extras of a package's `test` extra are never installed). The longest chain first: the
 # pool starts the chains in this order, and the others then fit beside it (last, it ran alone for a minute).
@@ -243,6 +259,7 @@ CHAINS = [
     ["moeshard-qwen3moe", "moeshard-qwen3moe[parallel]", "moeshard-train"],
     ["moeshard-meshes", "moeshard-ep", "moeshard-fsdp-moe", "moeshard-checkpoint"],
     ["moeshard-models-common", "moeshard-deepseekv3"],
+    ["moeshard-gptoss"],
     ["moeshard-prefetch"],
     ["moeshard-sequence"],
     ["moeshard-lora"],

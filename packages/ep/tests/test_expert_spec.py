@@ -1,6 +1,6 @@
-"""The expert MLP's spec: GPT-OSS's clamped SwiGLU and the experts' biases, through every kernel tier, GEMM backend,
+"""The expert MLP's spec: the clamped SwiGLU and the experts' biases, through every kernel tier, GEMM backend,
 recompute mode and dispatcher (EP 2 over gloo), forward and backward, against a plain autograd reference written as
-transformers writes ``GptOssExperts`` (interleaved rows reordered to gate rows first)."""
+a reference expert MLP with biases (gate rows first)."""
 
 import itertools
 
@@ -31,7 +31,7 @@ def _problem(seed=0, E=E):
 
 
 def _reference(x, ids, w, w1, w2, b1, b2, spec=SPEC):
-    """transformers' ``GptOssExperts`` math, token by token: ``(x W1ᵀ + b1)`` → clamped SwiGLU → ``W2 + b2``, times
+    """The biased clamped expert MLP, token by token: ``(x W1ᵀ + b1)`` → clamped SwiGLU → ``W2 + b2``, times
     the routing weight."""
     out = torch.zeros_like(x)
     for t, k in itertools.product(range(x.shape[0]), range(ids.shape[1])):

@@ -22,14 +22,18 @@ __all__ = [
     "routed_experts",
 ]
 
-FAMILIES = {"qwen3_moe": "moeshard.models.qwen3moe", "deepseek_v3": "moeshard.models.deepseekv3"}
+FAMILIES = {
+    "qwen3_moe": "moeshard.models.qwen3moe",
+    "deepseek_v3": "moeshard.models.deepseekv3",
+    "gpt_oss": "moeshard.models.gptoss",
+}
 """``model.family`` → the package that implements it (its ``FAMILY``)."""
 DEFAULT_FAMILY = "qwen3_moe"
 """The family of a preset job that names none."""
 
 
 def get_family(name: str):
-    """The ``ModelFamily`` of ``name`` (``qwen3_moe`` or ``deepseek_v3``).
+    """The ``ModelFamily`` of ``name`` (``qwen3_moe``, ``deepseek_v3`` or ``gpt_oss``).
 
     Raises:
         ValueError: an unknown family, naming the choices.

@@ -50,7 +50,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 @dataclass(frozen=True)
 class ClampedSwiGLU:
-    """GPT-OSS's gated activation, an ``activation=`` of the expert MLP beside the names of :data:`ACTIVATIONS`:
+    """A clamped, offset SwiGLU, an ``activation=`` of the expert MLP beside the names of :data:`ACTIVATIONS`:
     ``(clamp(up, -limit, limit) + 1) · g · sigmoid(alpha · g)`` with ``g = min(gate, limit)``, on ``h = [gate | up]``
     (gate rows first, as every expert weight here; the Hub's interleaved rows are reordered on load).
 
