@@ -36,6 +36,7 @@ def test_every_package_has_a_session_and_ci_runs_it(noxfile):
         "sequence": "packages/sequence",
         "lora": "packages/lora",
         "qwen3moe": "packages/models_qwen3moe",
+        "qwen35moe": "packages/models_qwen35moe",
         "train": "apps/train",
     }
     assert named.items() <= noxfile.PACKAGES.items()

@@ -232,6 +232,16 @@ SMOKE = {
         assert model(ids, labels=ids).loss.isfinite()
         """
     ),
+    "moeshard-qwen35moe": textwrap.dedent(
+        """
+        import torch
+        from moeshard.models.qwen35moe import Qwen35MoeForCausalLM, get_preset_config
+        model = Qwen35MoeForCausalLM(get_preset_config("tiny"))
+        model.init_weights()
+        ids = torch.randint(0, 512, (1, 8))
+        assert model(ids, labels=ids).loss.isfinite()
+        """
+    ),
     "moeshard-gptoss": textwrap.dedent(
         """
         import torch
@@ -249,6 +259,7 @@ TRANSFORMERS_USERS = {
     "moeshard-models-common",
     "moeshard-qwen3moe",
     "moeshard-deepseekv3",
+    "moeshard-qwen35moe",
     "moeshard-gptoss",
     "moeshard-train",
 }
@@ -258,7 +269,7 @@ TRANSFORMERS_USERS = {
 CHAINS = [
     ["moeshard-qwen3moe", "moeshard-qwen3moe[parallel]", "moeshard-train"],
     ["moeshard-meshes", "moeshard-ep", "moeshard-fsdp-moe", "moeshard-checkpoint"],
-    ["moeshard-models-common", "moeshard-deepseekv3"],
+    ["moeshard-models-common", "moeshard-deepseekv3", "moeshard-qwen35moe"],
     ["moeshard-gptoss"],
     ["moeshard-prefetch"],
     ["moeshard-sequence"],

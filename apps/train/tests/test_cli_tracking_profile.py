@@ -174,11 +174,11 @@ def test_plan_summary_and_the_cross_node_key(capsys):
 
 def test_a_hub_id_as_tokenizer_and_a_missing_tracker_are_one_line(capsys, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    line = _error(capsys, [*ONE, "--data.tokenizer=Qwen/Qwen3-30B-A3B", f"--logging.output_dir={out}"])
+    line = _error(capsys, [*ONE, "--data.tokenizer=Qwen/Qwen3-30B-A3B", f"--logging.output_dir={out}"], code=2)
     assert "data.tokenizer 'Qwen/Qwen3-30B-A3B' is not a local folder" in line
     assert "hf download Qwen/Qwen3-30B-A3B" in line and not out.exists()
     monkeypatch.setitem(sys.modules, "mlflow", None)  # not installed
-    line = _error(capsys, [*ONE, "--logging.mlflow.experiment=e", f"--logging.output_dir={out}"])
+    line = _error(capsys, [*ONE, "--logging.mlflow.experiment=e", f"--logging.output_dir={out}"], code=2)
     assert "logging.mlflow is set but mlflow is not installed: pip install 'moeshard-train[mlflow]'" in line
 
 

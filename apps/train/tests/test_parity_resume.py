@@ -226,7 +226,7 @@ def test_parity_resume_layouts_export(paths):
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.allclose(hf(input_ids=ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="exists and is not empty"):
+    with pytest.raises(ValueError, match="exists and is not an empty folder; nothing was overwritten"):
         export_hf(root / "a/checkpoints/step_00000004", out)
 
 

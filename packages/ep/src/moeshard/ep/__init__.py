@@ -29,7 +29,7 @@ from moeshard.ep._dispatch import (
     routed_experts,
 )
 from moeshard.ep._kernels import ACTIVATIONS, ClampedSwiGLU, compile_rows_dynamic
-from moeshard.ep._mlp import grouped_expert_mlp
+from moeshard.ep._mlp import LowRankDelta, grouped_expert_mlp
 from moeshard.ep._options import EPOptions
 from moeshard.ep._plan import (
     EPInfo,
@@ -53,6 +53,7 @@ __all__ = [
     "ExpertDispatch",
     "HostSyncHooks",
     "LocalDispatch",
+    "LowRankDelta",
     "OverlappedDispatch",
     "ParallelPlan",
     "WeightGradFactors",

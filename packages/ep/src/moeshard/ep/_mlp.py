@@ -26,12 +26,23 @@ dispatchers' combine then only adds each token's copies, and nothing of the outp
 
 The weight gradients go where their owner says (:mod:`moeshard.ep._weight_grads`: added into the gradient that
 is already there, or handed over unformed as factors).
+
+**Low-rank deltas (adapters).** Each weight may carry a :class:`LowRankDelta`: per expert ``A_e [r, in]`` and
+``B_e [out, r]`` whose product, scaled, is added to that expert's weight, ``W_e + s · B_e A_e``. The pass applies
+it to the grouped rows as two more grouped GEMMs of rank ``r`` beside the base GEMM (``x W_eᵀ + s · (x A_eᵀ) B_eᵀ``),
+never forming the sum nor a weight per row, and backward gives ``A`` and ``B`` their gradients by grouped GEMMs
+too. A frozen base weight (``requires_grad`` False) gets no gradient: its weight-gradient GEMMs are not run, which
+is what makes adapter training cheaper than training the weights.
+
+Biases, an activation spec and low-rank deltas combine freely; the biases apply to the base GEMM plus its delta
+(``x (W_e + s · B_e A_e)ᵀ + b_e``).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +51,50 @@ from moeshard.ep._kernels import Activation, Kernels, activation_fn, gated, kern
 from moeshard.ep._options import RECOMPUTES
 from moeshard.ep._weight_grads import Handoff, WeightGradTarget, add_into, weight_grad_buffers
 
-__all__ = ["ExpertPass", "grouped_expert_mlp"]
+__all__ = ["ExpertPass", "LowRankDelta", "grouped_expert_mlp"]
 
 _EAGER = kernels_for("eager")  # the loop backend's pointwise functions
+
+
+class LowRankDelta(NamedTuple):
+    """A low-rank change of one fused expert weight ``W [E, out, in]``: each expert's ``W_e + scaling · B_e A_e``.
+
+    ``A``: ``[E, r, in]``; ``B``: ``[E, out, r]`` (this rank's experts, like the weight; cast to the rows' dtype by
+    the dispatcher, so a float32 master gets its gradient through the cast). LoRA's adapters of a fused expert
+    tensor are one (``moeshard.lora``).
+    """
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scaling: float
+
+    def check(self, weight: torch.Tensor, what: str) -> None:
+        """ValueError unless the delta fits ``weight`` ``[E, out, in]``."""
+        E, out_f, in_f = weight.shape
+        A, B = self.A, self.B
+        if (
+            A.dim() != 3
+            or B.dim() != 3
+            or tuple(A.shape[::2]) != (E, in_f)
+            or tuple(B.shape[:2]) != (E, out_f)
+            or (A.shape[1] != B.shape[2])
+        ):
+            raise ValueError(
+                f"the low-rank delta of {what} {tuple(weight.shape)} must be A [{E}, r, {in_f}] and B [{E}, {out_f}, "
+                f"r], got {tuple(A.shape)} and {tuple(B.shape)}"
+            )
+
+    def to(self, dtype: torch.dtype) -> LowRankDelta:
+        """The same delta with ``A`` and ``B`` in ``dtype`` (a differentiable cast)."""
+        return LowRankDelta(self.A.to(dtype), self.B.to(dtype), self.scaling)
+
+    def experts(self, sl: slice) -> LowRankDelta:
+        """The delta of the experts ``sl`` only."""
+        return LowRankDelta(self.A[sl], self.B[sl], self.scaling)
+
+
+NO_DELTAS: tuple[None, None] = (None, None)
+NO_BIASES: tuple[None, None] = (None, None)
 
 
 class ExpertPass:
@@ -82,34 +134,36 @@ class ExpertPass:
         self.recompute = recompute
         self.row_experts: torch.Tensor | None = None  # each row's local expert, for the biases (built once)
 
-    def forward(self, x_ND, w_gate_up, w_down, s_N=None, output: bool = True, biases=(None, None)):
+    def forward(self, x_ND, w_gate_up, w_down, s_N=None, output: bool = True, deltas=NO_DELTAS, biases=NO_BIASES):
         """``(y_ND, saved)``: the output and the tensors :meth:`backward` takes back.
 
         ``s_N``: each row's routing weight (float32) or None. With it the output rows come out weighted,
         ``y_n = s_n · down(act(gate x_n) · up x_n)``: the weight scales the gated activation before the down
         projection, so nothing of the output is needed for its gradient (it comes from the activation).
         ``output=False``: ``y_ND`` is None, the down projection is not run (a recompute that discards its
-        outputs); ``saved`` is the same. ``biases``: ``(b_gate_up [E, X] | None, b_down [E, D] | None)``."""
-        h_NX = self._gate_up(x_ND, w_gate_up, biases[0])
+        outputs); ``saved`` is the same. ``deltas``: a :class:`LowRankDelta` or None per weight (gate/up, down);
+        ``biases``: ``(b_gate_up [E, X] | None, b_down [E, D] | None)``."""
+        h_NX = self._gate_up(x_ND, w_gate_up, deltas[0], biases[0])
         a_NF = self._gated(h_NX, s_N)
-        y_ND = self._down(a_NF, w_down) if output else None
+        y_ND = self._down(a_NF, w_down, deltas[1]) if output else None
         if output and biases[1] is not None:
             y_ND = y_ND + self._down_bias(biases[1], s_N, x_ND)
         kept = {"none": (x_ND, h_NX, a_NF), "activation": (x_ND, h_NX), "mlp": (x_ND,)}[self.recompute]
         return y_ND, (s_N, *kept)
 
-    def _gate_up(self, x_ND, w_gate_up, b_EX=None):
-        """``h_NX``: each expert's gate/up GEMM on its rows (plus its bias where given)."""
-        if self.gemm == "grouped_mm":
-            if self.offs is None:
-                self.offs = torch.cumsum(self.counts_E.to(x_ND.device), 0, dtype=torch.int32)
-            h_NX = F.grouped_mm(x_ND, w_gate_up.transpose(-2, -1), offs=self.offs)
-        else:
-            hs = [x_ND[s : s + n] @ w_gate_up[e].transpose(0, 1) for e, (s, n) in enumerate(self._spans())]
-            h_NX = torch.cat(hs) if hs else x_ND.new_zeros((0, w_gate_up.shape[1]))
-        if b_EX is None:
-            return h_NX
-        return h_NX + b_EX.index_select(0, self._row_experts(x_ND))
+    def _gate_up(self, x_ND, w_gate_up, delta=None, b_EX=None):
+        """``h_NX``: each expert's gate/up GEMM on its rows (plus its low-rank delta's and its bias where given)."""
+        if self.gemm == "grouped_mm" and self.offs is None:
+            self.offs = torch.cumsum(self.counts_E.to(x_ND.device), 0, dtype=torch.int32)
+        h_NX = self._rows(x_ND, w_gate_up.transpose(-2, -1))
+        if delta is not None:
+            h_NX = h_NX + self._delta_rows(x_ND, delta)
+        return h_NX if b_EX is None else h_NX + b_EX.index_select(0, self._row_experts(x_ND))
+
+    def _down(self, a_NF, w_down, delta=None):
+        """``y_ND``: each expert's down projection of its rows' gated activation (plus its low-rank delta's)."""
+        y_ND = self._rows(a_NF, w_down.transpose(-2, -1))
+        return y_ND if delta is None else y_ND + self._delta_rows(a_NF, delta)
 
     def _row_experts(self, x_ND) -> torch.Tensor:
         """``[N]``: each row's local expert (from the device counts, no host sync; the loop's host counts)."""
@@ -146,11 +200,30 @@ class ExpertPass:
                 gs_N = (grad_ND.float() * b_d.index_select(0, rows).float()).sum(-1)
         return gb1, gb2, gs_N
 
-    def _down(self, a_NF, w_down):
-        """``y_ND``: each expert's down projection of its rows' gated activation."""
+    def _rows(self, x_NK, w_EKM):
+        """``x_n @ w_e`` for each row ``n`` of expert ``e``: ``[N, M]``."""
         if self.gemm == "grouped_mm":
-            return F.grouped_mm(a_NF, w_down.transpose(-2, -1), offs=self.offs)
-        return torch.cat([a_NF[s : s + n] @ w_down[e].transpose(0, 1) for e, (s, n) in enumerate(self._spans())])
+            return F.grouped_mm(x_NK, w_EKM, offs=self.offs)
+        parts = [x_NK[s : s + n] @ w_EKM[e] for e, (s, n) in enumerate(self._spans())]
+        return torch.cat(parts) if parts else x_NK.new_zeros((0, w_EKM.shape[-1]))
+
+    def _per_expert(self, a_NM, b_NK):
+        """``Σ_n a_nᵀ b_n`` over each expert's rows: ``[E, M, K]``, zeros for an expert without rows."""
+        if self.gemm == "grouped_mm":
+            return F.grouped_mm(a_NM.transpose(0, 1), b_NK, offs=self.offs)
+        return torch.stack([a_NM[s : s + n].transpose(0, 1) @ b_NK[s : s + n] for s, n in self._spans()])
+
+    def _delta_rows(self, x_NK, delta: LowRankDelta):
+        """``s · (x A_eᵀ) B_eᵀ`` per row: the delta's output, rank-``r`` GEMMs only."""
+        return self._rows(self._rows(x_NK, delta.A.transpose(-2, -1)), delta.B.transpose(-2, -1)) * delta.scaling
+
+    def _delta_backward(self, g_NM, x_NK, delta: LowRankDelta, need_x: bool):
+        """``(grad x part | None, grad A, grad B)`` of :meth:`_delta_rows` for its output's gradient ``g_NM``."""
+        u_Nr = (self._rows(g_NM, delta.B) * delta.scaling).contiguous()  # the gradient at x A_eᵀ
+        t_Nr = self._rows(x_NK, delta.A.transpose(-2, -1)).contiguous()  # recomputed: rank r, cheaper than keeping
+        gB = self._per_expert(g_NM, t_Nr) * delta.scaling
+        gA = self._per_expert(u_Nr, x_NK)
+        return (self._rows(u_Nr, delta.A) if need_x else None), gA, gB
 
     def _gated(self, h_NX, s_N):
         """``a_NF``: the gated activation of the gate/up output, times ``s_N`` where given (the kernel tier's with
@@ -178,30 +251,55 @@ class ExpertPass:
             start += n
 
     def backward(
-        self, grad_ND, saved, w_gate_up, w_down, need_x: bool, need_w: bool, into=(None, None), biases=(None, None)
+        self,
+        grad_ND,
+        saved,
+        w_gate_up,
+        w_down,
+        need_x: bool,
+        need_w: bool,
+        into=(None, None),
+        deltas=NO_DELTAS,
+        biases=NO_BIASES,
     ):
-        """``(grad x, grad w_gate_up, grad w_down, grad s, grad b_gate_up, grad b_down)``; None where not needed
-        (``grad s``: where forward had no routing weights; a bias's: where forward had none). Every expert's weight gradient is produced (zeros for an expert without rows), so every
-        rank reduces the same set of gradients.
+        """``(grad x, grad w_gate_up, grad w_down, grad s, bias grads, delta grads)``; None where not needed
+        (``grad s``: where forward had no routing weights). Every expert's weight gradient is produced (zeros for an
+        expert without rows), so every rank reduces the same set of gradients. ``need_w`` False (a frozen base): no
+        weight-gradient GEMM runs.
 
         ``into``: a buffer per weight (gate/up, down) or None: a weight with a buffer gets this pass's gradient
-        added into it (see :data:`WeightGradTarget`) and None in the returned tuple."""
+        added into it (see :data:`WeightGradTarget`) and None in the returned tuple.
+        ``deltas``, ``biases``: forward's; ``bias grads`` is ``(grad b_gate_up, grad b_down)``, None where that bias
+        is None; ``delta grads`` is ``(grad A, grad B)`` or None per weight, the same order."""
         s_N, x_ND, *kept = saved
-        h_NX = kept[0] if kept else self._gate_up(x_ND, w_gate_up, biases[0])
+        d1, d2 = deltas
+        h_NX = kept[0] if kept else self._gate_up(x_ND, w_gate_up, d1, biases[0])
         a_kept = kept[1] if len(kept) > 1 else None
-        need_a = need_w and a_kept is None
+        need_a = (need_w or d2 is not None) and a_kept is None
         grad_ND = grad_ND.contiguous()
         gx = gw1 = gw2 = None
-        if self.gemm == "grouped_mm":
-            ga_NF = F.grouped_mm(grad_ND, w_down, offs=self.offs)
-            gh_NX, gs_N, a_NF = self._gated_backward(h_NX, ga_NF, s_N, need_a)
+        if self.gemm == "grouped_mm" or d1 is not None or d2 is not None:
+            # one grouped pass over all experts (the loop backend's per-expert GEMMs stand in for grouped_mm here)
+            ga_NF = self._rows(grad_ND, w_down)
+            if d2 is not None:
+                ga_NF = ga_NF + self._rows((self._rows(grad_ND, d2.B) * d2.scaling).contiguous(), d2.A)
+            gh_NX, gs_N, a_NF = self._gated_backward(h_NX, ga_NF, s_N, need_a)  # pointwise: rows in one call
+            a_NF = a_NF if a_kept is None else a_kept
+            offs = self._offsets(grad_ND.device)
             if need_w:
-                gw2 = self._weight_grad(grad_ND, a_NF if a_kept is None else a_kept, into[1], self.offs)
+                gw2 = self._weight_grad(grad_ND, a_NF, into[1], offs)
+            g2 = None if d2 is None else self._delta_backward(grad_ND, a_NF, d2, False)[1:]
             if need_x:
-                gx = F.grouped_mm(gh_NX, w_gate_up, offs=self.offs)
+                gx = self._rows(gh_NX, w_gate_up)
+            g1 = None
+            if d1 is not None:
+                gx1, *g1 = self._delta_backward(gh_NX, x_ND, d1, need_x)
+                gx = gx + gx1 if need_x else None
+                g1 = tuple(g1)
             if need_w:
-                gw1 = self._weight_grad(gh_NX, x_ND, into[0], self.offs)
-            return (gx, gw1, gw2, *self._with_bias_grads(grad_ND, gh_NX, s_N, gs_N, biases, x_ND))
+                gw1 = self._weight_grad(gh_NX, x_ND, into[0], offs)
+            gs_N, gb = self._with_bias_grads(grad_ND, gh_NX, s_N, gs_N, biases, x_ND)
+            return gx, gw1, gw2, gs_N, gb, (g1, g2)
         gxs, ghs, a_s, gss = [], [], [], []
         for e, (s, n) in enumerate(self._spans()):
             g_nD = grad_ND[s : s + n]
@@ -218,21 +316,28 @@ class ExpertPass:
         if need_w or biases[0] is not None:
             gh_NX = torch.cat(ghs) if ghs else grad_ND.new_zeros((0, w_gate_up.shape[1]))
         if need_w:
-            offs = torch.tensor(list(itertools.accumulate(self.host)), dtype=torch.int32, device=grad_ND.device)
+            offs = self._offsets(grad_ND.device)
             a_NF = torch.cat(a_s) if a_s else grad_ND.new_zeros((0, w_down.shape[2]))
             gw2 = self._weight_grad(grad_ND, a_NF, into[1], offs)
             gw1 = self._weight_grad(gh_NX, x_ND, into[0], offs)
         gs_N = None if s_N is None else (torch.cat(gss) if gss else s_N.new_zeros(0))
-        return (gx, gw1, gw2, *self._with_bias_grads(grad_ND, gh_NX, s_N, gs_N, biases, x_ND))
+        gs_N, gb = self._with_bias_grads(grad_ND, gh_NX, s_N, gs_N, biases, x_ND)
+        return gx, gw1, gw2, gs_N, gb, (None, None)
 
     def _with_bias_grads(self, grad_ND, gh_NX, s_N, gs_N, biases, x_ND):
-        """``(grad s, grad b_gate_up, grad b_down)``: the biases' gradients and the down bias's part of grad s."""
+        """``(grad s, (grad b_gate_up, grad b_down))``: the biases' gradients and the down bias's part of grad s."""
         if biases[0] is None and biases[1] is None:
-            return gs_N, None, None
+            return gs_N, NO_BIASES
         gb1, gb2, gs_bias = self.bias_grads(grad_ND, gh_NX, s_N, biases, x_ND)
         if gs_bias is not None:
             gs_N = gs_bias if gs_N is None else gs_N + gs_bias
-        return gs_N, gb1, gb2
+        return gs_N, (gb1, gb2)
+
+    def _offsets(self, device):
+        """The int32 row ends per expert (the grouped_mm backend's own; built from the host counts for the loop)."""
+        if self.gemm == "grouped_mm":
+            return self.offs
+        return torch.tensor(list(itertools.accumulate(self.host)), dtype=torch.int32, device=device)
 
     def _weight_grad(self, a_NM, b_NK, into, offs):
         """Each expert's ``a[rows]^T @ b[rows]``: taken by the target as factors, added into its buffer (None), or a
@@ -258,23 +363,58 @@ class _ExpertMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(  # noqa: D102
-        ctx, x_ND, s_N, w_gate_up, w_down, run: ExpertPass, target: WeightGradTarget | None, output: bool, b1, b2
-    ):
-        y_ND, saved = run.forward(x_ND, w_gate_up, w_down, s_N, output, (b1, b2))
-        ctx.run, ctx.target, ctx.biased = run, target, (b1 is not None, b2 is not None)
-        ctx.save_for_backward(w_gate_up, w_down, *[b for b in (b1, b2) if b is not None], *saved)
+        ctx, x_ND, s_N, w_gate_up, w_down, run: ExpertPass, target: WeightGradTarget | None, output: bool,
+        b1, b2, scalings, A1, B1, A2, B2,
+    ):  # fmt: skip
+        deltas = _deltas(scalings, A1, B1, A2, B2)
+        y_ND, saved = run.forward(x_ND, w_gate_up, w_down, s_N, output, deltas, (b1, b2))
+        ctx.run, ctx.target, ctx.scalings = run, target, scalings
+        ctx.save_for_backward(w_gate_up, w_down, b1, b2, A1, B1, A2, B2, *saved)
         return y_ND if output else x_ND.new_empty((x_ND.shape[0], w_down.shape[1]))
 
     @staticmethod
     def backward(ctx, grad_ND):  # noqa: D102
-        w_gate_up, w_down, *saved = ctx.saved_tensors
-        biases = [saved.pop(0) if has else None for has in ctx.biased]
+        w_gate_up, w_down, b1, b2, A1, B1, A2, B2, *saved = ctx.saved_tensors
         need_x, need_s, need_w1, need_w2 = ctx.needs_input_grad[:4]
         into = weight_grad_buffers(ctx.target, w_gate_up, w_down, need_w1, need_w2, factors=True)
-        gx, gw1, gw2, gs, gb1, gb2 = ctx.run.backward(
-            grad_ND, saved, w_gate_up, w_down, need_x, need_w1 or need_w2, into, tuple(biases)
+        deltas = _deltas(ctx.scalings, A1, B1, A2, B2)
+        gx, gw1, gw2, gs, gb, (g1, g2) = ctx.run.backward(
+            grad_ND, saved, w_gate_up, w_down, need_x, need_w1 or need_w2, into, deltas, (b1, b2)
         )
-        return gx, gs if need_s else None, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None, None, gb1, gb2
+        gb = tuple(g if need else None for g, need in zip(gb, ctx.needs_input_grad[7:9]))
+        gd = (*(g1 or (None, None)), *(g2 or (None, None)))
+        gd = tuple(g if need else None for g, need in zip(gd, ctx.needs_input_grad[10:]))
+        return (gx, gs if need_s else None, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None, None,
+                *gb, None, *gd)  # fmt: skip
+
+
+def _deltas(scalings, A1, B1, A2, B2) -> tuple[LowRankDelta | None, LowRankDelta | None]:
+    """The deltas again from their tensors (autograd Functions take tensors as inputs, not tuples of them)."""
+    return tuple(
+        None if A is None else LowRankDelta(A, B, s) for A, B, s in ((A1, B1, scalings[0]), (A2, B2, scalings[1]))
+    )
+
+
+def delta_inputs(deltas, weights, dtype) -> tuple:
+    """``(scalings, A1, B1, A2, B2)``: the autograd inputs of ``deltas`` (per weight, a :class:`LowRankDelta` or
+    None), checked against ``weights`` and cast to ``dtype``."""
+    if len(deltas) != 2:
+        raise ValueError(f"deltas must be a pair (gate/up, down) of LowRankDelta or None, got {len(deltas)} entries")
+    tensors, scalings = [], []
+    for delta, w, what in zip(deltas, weights, ("w_gate_up", "w_down")):
+        if delta is None:
+            tensors += [None, None]
+            scalings.append(0.0)
+            continue
+        if not isinstance(delta, LowRankDelta):
+            raise ValueError(
+                f"the delta of {what} must be a moeshard.ep.LowRankDelta or None, got {type(delta).__name__}"
+            )
+        delta.check(w, what)
+        delta = delta.to(dtype)
+        tensors += [delta.A.contiguous(), delta.B.contiguous()]
+        scalings.append(float(delta.scaling))
+    return (tuple(scalings), *tensors)
 
 
 def grouped_expert_mlp(
@@ -291,7 +431,8 @@ def grouped_expert_mlp(
     weight_grads: WeightGradTarget | None = None,
     row_weights: torch.Tensor | None = None,
     output: bool = True,
-    biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    deltas: tuple[LowRankDelta | None, LowRankDelta | None] = NO_DELTAS,
+    biases: tuple[torch.Tensor | None, torch.Tensor | None] = NO_BIASES,
 ) -> torch.Tensor:
     """Run each local expert's gated MLP on its rows: ``down_e(act(gate_e x) * up_e x)`` (SwiGLU with silu).
 
@@ -316,6 +457,8 @@ def grouped_expert_mlp(
         output: False: the down projection is not run and the result's values are undefined (the recompute of a
             checkpointed region that discards its outputs, see ``moeshard.ep.recompute_contexts``); what backward
             saves and computes is the same.
+        deltas: a :class:`LowRankDelta` or None per weight (gate/up, down): adds ``s · B_e A_e`` to expert
+            ``e``'s weight, applied by rank-``r`` grouped GEMMs beside the base ones; ``A`` and ``B`` get gradients.
         biases: ``(b_gate_up [E, 2F] | None, b_down [E, D] | None)``, the experts' biases (see the module
             docstring); they get their gradients.
 
@@ -355,11 +498,16 @@ def grouped_expert_mlp(
         run = ExpertPass(counts_t, counts, activation, backend, tier, recompute=recompute)
     if row_weights is not None and row_weights.shape != (x_ND.shape[0],):
         raise ValueError(f"row_weights must be [N] = [{x_ND.shape[0]}], one per row, got {tuple(row_weights.shape)}")
-    _check_biases(biases, w_gate_up, w_down)
-    return _ExpertMLP.apply(x_ND, row_weights, w_gate_up, w_down, run, weight_grads, output, *biases)
+    biases = tuple(biases)
+    check_biases(biases, w_gate_up, w_down)
+    lowrank = delta_inputs(deltas, (w_gate_up, w_down), x_ND.dtype)
+    return _ExpertMLP.apply(x_ND, row_weights, w_gate_up, w_down, run, weight_grads, output, *biases, *lowrank)
 
 
-def _check_biases(biases, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+def check_biases(biases, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    """ValueError unless ``biases`` is a pair (gate/up, down) of tensors or None that fit the weights."""
+    if len(biases) != 2:
+        raise ValueError(f"biases must be a pair (b_gate_up, b_down) of tensors or None, got {len(biases)} entries")
     b_gu, b_d = biases
     want = ((w_gate_up.shape[0], w_gate_up.shape[1]), (w_down.shape[0], w_down.shape[1]))
     for name, b, shape in (("gate_up", b_gu, want[0]), ("down", b_d, want[1])):

@@ -314,7 +314,7 @@ def build_optimizer(
             LocalExpertAdamW(model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, expert_grads=expert_grads)
         )
     taken = {id(p) for o in children for g in o.param_groups for p in g["params"]}
-    rest = [p for p in model.parameters() if id(p) not in taken]
+    rest = [p for p in model.parameters() if id(p) not in taken and p.requires_grad]  # a frozen base: none
     if rest and fused is None and all(p.dtype == torch.float32 for p in rest):
         children.append(OnePassAdamW(rest, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
     elif rest:

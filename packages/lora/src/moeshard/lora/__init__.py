@@ -12,7 +12,14 @@ Example (any ``nn.Module`` whose module names are the transformers model's)::
     save_adapter("out/adapter", adapters, adapters.state_dict(model))   # PeftModel.from_pretrained loads it
 """
 
-from moeshard.lora._apply import ExpertAdapter, LoraAdapters, LoraTarget, apply_lora, merged_weights
+from moeshard.lora._apply import (
+    ExpertAdapter,
+    LoraAdapters,
+    LoraTarget,
+    apply_lora,
+    merged_weights,
+    reset_adapters,
+)
 from moeshard.lora._grouped import expert_lora_delta, resolve_lora_gemm
 from moeshard.lora._options import LoraOptions
 from moeshard.lora._peft import load_adapter, read_adapter_options, save_adapter
@@ -27,6 +34,7 @@ __all__ = [
     "load_adapter",
     "merged_weights",
     "read_adapter_options",
+    "reset_adapters",
     "resolve_lora_gemm",
     "save_adapter",
 ]

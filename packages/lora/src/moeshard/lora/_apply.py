@@ -3,8 +3,8 @@
 The base keeps its names: a targeted linear module ``m`` gets the parameters ``m.lora_A [r, in]`` and
 ``m.lora_B [out, r]`` beside ``m.weight`` and a forward hook that adds ``s · x Aᵀ Bᵀ``; a targeted fused expert
 tensor ``m.p [E, out, in]`` gets ``m.p_lora_A [E, r, in]`` and ``m.p_lora_B [E, out, r]`` beside it, which the
-expert module's own grouped GEMMs apply (:func:`moeshard.lora.expert_lora_delta`, through
-:meth:`LoraAdapters.expert`). So a base checkpoint loads into the adapted model unchanged, and sharding plans that
+expert module's own grouped GEMMs apply (``moeshard.ep.LowRankDelta`` in the expert pass of every dispatcher, or
+:func:`moeshard.lora.expert_lora_delta`), and the module gets the plain attribute ``lora_scaling`` (the scaling). So a base checkpoint loads into the adapted model unchanged, and sharding plans that
 name ``m.p`` name its adapters by suffix. PEFT's names (``base_layer``, ``lora_A.weight``, ...) exist only in the
 folder format (:mod:`moeshard.lora._peft`).
 """
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from moeshard.lora._options import LoraOptions
 
-__all__ = ["ExpertAdapter", "LoraAdapters", "LoraTarget", "apply_lora", "merged_weights"]
+__all__ = ["ExpertAdapter", "LoraAdapters", "LoraTarget", "apply_lora", "merged_weights", "reset_adapters"]
 
 LINEAR, EXPERTS = "linear", "experts"
 
@@ -223,27 +223,73 @@ def apply_lora(
     targets = _find_targets(model, options)
     for p in model.parameters():
         p.requires_grad_(False)
-    gen = torch.Generator().manual_seed(seed)
     r, handles, shapes = options.rank, [], {}
-    for t in targets:
+    for t, (A, B) in zip(targets, _initial(model, targets, r, seed)):
         module = model.get_submodule(t.module)
         base = _param_of(module, t.param)
-        out_f, in_f = base.shape[-2], base.shape[-1]
-        experts = base.shape[0] if t.kind == EXPERTS else 1
-        A = torch.empty(experts * r, in_f, dtype=torch.float32)
-        nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=gen)  # fan_in = in, as PEFT's nn.Linear(in, r·E)
-        A = A.to(device=base.device, dtype=dtype)
-        B = torch.zeros(experts, out_f, r, dtype=dtype, device=base.device)
-        if t.kind == LINEAR:
-            A, B = A, B[0]
-        else:
-            A = A.reshape(experts, r, in_f)
+        A, B = A.to(device=base.device, dtype=dtype), B.to(device=base.device, dtype=dtype)
         shapes[t.a_name], shapes[t.b_name] = tuple(A.shape), tuple(B.shape)
         module.register_parameter(t.a_name.rpartition(".")[2], nn.Parameter(A))
         module.register_parameter(t.b_name.rpartition(".")[2], nn.Parameter(B))
         if t.kind == LINEAR:
             handles.append(module.register_forward_hook(_linear_hook(options.scaling)))
+        else:
+            module.lora_scaling = options.scaling  # read by the expert module with its adapters (see the docstring)
     return LoraAdapters(options, tuple(targets), shapes, handles)
+
+
+def _initial(
+    model: nn.Module, targets, r: int, seed: int, shapes: Mapping[str, tuple[int, ...]] | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each target's initial ``(A, B)``, float32 on the CPU, in the full (unsharded) shapes of the base tensors as
+    ``shape`` gives them: one generator over the targets in order, so a sharded model gets the same values."""
+    gen = torch.Generator().manual_seed(seed)
+    for t in targets:
+        shape = _global_shape(model, t, shapes)
+        out_f, in_f = shape[-2], shape[-1]
+        experts = shape[0] if t.kind == EXPERTS else 1
+        A = torch.empty(experts * r, in_f, dtype=torch.float32)
+        nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=gen)  # fan_in = in, as PEFT's nn.Linear(in, r·E)
+        B = torch.zeros(experts, out_f, r, dtype=torch.float32)
+        yield (A, B[0]) if t.kind == LINEAR else (A.reshape(experts, r, in_f), B)
+
+
+def _global_shape(model: nn.Module, t: LoraTarget, shapes: Mapping[str, tuple[int, ...]] | None = None):
+    if shapes is not None:  # the adapters' own shapes as apply_lora made them: A [E, r, in], B [E, out, r]
+        a, b = shapes[t.a_name], shapes[t.b_name]
+        return (a[0], b[1], a[2]) if t.kind == EXPERTS else (b[0], a[1])
+    return tuple(model.get_parameter(t.base_name).shape)
+
+
+@torch.no_grad()
+def reset_adapters(model: nn.Module, adapters: LoraAdapters, seed: int = 0, *, ep_rank: int = 0) -> None:
+    """Give the adapters of a sharded model their initial values, those :func:`apply_lora` gives with ``seed``.
+
+    For the flow that builds the model on the meta device: ``apply_lora`` (its values are lost on meta), EP and
+    FSDP, ``to_empty``, the base's weights loaded, then this. Each adapter's full tensor is generated on every rank
+    alike, then cut to what the rank holds: this EP rank's experts (``ep_rank`` times the local expert count, on
+    dim 0, for expert adapters whose dim 0 is smaller than the full one) and, for a DTensor (FSDP), its shard.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for t, full in zip(
+        adapters.targets, _initial(model, adapters.targets, adapters.options.rank, seed, adapters.shapes)
+    ):
+        for name, value in zip((t.a_name, t.b_name), full):
+            p = model.get_parameter(name)
+            if t.kind == EXPERTS and p.shape[0] != value.shape[0]:
+                local = p.shape[0]
+                if value.shape[0] % local or not 0 <= ep_rank < value.shape[0] // local:
+                    raise ValueError(
+                        f"reset_adapters: {name} holds {local} of {value.shape[0]} experts, which EP rank {ep_rank} "
+                        "cannot hold; pass the rank's EP rank"
+                    )
+                value = value[ep_rank * local : (ep_rank + 1) * local]
+            if isinstance(p, DTensor):
+                value = distribute_tensor(value.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+                p.to_local().copy_(value.to_local())
+            else:
+                p.copy_(value)
 
 
 @torch.no_grad()

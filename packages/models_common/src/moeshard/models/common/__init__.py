@@ -5,6 +5,10 @@
 - The MoE block and its parts: :class:`MoEBlock` (router, routed :class:`Experts` through ``moeshard.ep``'s
   dispatchers, optional shared experts), the routers :class:`TopKRouter` (softmax top-k) and
   :class:`GroupLimitedRouter` (sigmoid/softmax, selection-only correction bias, group-limited top-k, scaling).
+- Sequence mixers' hooks: a decoder layer's mixer of any kind (``DecoderModel.build_mixer``, ``mask_kind``), the
+  linear-attention kernels (the gated delta rule and the short causal convolution, restarting per document:
+  :func:`linear_attention_kernels`), the norm kind (:class:`ZeroCenteredRMSNorm`), gated shared experts
+  (``MoEBlock(shared_gate=...)``).
 - Dense blocks: :class:`RMSNorm`, :class:`RotaryEmbedding` (the config's RoPE scaling), :class:`DenseMLP`, the
   attention masks (padding, packed documents) and :func:`attend` under them; :class:`AttentionKeep`, the attention
   output a checkpointed layer keeps for its recompute.
@@ -41,12 +45,22 @@ from moeshard.models.common._balancing import (
 )
 from moeshard.models.common._causal_lm import DecoderLayer, DecoderModel, MoECausalLM
 from moeshard.models.common._checkpointing import apply_activation_checkpointing
+from moeshard.models.common._delta_rule import (
+    DELTA_RULE_CHUNK,
+    LinearAttentionKernels,
+    RowSegments,
+    causal_conv1d_reference,
+    chunk_gated_delta_rule_reference,
+    delta_rule_flops_per_token,
+    linear_attention_kernels,
+)
 from moeshard.models.common._evaluation import EvalResult, evaluate
 from moeshard.models.common._fa4 import fa4_unavailable
 from moeshard.models.common._facts import ATTENTION_ATTRIBUTES, ModelFacts, model_facts
 from moeshard.models.common._family import ModelFamily
 from moeshard.models.common._head import CausalLMOutput, LMHead, causal_lm_loss
 from moeshard.models.common._hf_load import (
+    FolderLayout,
     HFFormat,
     LoadReport,
     load_hf_config,
@@ -77,6 +91,7 @@ from moeshard.models.common._layers import (
     RMSNorm,
     RotaryEmbedding,
     TokenEmbedding,
+    ZeroCenteredRMSNorm,
     apply_rotary,
     attend,
     attention_output,
@@ -84,6 +99,7 @@ from moeshard.models.common._layers import (
     document_block_mask,
     document_causal_mask,
     rms_norm,
+    zero_centered_rms_norm,
 )
 from moeshard.models.common._lm_loss import IGNORE_INDEX, LOSS_CHUNK_TOKENS, ce_chunk, linear_cross_entropy
 from moeshard.models.common._moe import (
@@ -104,6 +120,7 @@ from moeshard.models.common._sequence_parallel import apply_sequence_parallel
 __all__ = [
     "ATTENTION_ATTRIBUTES",
     "CAUSAL_KERNELS",
+    "DELTA_RULE_CHUNK",
     "EXPERT_LAYOUTS",
     "IGNORE_INDEX",
     "INDEX_NAME",
@@ -122,10 +139,12 @@ __all__ = [
     "DenseMLP",
     "EvalResult",
     "Experts",
+    "FolderLayout",
     "GlobalExpertCounts",
     "GroupLimitedRouter",
     "HFFormat",
     "LMHead",
+    "LinearAttentionKernels",
     "LoadReport",
     "MoEBlock",
     "MoECausalLM",
@@ -135,22 +154,27 @@ __all__ = [
     "Parallelized",
     "RMSNorm",
     "Router",
+    "RowSegments",
     "RotaryEmbedding",
     "TokenEmbedding",
     "SafetensorsDir",
     "StepBalance",
     "TensorInfo",
     "TopKRouter",
+    "ZeroCenteredRMSNorm",
     "apply_activation_checkpointing",
     "apply_sequence_parallel",
     "apply_rotary",
     "attend",
     "attention_output",
     "build_attention_mask",
+    "causal_conv1d_reference",
     "causal_lm_loss",
     "ce_chunk",
     "check_common_config",
+    "chunk_gated_delta_rule_reference",
     "config_keys",
+    "delta_rule_flops_per_token",
     "document_block_mask",
     "document_causal_mask",
     "evaluate",
@@ -162,6 +186,7 @@ __all__ = [
     "kept_causal_attention",
     "kept_linear",
     "kept_topk",
+    "linear_attention_kernels",
     "linear_cross_entropy",
     "load_balancing_loss",
     "load_hf_config",
@@ -180,4 +205,5 @@ __all__ = [
     "sequence_balancing_loss",
     "stream_hf_weights",
     "update_router_bias",
+    "zero_centered_rms_norm",
 ]

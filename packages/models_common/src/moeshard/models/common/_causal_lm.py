@@ -30,6 +30,7 @@ from transformers import PretrainedConfig
 
 from moeshard.ep import ParallelPlan
 from moeshard.models.common._balancing import load_balancing_loss
+from moeshard.models.common._delta_rule import RowSegments
 from moeshard.models.common._fa4 import fa4_unavailable
 from moeshard.models.common._head import CausalLMOutput, LMHead, causal_lm_loss
 from moeshard.models.common._hf_load import HFFormat
@@ -55,15 +56,36 @@ class DecoderLayer(nn.Module):
     ``self_attn(x_BSD, cos, sin, mask, attention) -> y_BSD`` (``attention``: the model's :class:`AttentionOptions`,
     resolved for the device; None: the defaults); ``mlp(h_BSD)`` returns ``y_BSD`` (dense) or
     ``(y_BSD, router_logits_TE)`` (MoE). Every family builds its layers from its own attention and MLP modules.
+
+    The sequence mixer (attention, or another kind such as a linear attention) sits under ``mixer_name``
+    (``"self_attn"``; checkpoints name it, e.g. ``"linear_attn"``) and is :attr:`mixer` whatever its name; its
+    class's ``mask_kind`` (default ``"attention"``) says which mask the decoder gives it: the attention mask, or
+    ``"segments"``, the row's :class:`RowSegments`. ``norm_class`` is the kind of the two norms.
     """
 
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, layer_idx: int) -> None:
+    def __init__(
+        self,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        hidden_size: int,
+        eps: float,
+        layer_idx: int,
+        *,
+        mixer_name: str = "self_attn",
+        norm_class: type[RMSNorm] = RMSNorm,
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.self_attn = self_attn
+        self.mixer_name = mixer_name
+        self.add_module(mixer_name, self_attn)
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.input_layernorm = norm_class(hidden_size, eps)
+        self.post_attention_layernorm = norm_class(hidden_size, eps)
+
+    @property
+    def mixer(self) -> nn.Module:
+        """The layer's sequence mixer (``self_attn``, or the module under its ``mixer_name``)."""
+        return getattr(self, self.mixer_name)
 
     def attention_half(
         self,
@@ -79,7 +101,7 @@ class DecoderLayer(nn.Module):
         Compiled from outside as one graph (``parallelize``: ``torch.compile(layer.attention_half)`` on the
         instance), the router inside it; the routed experts after it stay eager (they sync with the host under EP).
         """
-        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos_BSDh, sin_BSDh, mask_B1SS, attention)
+        x_BSD = x_BSD + self.mixer(self.input_layernorm(x_BSD), cos_BSDh, sin_BSDh, mask_B1SS, attention)
         h_BSD = self.post_attention_layernorm(x_BSD)
         return x_BSD, h_BSD, self.mlp.route(h_BSD) if isinstance(self.mlp, MoEBlock) else None
 
@@ -122,7 +144,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = TokenEmbedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(self.build_layer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.document_attention = "auto"
         self.attention = AttentionOptions()
@@ -136,16 +158,33 @@ class DecoderModel(nn.Module):
     """The family's MoE block, ``moe_block_class(config)``."""
     is_moe_layer: Callable[[PretrainedConfig, int], bool]
     """Whether layer ``i`` of a config has routed experts (a staticmethod of the family's subclass)."""
+    norm_class: type[RMSNorm] = RMSNorm
+    """The kind of the decoder's norms (:class:`RMSNorm`, or :class:`ZeroCenteredRMSNorm`)."""
+
+    @classmethod
+    def build_mixer(cls, config: PretrainedConfig, layer_idx: int) -> tuple[str, nn.Module]:
+        """``(name, module)`` of layer ``layer_idx``'s sequence mixer: ``("self_attn", attention_class(config))``;
+        a family with several layer kinds (e.g. ``config.layer_types``) overrides it."""
+        return "self_attn", cls.attention_class(config)
 
     @classmethod
     def build_layer(cls, config: PretrainedConfig, layer_idx: int) -> DecoderLayer:
-        """Decoder layer ``layer_idx``: the family's attention, then its MoE block or a dense MLP."""
+        """Decoder layer ``layer_idx``: the family's sequence mixer, then its MoE block or a dense MLP."""
         mlp = (
             cls.moe_block_class(config)
             if cls.is_moe_layer(config, layer_idx)
             else DenseMLP(config.hidden_size, config.intermediate_size)
         )
-        return DecoderLayer(cls.attention_class(config), mlp, config.hidden_size, config.rms_norm_eps, layer_idx)
+        name, mixer = cls.build_mixer(config, layer_idx)
+        return DecoderLayer(
+            mixer,
+            mlp,
+            config.hidden_size,
+            config.rms_norm_eps,
+            layer_idx,
+            mixer_name=name,
+            norm_class=cls.norm_class,
+        )
 
     def forward(
         self,
@@ -170,10 +209,22 @@ class DecoderModel(nn.Module):
         cos, sin = self.rotary_emb(position_ids_BS, x_BSD.dtype)
         # The mask is the whole row's: under sequence parallelism attention sees every token of it (on head shards),
         # and document_ids / attention_mask are the whole row's.
-        mask = self._attention_mask(attention_mask_BS, document_ids_BS, s * self.sequence_parallel_size, x_BSD.device)
+        kinds = {getattr(layer.mixer, "mask_kind", "attention") for layer in self.layers}
+        masks = {}
+        if "attention" in kinds:
+            masks["attention"] = self._attention_mask(
+                attention_mask_BS, document_ids_BS, s * self.sequence_parallel_size, x_BSD.device
+            )
+        if "segments" in kinds:  # mixers that carry state along the row restart it per document themselves
+            if document_ids_BS is not None and document_ids_BS.shape[-1] != s:
+                raise ValueError(
+                    f"document_ids must be [batch, seq_len={s}] like input_ids, got {tuple(document_ids_BS.shape)}"
+                )
+            masks["segments"] = RowSegments(document_ids_BS, attention_mask_BS)
         attention = self.attention.on(x_BSD.device)  # keep: only where the device has the kept kernels
         routed = []  # each MoE layer's (router logits, selected expert ids)
         for layer in self.layers:
+            mask = masks[getattr(layer.mixer, "mask_kind", "attention")]
             x_BSD, pair = layer(x_BSD, cos, sin, mask, attention)
             routed += [] if pair is None else [pair]
         router_logits, router_ids = (tuple(t) for t in zip(*routed)) if routed else ((), ())

@@ -3,7 +3,10 @@
 The causal LM is built on the meta device (no memory, no init), so one computation serves every family: adding a
 family writes no formula. What the module tree cannot say, the attention modules declare as attributes:
 ``num_heads`` and ``num_kv_heads`` (the heads of the queries and of the keys the attention kernel reads) and
-``qk_head_dim`` / ``v_head_dim`` (head sizes of ``q·k`` and of the values; MLA's differ).
+``qk_head_dim`` / ``v_head_dim`` (head sizes of ``q·k`` and of the values; MLA's differ). A sequence mixer whose
+cost per token does not grow with the sequence (a linear attention: a recurrent state instead of the keys) declares
+them too (its value heads, key heads, key and value head sizes) and ``recurrent_flops_per_token``, the forward
+FLOPs per token of its state work (not counted as attention).
 
     facts = model_facts(Qwen3MoeForCausalLM, config)
     facts.parameters, facts.active_parameters, facts.flops_per_token(4096), facts.expert_width
@@ -15,8 +18,9 @@ Counting rules (each is the family's model, not its config's field names):
 - active parameters: all of them but the routed experts, of which each token uses ``top_k / num_experts``.
 - matmul parameters per token: the weights with two or more dims outside embedding lookups (the LM head is a
   matmul, the token embedding is not), routed experts scaled by ``top_k / num_experts`` as above.
-- FLOPs per token (training): ``6 · matmul parameters + 6 · (S/2) · Σ_layers H · (Dqk + Dv)``, causal attention's
-  score and value products over half the keys on average.
+- FLOPs per token (training): ``6 · matmul parameters + 6 · (S/2) · Σ_attention layers H · (Dqk + Dv) + 3 ·
+  Σ_recurrent layers recurrent_flops_per_token``: causal attention's score and value products over half the keys
+  on average; a recurrent mixer's state work, forward and twice that backward.
 - activations per token of one MoE layer (an estimate for planning memory, beside the layer norms and routed
   copies the planner counts itself): for the attention and for the MoE block's other modules (shared experts),
   each leaf module's output but the block's last one's, the last one's input (each is what the op after it keeps
@@ -63,6 +67,8 @@ class ModelFacts:
             module docstring).
         mlp_activations: elements per token the MoE block's modules other than the routed experts and the router
             keep for backward (shared experts; 0 where there are none).
+        recurrent_flops: ``Σ`` of the recurrent mixers' ``recurrent_flops_per_token`` (forward FLOPs per token of
+            their state work; 0 without such layers).
         kept_attention: ``(compute-dtype, float32)`` elements per token and layer that full activation
             checkpointing keeps beside the layer's input where it keeps the attention's output: the output and its
             log-sum-exp where the kept kernels apply (one head size for q, k and v), and the output projection's
@@ -83,11 +89,12 @@ class ModelFacts:
     attention_activations: int
     mlp_activations: int
     kept_attention: tuple[int, int]
+    recurrent_flops: int = 0
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward and backward) at ``seq_len`` with causal attention:
-        ``6 · matmul_parameters + 6 · (seq_len / 2) · attention_width``."""
-        return 6 * self.matmul_parameters + 6 * (seq_len / 2) * self.attention_width
+        ``6 · matmul_parameters + 6 · (seq_len / 2) · attention_width + 3 · recurrent_flops``."""
+        return 6 * self.matmul_parameters + 6 * (seq_len / 2) * self.attention_width + 3 * self.recurrent_flops
 
 
 def model_facts(model_class: type[nn.Module], config: PretrainedConfig) -> ModelFacts:
@@ -116,12 +123,14 @@ def model_facts(model_class: type[nn.Module], config: PretrainedConfig) -> Model
         for p in m.parameters(recurse=False)
         if p.dim() >= 2
     )
-    attentions = [_attention_dims(layer.self_attn) for layer in layers]
+    mixers = [layer.mixer for layer in layers]
+    attentions = [_attention_dims(m) for m in mixers]
+    recurrent = [getattr(m, "recurrent_flops_per_token", None) for m in mixers]
     # Activations of an MoE layer (what the planner multiplies by the layers); a model without one: its first layer.
     i = next((i for i, layer in enumerate(layers) if isinstance(layer.mlp, MoEBlock)), 0)
     heads, kv_heads, qk, v = attentions[i]
     d = model.lm_head.weight.shape[1]
-    attn_elems, out_width = _attention_activations(model, layers[i].self_attn, d)
+    attn_elems, out_width = _attention_activations(model, mixers[i], d)
     mlp_elems, num_experts, top_k, width = 0, 0, 0, 0
     if blocks:
         first = blocks[0]
@@ -134,7 +143,7 @@ def model_facts(model_class: type[nn.Module], config: PretrainedConfig) -> Model
         parameters=stored,
         active_parameters=stored - routed + routed_active,
         matmul_parameters=matmul,
-        attention_width=sum(h * (q + w) for h, _, q, w in attentions),
+        attention_width=sum(h * (q + w) for (h, _, q, w), r in zip(attentions, recurrent) if r is None),
         layers=len(layers),
         moe_layers=len(blocks),
         hidden_size=d,
@@ -145,6 +154,7 @@ def model_facts(model_class: type[nn.Module], config: PretrainedConfig) -> Model
         attention_activations=attn_elems + heads * qk + kv_heads * qk,
         mlp_activations=mlp_elems,
         kept_attention=kept,
+        recurrent_flops=sum(int(r) for r in recurrent if r is not None),
     )
 
 

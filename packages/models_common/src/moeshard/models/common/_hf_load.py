@@ -39,6 +39,7 @@ from moeshard.models.common._torch_internals import shard_offset
 
 __all__ = [
     "CheckpointError",
+    "FolderLayout",
     "HFFormat",
     "LoadReport",
     "load_hf_config",
@@ -64,6 +65,26 @@ def _config_field(config: PretrainedConfig, name: str) -> object:
 
 
 @dataclass(frozen=True)
+class FolderLayout:
+    """Another kind of folder that holds a family's model inside a larger one (a vision-language checkpoint whose
+    language model is the family's): the loader reads the model from it and leaves the rest out.
+
+    Attributes:
+        model_type: the ``model_type`` of such a folder's ``config.json``.
+        config_key: the entry of that ``config.json`` holding the model's own config (``"text_config"``).
+        prefix: ``(ours, stored)``: our keys ``ours…`` are stored as ``stored…`` (``("model.",
+            "model.language_model.")``); other keys are stored as they are.
+        skipped: ``(stored prefix, what it is)`` of the parts the model does not build, each left out with one
+            logged line (``("model.visual.", "the vision tower")``).
+    """
+
+    model_type: str
+    config_key: str
+    prefix: tuple[str, str]
+    skipped: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
 class HFFormat:
     """What one model family's HF checkpoints look like: the loader and writer read it from the model class
     (``type(model).hf_format``) or are given it.
@@ -79,6 +100,10 @@ class HFFormat:
         skipped_layers: layer indices a checkpoint may carry that the model does not build (their keys
             ``model.layers.{i}.*`` are skipped with one logged line), from the config.
         field: a structural field of a config in comparable form (default ``getattr``).
+        layouts: other folders the model loads from (:class:`FolderLayout`, found by their ``model_type``); the
+            writer writes the family's own layout.
+        skipped: ``(stored prefix, what it is)`` of parts a checkpoint of the format's own layout may carry that
+            the model does not build (``("mtp.", "multi-token prediction")``), each left out with one logged line.
     """
 
     model_type: str
@@ -90,6 +115,12 @@ class HFFormat:
     buffers: tuple[str, ...] = ()
     skipped_layers: Callable[[PretrainedConfig], range] = _no_layers
     field: Callable[[PretrainedConfig, str], object] = _config_field
+    layouts: tuple[FolderLayout, ...] = ()
+    skipped: tuple[tuple[str, str], ...] = ()
+
+    def layout_of(self, model_type: object) -> FolderLayout | None:
+        """The :class:`FolderLayout` of folders of ``model_type``, None for the format's own."""
+        return next((lay for lay in self.layouts if lay.model_type == model_type), None)
 
 
 def model_format(model: nn.Module | type[nn.Module]) -> HFFormat:
@@ -131,12 +162,58 @@ def _read_config_json(path: Path, fmt: HFFormat) -> dict:
     except ValueError as err:
         raise CheckpointError(f"{file} is not valid JSON ({err}); restore the checkpoint's config.json") from None
     model_type = raw.get("model_type")
+    layout = fmt.layout_of(model_type)
+    if layout is not None:
+        inner = raw.get(layout.config_key)
+        if not isinstance(inner, dict):
+            raise CheckpointError(
+                f"{file} (model_type {model_type!r}) has no {layout.config_key!r} object: restore the checkpoint's "
+                "config.json"
+            )
+        return {**inner, "model_type": fmt.model_type}
     if model_type != fmt.model_type:
         raise CheckpointError(
             f"{file} has model_type {model_type!r}, this model is {fmt.model_type!r}: point to a "
             f"{fmt.architecture} checkpoint, or use the model family of that architecture"
         )
     return raw
+
+
+def _folder_layout(path: Path, fmt: HFFormat) -> FolderLayout | None:
+    """The layout of the folder at ``path`` (by its config.json's ``model_type``), None for the format's own."""
+    file = path / "config.json"
+    if not fmt.layouts or not file.is_file():
+        return None
+    try:
+        return fmt.layout_of(json.loads(file.read_text()).get("model_type"))
+    except ValueError:
+        return None  # reported by _read_config_json
+
+
+def _apply_layout(ckpt: SafetensorsDir, fmt: HFFormat, layout: FolderLayout | None, path: Path) -> set[str]:
+    """File ``ckpt``'s tensors under our keys and take out the parts the model does not build (one logged line
+    each); returns the stored keys taken out."""
+    ours, stored = layout.prefix if layout is not None else ("", "")
+    parts = (layout.skipped if layout is not None else ()) + fmt.skipped
+    skipped: list[list[str]] = [[] for _ in parts]
+    tensors = {}
+    for key, info in ckpt.tensors.items():
+        part = next((i for i, (pre, _) in enumerate(parts) if key.startswith(pre)), None)
+        if part is not None:
+            skipped[part].append(key)
+        else:
+            tensors[ours + key[len(stored) :] if key.startswith(stored) else key] = info
+    ckpt.tensors = tensors
+    for (pre, what), keys in zip(parts, skipped):
+        if keys:
+            logger.warning(
+                "load_hf_weights(%s): skipping %d tensors of %s (%s*), which this model does not build",
+                path,
+                len(keys),
+                what,
+                pre,
+            )
+    return {k for keys in skipped for k in keys}
 
 
 def load_hf_config(path: str | os.PathLike, fmt: HFFormat) -> PretrainedConfig:
@@ -271,7 +348,10 @@ def load_hf_weights(
     weights with their block scales (``X.weight_scale_inv``, DeepSeek's Hub format) are dequantised to the
     parameter's dtype; an FP8 weight without scales is refused. The persistent buffers the model's format names
     (``HFFormat.buffers``) load like parameters; layers the format says the model does not build
-    (``HFFormat.skipped_layers``) are skipped with one logged line. The format is the model class's ``hf_format``.
+    (``HFFormat.skipped_layers``) are skipped with one logged line. The format is the model class's ``hf_format``;
+    a folder of one of its :class:`FolderLayout` s (a vision-language checkpoint) loads the model's part of it.
+    LoRA adapters beside the base (``moeshard.lora``'s ``*lora_A`` / ``*lora_B``) are not read: they are not the
+    base's (``moeshard.lora.reset_adapters`` or ``load_adapter`` give them their values).
 
     Args:
         model: a materialised model (no ``meta`` parameters) with our FQNs (wrappers' segments are ignored).
@@ -294,6 +374,8 @@ def load_hf_weights(
     fmt = model_format(model)
     ckpt = SafetensorsDir(path)
     _check_structure(model, path, fmt)
+    layout = _folder_layout(path, fmt)
+    left_out = _apply_layout(ckpt, fmt, layout, path) if layout is not None or fmt.skipped else set()
     config = getattr(model, "config", None)
     num_experts = fmt.num_experts(config) if config is not None else None
 
@@ -339,8 +421,11 @@ def load_hf_weights(
         keys_read=frozenset(r.key for r in requests),
         bytes_read=bytes_read,
         casts=casts,
-        skipped=frozenset(skipped),
+        skipped=frozenset(skipped | left_out),
     )
+
+
+_ADAPTER_SUFFIXES = (".lora_A", ".lora_B", "_lora_A", "_lora_B")
 
 
 def _plan(
@@ -357,6 +442,8 @@ def _plan(
     wanted_shape: dict[str, tuple[int, ...]] = {}
     for raw_fqn, param in _tensors(model, fmt):
         fqn = _clean_fqn(raw_fqn)
+        if fqn.endswith(_ADAPTER_SUFFIXES):
+            continue  # LoRA's adapters (moeshard.lora) beside a frozen base: not in the base's checkpoint
         if param.device.type == "meta":
             raise ValueError(f"parameter {fqn} is on the meta device: materialise the model (to_empty) before loading")
         offset, local = local_region(param)

@@ -27,6 +27,7 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "TokenEmbedding",
+    "ZeroCenteredRMSNorm",
     "apply_rotary",
     "attend",
     "attention_output",
@@ -34,6 +35,7 @@ __all__ = [
     "document_block_mask",
     "document_causal_mask",
     "rms_norm",
+    "zero_centered_rms_norm",
 ]
 
 
@@ -87,28 +89,52 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
+def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(1 + weight) * (x / rms(x))``, all in float32, cast to the input dtype last (the norm whose weight is 0
+    at init: Gemma's, Qwen3-Next's and Qwen3.5's)."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.float())).type_as(x)
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, scaled by a learned weight in the input dtype."""
+    """Root-mean-square norm computed in float32, scaled by a learned weight in the input dtype.
+
+    ``zero_centered`` (a class attribute, True in :class:`ZeroCenteredRMSNorm`): the norm kind whose weight is an offset from one (``(1 + w) · x / rms(x)``, the
+    product in float32, :func:`zero_centered_rms_norm`), initialised to zeros; a family picks the kind through
+    ``DecoderModel.norm_class``.
+    """
+
+    zero_centered = False
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if self.zero_centered else torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centered:
+            return zero_centered_rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
-        """Ones, as transformers initialises norms."""
-        nn.init.ones_(self.weight)
+        """Ones (zeros for the zero-centred kind), as transformers initialises norms."""
+        (nn.init.zeros_ if self.zero_centered else nn.init.ones_)(self.weight)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+        return f"{tuple(self.weight.shape)}, eps={self.eps}" + (", zero_centered" if self.zero_centered else "")
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """:class:`RMSNorm` of the zero-centred kind: ``(1 + weight) · x / rms(x)``, weight zeros at init."""
+
+    zero_centered = True
 
 
 class RotaryEmbedding(nn.Module):
     """RoPE cos/sin tables of width ``config.head_dim`` (the rotated part of a head: Qwen3-MoE's head_dim,
-    DeepSeek-V3's ``qk_rope_head_dim``) for given positions, in the activations' dtype.
+    DeepSeek-V3's ``qk_rope_head_dim``) times ``rope_parameters["partial_rotary_factor"]`` (default 1; Qwen3.5
+    rotates a quarter of each head) for given positions, in the activations' dtype.
 
     The default RoPE is computed here (``1 / theta^(2i / dim)``); the scaled ones (``linear``, ``yarn``, ...) and
     their tables' scaling (YaRN's ``attention_factor``) come from transformers' RoPE initialisers for the config's
@@ -119,7 +145,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        self.dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.dim = int(head_dim * float((config.rope_parameters or {}).get("partial_rotary_factor", 1.0) or 1.0))
         self.rope_type = (config.rope_parameters or {}).get("rope_type", "default")
         self._cache: dict[torch.device, tuple[torch.Tensor, float]] = {}
 
@@ -151,8 +178,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x_BHSDh: torch.Tensor, cos_BSDh: torch.Tensor, sin_BSDh: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (heads on dim 1) by the RoPE tables (non-interleaved halves, as transformers)."""
+    """Rotate ``x`` (heads on dim 1) by the RoPE tables (non-interleaved halves, as transformers). Tables narrower
+    than the head (partial rotary) rotate its first ``Dr`` dims and pass the rest through."""
     cos, sin = cos_BSDh.unsqueeze(1), sin_BSDh.unsqueeze(1)
+    dr = cos.shape[-1]
+    if dr < x_BHSDh.shape[-1]:
+        x_rot, x_pass = x_BHSDh[..., :dr], x_BHSDh[..., dr:]
+        return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
     return x_BHSDh * cos + _rotate_half(x_BHSDh) * sin
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeshard.ep import LocalDispatch
+from moeshard.ep import LocalDispatch, LowRankDelta
 from moeshard.models.common._kept import kept_topk
 from moeshard.models.common._topk import TopkIds, row_topk
 
@@ -145,7 +145,17 @@ class Experts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
         """``y_TD``: each token's routed experts' outputs, weighted by ``topk_weights_TK`` (in float32)."""
-        return self.dispatch(x_TD, topk_ids_TK, topk_weights_TK, self.gate_up_proj, self.down_proj)
+        deltas = (self._low_rank("gate_up_proj"), self._low_rank("down_proj"))
+        return self.dispatch(x_TD, topk_ids_TK, topk_weights_TK, self.gate_up_proj, self.down_proj, deltas=deltas)
+
+    def _low_rank(self, name: str) -> LowRankDelta | None:
+        """The adapter of the fused tensor ``name`` as the dispatcher takes it, or None: ``moeshard.lora`` adds
+        ``<name>_lora_A [E, r, in]`` and ``<name>_lora_B [E, out, r]`` beside it and sets ``lora_scaling``. Looked up
+        at each call, since FSDP swaps the parameter objects between their sharded and unsharded forms."""
+        A = getattr(self, f"{name}_lora_A", None)
+        if A is None:
+            return None
+        return LowRankDelta(A, getattr(self, f"{name}_lora_B"), self.lora_scaling)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, local={tuple(self.gate_up_proj.shape[:1])}"
@@ -250,14 +260,33 @@ class GroupLimitedRouter(Router):
 class MoEBlock(nn.Module):
     """A router, routed experts and, where the family has them, shared experts every token goes through (a plain
     MLP: an ordinary part of the decoder layer's FSDP unit). Registered in transformers' order (experts, gate,
-    shared_experts), so state_dict orders match."""
+    shared_experts), so state_dict orders match.
 
-    def __init__(self, experts: Experts, gate: Router, shared_experts: nn.Module | None = None) -> None:
+    ``shared_name``: the shared experts' name in checkpoints (``"shared_experts"``; Qwen's ``"shared_expert"``).
+    ``shared_gate``: a gated shared expert (e.g. ``nn.Linear(D, 1)``, registered as ``{shared_name}_gate``) whose
+    output is scaled per token by ``sigmoid(shared_gate(x))`` before it is added.
+    """
+
+    def __init__(
+        self,
+        experts: Experts,
+        gate: Router,
+        shared_experts: nn.Module | None = None,
+        *,
+        shared_name: str = "shared_experts",
+        shared_gate: nn.Module | None = None,
+    ) -> None:
         super().__init__()
+        if shared_gate is not None and shared_experts is None:
+            raise ValueError("a shared expert gate needs shared experts: pass shared_experts too")
         self.experts = experts
         self.gate = gate
+        self.shared_name = shared_name if shared_experts is not None else None
         if shared_experts is not None:
-            self.shared_experts = shared_experts
+            self.add_module(shared_name, shared_experts)
+        self.shared_gated = shared_gate is not None
+        if shared_gate is not None:
+            self.add_module(f"{shared_name}_gate", shared_gate)
 
     def route(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The router's ``(logits_TE, topk_weights_TK, topk_ids_TK)`` for the block's input, T = B·S."""
@@ -271,8 +300,11 @@ class MoEBlock(nn.Module):
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         logits_TE, weights_TK, ids_TK = self.route(x_BSD) if routing is None else routing
         y_BSD = self.experts(x_TD, ids_TK, weights_TK).view_as(x_BSD)
-        if hasattr(self, "shared_experts"):
-            y_BSD = y_BSD + self.shared_experts(x_BSD)
+        if self.shared_name is not None:
+            shared_BSD = getattr(self, self.shared_name)(x_BSD)
+            if self.shared_gated:
+                shared_BSD = torch.sigmoid(getattr(self, f"{self.shared_name}_gate")(x_BSD)) * shared_BSD
+            y_BSD = y_BSD + shared_BSD
         return y_BSD, logits_TE
 
 

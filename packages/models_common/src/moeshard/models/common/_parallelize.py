@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from moeshard.ep import EPInfo
+from moeshard.ep import EPInfo, fqn_matches
 from moeshard.models.common._causal_lm import MoECausalLM
 from moeshard.models.common._checkpointing import apply_activation_checkpointing
 from moeshard.models.common._moe import TopKRouter
@@ -112,7 +113,7 @@ def parallelize(
         raise TypeError(f"options must be a ParallelOptions, got {type(options).__name__}")
 
     ep_mesh = meshes.ep if meshes.ep_size > 1 else None
-    ep_info = apply_ep(model, model.get_parallel_plan(), ep_mesh, options.ep_options())
+    ep_info = apply_ep(model, _with_adapters(model.get_parallel_plan(), model), ep_mesh, options.ep_options())
     # The attention's kernel, and (step 3) whether it runs compiled: one value the model passes to every layer.
     model.model.attention = dataclasses.replace(
         model.model.attention, kernel=options.attention_kernel, compiled=options.compile
@@ -208,3 +209,15 @@ def _mp_policy(param_dtype: str, device_type: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(
         param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32, cast_forward_inputs=False
     )
+
+
+def _with_adapters(plan, model: nn.Module):
+    """``plan`` whose EP part also names the LoRA adapters of its expert tensors (``<param>_lora_A [E, r, in]``,
+    ``<param>_lora_B [E, out, r]``, see ``moeshard.lora``): sharded on dim 0 with their experts."""
+    names = {n for n, _ in model.named_parameters()}
+    extra = {}
+    for pattern, placement in plan.ep_plan.items():
+        for suffix in ("_lora_A", "_lora_B"):
+            if any(fqn_matches(pattern + suffix, n) for n in names):
+                extra[pattern + suffix] = placement
+    return dataclasses.replace(plan, ep_plan={**plan.ep_plan, **extra}) if extra else plan

@@ -167,7 +167,7 @@ class SafetensorsDir:
         for file, reqs in by_file.items():
             try:
                 with safe_open(file, framework="pt", device="cpu") as f:
-                    for i, key, slices in reqs:
-                        yield i, key, f.get_slice(key)[slices]
+                    for i, key, slices in reqs:  # the stored name: a folder layout may file it under another
+                        yield i, key, f.get_slice(self.tensors[key].key)[slices]
             except (SafetensorError, OSError) as err:
                 raise _corrupt(file, err) from None

@@ -45,6 +45,12 @@ def apply_sequence_parallel(model: nn.Module, group) -> int:
             f"apply_sequence_parallel needs a moeshard causal LM (one decoder with attention modules), got "
             f"{type(model).__name__}"
         )
+    stateful = sorted({type(m).__name__ for m in model.modules() if getattr(m, "mask_kind", None) == "segments"})
+    if stateful:
+        raise ValueError(
+            f"sequence parallelism (sp={sp}) does not split {', '.join(stateful)} (a recurrent state along the row) "
+            "across ranks yet: set parallel.sp to 1 for this model"
+        )
     for m in attentions:
         check_sequence_parallel(sp, num_heads=m.num_heads, num_kv_heads=getattr(m, "num_kv_heads", m.num_heads))
     for m in attentions:

@@ -88,7 +88,8 @@ class GptOssExperts(Experts):
         nn.init.zeros_(self.down_proj_bias)
 
     def forward(self, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor) -> torch.Tensor:
-        """``y_TD``: each token's routed experts' outputs (with their biases), weighted by ``topk_weights_TK``."""
+        """``y_TD``: each token's routed experts' outputs (with their biases and, where ``moeshard.lora`` added
+        them, the weights' adapters), weighted by ``topk_weights_TK``."""
         return self.dispatch(
             x_TD,
             topk_ids_TK,
@@ -97,6 +98,7 @@ class GptOssExperts(Experts):
             self.down_proj,
             activation=self.activation,
             biases=(self.gate_up_proj_bias, self.down_proj_bias),
+            deltas=(self._low_rank("gate_up_proj"), self._low_rank("down_proj")),
         )
 
 
@@ -113,6 +115,8 @@ class GptOssMoE(MoEBlock):
             ClampedSwiGLU(alpha=alpha, limit=float(config.swiglu_limit)),
         )
         self.router = GptOssRouter(config.num_local_experts, config.hidden_size, config.num_experts_per_tok)
+        # no shared experts: MoEBlock's fields as its __init__ (not run, for transformers' registration order) sets them
+        self.shared_name, self.shared_gated = None, False
 
     @property
     def gate(self) -> GptOssRouter:
