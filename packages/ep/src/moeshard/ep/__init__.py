@@ -25,7 +25,7 @@ from moeshard.ep._dispatch import (
     kept_factor_elements,
     recompute_contexts,
 )
-from moeshard.ep._kernels import compile_rows_dynamic
+from moeshard.ep._kernels import ClampedSwiGLU, compile_rows_dynamic
 from moeshard.ep._mlp import LowRankDelta
 from moeshard.ep._options import EPOptions
 from moeshard.ep._plan import EPInfo, EPParamMeta, ParallelPlan, apply_ep, fqn_matches
@@ -33,6 +33,7 @@ from moeshard.ep._weight_grads import WeightGradFactors, WeightGradTarget, sum_w
 
 __all__ = [
     "AllToAllDispatch",
+    "ClampedSwiGLU",
     "EPInfo",
     "EPOptions",
     "EPParamMeta",

@@ -122,7 +122,9 @@ def memory_lines(
     ac = {"none": "no", "full": "full", "selective": f"selective ({opts.selective_recompute})"}
     ac = ac[opts.activation_checkpointing]
     lines.append(
-        f"estimated memory per rank (micro batch {mb} x seq {seq_len} x {est.micro_batches} per step, "
+        f"estimated memory per rank (micro batch {mb} x seq {seq_len}"
+        + (f" / sp {opts.sp_size}" if opts.sp_size > 1 else "")
+        + f" x {est.micro_batches} per step, "
         f"{ac} activation checkpointing, {'bf16' if compute_bytes == 2 else 'fp32'} compute, fp32 master weights, "
         "AdamW):"
     )

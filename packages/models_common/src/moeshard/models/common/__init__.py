@@ -91,7 +91,7 @@ from moeshard.models.common._parallel_options import ParallelOptions
 from moeshard.models.common._parallelize import Parallelized, parallelize
 from moeshard.models.common._presets import check_common_config, config_keys, preset_config
 from moeshard.models.common._safetensors import CheckpointError, SafetensorsDir, TensorInfo
-from moeshard.models.common._sequence_parallel import apply_sequence_parallel
+from moeshard.models.common._sequence_parallel import ModelInputs, apply_sequence_parallel, model_inputs
 
 __all__ = [
     "ATTENTION_ATTRIBUTES",
@@ -122,6 +122,7 @@ __all__ = [
     "MoECausalLM",
     "ModelFacts",
     "ModelFamily",
+    "ModelInputs",
     "ParallelOptions",
     "Parallelized",
     "RMSNorm",
@@ -154,6 +155,7 @@ __all__ = [
     "load_hf_config",
     "load_hf_weights",
     "local_region",
+    "model_inputs",
     "parallelize",
     "preset_config",
     "router_z_loss",
