@@ -68,5 +68,6 @@ def test_the_235b_preset_facts():
     facts = qwen3moe.FAMILY.facts(config)
     assert (facts.parameters, facts.active_parameters) == (235093634560, 22190763520)
     assert (facts.parameters, facts.active_parameters) == qwen3moe.count_parameters(config)
-    assert (facts.layers, facts.moe_layers, facts.num_experts, facts.top_k, facts.expert_width) == (94, 94, 128, 8, 1536)
+    shape = (facts.layers, facts.moe_layers, facts.num_experts, facts.top_k, facts.expert_width)
+    assert shape == (94, 94, 128, 8, 1536)
     assert (facts.hidden_size, facts.attention_heads) == (4096, 64)
