@@ -242,6 +242,16 @@ SMOKE = {
         assert model(ids, labels=ids).loss.isfinite()
         """
     ),
+    "moeshard-gptoss": textwrap.dedent(
+        """
+        import torch
+        from moeshard.models.gptoss import GptOssForCausalLM, get_preset_config
+        model = GptOssForCausalLM(get_preset_config("tiny"))
+        model.init_weights()
+        ids = torch.randint(0, 512, (1, 8))
+        assert model(ids, labels=ids).loss.isfinite()
+        """
+    ),
     "moeshard-train": "from moeshard.train import load_config; assert load_config().parallel.ep_size == 2",
 }
 # Distributions that bring transformers in (the model families and what they share; the app through them).
@@ -250,6 +260,7 @@ TRANSFORMERS_USERS = {
     "moeshard-qwen3moe",
     "moeshard-deepseekv3",
     "moeshard-qwen35moe",
+    "moeshard-gptoss",
     "moeshard-train",
 }
 # Chains of wheel sets (a name, or a name with an extra), one fresh environment each: every step's environment is
@@ -259,6 +270,7 @@ CHAINS = [
     ["moeshard-qwen3moe", "moeshard-qwen3moe[parallel]", "moeshard-train"],
     ["moeshard-meshes", "moeshard-ep", "moeshard-fsdp-moe", "moeshard-checkpoint"],
     ["moeshard-models-common", "moeshard-deepseekv3", "moeshard-qwen35moe"],
+    ["moeshard-gptoss"],
     ["moeshard-prefetch"],
     ["moeshard-sequence"],
     ["moeshard-lora"],

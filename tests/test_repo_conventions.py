@@ -23,9 +23,9 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_every_package_is_a_namespace_portion_with_its_own_version():
-    # meshes, ep, fsdp_moe, prefetch, sequence, lora, models_common, qwen3moe, deepseekv3, qwen35moe, data,
-    # checkpoint, train
-    assert len(PACKAGE_DIRS) == 13
+    # meshes, ep, fsdp_moe, prefetch, sequence, lora, models_common, qwen3moe, deepseekv3, qwen35moe, gptoss,
+    # data, checkpoint, train
+    assert len(PACKAGE_DIRS) == 14
     for pyproject in PACKAGE_DIRS:
         pkg = pyproject.parent
         meta = tomllib.loads(pyproject.read_text())["project"]

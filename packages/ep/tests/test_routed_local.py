@@ -142,7 +142,8 @@ def test_expert_pass_backward_equals_autograd(gemm, activation, weighted):
     y_ref.backward(gy)
     run = ExpertPass(torch.tensor(counts), counts, activation, gemm, kernels_for("eager"))
     y, saved = run.forward(x, w1, w2, s)
-    gx, gw1, gw2, gs, _ = run.backward(gy, saved, w1, w2, need_x=True, need_w=True)
+    gx, gw1, gw2, gs, gb, gd = run.backward(gy, saved, w1, w2, need_x=True, need_w=True)
+    assert gb == (None, None) and gd == (None, None)  # no biases, no deltas: none of their gradients
     torch.testing.assert_close(y, y_ref.detach(), rtol=1e-6, atol=1e-6)
     for got, leaf in zip((gx, gw1, gw2), leaves):
         torch.testing.assert_close(got, leaf.grad, rtol=1e-5, atol=1e-6)

@@ -49,3 +49,27 @@ def test_expert_groups_take_the_default_groups_backend_for_the_device(monkeypatc
 
     monkeypatch.setattr(_build.dist, "get_backend", lambda *a: backend)
     assert _build._backend_for(device_type) == want
+
+
+def test_sequence_groups_are_consecutive_ranks_inside_a_node():
+    lay = plan_layout(16, 8, 4, sp_size=4)
+    assert lay.dp_size == 4 and lay.ep_size == 4  # sp cuts neither the expert mesh nor the world
+    assert lay.sp_groups() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert [lay.dp_rank_of(r) for r in (0, 3, 4, 15)] == [0, 0, 1, 3]
+    assert [lay.sp_rank_of(r) for r in (0, 3, 4, 15)] == [0, 3, 0, 3]
+    assert "sp 4 x dp 4" in lay.describe() and "[0..3], [4..7]" in lay.describe()
+    assert "sp " not in plan_layout(16, 8, 4).describe()
+
+
+@pytest.mark.parametrize(
+    ("world", "per_node", "sp", "needle"),
+    [
+        (16, 8, 3, "sp_size 3 does not divide the 8 ranks per node (world size 16); choose an sp_size that divides 8"),
+        (16, 8, 16, "sp_size 16 does not divide the 8 ranks per node"),
+        (8, 8, 0, "sp_size must be an integer >= 1, got 0"),
+    ],
+)
+def test_sp_that_does_not_divide_a_node_is_refused_in_one_line(world, per_node, sp, needle):
+    with pytest.raises(ValueError) as info:
+        plan_layout(world, per_node, 2, sp_size=sp)
+    assert needle in str(info.value) and "\n" not in str(info.value)

@@ -40,6 +40,22 @@ def test_fake_world_16(rank):
         assert meshes.node_index == rank // 8 and meshes.ep_rank == rank % 8
 
 
+@pytest.mark.parametrize("rank", [0, 5, 9, 15])
+def test_fake_world_16_sequence_groups(rank):
+    with fake_process_group(16, rank):
+        meshes = build_meshes(ep_size=4, ranks_per_node=8, device_type="cpu", sp_size=2)
+        start = rank - rank % 2
+        assert meshes.sp.mesh.tolist() == [start, start + 1]
+        assert dist.get_world_size(meshes.sp.get_group()) == 2
+        assert (meshes.sp_size, meshes.sp_rank, meshes.dp_size, meshes.dp_rank) == (2, rank % 2, 8, rank // 2)
+        assert meshes.ep.mesh.tolist() == list(range(4 * (rank // 4), 4 * (rank // 4) + 4))  # EP unchanged
+        assert f"sp group [{start}, {start + 1}]" in meshes.describe()
+        with pytest.raises(ValueError, match="sp_size 16 does not divide the 8 ranks per node"):
+            build_meshes(ep_size=4, ranks_per_node=8, device_type="cpu", sp_size=16)
+    with fake_process_group(16, rank):
+        assert build_meshes(ep_size=4, ranks_per_node=8, device_type="cpu").sp is None
+
+
 def _world_spanning_groups():
     ep_world = build_meshes(ep_size=dist.get_world_size())  # the EP group is every rank
     fsdp_world = build_meshes(ep_size=1)  # the ep_fsdp group is every rank

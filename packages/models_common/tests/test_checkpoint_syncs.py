@@ -20,9 +20,9 @@ class _SizedLocalDispatch(LocalDispatch):
     def before_host_sync(self) -> None:  # noqa: D102
         type(self).synced += 1
 
-    def run_experts(self, x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation):  # noqa: D102
+    def run_experts(self, x_sorted_ND, w_sorted_N, counts_E, *rest):  # noqa: D102
         self.host_sizes(counts_E, counts_E)
-        return super().run_experts(x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation)
+        return super().run_experts(x_sorted_ND, w_sorted_N, counts_E, *rest)
 
 
 def test_checkpointed_layers_read_their_exchange_sizes_once():

@@ -27,6 +27,7 @@ FAMILIES = {
     "deepseek_v3": "moeshard.models.deepseekv3",
     "qwen3_5_moe_text": "moeshard.models.qwen35moe",
     "qwen3_5_moe": "moeshard.models.qwen35moe",  # the Hub's vision-language folders: their language model
+    "gpt_oss": "moeshard.models.gptoss",
 }
 """``model.family`` → the package that implements it (its ``FAMILY``)."""
 DEFAULT_FAMILY = "qwen3_moe"
@@ -34,7 +35,8 @@ DEFAULT_FAMILY = "qwen3_moe"
 
 
 def get_family(name: str):
-    """The ``ModelFamily`` of ``name`` (``qwen3_moe``, ``deepseek_v3``, ``qwen3_5_moe_text`` / ``qwen3_5_moe``).
+    """The ``ModelFamily`` of ``name`` (``qwen3_moe``, ``deepseek_v3``, ``qwen3_5_moe_text`` / ``qwen3_5_moe``,
+    ``gpt_oss``).
 
     Raises:
         ValueError: an unknown family, naming the choices.

@@ -174,7 +174,11 @@ def _run(
 
     losses = LossLog()
     pin = device.type == "cuda"
-    with PrefetchLoader(prep.batches, rank, start_step, cfg.train.steps, pin_memory=pin) as batches, watchdog:
+    # Each data-parallel group's rows: the ranks of a sequence group read the same rows, each takes its shard.
+    with (
+        PrefetchLoader(prep.batches, job.meshes.dp_rank, start_step, cfg.train.steps, pin_memory=pin) as batches,
+        watchdog,
+    ):
         last = run(job, batches, [*callbacks, losses], start_step=start_step, stop_requested=stop.requested)
     stopped = None
     step = start_step + len(losses.losses)

@@ -28,7 +28,7 @@ from moeshard.ep._dispatch import (
     recompute_contexts,
     routed_experts,
 )
-from moeshard.ep._kernels import ACTIVATIONS, compile_rows_dynamic
+from moeshard.ep._kernels import ACTIVATIONS, ClampedSwiGLU, compile_rows_dynamic
 from moeshard.ep._mlp import LowRankDelta, grouped_expert_mlp
 from moeshard.ep._options import EPOptions
 from moeshard.ep._plan import (
@@ -46,6 +46,7 @@ from moeshard.ep._weight_grads import WeightGradFactors, WeightGradTarget, sum_w
 __all__ = [
     "ACTIVATIONS",
     "AllToAllDispatch",
+    "ClampedSwiGLU",
     "EPInfo",
     "EPOptions",
     "EPParamMeta",

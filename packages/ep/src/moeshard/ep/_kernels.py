@@ -30,7 +30,15 @@ from moeshard.ep._sort import inverse_permutation, sort_by_expert
 from moeshard.ep._squares import read_squares
 from moeshard.ep._torch_internals import mark_rows_dynamic
 
-__all__ = ["ACTIVATIONS", "Kernels", "activation_fn", "compile_rows_dynamic", "kernels_for", "resolve_gemm"]
+__all__ = [
+    "ACTIVATIONS",
+    "ClampedSwiGLU",
+    "Kernels",
+    "activation_fn",
+    "compile_rows_dynamic",
+    "kernels_for",
+    "resolve_gemm",
+]
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -40,8 +48,47 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 """Activation name -> function, for the ``activation=`` argument of the expert MLP (gated as ``act(gate) * up``)."""
 
 
-def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The function of activation ``name``; ValueError naming the supported ones otherwise."""
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """A clamped, offset SwiGLU, an ``activation=`` of the expert MLP beside the names of :data:`ACTIVATIONS`:
+    ``(clamp(up, -limit, limit) + 1) · g · sigmoid(alpha · g)`` with ``g = min(gate, limit)``, on ``h = [gate | up]``
+    (gate rows first, as every expert weight here; the Hub's interleaved rows are reordered on load).
+
+    Every kernel tier runs it (the triton tier through its compiled kernels: its own kernels are SwiGLU's), forward
+    and backward; the backward is written out (the clamps pass the gradient inside their range, as autograd's)."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        if not (self.limit > 0 and self.alpha > 0):
+            raise ValueError(f"ClampedSwiGLU needs alpha > 0 and limit > 0, got alpha={self.alpha} limit={self.limit}")
+
+    def parts(self, gate_NF: torch.Tensor, up_NF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(act, up + 1)``: the gate's activation and the clamped up factor, whose product is the output."""
+        g_NF = gate_NF.clamp(max=self.limit)
+        return g_NF * torch.sigmoid(g_NF * self.alpha), up_NF.clamp(-self.limit, self.limit) + 1
+
+    def grads(self, gate_NF: torch.Tensor, up_NF: torch.Tensor, grad_NF: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(d gate, d up, act, up + 1)`` for the output's gradient ``grad_NF``."""
+        act_NF, up1_NF = self.parts(gate_NF, up_NF)
+        g_NF = gate_NF.clamp(max=self.limit)
+        sig_NF = torch.sigmoid(g_NF * self.alpha)
+        d_act = sig_NF + g_NF * self.alpha * sig_NF * (1 - sig_NF)
+        d_gate = torch.where(gate_NF <= self.limit, grad_NF * up1_NF * d_act, 0.0)
+        d_up = torch.where(up_NF.abs() <= self.limit, grad_NF * act_NF, 0.0)
+        return d_gate, d_up, act_NF, up1_NF
+
+
+Activation = str | ClampedSwiGLU
+"""What the expert MLP's ``activation=`` takes: a name of :data:`ACTIVATIONS` (``act(gate) * up``) or a spec."""
+
+
+def activation_fn(name: Activation) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The function of activation ``name`` (a spec: its gate activation); ValueError naming the supported ones
+    otherwise."""
+    if isinstance(name, ClampedSwiGLU):
+        return lambda gate: name.parts(gate, gate)[0]
     try:
         return ACTIVATIONS[name]
     except (KeyError, TypeError):
@@ -51,15 +98,20 @@ def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 # ---- eager functions --------------------------------------------------------------------------------------------
 
 
-def gated(activation: str, h_NX: torch.Tensor) -> torch.Tensor:
+def gated(activation: Activation, h_NX: torch.Tensor) -> torch.Tensor:
     """``act(gate) * up`` for ``h = [gate | up]``."""
     gate_NF, up_NF = h_NX.chunk(2, dim=-1)
+    if isinstance(activation, ClampedSwiGLU):
+        act_NF, up1_NF = activation.parts(gate_NF, up_NF)
+        return act_NF * up1_NF
     return ACTIVATIONS[activation](gate_NF) * up_NF
 
 
-def gated_backward(activation: str, h_NX: torch.Tensor, grad_NF: torch.Tensor) -> torch.Tensor:
+def gated_backward(activation: Activation, h_NX: torch.Tensor, grad_NF: torch.Tensor) -> torch.Tensor:
     """Gradient of :func:`gated` w.r.t. ``h = [gate | up]``: the same ops autograd runs for it."""
     gate_NF, up_NF = h_NX.chunk(2, dim=-1)
+    if isinstance(activation, ClampedSwiGLU):
+        return torch.cat(activation.grads(gate_NF, up_NF, grad_NF)[:2], dim=-1)
     if activation == "silu":
         d_gate = torch.ops.aten.silu_backward(grad_NF * up_NF, gate_NF)
     else:
@@ -68,21 +120,29 @@ def gated_backward(activation: str, h_NX: torch.Tensor, grad_NF: torch.Tensor) -
     return torch.cat([d_gate, grad_NF * ACTIVATIONS[activation](gate_NF)], dim=-1)
 
 
-def weighted_gated(activation: str, h_NX: torch.Tensor, s_N: torch.Tensor) -> torch.Tensor:
+def weighted_gated(activation: Activation, h_NX: torch.Tensor, s_N: torch.Tensor) -> torch.Tensor:
     """``s · act(gate) · up`` for ``h = [gate | up]`` and a float32 weight per row: the routing weight applied to
     the expert's activation, before its down projection (float32 arithmetic, rounded once to h's dtype)."""
     gate_NF, up_NF = h_NX.float().chunk(2, dim=-1)
+    if isinstance(activation, ClampedSwiGLU):
+        act_NF, up1_NF = activation.parts(gate_NF, up_NF)
+        return (act_NF * up1_NF * s_N.float().unsqueeze(-1)).to(h_NX.dtype)
     return (ACTIVATIONS[activation](gate_NF) * up_NF * s_N.float().unsqueeze(-1)).to(h_NX.dtype)
 
 
 def weighted_gated_backward(
-    activation: str, h_NX: torch.Tensor, grad_NF: torch.Tensor, s_N: torch.Tensor, need_a: bool
+    activation: Activation, h_NX: torch.Tensor, grad_NF: torch.Tensor, s_N: torch.Tensor, need_a: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(grad h, grad s, a | None)`` of :func:`weighted_gated`: ``grad s[n] = Σ_f grad[n, f] · act(gate) · up``
     (float32), ``grad h`` the gated activation's gradient at ``s · grad`` (h's dtype), and with ``need_a`` the
     forward's output again (for a caller that did not keep it). Float32 arithmetic throughout."""
     gate_NF, up_NF = h_NX.float().chunk(2, dim=-1)
     g_NF, s_N1 = grad_NF.float(), s_N.float().unsqueeze(-1)
+    if isinstance(activation, ClampedSwiGLU):
+        d_gate, d_up, act_NF, up1_NF = activation.grads(gate_NF, up_NF, g_NF * s_N1)
+        gated_NF = act_NF * up1_NF
+        a_NF = (gated_NF * s_N1).to(h_NX.dtype) if need_a else None
+        return torch.cat([d_gate, d_up], dim=-1).to(h_NX.dtype), (g_NF * gated_NF).sum(dim=-1), a_NF
     act_NF = ACTIVATIONS[activation](gate_NF)
     gated_NF = act_NF * up_NF
     gs_NF = g_NF * s_N1

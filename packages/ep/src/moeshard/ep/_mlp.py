@@ -19,6 +19,11 @@ scales the gated activation by it before the down projection, ``y_n = down(w_n �
 backward returns the weights' gradient ``Σ_f grad_a · act(gate) · up`` from the activation's backward kernel: the
 dispatchers' combine then only adds each token's copies, and nothing of the outputs is kept for that gradient.
 
+**Expert biases** (optional, each independently): ``b_gate_up [E, X]`` added to the gate/up GEMM's rows and
+``b_down [E, D]`` to the down projection's, scaled by the row's routing weight like the rest of its output,
+``y_n = s_n · (down(act(gate x_n + b) · up ...) + b_down)``. Their gradients are each expert's row sums (an
+``index_add`` over the rows' experts, no host sync) and go to autograd; without biases none of this runs.
+
 The weight gradients go where their owner says (:mod:`moeshard.ep._weight_grads`: added into the gradient that
 is already there, or handed over unformed as factors).
 
@@ -28,6 +33,9 @@ it to the grouped rows as two more grouped GEMMs of rank ``r`` beside the base G
 never forming the sum nor a weight per row, and backward gives ``A`` and ``B`` their gradients by grouped GEMMs
 too. A frozen base weight (``requires_grad`` False) gets no gradient: its weight-gradient GEMMs are not run, which
 is what makes adapter training cheaper than training the weights.
+
+Biases, an activation spec and low-rank deltas combine freely; the biases apply to the base GEMM plus its delta
+(``x (W_e + s · B_e A_e)ᵀ + b_e``).
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from moeshard.ep._kernels import Kernels, activation_fn, gated, kernels_for, resolve_gemm, weighted_gated
+from moeshard.ep._kernels import Activation, Kernels, activation_fn, gated, kernels_for, resolve_gemm, weighted_gated
 from moeshard.ep._options import RECOMPUTES
 from moeshard.ep._weight_grads import Handoff, WeightGradTarget, add_into, weight_grad_buffers
 
@@ -86,6 +94,7 @@ class LowRankDelta(NamedTuple):
 
 
 NO_DELTAS: tuple[None, None] = (None, None)
+NO_BIASES: tuple[None, None] = (None, None)
 
 
 class ExpertPass:
@@ -99,7 +108,7 @@ class ExpertPass:
         self,
         counts_E: torch.Tensor,
         host_counts: Sequence[int] | None,
-        activation: str,
+        activation: Activation,
         gemm: str,
         kernels: Kernels,
         offsets: torch.Tensor | None = None,
@@ -109,7 +118,7 @@ class ExpertPass:
         Args:
             counts_E: rows per local expert (int tensor on the rows' device).
             host_counts: the same as host ints; required by the loop backend, unused by grouped_mm.
-            activation: a name of ``ACTIVATIONS``.
+            activation: a name of ``ACTIVATIONS`` or a spec (``ClampedSwiGLU``).
             gemm: ``"grouped_mm"`` or ``"loop"`` (resolved, see :func:`resolve_gemm`).
             kernels: the kernel tier (the gated activation of the grouped_mm backend).
             offsets: the int32 cumulative ``counts_E`` when the caller computed them already (grouped_mm).
@@ -123,32 +132,73 @@ class ExpertPass:
         self.activation, self.gemm, self.kernels = activation, gemm, kernels
         self.offs = offsets
         self.recompute = recompute
+        self.row_experts: torch.Tensor | None = None  # each row's local expert, for the biases (built once)
 
-    def forward(self, x_ND, w_gate_up, w_down, s_N=None, output: bool = True, deltas=NO_DELTAS):
+    def forward(self, x_ND, w_gate_up, w_down, s_N=None, output: bool = True, deltas=NO_DELTAS, biases=NO_BIASES):
         """``(y_ND, saved)``: the output and the tensors :meth:`backward` takes back.
 
         ``s_N``: each row's routing weight (float32) or None. With it the output rows come out weighted,
         ``y_n = s_n · down(act(gate x_n) · up x_n)``: the weight scales the gated activation before the down
         projection, so nothing of the output is needed for its gradient (it comes from the activation).
         ``output=False``: ``y_ND`` is None, the down projection is not run (a recompute that discards its
-        outputs); ``saved`` is the same. ``deltas``: a :class:`LowRankDelta` or None per weight (gate/up, down)."""
-        h_NX = self._gate_up(x_ND, w_gate_up, deltas[0])
+        outputs); ``saved`` is the same. ``deltas``: a :class:`LowRankDelta` or None per weight (gate/up, down);
+        ``biases``: ``(b_gate_up [E, X] | None, b_down [E, D] | None)``."""
+        h_NX = self._gate_up(x_ND, w_gate_up, deltas[0], biases[0])
         a_NF = self._gated(h_NX, s_N)
         y_ND = self._down(a_NF, w_down, deltas[1]) if output else None
+        if output and biases[1] is not None:
+            y_ND = y_ND + self._down_bias(biases[1], s_N, x_ND)
         kept = {"none": (x_ND, h_NX, a_NF), "activation": (x_ND, h_NX), "mlp": (x_ND,)}[self.recompute]
         return y_ND, (s_N, *kept)
 
-    def _gate_up(self, x_ND, w_gate_up, delta=None):
-        """``h_NX``: each expert's gate/up GEMM on its rows (plus its low-rank delta's)."""
+    def _gate_up(self, x_ND, w_gate_up, delta=None, b_EX=None):
+        """``h_NX``: each expert's gate/up GEMM on its rows (plus its low-rank delta's and its bias where given)."""
         if self.gemm == "grouped_mm" and self.offs is None:
             self.offs = torch.cumsum(self.counts_E.to(x_ND.device), 0, dtype=torch.int32)
         h_NX = self._rows(x_ND, w_gate_up.transpose(-2, -1))
-        return h_NX if delta is None else h_NX + self._delta_rows(x_ND, delta)
+        if delta is not None:
+            h_NX = h_NX + self._delta_rows(x_ND, delta)
+        return h_NX if b_EX is None else h_NX + b_EX.index_select(0, self._row_experts(x_ND))
 
     def _down(self, a_NF, w_down, delta=None):
         """``y_ND``: each expert's down projection of its rows' gated activation (plus its low-rank delta's)."""
         y_ND = self._rows(a_NF, w_down.transpose(-2, -1))
         return y_ND if delta is None else y_ND + self._delta_rows(a_NF, delta)
+
+    def _row_experts(self, x_ND) -> torch.Tensor:
+        """``[N]``: each row's local expert (from the device counts, no host sync; the loop's host counts)."""
+        if self.row_experts is None:
+            n = x_ND.shape[0]
+            if self.host is not None:
+                counts = torch.tensor(self.host, dtype=torch.int64)
+                e = torch.repeat_interleave(torch.arange(len(self.host)), counts, output_size=n).to(x_ND.device)
+            else:
+                counts = self.counts_E.to(x_ND.device)
+                e = torch.repeat_interleave(torch.arange(counts.numel(), device=x_ND.device), counts, output_size=n)
+            self.row_experts = e
+        return self.row_experts
+
+    def _down_bias(self, b_ED, s_N, x_ND):
+        """Each row's down bias, times its routing weight (in float32) where given, in the rows' dtype."""
+        rows_ND = b_ED.index_select(0, self._row_experts(x_ND))
+        return rows_ND if s_N is None else (rows_ND.float() * s_N.float().unsqueeze(-1)).to(rows_ND.dtype)
+
+    def bias_grads(self, grad_ND, gh_NX, s_N, biases, x_ND):
+        """``(grad b_gate_up, grad b_down, the down bias's part of grad s)``; None where that bias is None."""
+        b_gu, b_d = biases
+        gb1 = gb2 = gs_N = None
+        if b_gu is not None:
+            rows = self._row_experts(x_ND)
+            gb1 = torch.zeros(b_gu.shape, dtype=torch.float32, device=gh_NX.device)
+            gb1 = gb1.index_add_(0, rows, gh_NX.float()).to(b_gu.dtype)
+        if b_d is not None:
+            rows = self._row_experts(x_ND)
+            g_ND = grad_ND.float() if s_N is None else grad_ND.float() * s_N.float().unsqueeze(-1)
+            gb2 = torch.zeros(b_d.shape, dtype=torch.float32, device=grad_ND.device).index_add_(0, rows, g_ND)
+            gb2 = gb2.to(b_d.dtype)
+            if s_N is not None:
+                gs_N = (grad_ND.float() * b_d.index_select(0, rows).float()).sum(-1)
+        return gb1, gb2, gs_N
 
     def _rows(self, x_NK, w_EKM):
         """``x_n @ w_e`` for each row ``n`` of expert ``e``: ``[N, M]``."""
@@ -201,19 +251,29 @@ class ExpertPass:
             start += n
 
     def backward(
-        self, grad_ND, saved, w_gate_up, w_down, need_x: bool, need_w: bool, into=(None, None), deltas=NO_DELTAS
+        self,
+        grad_ND,
+        saved,
+        w_gate_up,
+        w_down,
+        need_x: bool,
+        need_w: bool,
+        into=(None, None),
+        deltas=NO_DELTAS,
+        biases=NO_BIASES,
     ):
-        """``(grad x, grad w_gate_up, grad w_down, grad s, delta grads)``; None where not needed (``grad s``: where
-        forward had no routing weights). Every expert's weight gradient is produced (zeros for an expert without
-        rows), so every rank reduces the same set of gradients. ``need_w`` False (a frozen base): no weight-gradient
-        GEMM runs.
+        """``(grad x, grad w_gate_up, grad w_down, grad s, bias grads, delta grads)``; None where not needed
+        (``grad s``: where forward had no routing weights). Every expert's weight gradient is produced (zeros for an
+        expert without rows), so every rank reduces the same set of gradients. ``need_w`` False (a frozen base): no
+        weight-gradient GEMM runs.
 
         ``into``: a buffer per weight (gate/up, down) or None: a weight with a buffer gets this pass's gradient
         added into it (see :data:`WeightGradTarget`) and None in the returned tuple.
-        ``deltas``: forward's; ``delta grads`` is ``(grad A, grad B)`` or None per weight, the same order."""
+        ``deltas``, ``biases``: forward's; ``bias grads`` is ``(grad b_gate_up, grad b_down)``, None where that bias
+        is None; ``delta grads`` is ``(grad A, grad B)`` or None per weight, the same order."""
         s_N, x_ND, *kept = saved
         d1, d2 = deltas
-        h_NX = kept[0] if kept else self._gate_up(x_ND, w_gate_up, d1)
+        h_NX = kept[0] if kept else self._gate_up(x_ND, w_gate_up, d1, biases[0])
         a_kept = kept[1] if len(kept) > 1 else None
         need_a = (need_w or d2 is not None) and a_kept is None
         grad_ND = grad_ND.contiguous()
@@ -238,7 +298,8 @@ class ExpertPass:
                 g1 = tuple(g1)
             if need_w:
                 gw1 = self._weight_grad(gh_NX, x_ND, into[0], offs)
-            return gx, gw1, gw2, gs_N, (g1, g2)
+            gs_N, gb = self._with_bias_grads(grad_ND, gh_NX, s_N, gs_N, biases, x_ND)
+            return gx, gw1, gw2, gs_N, gb, (g1, g2)
         gxs, ghs, a_s, gss = [], [], [], []
         for e, (s, n) in enumerate(self._spans()):
             g_nD = grad_ND[s : s + n]
@@ -251,14 +312,26 @@ class ExpertPass:
             gss.append(gs_n)
         if need_x:
             gx = torch.cat(gxs) if gxs else grad_ND.new_zeros((0, w_gate_up.shape[-1]))
+        gh_NX = None
+        if need_w or biases[0] is not None:
+            gh_NX = torch.cat(ghs) if ghs else grad_ND.new_zeros((0, w_gate_up.shape[1]))
         if need_w:
             offs = self._offsets(grad_ND.device)
-            gh_NX = torch.cat(ghs) if ghs else grad_ND.new_zeros((0, w_gate_up.shape[1]))
             a_NF = torch.cat(a_s) if a_s else grad_ND.new_zeros((0, w_down.shape[2]))
             gw2 = self._weight_grad(grad_ND, a_NF, into[1], offs)
             gw1 = self._weight_grad(gh_NX, x_ND, into[0], offs)
         gs_N = None if s_N is None else (torch.cat(gss) if gss else s_N.new_zeros(0))
-        return gx, gw1, gw2, gs_N, (None, None)
+        gs_N, gb = self._with_bias_grads(grad_ND, gh_NX, s_N, gs_N, biases, x_ND)
+        return gx, gw1, gw2, gs_N, gb, (None, None)
+
+    def _with_bias_grads(self, grad_ND, gh_NX, s_N, gs_N, biases, x_ND):
+        """``(grad s, (grad b_gate_up, grad b_down))``: the biases' gradients and the down bias's part of grad s."""
+        if biases[0] is None and biases[1] is None:
+            return gs_N, NO_BIASES
+        gb1, gb2, gs_bias = self.bias_grads(grad_ND, gh_NX, s_N, biases, x_ND)
+        if gs_bias is not None:
+            gs_N = gs_bias if gs_N is None else gs_N + gs_bias
+        return gs_N, (gb1, gb2)
 
     def _offsets(self, device):
         """The int32 row ends per expert (the grouped_mm backend's own; built from the host counts for the loop)."""
@@ -291,27 +364,28 @@ class _ExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(  # noqa: D102
         ctx, x_ND, s_N, w_gate_up, w_down, run: ExpertPass, target: WeightGradTarget | None, output: bool,
-        scalings, A1, B1, A2, B2,
+        b1, b2, scalings, A1, B1, A2, B2,
     ):  # fmt: skip
         deltas = _deltas(scalings, A1, B1, A2, B2)
-        y_ND, saved = run.forward(x_ND, w_gate_up, w_down, s_N, output, deltas)
+        y_ND, saved = run.forward(x_ND, w_gate_up, w_down, s_N, output, deltas, (b1, b2))
         ctx.run, ctx.target, ctx.scalings = run, target, scalings
-        ctx.save_for_backward(w_gate_up, w_down, A1, B1, A2, B2, *saved)
+        ctx.save_for_backward(w_gate_up, w_down, b1, b2, A1, B1, A2, B2, *saved)
         return y_ND if output else x_ND.new_empty((x_ND.shape[0], w_down.shape[1]))
 
     @staticmethod
     def backward(ctx, grad_ND):  # noqa: D102
-        w_gate_up, w_down, A1, B1, A2, B2, *saved = ctx.saved_tensors
+        w_gate_up, w_down, b1, b2, A1, B1, A2, B2, *saved = ctx.saved_tensors
         need_x, need_s, need_w1, need_w2 = ctx.needs_input_grad[:4]
         into = weight_grad_buffers(ctx.target, w_gate_up, w_down, need_w1, need_w2, factors=True)
         deltas = _deltas(ctx.scalings, A1, B1, A2, B2)
-        gx, gw1, gw2, gs, (g1, g2) = ctx.run.backward(
-            grad_ND, saved, w_gate_up, w_down, need_x, need_w1 or need_w2, into, deltas
+        gx, gw1, gw2, gs, gb, (g1, g2) = ctx.run.backward(
+            grad_ND, saved, w_gate_up, w_down, need_x, need_w1 or need_w2, into, deltas, (b1, b2)
         )
+        gb = tuple(g if need else None for g, need in zip(gb, ctx.needs_input_grad[7:9]))
         gd = (*(g1 or (None, None)), *(g2 or (None, None)))
-        gd = tuple(g if need else None for g, need in zip(gd, ctx.needs_input_grad[8:]))
+        gd = tuple(g if need else None for g, need in zip(gd, ctx.needs_input_grad[10:]))
         return (gx, gs if need_s else None, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None, None,
-                None, *gd)  # fmt: skip
+                *gb, None, *gd)  # fmt: skip
 
 
 def _deltas(scalings, A1, B1, A2, B2) -> tuple[LowRankDelta | None, LowRankDelta | None]:
@@ -350,7 +424,7 @@ def grouped_expert_mlp(
     w_down: torch.Tensor,
     *,
     host_counts: Sequence[int] | None = None,
-    activation: str = "silu",
+    activation: Activation = "silu",
     gemm: str = "auto",
     kernels: str = "eager",
     recompute: str = "none",
@@ -358,6 +432,7 @@ def grouped_expert_mlp(
     row_weights: torch.Tensor | None = None,
     output: bool = True,
     deltas: tuple[LowRankDelta | None, LowRankDelta | None] = NO_DELTAS,
+    biases: tuple[torch.Tensor | None, torch.Tensor | None] = NO_BIASES,
 ) -> torch.Tensor:
     """Run each local expert's gated MLP on its rows: ``down_e(act(gate_e x) * up_e x)`` (SwiGLU with silu).
 
@@ -369,7 +444,7 @@ def grouped_expert_mlp(
         w_down: ``[E, D, F]``.
         host_counts: the same counts as host ints when the caller already has them: spares the loop backend
             its one ``.tolist()`` (a device→host sync).
-        activation: ``"silu"`` (SwiGLU), ``"gelu"`` or ``"gelu_tanh"``.
+        activation: ``"silu"`` (SwiGLU), ``"gelu"``, ``"gelu_tanh"`` or a spec (``ClampedSwiGLU``).
         gemm: ``"grouped_mm"``, ``"loop"`` or ``"auto"`` (see :class:`~moeshard.ep.EPOptions`).
         kernels: the kernel tier of the gated activation, ``"eager"``, ``"compiled"`` or ``"triton"``.
         recompute: ``"none"``, ``"activation"`` or ``"mlp"``: what backward recomputes instead of keeping it
@@ -384,6 +459,8 @@ def grouped_expert_mlp(
             saves and computes is the same.
         deltas: a :class:`LowRankDelta` or None per weight (gate/up, down): adds ``s · B_e A_e`` to expert
             ``e``'s weight, applied by rank-``r`` grouped GEMMs beside the base ones; ``A`` and ``B`` get gradients.
+        biases: ``(b_gate_up [E, 2F] | None, b_down [E, D] | None)``, the experts' biases (see the module
+            docstring); they get their gradients.
 
     Returns:
         ``y_ND`` in the rows' order. Every expert's weights get a gradient, zeros for an expert without rows.
@@ -421,5 +498,21 @@ def grouped_expert_mlp(
         run = ExpertPass(counts_t, counts, activation, backend, tier, recompute=recompute)
     if row_weights is not None and row_weights.shape != (x_ND.shape[0],):
         raise ValueError(f"row_weights must be [N] = [{x_ND.shape[0]}], one per row, got {tuple(row_weights.shape)}")
+    biases = tuple(biases)
+    check_biases(biases, w_gate_up, w_down)
     lowrank = delta_inputs(deltas, (w_gate_up, w_down), x_ND.dtype)
-    return _ExpertMLP.apply(x_ND, row_weights, w_gate_up, w_down, run, weight_grads, output, *lowrank)
+    return _ExpertMLP.apply(x_ND, row_weights, w_gate_up, w_down, run, weight_grads, output, *biases, *lowrank)
+
+
+def check_biases(biases, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    """ValueError unless ``biases`` is a pair (gate/up, down) of tensors or None that fit the weights."""
+    if len(biases) != 2:
+        raise ValueError(f"biases must be a pair (b_gate_up, b_down) of tensors or None, got {len(biases)} entries")
+    b_gu, b_d = biases
+    want = ((w_gate_up.shape[0], w_gate_up.shape[1]), (w_down.shape[0], w_down.shape[1]))
+    for name, b, shape in (("gate_up", b_gu, want[0]), ("down", b_d, want[1])):
+        if b is not None and tuple(b.shape) != shape:
+            raise ValueError(
+                f"the {name} bias must be [E, {'2F' if name == 'gate_up' else 'D'}] = {list(shape)} like its "
+                f"weight, got {list(b.shape)}"
+            )

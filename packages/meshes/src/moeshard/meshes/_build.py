@@ -24,12 +24,40 @@ class ParallelMeshes:
         fsdp: 1-D mesh ``("fsdp",)`` over all ranks, for non-expert parameters (Shard(0)).
         expert: 2-D mesh ``("ep_fsdp", "ep")``, ep innermost, for expert parameters.
         rank: this process's global rank.
+        sequence: 2-D mesh ``("dp", "sp")``, sp innermost (consecutive ranks share each row), or None where
+            ``sp_size`` is 1.
     """
 
     layout: MeshLayout
     fsdp: DeviceMesh
     expert: DeviceMesh
     rank: int
+    sequence: DeviceMesh | None = None
+
+    @property
+    def sp(self) -> DeviceMesh | None:
+        """1-D sub-mesh over this rank's sequence group (the attention's all-to-all), or None where ``sp_size`` is 1."""
+        return None if self.sequence is None else self.sequence[MeshAxis.SP.value]
+
+    @property
+    def sp_size(self) -> int:
+        """Sequence-parallel degree: ranks sharing each row."""
+        return self.layout.sp_size
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's index in its sequence group: the shard of each row it holds."""
+        return self.layout.sp_rank_of(self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree: groups reading different rows (``world_size / sp_size``)."""
+        return self.layout.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: which rows it reads."""
+        return self.layout.dp_rank_of(self.rank)
 
     @property
     def ep(self) -> DeviceMesh:
@@ -82,6 +110,7 @@ class ParallelMeshes:
         return (
             lay.describe() + f"\n  rank {self.rank} on node {self.node_index}: ep group {lay.ep_group_of(self.rank)}, "
             f"ep_fsdp group {lay.ep_fsdp_group_of(self.rank)}"
+            + (f", sp group {lay.sp_group_of(self.rank)}" if lay.sp_size > 1 else "")
         )
 
 
@@ -117,6 +146,7 @@ def build_meshes(
     device_type: str | None = None,
     ranks_per_node: int | None = None,
     allow_cross_node_ep: bool = False,
+    sp_size: int = 1,
 ) -> ParallelMeshes:
     """Build the global ``(fsdp,)`` mesh and the expert ``(ep_fsdp, ep)`` mesh for this process.
 
@@ -128,6 +158,7 @@ def build_meshes(
         device_type: mesh device type; defaults to ``"cuda"`` when available, else ``"cpu"``.
         ranks_per_node: ranks per node; defaults to ``LOCAL_WORLD_SIZE`` or, unset, the whole world.
         allow_cross_node_ep: accept EP groups that span nodes.
+        sp_size: sequence-parallel degree (ranks sharing each row; consecutive, inside a node).
 
     Raises:
         ValueError: the sizes do not fit (see :func:`plan_layout`).
@@ -141,7 +172,7 @@ def build_meshes(
     world_size = dist.get_world_size()
     if ranks_per_node is None:
         ranks_per_node = ranks_per_node_from_env(world_size)
-    layout = plan_layout(world_size, ranks_per_node, ep_size, allow_cross_node_ep=allow_cross_node_ep)
+    layout = plan_layout(world_size, ranks_per_node, ep_size, allow_cross_node_ep=allow_cross_node_ep, sp_size=sp_size)
     device_type = device_type or default_device_type()
     fsdp = init_device_mesh(device_type, (world_size,), mesh_dim_names=(MeshAxis.FSDP.value,))
     # The expert mesh's groups get communicators of their own even where a group spans the whole world (EP 8 on
@@ -155,7 +186,15 @@ def build_meshes(
         mesh_dim_names=(MeshAxis.EP_FSDP.value, MeshAxis.EP.value),
         backend_override={MeshAxis.EP_FSDP.value: backend, MeshAxis.EP.value: backend},
     )
-    return ParallelMeshes(layout=layout, fsdp=fsdp, expert=expert, rank=dist.get_rank())
+    sequence = None
+    if layout.sp_size > 1:  # the attention's all-to-all gets communicators of its own, as the EP exchange does
+        sequence = init_device_mesh(
+            device_type,
+            (layout.dp_size, layout.sp_size),
+            mesh_dim_names=(MeshAxis.DP.value, MeshAxis.SP.value),
+            backend_override={MeshAxis.DP.value: backend, MeshAxis.SP.value: backend},
+        )
+    return ParallelMeshes(layout=layout, fsdp=fsdp, expert=expert, rank=dist.get_rank(), sequence=sequence)
 
 
 @contextlib.contextmanager

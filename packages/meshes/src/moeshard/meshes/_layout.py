@@ -3,6 +3,10 @@
 Ranks are laid out row-major over the expert mesh ``(ep_fsdp, ep)``: rank = ep_fsdp_index * ep_size + ep_index.
 EP groups are therefore runs of consecutive ranks, which stay inside one node when ``ranks_per_node`` is a
 multiple of ``ep_size``; ep_fsdp groups take one rank from each EP group (rank ``j``, ``j + ep_size``, ...).
+
+Sequence groups (Ulysses, ``sp_size`` ranks sharing each row) are runs of ``sp_size`` consecutive ranks too, inside
+one node; they cut neither the expert mesh nor the FSDP mesh: data-parallel rank ``rank // sp_size`` of
+``world_size / sp_size`` reads the rows, and every rank of its sequence group takes its shard of them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ class MeshAxis(str, Enum):
     FSDP = "fsdp"
     EP_FSDP = "ep_fsdp"
     EP = "ep"
+    DP = "dp"
+    SP = "sp"
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,31 @@ class MeshLayout:
     world_size: int
     ranks_per_node: int
     ep_size: int
+    sp_size: int = 1
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree: the groups of ranks that read different rows (``world_size / sp_size``)."""
+        return self.world_size // self.sp_size
+
+    def dp_rank_of(self, rank: int) -> int:
+        """The data-parallel index of ``rank``: which rows it reads (shared by its sequence group)."""
+        self._check_rank(rank)
+        return rank // self.sp_size
+
+    def sp_rank_of(self, rank: int) -> int:
+        """``rank``'s index in its sequence group: which shard of each row it holds."""
+        self._check_rank(rank)
+        return rank % self.sp_size
+
+    def sp_groups(self) -> list[list[int]]:
+        """All sequence groups (consecutive ranks sharing each row), in order."""
+        sp = self.sp_size
+        return [list(range(i * sp, (i + 1) * sp)) for i in range(self.dp_size)]
+
+    def sp_group_of(self, rank: int) -> list[int]:
+        """The sequence group that contains ``rank``."""
+        return self.sp_groups()[self.dp_rank_of(rank)]
 
     @property
     def ep_fsdp_size(self) -> int:
@@ -80,15 +111,17 @@ class MeshLayout:
             shown = ", ".join(_fmt_group(g) for g in groups[:8])
             return shown + (f", ... ({len(groups)} groups)" if len(groups) > 8 else "")
 
-        return "\n".join(
-            [
-                f"world {self.world_size} = {self.num_nodes} node(s) x {self.ranks_per_node} ranks; "
-                f"ep {self.ep_size} x ep_fsdp {self.ep_fsdp_size}",
-                f"  {MeshAxis.FSDP.value:8s} (non-expert params, dim 0): {fmt([self.fsdp_group()])}",
-                f"  {MeshAxis.EP.value:8s} (experts dim 0, all-to-all): {fmt(self.ep_groups())}",
-                f"  {MeshAxis.EP_FSDP.value:8s} (experts dim 1):          {fmt(self.ep_fsdp_groups())}",
-            ]
-        )
+        lines = [
+            f"world {self.world_size} = {self.num_nodes} node(s) x {self.ranks_per_node} ranks; "
+            f"ep {self.ep_size} x ep_fsdp {self.ep_fsdp_size}"
+            + (f"; sp {self.sp_size} x dp {self.dp_size}" if self.sp_size > 1 else ""),
+            f"  {MeshAxis.FSDP.value:8s} (non-expert params, dim 0): {fmt([self.fsdp_group()])}",
+            f"  {MeshAxis.EP.value:8s} (experts dim 0, all-to-all): {fmt(self.ep_groups())}",
+            f"  {MeshAxis.EP_FSDP.value:8s} (experts dim 1):          {fmt(self.ep_fsdp_groups())}",
+        ]
+        if self.sp_size > 1:
+            lines.append(f"  {MeshAxis.SP.value:8s} (row shards, attention all-to-all): {fmt(self.sp_groups())}")
+        return "\n".join(lines)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -100,7 +133,14 @@ def _fmt_group(g: list[int]) -> str:
     return f"[{g[0]}..{g[-1]}]" if contiguous else "[" + ",".join(map(str, g)) + "]"
 
 
-def plan_layout(world_size: int, ranks_per_node: int, ep_size: int, *, allow_cross_node_ep: bool = False) -> MeshLayout:
+def plan_layout(
+    world_size: int,
+    ranks_per_node: int,
+    ep_size: int,
+    *,
+    allow_cross_node_ep: bool = False,
+    sp_size: int = 1,
+) -> MeshLayout:
     """Validate sizes and return the layout.
 
     Args:
@@ -108,6 +148,7 @@ def plan_layout(world_size: int, ranks_per_node: int, ep_size: int, *, allow_cro
         ranks_per_node: ranks (GPUs) per node, e.g. ``LOCAL_WORLD_SIZE``.
         ep_size: expert-parallel degree; EP groups are ``ep_size`` consecutive ranks.
         allow_cross_node_ep: accept EP groups that span nodes (slow all-to-all over the network).
+        sp_size: sequence-parallel degree (Ulysses); sequence groups are ``sp_size`` consecutive ranks of one node.
 
     Raises:
         ValueError: one message per problem, naming the numbers and the fix.
@@ -135,4 +176,13 @@ def plan_layout(world_size: int, ranks_per_node: int, ep_size: int, *, allow_cro
             f"choose an ep_size that divides {ranks_per_node} so the all-to-all stays inside a node, "
             "or pass allow_cross_node_ep=True to accept inter-node all-to-all"
         )
-    return MeshLayout(world_size=world_size, ranks_per_node=ranks_per_node, ep_size=ep_size)
+    if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
+        raise ValueError(
+            f"sp_size must be an integer >= 1, got {sp_size!r}; use sp_size=1 to disable sequence parallelism"
+        )
+    if ranks_per_node % sp_size != 0:
+        raise ValueError(
+            f"sp_size {sp_size} does not divide the {ranks_per_node} ranks per node (world size {world_size}); "
+            f"choose an sp_size that divides {ranks_per_node} so each sequence group's all-to-all stays inside a node"
+        )
+    return MeshLayout(world_size=world_size, ranks_per_node=ranks_per_node, ep_size=ep_size, sp_size=sp_size)

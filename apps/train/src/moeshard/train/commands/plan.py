@@ -198,6 +198,7 @@ def _build(cfg: JobConfig, mcfg: Any, nnodes: int, nproc_per_node: int, rank: in
             ranks_per_node=nproc_per_node,
             device_type="cpu",
             allow_cross_node_ep=cfg.parallel.allow_cross_node_ep,
+            sp_size=cfg.parallel.sp_size,
         )
         with torch.device("meta"):
             model = family_of(mcfg).model_class(mcfg)
@@ -236,8 +237,9 @@ def _memory_estimate(cfg: JobConfig, mcfg: Any, built: _Built, world: int, mb: i
     t, u = cfg.train, built.units
     reshard, _ = opts.resharding(world)
     compute_bytes = _compute_bytes(cfg)
-    tokens = mb * cfg.data.seq_len
-    micro_batches = max(1, t.global_batch_size // world // mb)
+    sp = cfg.parallel.sp_size  # a rank holds 1/sp of each of its data-parallel group's rows
+    tokens = mb * cfg.data.seq_len // sp
+    micro_batches = max(1, t.global_batch_size // (world // sp) // mb)
     deferred_sync = gradient_sync(t, world) == "last_micro_batch"
     fused_grads = compute_bytes * u.fused_numel
     # train.expert_weight_grads: the local experts' gradients kept as factors where the optimizer defers them (the
@@ -489,8 +491,11 @@ def comm_estimate(
         world_size=world,
         ranks_per_node=per_node,
         ep_size=cfg.parallel.ep_size,
-        tokens_per_rank=cfg.train.global_batch_size // world * cfg.data.seq_len,
-        micro_batches=max(1, cfg.train.global_batch_size // world // cfg.train.micro_batch_size),
+        # each token on one rank whatever sp; the rows split over world / sp data-parallel groups
+        tokens_per_rank=cfg.train.global_batch_size * cfg.data.seq_len // world,
+        micro_batches=max(
+            1, cfg.train.global_batch_size // (world // cfg.parallel.sp_size) // cfg.train.micro_batch_size
+        ),
         compute_bytes=elem,
         reshard_after_forward=reshard,
         once_numel=once_numel,
@@ -498,6 +503,7 @@ def comm_estimate(
         expert_reduce_bytes=_expert_grad_bytes(cfg),
         activation_checkpointing=parallel_options(cfg).activation_checkpointing == "full",
         reduce_every_micro_batch=gradient_sync(cfg.train, world) == "every_micro_batch",
+        sp_size=cfg.parallel.sp_size,
         uniform_routing=uniform_routing,
     )
 

@@ -173,7 +173,9 @@ def memory_lines(
         else "fp32 master weights, AdamW"
     )
     lines.append(
-        f"estimated memory per rank (micro batch {mb} x seq {seq_len} x {est.micro_batches} per step, "
+        f"estimated memory per rank (micro batch {mb} x seq {seq_len}"
+        + (f" / sp {opts.sp_size}" if opts.sp_size > 1 else "")
+        + f" x {est.micro_batches} per step, "
         f"{ac} activation checkpointing, {dtype} compute, {trained}):"
     )
     for k in ("params", "grads", "optimizer", "unsharded", "activations"):

@@ -39,19 +39,23 @@ def check_layout(cfg: Any, *, world_size: int, ranks_per_node: int) -> CheckedLa
     """
     p, t = cfg.parallel, cfg.train
     try:
-        mesh = plan_layout(world_size, ranks_per_node, p.ep_size, allow_cross_node_ep=p.allow_cross_node_ep)
+        mesh = plan_layout(
+            world_size, ranks_per_node, p.ep_size, allow_cross_node_ep=p.allow_cross_node_ep, sp_size=p.sp_size
+        )
     except ValueError as e:  # the package speaks of its argument; the user sets a config key
         text = layout_error_for_config(e)
-        raise ConfigError(f"parallel.ep_size: {text}" if "ep_size" in text else text) from None
-    rows = world_size * t.micro_batch_size
-    if t.global_batch_size < rows:  # every rank needs a micro-batch of rows each step
+        key = "sp_size" if text.startswith("sp_size") else "ep_size" if "ep_size" in text else None
+        raise ConfigError(f"parallel.{key}: {text}" if key else text) from None
+    dp = mesh.dp_size  # the ranks of a sequence group share rows
+    rows = dp * t.micro_batch_size
+    if t.global_batch_size < rows:  # every data-parallel rank needs a micro-batch of rows each step
         raise ConfigError(
-            f"train.global_batch_size {t.global_batch_size} is smaller than the {world_size} data-parallel ranks x "
+            f"train.global_batch_size {t.global_batch_size} is smaller than the {dp} data-parallel ranks x "
             f"train.micro_batch_size {t.micro_batch_size}; use at least {rows} (a multiple of {rows}), or a smaller "
             "train.micro_batch_size"
         )
     try:
-        micro_batches = check_batch_sizes(t.global_batch_size, world_size, t.micro_batch_size)
+        micro_batches = check_batch_sizes(t.global_batch_size, dp, t.micro_batch_size)
     except DataError as e:
         raise ConfigError(str(e)) from None
     try:
@@ -69,6 +73,15 @@ def check_model_fits(cfg: Any, model_config: Any) -> None:
             f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings "
             f"{model_config.max_position_embeddings}; lower data.seq_len"
         )
+    sp = cfg.parallel.sp_size
+    if sp > 1:
+        from moeshard.sequence import check_sequence_parallel
+
+        try:
+            check_sequence_parallel(sp, seq_len=cfg.data.seq_len, num_heads=model_config.num_attention_heads)
+        except ValueError as e:  # the package names its arguments; the user sets config keys
+            text = str(e).replace("seq_len=", "data.seq_len=").replace("sp_size=", "parallel.sp_size=")
+            raise ConfigError(text.replace("set seq_len", "set data.seq_len")) from None
     experts = routed_experts(model_config)
     if experts % cfg.parallel.ep_size:
         raise ConfigError(

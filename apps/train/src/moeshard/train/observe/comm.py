@@ -9,6 +9,7 @@ tokens, so it is given for uniform routing together with its upper bound (every 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from moeshard.train.families import family_of
@@ -38,6 +39,7 @@ def estimate_comm_bytes(
     activation_checkpointing: bool = False,
     reduce_every_micro_batch: bool = True,
     uniform_routing: bool = True,
+    sp_size: int = 1,
 ) -> dict[tuple[str, str], float]:
     """Bytes leaving one rank per optimizer step, keyed by ``(kind, "intra-node" | "inter-node")``.
 
@@ -57,6 +59,10 @@ def estimate_comm_bytes(
         reduce_every_micro_batch: FSDP reduce-scatters after every micro-batch (False: once per step,
             ``train.gradient_sync: last_micro_batch``).
         uniform_routing: False gives the all-to-all upper bound (every token to every EP peer).
+        sp_size: ranks sharing each row (sequence parallelism): each attention's q, k, v go to head shards and its
+            output comes back, forward and backward (and again in full checkpointing's recompute), each rank
+            sending ``(sp-1)/sp`` of them inside its node (``sp_all_to_all``); key/value heads replicated to
+            ``lcm(G, sp)`` where fewer than ``sp``.
 
     all-to-all per MoE layer and token: the token's hidden state out and its partial output back, in forward and
     backward (4 passes; 5 with activation checkpointing, whose recompute sends the hidden states out again), plus
@@ -99,4 +105,12 @@ def estimate_comm_bytes(
         add("all_gather", gathered * compute_bytes * (group - 1) / group, group, group_nodes)
         reductions = micro_batches if reduce_every_micro_batch else 1
         add("reduce_scatter", reductions * numel * reduce_bytes * (group - 1) / group, group, group_nodes)
+    if sp_size > 1:
+        h = facts.attention_heads
+        g = getattr(config, "num_key_value_heads", None) or h
+        g = math.lcm(g, sp_size)  # the key/value heads exchanged, replicated where fewer than sp
+        # attention_width = Σ_layers H·(Dqk + Dv): q and the output; k and v carry G of the H heads' widths
+        per_token = facts.attention_width * (1 + g / h) * compute_bytes * (sp_size - 1) / sp_size
+        passes = 3 if activation_checkpointing else 2
+        add("sp_all_to_all", passes * tokens_per_rank * per_token, sp_size, 1)
     return out

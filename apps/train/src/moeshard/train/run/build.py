@@ -187,7 +187,9 @@ def build(cfg: JobConfig, device: torch.device, model_config: PretrainedConfig) 
         ValueError: a weights file under ``model.path`` cannot be read.
     """
     p, t = cfg.parallel, cfg.train
-    meshes = build_meshes(p.ep_size, device_type=device.type, allow_cross_node_ep=p.allow_cross_node_ep)
+    meshes = build_meshes(
+        p.ep_size, device_type=device.type, allow_cross_node_ep=p.allow_cross_node_ep, sp_size=p.sp_size
+    )
     with torch.device("meta"):
         model = family_of(model_config).model_class(model_config)  # model.family's causal LM
     adapters = None
@@ -214,7 +216,7 @@ def build(cfg: JobConfig, device: torch.device, model_config: PretrainedConfig) 
         model.enable_router_bias()  # after the HF weights (no such tensor there), before a resume (DCP has it)
     # train.expert_weight_grads: the optimizer keeps the local experts' weight gradients of a step's micro-batches
     # as factors and forms them in its last backward, by itself (the trainer calls nothing for it).
-    micro_batches = max(1, t.global_batch_size // dist.get_world_size() // t.micro_batch_size)
+    micro_batches = max(1, t.global_batch_size // meshes.dp_size // t.micro_batch_size)
     expert_grads = ExpertGradOptions(micro_batches=micro_batches, mode=t.expert_weight_grads)
     optimizer = build_optimizer(
         model,
@@ -225,5 +227,7 @@ def build(cfg: JobConfig, device: torch.device, model_config: PretrainedConfig) 
         expert_grads=expert_grads,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_at(s, cfg) / t.lr)
-    balancing = Balancing(model, balancing_options(cfg, model_config), device=device)
+    # Under sequence parallelism the balancing's statistics are summed over the ranks sharing each row.
+    sequence_group = meshes.sp.get_group() if meshes.sp is not None else None
+    balancing = Balancing(model, balancing_options(cfg, model_config), device=device, sequence_group=sequence_group)
     return Job(cfg, device, meshes, model, model_config, parallel, optimizer, scheduler, balancing, adapters)

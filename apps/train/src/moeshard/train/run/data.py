@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 def build_data(
     cfg: JobConfig, model_config: PretrainedConfig, world: int
 ) -> tuple[Dataset, StepBatches, EvalBatches | None]:
-    """The dataset, its step batches over ``world`` ranks and the held-out set (None without ``eval``).
+    """The dataset, its step batches over ``world`` data-parallel ranks (the world over ``parallel.sp_size``: the
+    ranks of a sequence group share rows) and the held-out set (None without ``eval``).
 
     Raises:
         moeshard.data.DataError: the file, record or key that cannot be used, and the fix.

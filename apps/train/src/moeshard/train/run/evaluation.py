@@ -2,8 +2,8 @@
 step 0 (before any update) with ``eval.at_start``.
 
 The set is ``moeshard.data.EvalBatches`` over ``eval.path`` (``checks.prepare`` opens it with the training data's
-``seq_len``, ``packing`` and ``tokenizer``): global batches of ``train.global_batch_size`` rows split over the ranks
-like training's, the last one filled with rows that predict nothing, so every rank runs the same forwards. The loss
+``seq_len``, ``packing`` and ``tokenizer``): global batches of ``train.global_batch_size`` rows split over the
+data-parallel ranks like training's (each rank of a sequence group its shard of the same rows), the last one filled with rows that predict nothing, so every rank runs the same forwards. The loss
 is ``moeshard.models.common.evaluate``'s: the mean over every predicted token of all ranks, without gradients.
 Rank 0 logs ``{"step", "val_loss", "val_ppl", "val_tokens", "eval_time_s"}`` to metrics.jsonl, TensorBoard and the
 console. A step the ranks agreed to stop at (preemption) is not evaluated: its checkpoint comes first.
@@ -59,7 +59,14 @@ class Evaluator(Callback):
     def evaluate(self, step: int) -> dict[str, Any]:
         """Evaluate now (collective: every rank calls it) and log the record on rank 0; returns it."""
         start = time.perf_counter()
-        result = evaluate(self.job.model, self.batches.rank_batches(self.rank), device=self.job.device)
+        m = self.job.meshes  # under sequence parallelism the rows are the data-parallel group's, each rank its shard
+        result = evaluate(
+            self.job.model,
+            self.batches.rank_batches(m.dp_rank),
+            device=self.job.device,
+            sp_rank=m.sp_rank,
+            sp_size=m.sp_size,
+        )
         record = {
             "step": step,
             "val_loss": result.loss,

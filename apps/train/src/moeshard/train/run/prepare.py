@@ -202,7 +202,8 @@ def prepare(cfg: JobConfig) -> Prepared:
             _check_same_model(resume_path, mcfg)
         _check_tokenizer_folder(cfg.data.tokenizer)
         _check_lora(cfg, mcfg)
-        data, batches, eval_batches = build_data(cfg, mcfg, world)  # opened here: the run's identity needs it
+        # opened here: the run's identity needs it; rows are spread over the world/sp data-parallel groups
+        data, batches, eval_batches = build_data(cfg, mcfg, world // cfg.parallel.sp_size)
         identity = run_identity(cfg, data)
         guard_output_dir(cfg, output_dir, resuming=resume != "none", identity=identity)
     except (ValueError, FileNotFoundError) as e:

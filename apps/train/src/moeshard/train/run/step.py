@@ -2,7 +2,9 @@
 hooks -> clip -> optimizer step -> schedule) and its figures (:class:`StepStats`, read in one device -> host transfer).
 
 Loss: the mean over every label token of the global batch. FSDP averages gradients over the world (experts
-included, see moeshard.fsdp_moe), so each rank back-propagates ``W · (sum of its token losses) / N_global``.
+included, see moeshard.fsdp_moe), so each rank back-propagates ``W · (sum of its token losses) / N_global``. Under
+sequence parallelism a rank's tokens are its shard of its data-parallel group's rows (``model_inputs``): the
+shards' targets partition the rows', so each target counts once in ``N_global`` and in the sum.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.distributed as dist
 
 from moeshard.data import Batch
 from moeshard.fsdp_moe import num_items_for_global_mean
+from moeshard.models.common import model_inputs
 from moeshard.train.config import gradient_sync
 from moeshard.train.run.build import Job
 
@@ -127,21 +130,20 @@ def train_step(
     model, world, balancing = job.model, dist.get_world_size(), job.balancing
     lr = job.optimizer.param_groups[0]["lr"]
     job.optimizer.zero_grad(set_to_none=True)
-    local_tokens = sum(b.num_targets for b in micro_batches)  # CPU tensors: no sync
+    sp_rank, sp = job.meshes.sp_rank, job.meshes.sp_size
+    inputs = [model_inputs(b, sp_rank=sp_rank, sp_size=sp) for b in micro_batches]  # this rank's shard of the rows
+    local_tokens = sum(i.num_targets for i in inputs)  # CPU tensors: no sync
     # N_global / W on the device (no host sync): each rank's loss is W * sum_r / N_global, FSDP averages over W.
     num_items = num_items_for_global_mean(local_tokens).clamp_min(1.0 / world)
     lm_sum = torch.zeros((), device=job.device, dtype=torch.float32)
     balancing.start_step(len(micro_batches))
     last, defer_sync = len(micro_batches) - 1, gradient_sync(job.cfg.train, world) == "last_micro_batch"
-    for m, b in enumerate(micro_batches):
+    for m, b in enumerate(inputs):
         b = b.to(job.device, non_blocking=True)  # pinned by the loader on CUDA: an asynchronous copy
         out = model(
-            b.input_ids,
-            labels=b.labels,
-            # Packed rows: positions restart and attention stays inside each document (document_ids -1: padding).
-            position_ids=b.position_ids,
-            document_ids=b.document_ids,
-            attention_mask=b.attention_mask,  # None unless padded; keeps padding out of the router's aux loss too
+            # Packed rows: positions restart and attention stays inside each document (document_ids -1: padding);
+            # attention_mask is None unless padded and keeps padding out of the router's aux loss too.
+            **b.kwargs,
             num_items_in_batch=num_items,
             output_router_logits=True,
             return_logits=False,  # the loss goes through the head in chunks, never holding [tokens, vocab] logits
@@ -152,7 +154,7 @@ def train_step(
             model.set_requires_gradient_sync(m == last)
             if job.parallel.keeps_gathered:  # no peak memory of its own: all are gathered at forward's end anyway
                 model.set_reshard_after_backward(m == last)
-        term = balancing.micro_batch_loss(out, b.attention_mask, rows=b.input_ids.shape[0])  # rows: sequence scope
+        term = balancing.micro_batch_loss(out, b.token_mask, rows=b.rows)  # rows: sequence scope
         (out.lm_loss + term).backward()
         lm_sum += out.lm_loss.detach().float()
     # One norm over both meshes; the container may apply the clip coefficient inside its step (no extra pass).

@@ -15,6 +15,7 @@ from moeshard.ep._dispatch._base import ExpertDispatch, HostSyncHooks, recompute
 from moeshard.ep._dispatch.all_to_all import AllToAllDispatch, all_to_all
 from moeshard.ep._dispatch.local import LocalDispatch
 from moeshard.ep._dispatch.overlapped import OverlappedDispatch
+from moeshard.ep._kernels import Activation
 from moeshard.ep._options import EPOptions
 
 __all__ = [
@@ -77,8 +78,9 @@ def routed_experts(
     *,
     num_experts: int,
     ep_group: dist.ProcessGroup | None = None,
-    activation: str = "silu",
+    activation: Activation = "silu",
     options: EPOptions | None = None,
+    biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> torch.Tensor:
     """The routed-expert output of one MoE layer, ``y = Σ_k w_k · down_e(act(gate_e x) * up_e x)``.
 
@@ -96,11 +98,14 @@ def routed_experts(
         w_down_EDF: local experts' ``[E_local, D, F]``.
         num_experts: the global number of experts, ``E_local * ep_size``.
         ep_group: the EP process group (``ep_group(experts_module)``), or None.
-        activation: the gated activation, a name of ``ACTIVATIONS``.
+        activation: the gated activation, a name of ``ACTIVATIONS`` or a spec (``ClampedSwiGLU``).
         options: strategy, kernels and GEMM backend; None for ``EPOptions()``.
+        biases: the local experts' ``(b_gate_up [E_local, 2F] | None, b_down [E_local, D] | None)``.
 
     Returns:
         ``y_TD`` in x's dtype.
     """
     dispatch = make_dispatch(num_experts, ep_group, EPOptions() if options is None else options)
-    return dispatch(x_TD, topk_ids_TK, topk_weights_TK, w_gate_up_EXD, w_down_EDF, activation=activation)
+    return dispatch(
+        x_TD, topk_ids_TK, topk_weights_TK, w_gate_up_EXD, w_down_EDF, activation=activation, biases=biases
+    )

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from moeshard.ep._kernels import activation_fn, kernels_for
-from moeshard.ep._mlp import NO_DELTAS, LowRankDelta
+from moeshard.ep._kernels import Activation, activation_fn, kernels_for
+from moeshard.ep._mlp import NO_BIASES, NO_DELTAS, LowRankDelta
 from moeshard.ep._options import EPOptions
 from moeshard.ep._permute import combine, expand_rows_and_weights
 from moeshard.ep._weight_grads import WeightGradTarget
@@ -213,14 +213,17 @@ class ExpertDispatch:
         w_gate_up_EXD: torch.Tensor,
         w_down_EDF: torch.Tensor,
         *,
-        activation: str = "silu",
+        activation: Activation = "silu",
         deltas: tuple[LowRankDelta | None, LowRankDelta | None] = NO_DELTAS,
+        biases: tuple[torch.Tensor | None, torch.Tensor | None] = NO_BIASES,
     ) -> torch.Tensor:
         """``y_TD`` for this rank's tokens ``x_TD`` and their routing (global expert ids ``[T, K]``).
 
+        ``activation``: a name of ``ACTIVATIONS`` or a spec (``ClampedSwiGLU``).
         ``deltas``: a :class:`~moeshard.ep.LowRankDelta` or None per expert weight (gate/up, down), this rank's
         experts like the weights: the experts compute with ``W_e + s · B_e A_e``, applied inside the expert pass
-        (see :func:`~moeshard.ep.grouped_expert_mlp`)."""
+        (see :func:`~moeshard.ep.grouped_expert_mlp`).
+        ``biases``: the local experts' ``(b_gate_up [E_local, 2F] | None, b_down [E_local, D] | None)``."""
         self._check(x_TD, topk_ids_TK, topk_weights_TK, w_gate_up_EXD, activation)
         K = topk_ids_TK.shape[1]
         expect = getattr(self.weight_grads, "expect_factors", None)
@@ -231,7 +234,9 @@ class ExpertDispatch:
         order_N, inv_N, counts_E = self._logged("routes", lambda: self.kernels.route(topk_ids_TK, self.num_experts))
         x_sorted_ND, w_sorted_N = expand_rows_and_weights(x_TD, topk_weights_TK, order_N, inv_N, K, self.kernels)
         # dispatch → expert compute (weighted) → back, in the same order
-        y_sorted_ND = self.run_experts(x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation, deltas)
+        y_sorted_ND = self.run_experts(
+            x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation, deltas, tuple(biases)
+        )
         # combine
         return combine(y_sorted_ND, order_N, inv_N, K, self.kernels, x_TD.dtype, compute=not self.outputs_discarded)
 
@@ -250,8 +255,9 @@ class ExpertDispatch:
         counts_E: torch.Tensor,
         w_gate_up_EXD: torch.Tensor,
         w_down_EDF: torch.Tensor,
-        activation: str,
+        activation: Activation,
         deltas: tuple[LowRankDelta | None, LowRankDelta | None] = NO_DELTAS,
+        biases: tuple[torch.Tensor | None, torch.Tensor | None] = NO_BIASES,
     ) -> torch.Tensor:
         """Every routed copy through its expert; returns the outputs, weighted, in the copies' order.
 
@@ -261,8 +267,9 @@ class ExpertDispatch:
                 :func:`~moeshard.ep.grouped_expert_mlp`): it travels with its copy and its gradient comes home.
             counts_E: copies per global expert (device tensor).
             w_gate_up_EXD, w_down_EDF: this rank's experts.
-            activation: a name of ``ACTIVATIONS``.
+            activation: a name of ``ACTIVATIONS`` or a spec.
             deltas: the weights' low-rank deltas (or None each), this rank's experts.
+            biases: this rank's experts' ``(b_gate_up, b_down)``, each None where the experts have none.
         """
         raise NotImplementedError
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from moeshard.ep._dispatch._base import ExpertDispatch
-from moeshard.ep._mlp import NO_DELTAS, grouped_expert_mlp
+from moeshard.ep._mlp import NO_BIASES, NO_DELTAS, grouped_expert_mlp
 from moeshard.ep._permute import inverse_permutation, permute_rows, regroup_by_local_expert
 
 __all__ = ["AllToAllDispatch", "all_to_all"]
@@ -64,7 +64,15 @@ class AllToAllDispatch(ExpertDispatch):
     """The routed experts of one MoE layer over an EP group of 2+ ranks, with plain all-to-alls (no overlap)."""
 
     def run_experts(
-        self, x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation, deltas=NO_DELTAS
+        self,
+        x_sorted_ND,
+        w_sorted_N,
+        counts_E,
+        w_gate_up_EXD,
+        w_down_EDF,
+        activation,
+        deltas=NO_DELTAS,
+        biases=NO_BIASES,
     ) -> torch.Tensor:
         """The copies to their experts' ranks and back (see :meth:`ExpertDispatch.run_experts`)."""
         P, El = self.ep_size, w_gate_up_EXD.shape[0]
@@ -99,6 +107,7 @@ class AllToAllDispatch(ExpertDispatch):
             weight_grads=self.weight_grads,
             row_weights=w_in_R,
             deltas=deltas,
+            biases=biases,
             output=not discard,
         )
         y_recv_RD = y_out_RD if perm_R is None else permute_rows(y_out_RD, inv_R, perm_R, compute=not discard)

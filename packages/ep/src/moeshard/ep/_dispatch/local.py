@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from moeshard.ep._dispatch._base import ExpertDispatch
-from moeshard.ep._mlp import NO_DELTAS, grouped_expert_mlp
+from moeshard.ep._mlp import NO_BIASES, NO_DELTAS, grouped_expert_mlp
 
 __all__ = ["LocalDispatch"]
 
@@ -22,7 +22,15 @@ class LocalDispatch(ExpertDispatch):
     distributed = False
 
     def run_experts(
-        self, x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation, deltas=NO_DELTAS
+        self,
+        x_sorted_ND,
+        w_sorted_N,
+        counts_E,
+        w_gate_up_EXD,
+        w_down_EDF,
+        activation,
+        deltas=NO_DELTAS,
+        biases=NO_BIASES,
     ) -> torch.Tensor:
         """The copies through the local experts' MLP (see :meth:`ExpertDispatch.run_experts`)."""
         return grouped_expert_mlp(
@@ -37,6 +45,7 @@ class LocalDispatch(ExpertDispatch):
             weight_grads=self.weight_grads,
             row_weights=w_sorted_N,
             deltas=deltas,
+            biases=biases,
             output=not self.outputs_discarded,
         )
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from moeshard.ep._dispatch._base import ExpertDispatch
 from moeshard.ep._kernels import Kernels, resolve_gemm
-from moeshard.ep._mlp import NO_DELTAS, ExpertPass, _deltas, delta_inputs
+from moeshard.ep._mlp import NO_BIASES, NO_DELTAS, ExpertPass, _deltas, check_biases, delta_inputs
 from moeshard.ep._permute import inverse_permutation, regroup_by_local_expert
 from moeshard.ep._torch_internals import set_sm_carveout, sm_carveout
 from moeshard.ep._weight_grads import Handoff, add_into, takes_factors, weight_grad_buffers
@@ -50,9 +50,18 @@ class OverlappedDispatch(ExpertDispatch):
         return own + rows * 2 * hidden * (ep_size - 1) / ep_size
 
     def run_experts(
-        self, x_sorted_ND, w_sorted_N, counts_E, w_gate_up_EXD, w_down_EDF, activation, deltas=NO_DELTAS
+        self,
+        x_sorted_ND,
+        w_sorted_N,
+        counts_E,
+        w_gate_up_EXD,
+        w_down_EDF,
+        activation,
+        deltas=NO_DELTAS,
+        biases=NO_BIASES,
     ) -> torch.Tensor:
         """The copies to their experts' ranks and back (see :meth:`ExpertDispatch.run_experts`)."""
+        check_biases(biases, w_gate_up_EXD, w_down_EDF)
         P, El, me = self.ep_size, w_gate_up_EXD.shape[0], self.ep_rank
         recv_counts_E = self.exchange_counts(counts_E)  # El counts to and from each rank; replayed in a recompute
         local_E = counts_E.view(P, El)[me]
@@ -67,7 +76,7 @@ class OverlappedDispatch(ExpertDispatch):
         ex = _Exchange(self, El, host[: P * El], host[P * El :], sources_SEl, device_counts, offsets, gemm, activation)
         lowrank = delta_inputs(deltas, (w_gate_up_EXD, w_down_EDF), x_sorted_ND.dtype)
         return _OverlappedExperts.apply(
-            x_sorted_ND, w_sorted_N, w_gate_up_EXD, w_down_EDF, ex, self.weight_grads, *lowrank
+            x_sorted_ND, w_sorted_N, w_gate_up_EXD, w_down_EDF, ex, self.weight_grads, *biases, *lowrank
         )
 
 
@@ -145,6 +154,11 @@ def _widen(offsets: torch.Tensor, first: int, total: int) -> torch.Tensor:
 def _sliced(deltas, sl: slice):
     """The deltas of the local experts ``sl`` (a half's)."""
     return tuple(None if d is None else d.experts(sl) for d in deltas)
+
+
+def _sliced_biases(biases, sl: slice) -> tuple:
+    """The biases of the local experts ``sl`` (a half's; None stays None)."""
+    return tuple(None if b is None else b[sl] for b in biases)
 
 
 def _wait(works: list) -> None:
@@ -226,7 +240,7 @@ class _OverlappedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(  # noqa: D102
-        ctx, x_sorted_ND, w_sorted_N, w_gate_up_EXD, w_down_EDF, ex: _Exchange, target, scalings, A1, B1, A2, B2
+        ctx, x_sorted_ND, w_sorted_N, w_gate_up_EXD, w_down_EDF, ex: _Exchange, target, b1, b2, scalings, A1, B1, A2, B2
     ):
         deltas = _deltas(scalings, A1, B1, A2, B2)
         N, D = x_sorted_ND.shape
@@ -242,7 +256,9 @@ class _OverlappedExperts(torch.autograd.Function):
                 return None, ()
             sl = part.experts
             x, s = x_sorted_ND[part.rows], w_sorted_N[part.rows]
-            return part.run.forward(x, w_gate_up_EXD[sl], w_down_EDF[sl], s, ex.output, _sliced(deltas, sl))
+            return part.run.forward(
+                x, w_gate_up_EXD[sl], w_down_EDF[sl], s, ex.output, _sliced(deltas, sl), _sliced_biases((b1, b2), sl)
+            )
 
         recv_MD = x_sorted_ND.new_empty((ex.rows_in, D))
         recv_M = w_sorted_N.new_empty(ex.rows_in)
@@ -252,7 +268,7 @@ class _OverlappedExperts(torch.autograd.Function):
         _wait(works)
         x_in = recv_MD if ex.perm is None else recv_MD.index_select(0, ex.perm[0])
         w_in = recv_M if ex.perm is None else recv_M.index_select(0, ex.perm[0])
-        y_rem, saved_r = remote.forward(x_in, w_gate_up_EXD, w_down_EDF, w_in, ex.output, deltas)
+        y_rem, saved_r = remote.forward(x_in, w_gate_up_EXD, w_down_EDF, w_in, ex.output, deltas, (b1, b2))
         if ex.perm is not None and ex.output:
             y_rem = y_rem.index_select(0, ex.perm[1])
         y_sorted_ND = x_sorted_ND.new_empty((N, D))
@@ -267,15 +283,15 @@ class _OverlappedExperts(torch.autograd.Function):
         _wait(works)
         ctx.ex, ctx.passes, ctx.target, ctx.scalings = ex, (half_a, remote, half_b), target, scalings
         ctx.sizes = (len(saved_a), len(saved_r), len(saved_b))
-        ctx.save_for_backward(w_gate_up_EXD, w_down_EDF, A1, B1, A2, B2, *saved_a, *saved_r, *saved_b)
+        ctx.save_for_backward(w_gate_up_EXD, w_down_EDF, b1, b2, A1, B1, A2, B2, *saved_a, *saved_r, *saved_b)
         return y_sorted_ND
 
     @staticmethod
     def backward(ctx, grad_ND):  # noqa: D102
         ex = ctx.ex
         half_a, remote, half_b = ctx.passes
-        w1, w2, A1, B1, A2, B2, *saved = ctx.saved_tensors
-        deltas = _deltas(ctx.scalings, A1, B1, A2, B2)
+        w1, w2, b1, b2, A1, B1, A2, B2, *saved = ctx.saved_tensors
+        deltas, biases = _deltas(ctx.scalings, A1, B1, A2, B2), (b1, b2)
         na, nr, _ = ctx.sizes
         saved_a, saved_r, saved_b = saved[:na], saved[na : na + nr], saved[na + nr :]
         need_x, need_s = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -315,19 +331,29 @@ class _OverlappedExperts(torch.autograd.Function):
 
         def local(part, saved_part, which):
             if not saved_part:
-                return None, None, None, None, (None, None)
+                return None, None, None, None, NO_BIASES, NO_DELTAS
             sl = part.experts
             return part.run.backward(
-                grad_ND[part.rows], saved_part, w1[sl], w2[sl], need_x, need_w, offer(which), _sliced(deltas, sl)
+                grad_ND[part.rows],
+                saved_part,
+                w1[sl],
+                w2[sl],
+                need_x,
+                need_w,
+                offer(which),
+                _sliced(deltas, sl),
+                _sliced_biases(biases, sl),
             )
 
         grad_in_MD = grad_ND.new_empty((ex.rows_in, D))
         works = ex.start(((grad_ND, grad_in_MD),), ex.send, ex.recv)
         with ex.carveout(dev, bool(works)):
-            gx_a, gw1_a, gw2_a, gs_a, gd_a = local(half_a, saved_a, 0)
+            gx_a, gw1_a, gw2_a, gs_a, gb_a, gd_a = local(half_a, saved_a, 0)
         _wait(works)
         g_rem = grad_in_MD if ex.perm is None else grad_in_MD.index_select(0, ex.perm[0])
-        gx_rem, gw1, gw2, gs_rem, gd_rem = remote.backward(g_rem, saved_r, w1, w2, need_x, need_w, offer(1), deltas)
+        gx_rem, gw1, gw2, gs_rem, gb_rem, gd_rem = remote.backward(
+            g_rem, saved_r, w1, w2, need_x, need_w, offer(1), deltas, biases
+        )
         # the remote copies' input and routing-weight gradients go home, in one batch
         home, gx, gs = [], None, None
         if need_x:
@@ -338,7 +364,7 @@ class _OverlappedExperts(torch.autograd.Function):
             home.append((gs_rem if ex.perm is None else gs_rem.index_select(0, ex.perm[1]), gs))
         works = ex.start(home, ex.recv, ex.send) if home else []
         with ex.carveout(dev, bool(works)):
-            gx_b, gw1_b, gw2_b, gs_b, gd_b = local(half_b, saved_b, 2)
+            gx_b, gw1_b, gw2_b, gs_b, gb_b, gd_b = local(half_b, saved_b, 2)
         for full, parts in ((gx, (gx_a, gx_b)), (gs, (gs_a, gs_b))):
             if full is not None:
                 for part, g in zip((half_a, half_b), parts):
@@ -351,11 +377,14 @@ class _OverlappedExperts(torch.autograd.Function):
             gw2 = _whole(gw2, ((half_a, gw2_a), (half_b, gw2_b)), El)
             into = weight_grad_buffers(ctx.target, w1, w2, need_w1 and gw1 is not None, need_w2 and gw2 is not None)
             gw1, gw2 = add_into(gw1, into[0]), add_into(gw2, into[1])
+        # the biases' gradients: the received copies' pass covers every local expert, the halves add their slices
+        gb = [_whole(gb_rem[i], ((half_a, gb_a[i]), (half_b, gb_b[i])), El) for i in range(2)]
+        gb = [g if need else None for g, need in zip(gb, ctx.needs_input_grad[6:8])]
         # the deltas' gradients: the halves' added into the slices of the received copies' pass, like the weights'
         gd = []
         for i in range(4):
             parts = [None if g[i // 2] is None else g[i // 2][i % 2] for g in (gd_a, gd_rem, gd_b)]
             gd.append(_whole(parts[1], ((half_a, parts[0]), (half_b, parts[2])), El))
-        gd = [g if need else None for g, need in zip(gd, ctx.needs_input_grad[7:])]
+        gd = [g if need else None for g, need in zip(gd, ctx.needs_input_grad[9:])]
         _wait(works)
-        return gx, gs, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None, None, *gd
+        return gx, gs, gw1 if need_w1 else None, gw2 if need_w2 else None, None, None, *gb, None, *gd

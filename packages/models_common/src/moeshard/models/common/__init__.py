@@ -115,7 +115,7 @@ from moeshard.models.common._parallel_options import ParallelOptions
 from moeshard.models.common._parallelize import Parallelized, parallelize
 from moeshard.models.common._presets import check_common_config, config_keys, preset_config
 from moeshard.models.common._safetensors import INDEX_NAME, CheckpointError, SafetensorsDir, TensorInfo
-from moeshard.models.common._sequence_parallel import apply_sequence_parallel
+from moeshard.models.common._sequence_parallel import ModelInputs, apply_sequence_parallel, model_inputs
 
 __all__ = [
     "ATTENTION_ATTRIBUTES",
@@ -150,6 +150,7 @@ __all__ = [
     "MoECausalLM",
     "ModelFacts",
     "ModelFamily",
+    "ModelInputs",
     "ParallelOptions",
     "Parallelized",
     "RMSNorm",
@@ -194,6 +195,7 @@ __all__ = [
     "local_region",
     "model_facts",
     "model_format",
+    "model_inputs",
     "parse_size",
     "parallelize",
     "preset_config",

@@ -20,6 +20,13 @@ Its parts (usable alone): transformers' :func:`load_balancing_loss`; :func:`expe
 :func:`sequence_balancing_loss` (DeepSeek-V3's complementary sequence-wise balance loss); :func:`router_z_loss`
 (ST-MoE) and :func:`update_router_bias` (DeepSeek-V3's aux-loss-free balancing).
 
+Under sequence parallelism (``sequence_group``: the ranks sharing each row, each holding a shard of its tokens)
+every statistic a loss takes over its tokens (expert counts, summed probabilities, token counts, z-loss sums) is
+summed over the group before the losses' products and quotients, so each token counts once and every rank of the
+group computes the loss of the whole rows. The sums that carry a gradient are all-reduced with autograd
+(``torch.distributed.nn.functional.all_reduce``: its backward sums the group's gradients, ``sp`` times the
+whole-row loss's, which FSDP's mean over ``world = sp · dp`` ranks turns into the mean over the dp groups).
+
 Legend: T tokens, B rows (sequences) of a micro-batch, S tokens per row, K top-k, E experts, L MoE layers.
 """
 
@@ -113,6 +120,9 @@ class Balancing:
         options: see :class:`BalancingOptions`.
         device: where the step's losses live.
         group: the process group the expert counts are summed over (None: the default group, or none).
+        sequence_group: the ranks sharing each row under sequence parallelism (None: none); the losses' statistics
+            are summed over it (see the module docstring). The masks given to :meth:`micro_batch_loss` are then the
+            shard's.
 
     Raises:
         ValueError: ``router_bias_rate`` set but the routers have no bias.
@@ -125,6 +135,7 @@ class Balancing:
         *,
         device: torch.device | str,
         group: dist.ProcessGroup | None = None,
+        sequence_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not isinstance(options, BalancingOptions):
             raise ValueError(f"options must be a BalancingOptions, got {type(options).__name__}")
@@ -137,6 +148,7 @@ class Balancing:
                 "model.enable_router_bias() before building the Balancing"
             )
         self.counts = GlobalExpertCounts(group)
+        self.sequence_group = sequence_group if sequence_group is not None and _size(sequence_group) > 1 else None
         self._n = 1
         self._aux_sum = self._z_sum = torch.zeros((), device=self.device)
         self._load: torch.Tensor | None = None
@@ -172,6 +184,7 @@ class Balancing:
         o, zero = self.options, torch.zeros((), device=self.device)
         aux = out.aux_loss if out.aux_loss is not None else zero
         z = zero
+        sg = self.sequence_group
         if out.router_logits:
             global_scope = o.scope == "global_batch"
             router_ids = getattr(out, "router_ids", None)  # the selection that routed the tokens, if handed on
@@ -184,14 +197,16 @@ class Balancing:
             )
             running = self.counts.add(counts, all_reduce=global_scope)
             if global_scope:  # the expert frequencies of micro-batches 1..m of this step, all ranks
-                aux = global_balancing_loss(out.router_logits, running, self.top_k, attention_mask_BS)
+                aux = global_balancing_loss(out.router_logits, running, self.top_k, attention_mask_BS, group=sg)
             elif o.scope == "sequence":
                 b = sequence_rows(attention_mask_BS, rows)
                 aux = sequence_balancing_loss(
-                    out.router_logits, self.routers, self.top_k, b, attention_mask_BS, router_ids=router_ids
+                    out.router_logits, self.routers, self.top_k, b, attention_mask_BS, router_ids=router_ids, group=sg
                 )
+            elif sg is not None:  # the model's own aux loss is its shard's: the whole rows' instead
+                aux = load_balancing_loss(out.router_logits, counts.shape[-1], self.top_k, attention_mask_BS, group=sg)
             if o.z_loss_coef:
-                z = router_z_loss(out.router_logits, attention_mask_BS)
+                z = router_z_loss(out.router_logits, attention_mask_BS, group=sg)
         self._aux_sum += aux.detach().float() / self._n
         self._z_sum += z.detach().float() / self._n
         return (o.aux_loss_coef * aux + o.z_loss_coef * z) / self._n
@@ -228,6 +243,8 @@ def load_balancing_loss(
     num_experts: int,
     top_k: int,
     attention_mask_BS: torch.Tensor | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Switch-Transformer load-balancing loss over all MoE layers, as transformers' ``load_balancing_loss_func``.
 
@@ -240,6 +257,7 @@ def load_balancing_loss(
         num_experts: E (global).
         top_k: experts per token.
         attention_mask_BS: 1 for tokens, 0 for padding, or None.
+        group: a sequence group: the counts and probabilities are its tokens' (see the module docstring).
     """
     if not router_logits:
         return torch.zeros((), dtype=torch.float32)
@@ -266,6 +284,9 @@ def load_balancing_loss(
     else:
         prob_per_expert_E = (probs_NE.float() * weight_N[:, None]).sum(dim=0)
     rows = weight_N.sum()
+    if group is not None:
+        tokens_per_expert_E, rows = _group_sum(tokens_per_expert_E.float(), group), _group_sum(rows, group)
+        prob_per_expert_E = _group_sum(prob_per_expert_E, group, grad=True)
     return num_experts * torch.sum((tokens_per_expert_E / rows) * (prob_per_expert_E / rows))
 
 
@@ -274,6 +295,8 @@ def global_balancing_loss(
     counts_LE: torch.Tensor,
     top_k: int,
     attention_mask_BS: torch.Tensor | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Load-balancing loss with the expert frequencies of a larger batch: ``mean_l E · Σ_e f_le · P_le``.
 
@@ -281,36 +304,66 @@ def global_balancing_loss(
     counts over all micro-batches so far and all ranks, from :func:`expert_counts` all-reduced: no gradient; the
     ``f`` of a layer sum to ``top_k``, as in transformers' loss, so the same coefficient applies); ``P_le``: the
     mean router probability of expert ``e`` over this call's tokens (the gradient flows through it). With this
-    call's own counts it is transformers' loss computed per layer and averaged over layers.
+    call's own counts it is transformers' loss computed per layer and averaged over layers. ``group``: a sequence
+    group, whose tokens' probabilities ``P`` are (see the module docstring).
     """
     f_LE = counts_LE * top_k / counts_LE.sum(-1, keepdim=True).clamp_min(1.0)
-    p_rows = []
+    p_rows, n_rows = [], []
     mask_T = None if attention_mask_BS is None else attention_mask_BS.reshape(-1, 1).float()
     for logits_TE in router_logits:
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
         if mask_T is None:
-            p_rows.append(probs_TE.mean(0))
+            p_rows.append(probs_TE.sum(0))
+            n_rows.append(torch.full((), float(probs_TE.shape[0]), device=probs_TE.device))
         else:
             m = mask_T.to(probs_TE.device)
-            p_rows.append((probs_TE * m).sum(0) / m.sum().clamp_min(1.0))
-    p_LE = torch.stack(p_rows)
+            p_rows.append((probs_TE * m).sum(0))
+            n_rows.append(m.sum())
+    p_LE, n_L = torch.stack(p_rows), torch.stack(n_rows)
+    if group is not None:
+        p_LE, n_L = _group_sum(p_LE, group, grad=True), _group_sum(n_L, group)
+    p_LE = p_LE / n_L.clamp_min(1.0)[:, None]
     return counts_LE.shape[-1] * (f_LE.to(p_LE.device) * p_LE).sum(-1).mean()
 
 
 def router_z_loss(
-    router_logits: tuple[torch.Tensor, ...] | list[torch.Tensor], attention_mask_BS: torch.Tensor | None = None
+    router_logits: tuple[torch.Tensor, ...] | list[torch.Tensor],
+    attention_mask_BS: torch.Tensor | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """ST-MoE's router z-loss: the mean over tokens and MoE layers of ``logsumexp(logits)²`` (float32)."""
+    """ST-MoE's router z-loss: the mean over tokens and MoE layers of ``logsumexp(logits)²`` (float32); over a
+    sequence group's tokens with ``group`` (see the module docstring)."""
     mask_T = None if attention_mask_BS is None else attention_mask_BS.reshape(-1).float()
-    total = []
+    sums, counts = [], []
     for logits_TE in router_logits:
         z_T = torch.logsumexp(logits_TE.float(), dim=-1).square()
         if mask_T is None:
-            total.append(z_T.mean())
+            sums.append(z_T.sum())
+            counts.append(torch.full((), float(z_T.shape[0]), device=z_T.device))
         else:
             m = mask_T.to(z_T.device)
-            total.append((z_T * m).sum() / m.sum().clamp_min(1.0))
-    return torch.stack(total).mean()
+            sums.append((z_T * m).sum())
+            counts.append(m.sum())
+    sum_L, n_L = torch.stack(sums), torch.stack(counts)
+    if group is not None:
+        sum_L, n_L = _group_sum(sum_L, group, grad=True), _group_sum(n_L, group)
+    return (sum_L / n_L.clamp_min(1.0)).mean()
+
+
+def _size(group: dist.ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
+def _group_sum(t: torch.Tensor, group: dist.ProcessGroup, *, grad: bool = False) -> torch.Tensor:
+    """``t`` summed over ``group``; with ``grad`` differentiable (the backward sums the group's gradients)."""
+    if grad:
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(t, group=group)
+    t = t.detach().clone()
+    dist.all_reduce(t, group=group)
+    return t
 
 
 @torch.no_grad()

@@ -49,6 +49,8 @@ def evaluate(
     *,
     device: torch.device | str | None = None,
     group: dist.ProcessGroup | None = None,
+    sp_rank: int = 0,
+    sp_size: int = 1,
 ) -> EvalResult:
     """The model's loss over ``micro_batches`` of every rank of ``group`` (in eval mode, restored afterwards).
 
@@ -60,6 +62,8 @@ def evaluate(
             rank.
         device: where the forwards run (default: the model's parameters').
         group: the ranks whose batches make the loss (default: the world; none without a process group).
+        sp_rank, sp_size: under sequence parallelism (:func:`apply_sequence_parallel`), this rank's place in its
+            sequence group: it runs its shard of each row (:func:`model_inputs`), each target counted once.
 
     Returns:
         One host read at the end: the same result on every rank.
@@ -71,6 +75,14 @@ def evaluate(
     try:
         totals = torch.zeros(2, dtype=torch.float64, device=device)  # sum of token losses, predicted tokens
         for b in micro_batches:
+            if sp_size > 1:
+                from moeshard.models.common._sequence_parallel import model_inputs
+
+                shard = model_inputs(b, sp_rank=sp_rank, sp_size=sp_size).to(device, non_blocking=True)
+                out = model(**shard.kwargs, num_items_in_batch=1, output_router_logits=False, return_logits=False)
+                totals[0] += out.loss.double()
+                totals[1] += shard.num_targets
+                continue
             b = b.to(device, non_blocking=True)
             out = model(
                 b.input_ids,

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from moeshard.models.common._moe import Experts, MoEBlock
+from moeshard.models.common._moe import Experts, MoEBlock, Router
 
 __all__ = ["ATTENTION_ATTRIBUTES", "ModelFacts", "model_facts"]
 
@@ -134,7 +134,8 @@ def model_facts(model_class: type[nn.Module], config: PretrainedConfig) -> Model
     mlp_elems, num_experts, top_k, width = 0, 0, 0, 0
     if blocks:
         first = blocks[0]
-        others = [m for name, m in first.named_children() if name not in ("experts", "gate")]
+        # the block's other children (shared experts): neither the routed experts nor the router, whatever its name
+        others = [m for name, m in first.named_children() if name != "experts" and not isinstance(m, Router)]
         mlp_elems = sum(_block_activations(m, torch.empty(1, _TOKENS, d))[0] for m in others)
         num_experts, top_k, width = first.experts.num_experts, first.gate.top_k, first.experts.down_proj.shape[2]
     kept = (heads * v + out_width, heads) if qk == v else (out_width, 0)

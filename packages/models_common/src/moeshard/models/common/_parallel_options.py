@@ -146,6 +146,16 @@ class ParallelOptions:
         },
     )
 
+    sp_size: int = field(
+        default=1,
+        metadata={
+            "help": "sequence-parallel (Ulysses) ranks sharing each row: consecutive ranks of a node, each holding "
+            "seq_len/sp_size contiguous tokens; attention runs on num_heads/sp_size heads of the whole row between "
+            "two all-to-alls (key/value heads replicated where fewer), everything else on the shard. Divides the "
+            "ranks per node, the query heads and seq_len; the data-parallel degree is world/sp_size. 1: off."
+        },
+    )
+
     def __post_init__(self) -> None:
         if not isinstance(self.ep, EPOptions):
             raise ValueError(f"ParallelOptions.ep={self.ep!r} is not allowed: a moeshard.ep.EPOptions")
@@ -186,6 +196,14 @@ class ParallelOptions:
             if value is not None and not isinstance(value, bool):
                 default = "one rank or more" if name == "reshard_after_forward" else "as reshard_after_forward"
                 raise ValueError(f"ParallelOptions.{name}={value!r} is not allowed: None ({default}), True or False")
+        sp = self.sp_size
+        if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
+            raise ValueError(f"ParallelOptions.sp_size={sp!r} is not allowed: an int >= 1 (1: no sequence parallelism)")
+        if sp > 1 and self.compile:
+            raise ValueError(
+                f"ParallelOptions.sp_size={sp} with compile=True is not supported: the attention's all-to-alls "
+                "would sit inside the compiled attention half; set compile to false or sp_size to 1"
+            )
         depth = self.prefetch_depth
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
             raise ValueError(
@@ -244,7 +262,14 @@ class ParallelOptions:
             + ("" if self.expert_reduce_dtype == "float32" else ", the experts' reduce-scatter bfloat16 (ep_fsdp > 1)"),
             f"reshard after forward: {reshard}" + ("" if experts is None else f", experts {experts} (ep_fsdp > 1)"),
             f"prefetch: {prefetch}",
-        ]
+        ] + (
+            [
+                f"sequence parallel: sp {self.sp_size} (each rank holds 1/{self.sp_size} of every row; attention "
+                f"on 1/{self.sp_size} of the heads between two all-to-alls)"
+            ]
+            if self.sp_size > 1
+            else []
+        )
 
 
 _CHECKPOINTING_LINES = {

@@ -25,6 +25,7 @@ from moeshard.models.common._causal_lm import MoECausalLM
 from moeshard.models.common._checkpointing import apply_activation_checkpointing
 from moeshard.models.common._moe import TopKRouter
 from moeshard.models.common._parallel_options import ParallelOptions
+from moeshard.models.common._sequence_parallel import apply_sequence_parallel
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -61,13 +62,16 @@ class Parallelized:
 def parallelize(
     model: MoECausalLM, meshes: ParallelMeshes, options: ParallelOptions = ParallelOptions()
 ) -> Parallelized:
-    """Apply expert parallelism, activation checkpointing, compilation, FSDP2 and prefetching, in that order.
+    """Apply expert parallelism, sequence parallelism, activation checkpointing, compilation, FSDP2 and
+    prefetching, in that order.
 
     Why this order:
 
     1. **EP** (``moeshard.ep.apply_ep``) first: it slices the expert tensors to this rank's experts and installs
        each MoE layer's dispatcher, and it must see the model's own FQNs and plain (not yet DTensor) parameters.
        Everything after works on the EP-local experts (FSDP shards those again, on dim 1).
+       With ``sp_size`` > 1, :func:`apply_sequence_parallel` over ``meshes.sp`` then runs each attention on head
+       shards of the whole row (it changes no parameter: checkpoints are the same at any sp).
     2. **Activation checkpointing**: ``"full"`` checkpoints each decoder layer's forward from outside
        (:func:`apply_activation_checkpointing`: no wrapper module, FQNs kept); ``"selective"`` is an EP option of
        step 1 (the experts' intermediates recomputed).
@@ -112,8 +116,15 @@ def parallelize(
     if not isinstance(options, ParallelOptions):
         raise TypeError(f"options must be a ParallelOptions, got {type(options).__name__}")
 
+    if options.sp_size != meshes.sp_size:
+        raise ValueError(
+            f"ParallelOptions.sp_size={options.sp_size} but the meshes were built with sp_size={meshes.sp_size}; "
+            f"pass the same sp_size to build_meshes and ParallelOptions"
+        )
     ep_mesh = meshes.ep if meshes.ep_size > 1 else None
     ep_info = apply_ep(model, _with_adapters(model.get_parallel_plan(), model), ep_mesh, options.ep_options())
+    if options.sp_size > 1:
+        apply_sequence_parallel(model, meshes.sp)
     # The attention's kernel, and (step 3) whether it runs compiled: one value the model passes to every layer.
     model.model.attention = dataclasses.replace(
         model.model.attention, kernel=options.attention_kernel, compiled=options.compile

@@ -6,6 +6,7 @@ Legend: T tokens, B rows (sequences) of a micro-batch, S tokens per row, K top-k
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from moeshard.models.common._moe import Router
 
@@ -19,6 +20,8 @@ def sequence_balancing_loss(
     rows: int,
     attention_mask_BS: torch.Tensor | None = None,
     router_ids: tuple[torch.Tensor, ...] | list[torch.Tensor] | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """DeepSeek-V3's complementary sequence-wise balance loss (its report's section 2.1.2), float32, not multiplied
     by its coefficient: ``mean_l mean_b Σ_e f_lbe · P_lbe`` over the MoE layers ``l`` and the micro-batch's rows ``b``.
@@ -31,7 +34,9 @@ def sequence_balancing_loss(
     - ``P_lbe = 1 / T_b · Σ_t s'_te`` with ``s'`` the router's normalised affinities (:meth:`Router.affinities`:
       softmax probabilities, or sigmoid scores divided by their sum over the experts); the gradient flows here.
 
-    An evenly balanced row gives 1. The result is this rank's own: no communication.
+    An evenly balanced row gives 1. The result is this rank's own: no communication, except with ``group`` (a
+    sequence group, each rank holding a shard of every row): the rows' counts, probabilities and tokens are then
+    summed over it before the product, so each row is the whole row.
 
     Args:
         router_logits: one ``[B·S, E]`` tensor per MoE layer, rows first (the model's ``router_logits``).
@@ -67,9 +72,16 @@ def sequence_balancing_loss(
             w_BS1 = attention_mask_BS.reshape(rows, s, 1).to(logits_TE.device, torch.float32)
             probs_BSE, chosen_BSE = probs_BSE * w_BS1, chosen_BSE * w_BS1
             tokens_B = w_BS1.sum(dim=(1, 2))
+        chosen_BE, probs_BE = chosen_BSE.sum(1), probs_BSE.sum(1)
+        if group is not None:
+            from torch.distributed.nn.functional import all_reduce
+
+            for t in (chosen_BE, tokens_B):  # no gradient: plain sums
+                dist.all_reduce(t, group=group)
+            probs_BE = all_reduce(probs_BE, group=group)  # the backward sums the group's gradients
         n_B1 = tokens_B.clamp_min(1.0)[:, None]
-        f_BE = chosen_BSE.sum(1) * (e / top_k) / n_B1
-        p_BE = probs_BSE.sum(1) / n_B1
+        f_BE = chosen_BE * (e / top_k) / n_B1
+        p_BE = probs_BE / n_B1
         keep_B = (tokens_B > 0).float()
         losses.append(((f_BE * p_BE).sum(-1) * keep_B).sum() / keep_B.sum().clamp_min(1.0))
     return torch.stack(losses).mean()

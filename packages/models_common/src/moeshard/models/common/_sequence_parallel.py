@@ -16,6 +16,10 @@ Needs the ``parallel`` extra (moeshard-sequence), imported only here.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -49,7 +53,7 @@ def apply_sequence_parallel(model: nn.Module, group) -> int:
     if stateful:
         raise ValueError(
             f"sequence parallelism (sp={sp}) does not split {', '.join(stateful)} (a recurrent state along the row) "
-            "across ranks yet: set parallel.sp to 1 for this model"
+            "across ranks yet: set parallel.sp_size to 1 for this model"
         )
     for m in attentions:
         check_sequence_parallel(sp, num_heads=m.num_heads, num_kv_heads=getattr(m, "num_kv_heads", m.num_heads))
@@ -58,3 +62,77 @@ def apply_sequence_parallel(model: nn.Module, group) -> int:
     decoders[0].sequence_parallel_size = sp
     decoders[0].sequence_parallel_rank = dist.get_rank(pg)
     return sp
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """What one rank gives the model for a micro-batch of whole rows (:func:`model_inputs`).
+
+    Attributes:
+        kwargs: the model's keyword arguments: ``input_ids``, ``labels`` (or ``shift_labels``: a shard's targets,
+            shifted over the whole row), ``position_ids``, ``document_ids``, ``attention_mask`` (the last two the
+            whole row's).
+        token_mask: the padding mask of this rank's tokens (per-token statistics: balancing), or None.
+        rows: rows of the micro-batch.
+        num_targets: this rank's targets (the batch's ``num_targets``, or its shard's); summed over the ranks, each
+            target of the global batch counts once.
+    """
+
+    kwargs: dict[str, torch.Tensor | None]
+    token_mask: torch.Tensor | None
+    rows: int
+    num_targets: int
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> ModelInputs:
+        """The tensors on ``device`` (``num_targets`` stays where it is)."""
+
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return dataclasses.replace(
+            self, kwargs={k: move(v) for k, v in self.kwargs.items()}, token_mask=move(self.token_mask)
+        )
+
+
+def model_inputs(batch, *, sp_rank: int = 0, sp_size: int = 1) -> ModelInputs:
+    """Sequence rank ``sp_rank``'s model inputs for ``batch`` (``moeshard.data.Batch``: whole rows).
+
+    With ``sp_size`` 1 the batch as it is (labels shifted by the model); otherwise ``moeshard.sequence.shard_row``'s
+    shard: its tokens, targets and positions, the whole row's document ids and padding mask."""
+    if sp_size == 1:
+        labels = batch.labels
+        return ModelInputs(
+            kwargs={
+                "input_ids": batch.input_ids,
+                "labels": labels,
+                "position_ids": batch.position_ids,
+                "document_ids": batch.document_ids,
+                "attention_mask": batch.attention_mask,
+            },
+            token_mask=batch.attention_mask,
+            rows=batch.input_ids.shape[0],
+            num_targets=batch.num_targets,
+        )
+    from moeshard.sequence import shard_row
+
+    shard = shard_row(
+        batch.input_ids,
+        batch.labels,
+        sp_rank=sp_rank,
+        sp_size=sp_size,
+        position_ids=batch.position_ids,
+        document_ids=batch.document_ids,
+        attention_mask=batch.attention_mask,
+    )
+    return ModelInputs(
+        kwargs={
+            "input_ids": shard.input_ids,
+            "shift_labels": shard.targets,
+            "position_ids": shard.position_ids,
+            "document_ids": shard.row_document_ids,
+            "attention_mask": shard.row_attention_mask,
+        },
+        token_mask=shard.attention_mask,
+        rows=shard.input_ids.shape[0],
+        num_targets=shard.num_targets,
+    )
