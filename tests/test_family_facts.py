@@ -55,3 +55,19 @@ def test_the_30b_facts_the_app_reads():
     assert (facts.layers, facts.moe_layers, facts.num_experts, facts.top_k, facts.expert_width) == (48, 48, 128, 8, 768)
     v3 = deepseekv3.FAMILY.facts(deepseekv3.get_preset_config("deepseek-v3-671b"))
     assert (v3.layers, v3.moe_layers, v3.num_experts, v3.top_k, v3.expert_width) == (61, 58, 256, 8, 2048)
+
+
+def test_the_235b_preset_facts():
+    """Qwen3-235B-A22B (the Hub's config.json): its parameters derived from the model, as printed by::
+
+        python -c "from moeshard.models import qwen3moe; c = qwen3moe.get_preset_config('qwen3-235b-a22b');
+                   f = qwen3moe.FAMILY.facts(c); print(f.parameters, f.active_parameters)"
+
+    (the model card's 235B in total, 22B activated)."""
+    config = qwen3moe.get_preset_config("qwen3-235b-a22b")
+    facts = qwen3moe.FAMILY.facts(config)
+    assert (facts.parameters, facts.active_parameters) == (235093634560, 22190763520)
+    assert (facts.parameters, facts.active_parameters) == qwen3moe.count_parameters(config)
+    shape = (facts.layers, facts.moe_layers, facts.num_experts, facts.top_k, facts.expert_width)
+    assert shape == (94, 94, 128, 8, 1536)
+    assert (facts.hidden_size, facts.attention_heads) == (4096, 64)

@@ -186,7 +186,9 @@ def test_plan_command_takes_the_gpu_memory(capsys):
 
 # ---- the README's figures ----------------------------------------------------------------------------------------
 
-_FIGURE = re.compile(r"^moeshard-train plan (?P<args>[^#]*?)\s+# (?P<gib>\d+\.\d) GiB per GPU", re.MULTILINE)
+_FIGURE = re.compile(
+    r"^moeshard-train plan (?P<args>[^#]*?)\s+# (?P<gib>\d+\.\d) GiB per GPU(?P<rest>[^\n]*)", re.MULTILINE
+)
 
 
 def test_readme_plan_figures_are_what_plan_prints():
@@ -199,11 +201,19 @@ def test_readme_plan_figures_are_what_plan_prints():
         for path in (ROOT / "README.md", ROOT / "apps/train/README.md")
         for m in _FIGURE.finditer(path.read_text())
     ]
-    assert len(found) >= 3  # the Qwen3-30B-A3B on 8 and 16 GPUs, the DeepSeek-V3 16B on 8
+    # the Qwen3-30B-A3B on 8 and 16 GPUs, the DeepSeek-V3 16B on 8; with LoRA the 235B on 8 (and without), the 30B
+    assert len(found) >= 6
     for path, m in found:
         words = m["args"].split()
         config = ROOT / words[words.index("--config") + 1]
         nnodes, nproc = int(words[words.index("--nnodes") + 1]), int(words[words.index("--nproc-per-node") + 1])
         overrides = [w for w in words if w.startswith("--") and "=" in w]
-        report = plan_report(load_config(config, overrides), nnodes=nnodes, nproc_per_node=nproc, table=False)
+        gpu = ("--gpu-memory", float(words[words.index("--gpu-memory") + 1])) if "--gpu-memory" in words else None
+        cfg = load_config(config, overrides)
+        report = plan_report(cfg, nnodes=nnodes, nproc_per_node=nproc, table=False, gpu_memory=gpu)
         assert f"{report.memory.total / GiB:.1f}" == m["gib"], (path.name, m.group(0), report.memory.total / GiB)
+        if gpu is not None:  # the line says what plan's check against the GPU says
+            said = "does not fit" if "does not fit" in m["rest"] else "fits" if "fits" in m["rest"] else None
+            assert said == ("does not fit" if report.warning else "fits"), (m.group(0), report.warning)
+        if "(full fine-tuning)" in m["rest"]:
+            assert not cfg.lora.enabled, m.group(0)

@@ -2,6 +2,10 @@
 
 Prints the meshes and groups, one row per parameter (global shape, this rank's local shape and placement), the
 estimated memory per rank and the estimated communication per step by kind and by link (intra/inter-node).
+
+With ``lora`` the job is built as training builds it: ``moeshard.lora.apply_lora`` on the meta model (the base
+frozen in the compute dtype) before ``parallelize``, so the adapters' elements, shards and FSDP units are the model's
+own, not a formula.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ from torch.distributed.tensor import DTensor
 
 from moeshard.ep import kept_factor_elements
 from moeshard.fsdp_moe import expert_grad_budget, kept_factor_ratio
+from moeshard.lora import LoraAdapters, apply_lora
 from moeshard.meshes import build_meshes, fake_process_group
 from moeshard.models.common import parallelize
 from moeshard.train.commands.plan_memory import (
     GiB,
     MemoryEstimate,
     activation_bytes_per_token,
+    adapter_activation_bytes_per_token,
     head_adds_in_backward,
     loss_head_bytes,
     loss_head_over_logits,
@@ -34,6 +40,7 @@ from moeshard.train.config import (
     parallel_options,
 )
 from moeshard.train.families import family_of
+from moeshard.train.run.build import compute_dtype
 from moeshard.train.observe.comm import estimate_comm_bytes
 
 
@@ -113,6 +120,9 @@ class _Built(NamedTuple):
     local_numel: int
     total_numel: int
     units: _UnitFigures
+    trained_local: int  # elements on this rank that train (all of them without LoRA, the adapters with it)
+    trained_total: int
+    adapters: LoraAdapters | None  # lora: what apply_lora added; None without LoRA
 
 
 def plan_report(
@@ -150,7 +160,11 @@ def plan_report(
         lines.append("")
     numel = f"{built.total_numel / 1e9:.3f} B in total, {built.local_numel / 1e6:.2f} M on rank {rank}"
     lines.append(f"parameters: {numel}")
-    lines += memory_lines(est, built.options, mb, cfg.data.seq_len, compute_bytes, _expert_grad_bytes(cfg))
+    if built.adapters is not None:
+        lines.append(_lora_line(built))
+    lines += memory_lines(
+        est, built.options, mb, cfg.data.seq_len, compute_bytes, _expert_grad_bytes(cfg), lora=cfg.lora.enabled
+    )
     warning = None
     if gpu_memory is not None and est.total > gpu_memory[1] * GiB:
         warning = _exceeds(cfg, mcfg, built, est, nnodes, nproc_per_node, mb, gpu_memory)
@@ -168,6 +182,11 @@ def _compute_bytes(cfg: JobConfig) -> int:
     return 4 if cfg.parallel.param_dtype == "float32" else 2
 
 
+def _compute_dtype(cfg: JobConfig) -> torch.dtype:
+    """The dtype the planned GPU job computes in (where LoRA holds its frozen base)."""
+    return compute_dtype(cfg, "cuda")
+
+
 def _build(cfg: JobConfig, mcfg: Any, nnodes: int, nproc_per_node: int, rank: int, table: bool) -> _Built:
     """Build the job on meta under the fake backend as ``rank`` (the layout already checked)."""
     world = nnodes * nproc_per_node
@@ -183,19 +202,33 @@ def _build(cfg: JobConfig, mcfg: Any, nnodes: int, nproc_per_node: int, rank: in
         )
         with torch.device("meta"):
             model = family_of(mcfg).model_class(mcfg)
+        adapters = None
+        if cfg.lora.enabled:  # as the job: before parallelize, the frozen base in the compute dtype
+            adapters = apply_lora(model, cfg.lora, seed=cfg.train.seed, base_dtype=_compute_dtype(cfg))
         parallel = parallelize(model, meshes, parallel_options(cfg))
         info, units = parallel.ep_info, parallel.units
         lines.append(meshes.describe())
         lines += ["options:", *(f"  {line}" for line in parallel.options.describe())]
-        lines.append(f"  optimizer: AdamW, fuse_local_experts={cfg.train.fuse_local_experts}")
+        trains = "the adapters" if adapters is not None else "every parameter"
+        lines.append(f"  optimizer: AdamW on {trains}, fuse_local_experts={cfg.train.fuse_local_experts}")
         lines.append("")
         header = f"{'parameter':62s} {'global shape':>22s} {'local shape':>22s}  placement"
         if table:
             lines.append(header)
             lines.append("-" * len(header))
-        local_numel, total_numel = _parameter_rows(model, info, lines if table else None)
+        (local_numel, total_numel), trained = _parameter_rows(model, info, lines if table else None)
         u = _unit_figures(units, meshes, cfg, expert_reshard, _expert_grad_bytes(cfg))
-    return _Built(lines, parallel.options, meshes.ep_size, local_numel, total_numel, u)
+    return _Built(lines, parallel.options, meshes.ep_size, local_numel, total_numel, u, *trained, adapters)
+
+
+def _lora_line(built: _Built) -> str:
+    """The report's LoRA line: the options, the targets, the adapters' elements."""
+    a = built.adapters
+    assert a is not None
+    return (
+        f"{a.describe()}; adapter parameters: {built.trained_total / 1e6:.2f} M in total, "
+        f"{built.trained_local / 1e6:.2f} M on this rank (the base frozen in the compute dtype)"
+    )
 
 
 def _memory_estimate(cfg: JobConfig, mcfg: Any, built: _Built, world: int, mb: int, opts: Any) -> MemoryEstimate:
@@ -209,34 +242,42 @@ def _memory_estimate(cfg: JobConfig, mcfg: Any, built: _Built, world: int, mb: i
     micro_batches = max(1, t.global_batch_size // (world // sp) // mb)
     deferred_sync = gradient_sync(t, world) == "last_micro_batch"
     fused_grads = compute_bytes * u.fused_numel
-    # train.expert_weight_grads: the local experts' gradients kept as factors where the optimizer defers them
+    # train.expert_weight_grads: the local experts' gradients kept as factors where the optimizer defers them (the
+    # base's weight gradients: a frozen base has none, and the adapters' are formed at each backward)
     ratio = _kept_factor_ratio(mcfg, tokens, micro_batches, built.ep_size, opts.ep.dispatch)
     budget = expert_grad_budget(t.expert_weight_grads, ratio)
-    if micro_batches > 1 and u.fused_numel and budget is not None and ratio <= budget:
+    lora = built.adapters is not None
+    if micro_batches > 1 and u.fused_numel and budget is not None and ratio <= budget and not lora:
         fused_grads = int(fused_grads * ratio)
     # Local experts the fused pass updates in bf16 hold their float32 masters split: the bf16 parameter (counted with
     # the compute copies below) and 2 bytes of low halves (moeshard.fsdp_moe.split_master), not 4 bytes of master.
     split_numel = u.fused_numel if compute_bytes == 2 else 0
     head_held = micro_batches > 1 and deferred_sync  # FSDP2 holds the head's float32 gradient between micro-batches
     over_logits = loss_head_over_logits(opts, compute_bytes)
-    local_numel = built.local_numel
+    # What trains gets a float32 master, a gradient and AdamW's two moments; a frozen base (lora) is held once, in
+    # the compute dtype, and nothing else.
+    trained, frozen = built.trained_local, built.local_numel - built.trained_local
+    activations = activation_bytes_per_token(
+        mcfg, compute_bytes, opts.activation_checkpointing, opts.selective_recompute, opts.keep_attention
+    )
+    if lora:
+        activations += adapter_activation_bytes_per_token(
+            built.adapters, mcfg.num_hidden_layers, compute_bytes, opts.activation_checkpointing
+        )
     return MemoryEstimate(
-        params=4 * local_numel - 2 * split_numel,
-        grads=4 * (local_numel - u.fused_numel) + fused_grads,
-        optimizer=8 * local_numel,
+        params=4 * trained - 2 * split_numel + compute_bytes * frozen,
+        grads=4 * (trained - u.fused_numel) + fused_grads,
+        optimizer=8 * trained,
         # Where no unit reshards after forward (one rank, or parallel.reshard_after_forward false with the experts
         # following), every unit's compute copy lives through the step; else the stages in flight at once (one and
         # those prefetched after it), beside those kept from forward to backward.
         unsharded=compute_bytes * (u.all_numel if not reshard and u.experts_kept else u.in_flight + u.kept_numel),
         reduce_buffers=u.reduce_buffers,
-        activations=activation_bytes_per_token(
-            mcfg, compute_bytes, opts.activation_checkpointing, opts.selective_recompute, opts.keep_attention
-        )
-        * tokens,
+        activations=activations * tokens,
         micro_batches=micro_batches,
         held_grads=u.held_grads if deferred_sync else 0,
-        loss_head=loss_head_bytes(mcfg, compute_bytes, tokens, head_held, over_logits),
-        loss_head_adds=head_adds_in_backward(compute_bytes, tokens, head_held),
+        loss_head=loss_head_bytes(mcfg, compute_bytes, tokens, head_held, over_logits, u.head_trains),
+        loss_head_adds=u.head_trains and head_adds_in_backward(compute_bytes, tokens, head_held),
         loss_head_over_logits=over_logits,
     )
 
@@ -324,19 +365,26 @@ def _with(cfg: JobConfig, **sections: dict[str, Any]) -> JobConfig:
     return config_from_dict(d)
 
 
-def _parameter_rows(model: torch.nn.Module, info: Any, lines: list[str] | None) -> tuple[int, int]:
-    """``(elements on this rank, elements in all)`` of the model's parameters; with ``lines``, one row each."""
-    local_numel = 0
-    total_numel = 0
+def _parameter_rows(
+    model: torch.nn.Module, info: Any, lines: list[str] | None
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((elements on this rank, elements in all), the same of those that train)`` of the model's parameters (a
+    parameter trains where it requires a gradient: all without LoRA, the adapters with it); with ``lines``, one row
+    each."""
+    numel, trained = [0, 0], [0, 0]
     for name, p in model.named_parameters():
         meta = info.params.get(name) if info is not None else None
         gshape = tuple(meta.global_shape) if meta is not None else tuple(p.shape)
         lshape = tuple(_local(p))
-        local_numel += int(torch.Size(lshape).numel())
-        total_numel += int(torch.Size(gshape).numel())
+        sizes = int(torch.Size(lshape).numel()), int(torch.Size(gshape).numel())
+        for counts in (numel, trained) if p.requires_grad else (numel,):
+            counts[0] += sizes[0]
+            counts[1] += sizes[1]
         if lines is not None:
-            lines.append(f"{name:62s} {str(list(gshape)):>22s} {str(list(lshape)):>22s}  {_placement(p, meta)}")
-    return local_numel, total_numel
+            frozen = "" if p.requires_grad else "  (frozen)"
+            placement = _placement(p, meta)
+            lines.append(f"{name:62s} {str(list(gshape)):>22s} {str(list(lshape)):>22s}  {placement}{frozen}")
+    return (numel[0], numel[1]), (trained[0], trained[1])
 
 
 class _UnitFigures(NamedTuple):
@@ -348,6 +396,7 @@ class _UnitFigures(NamedTuple):
     experts_kept: bool  # the experts' compute copies live from forward to backward
     fused_numel: int  # experts updated by the fused pass (compute-dtype gradients)
     held_grads: int  # bytes of unsharded gradients held with gradient_sync last_micro_batch
+    head_trains: bool  # the LM head's weight gets a gradient (not a frozen base's, lora)
 
 
 def _unit_figures(
@@ -367,11 +416,13 @@ def _unit_figures(
     # (parallel.expert_reshard_after_forward); these live through the whole step.
     experts_kept = meshes.ep_fsdp_size == 1 or not expert_reshard
     kept = [units.root, head] + ([m for _, m in units.experts] if experts_kept else [])
-    kept += list(local_experts.values())
     kept_numel = sum(_managed_numel(m, skip) for m in kept)
-    kept_ids = {id(m) for m in kept}
+    # Experts outside FSDP: a frozen base (lora) in the compute dtype is its own compute copy (counted with the
+    # parameters); what trains is cast to the compute dtype for the pass.
+    kept_numel += sum(_managed_numel(m, skip, trained_only=True) for m in local_experts.values())
+    kept_ids = {id(m) for m in kept} | {id(m) for m in local_experts.values()}
     all_numel = sum(_managed_numel(m, skip) for _, m in units) + sum(
-        _managed_numel(m, skip) for m in local_experts.values()
+        _managed_numel(m, skip, trained_only=True) for m in local_experts.values()
     )
 
     def stage_numel(stage: Any) -> int:
@@ -386,7 +437,9 @@ def _unit_figures(
     expert_units = {id(m) for _, m in units.experts}
 
     def grad_bytes(unit: Any) -> int:
-        return _managed_numel(unit, skip) * (expert_reduce_bytes if id(unit) in expert_units else 4)
+        # only what trains has a gradient to reduce (a frozen base, lora, none)
+        elem = expert_reduce_bytes if id(unit) in expert_units else 4
+        return _managed_numel(unit, skip, trained_only=True) * elem
 
     def stage_grad_bytes(stage: Any) -> int:
         # (local experts reduce nothing: their gradients stay where backward adds them)
@@ -394,7 +447,7 @@ def _unit_figures(
 
     reduce_buffers = max(stage_grad_bytes(stage) for stage in units.stages)  # the largest stage's, in backward
     # Experts outside FSDP updated by the fused pass keep their gradients in the compute dtype.
-    fused_numel = sum(p.numel() for m in local_experts.values() for p in m.parameters())
+    fused_numel = sum(p.numel() for m in local_experts.values() for p in m.parameters() if p.requires_grad)
     fused_numel = fused_numel if cfg.train.fuse_local_experts else 0
 
     # train.gradient_sync last_micro_batch: every FSDP unit holds its unsharded gradients until the step's last
@@ -405,8 +458,9 @@ def _unit_figures(
         return meshes.ep_fsdp_size if id(unit) in expert_units else meshes.world_size
 
     held_grads = sum(grad_bytes(m) * (shards(m) - 1) // shards(m) for _, m in units)
+    head_trains = any(p.requires_grad for p in head.parameters() if p.dim() == 2)
     return _UnitFigures(
-        in_flight, reduce_buffers, once_numel, kept_numel, all_numel, experts_kept, fused_numel, held_grads
+        in_flight, reduce_buffers, once_numel, kept_numel, all_numel, experts_kept, fused_numel, held_grads, head_trains
     )
 
 
@@ -415,13 +469,14 @@ def _expert_grad_bytes(cfg: JobConfig) -> int:
     return 2 if cfg.parallel.expert_reduce_dtype == "bfloat16" else 4
 
 
-def _managed_numel(unit: torch.nn.Module, skip: set[int]) -> int:
+def _managed_numel(unit: torch.nn.Module, skip: set[int], trained_only: bool = False) -> int:
     """Unsharded elements of the parameters of ``unit`` and its submodules, except those of the modules in
-    ``skip`` (other units, and expert modules outside FSDP): what one FSDP unit gathers."""
+    ``skip`` (other units, and expert modules outside FSDP): what one FSDP unit gathers (``trained_only``: of the
+    parameters that require a gradient, what it reduces)."""
     total, stack = 0, [unit]
     while stack:
         m = stack.pop()
-        total += sum(p.numel() for p in m.parameters(recurse=False))
+        total += sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad or not trained_only)
         stack.extend(c for c in m.children() if id(c) not in skip)
     return total
 

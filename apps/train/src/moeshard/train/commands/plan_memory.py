@@ -5,6 +5,8 @@ them in."""
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,7 +87,41 @@ def activation_bytes_per_token(
     return layers * (attn + moe) + head
 
 
-def loss_head_bytes(config: Any, compute_bytes: int, tokens: int, held: bool = False, over_logits: bool = False) -> int:
+def adapter_activation_bytes_per_token(
+    adapters: Any, layers: int, compute_bytes: int, activation_checkpointing: str = "none"
+) -> int:
+    """What LoRA's adapters (``moeshard.lora.LoraAdapters``) add to the saved activations per token, beside
+    :func:`activation_bytes_per_token` (which the frozen base keeps as the trained one does).
+
+    A targeted linear module keeps its rank-``r`` intermediate ``x Aᵀ`` (``r`` elements per token in the compute
+    dtype, for ``B``'s gradient; ``x`` is the base's own saved input). A targeted fused expert tensor keeps nothing
+    per routed copy: the expert pass recomputes its ``x Aᵀ`` in backward (``moeshard.ep.ExpertPass``). With ``full``
+    activation checkpointing only the layer recomputed in backward holds them (the one with the most targets), and
+    the targets outside the decoder layers always.
+    """
+    per_layer: Counter[str] = Counter()
+    outside = 0
+    for t in adapters.targets:
+        if t.kind != "linear":
+            continue
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", t.module)
+        if m is None:
+            outside += 1
+        else:
+            per_layer[m.group(1)] += 1
+    assert len(per_layer) <= layers, (len(per_layer), layers)
+    in_layers = max(per_layer.values(), default=0) if activation_checkpointing == "full" else sum(per_layer.values())
+    return (in_layers + outside) * adapters.options.rank * compute_bytes
+
+
+def loss_head_bytes(
+    config: Any,
+    compute_bytes: int,
+    tokens: int,
+    held: bool = False,
+    over_logits: bool = False,
+    head_trains: bool = True,
+) -> int:
     """What the chunked loss head (``moeshard.models.common.linear_cross_entropy``) holds at the forward's end
     beyond the per-token activations: the ``[V, D]`` weight gradient it computes in forward and keeps for backward
     (float32: it is handed to FSDP2's float32 gradient, or kept in float32 compute), and one chunk's logits and
@@ -95,10 +131,12 @@ def loss_head_bytes(config: Any, compute_bytes: int, tokens: int, held: bool = F
     ``gradient_sync: last_micro_batch``). A bf16 micro-batch of one chunk then keeps its logit gradient for backward,
     which adds its product into the held gradient, and makes no ``[V, D]`` float32 gradient of its own.
     ``over_logits``: the loss kernel writes the gradient over the logits (:func:`loss_head_over_logits`), one
-    ``chunk x V`` buffer instead of two."""
+    ``chunk x V`` buffer instead of two. ``head_trains`` False (a frozen head, lora): no weight gradient at all."""
     v, d = config.vocab_size, config.hidden_size
     chunk = (1 if over_logits else 2) * min(LOSS_CHUNK_TOKENS, tokens) * v * compute_bytes
-    return chunk if head_adds_in_backward(compute_bytes, tokens, held) else 4 * v * d + chunk
+    if not head_trains or head_adds_in_backward(compute_bytes, tokens, held):
+        return chunk
+    return 4 * v * d + chunk
 
 
 def loss_head_over_logits(opts: Any, compute_bytes: int) -> bool:
@@ -115,28 +153,41 @@ def head_adds_in_backward(compute_bytes: int, tokens: int, held: bool) -> bool:
 
 
 def memory_lines(
-    est: MemoryEstimate, opts: Any, mb: int, seq_len: int, compute_bytes: int, expert_reduce_bytes: int
+    est: MemoryEstimate,
+    opts: Any,
+    mb: int,
+    seq_len: int,
+    compute_bytes: int,
+    expert_reduce_bytes: int,
+    *,
+    lora: bool = False,
 ) -> list[str]:
-    """The memory estimate's lines of the report."""
+    """The memory estimate's lines of the report (``lora``: the base frozen, the adapters trained)."""
     lines: list[str] = []
     ac = {"none": "no", "full": "full", "selective": f"selective ({opts.selective_recompute})"}
     ac = ac[opts.activation_checkpointing]
+    dtype = "bf16" if compute_bytes == 2 else "fp32"
+    trained = (
+        f"LoRA: the base frozen in {dtype}, fp32 adapter masters, AdamW on the adapters"
+        if lora
+        else "fp32 master weights, AdamW"
+    )
     lines.append(
         f"estimated memory per rank (micro batch {mb} x seq {seq_len}"
         + (f" / sp {opts.sp_size}" if opts.sp_size > 1 else "")
         + f" x {est.micro_batches} per step, "
-        f"{ac} activation checkpointing, {'bf16' if compute_bytes == 2 else 'fp32'} compute, fp32 master weights, "
-        "AdamW):"
+        f"{ac} activation checkpointing, {dtype} compute, {trained}):"
     )
     for k in ("params", "grads", "optimizer", "unsharded", "activations"):
         lines.append(f"  {k:12s} {_size(getattr(est, k))}")
     over = est.loss_head_over_logits
     chunk = "one chunk's logit gradient, over its logits" if over else "one chunk's logits and their gradient"
-    kept = (
-        f"{chunk}, its product added into the held gradient in backward"
-        if est.loss_head_adds
-        else f"[V, D] float32 weight gradient, {chunk}"
-    )
+    if est.loss_head_adds:
+        kept = f"{chunk}, its product added into the held gradient in backward"
+    elif lora:
+        kept = f"{chunk}; the frozen head has no weight gradient"
+    else:
+        kept = f"[V, D] float32 weight gradient, {chunk}"
     lines.append(f"  {'loss head':12s} {_size(est.loss_head)}  ({kept})")
     lines.append(f"  {'reduce bufs':12s} {_size(est.reduce_buffers)}  (the largest stage's, in backward)")
     if est.held_grads and est.micro_batches > 1:

@@ -3,6 +3,7 @@
 Configs are transformers' ``Qwen3MoeConfig``, so a ``config.json`` from the Hub reads unchanged::
 
     cfg = get_preset_config("qwen3-30b-a3b")                      # the real 30B-A3B
+    cfg = get_preset_config("qwen3-235b-a22b")                    # the real 235B-A22B
     cfg = get_preset_config("tiny", num_hidden_layers=2)          # tests; any field can be overridden
 
 Parameter and FLOP counts are derived from the model (``FAMILY.count_parameters``, ``FAMILY.facts``), not written.
@@ -57,6 +58,18 @@ _QWEN3_30B_A3B: dict[str, Any] = dict(
     eos_token_id=151645,
 )
 
+# Values of Qwen/Qwen3-235B-A22B's config.json: the same architecture, wider and deeper (head_dim 128 although
+# hidden / heads = 64).
+_QWEN3_235B_A22B: dict[str, Any] = dict(
+    _QWEN3_30B_A3B,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=94,
+    num_attention_heads=64,
+    num_key_value_heads=4,
+    moe_intermediate_size=1536,
+)
+
 # Small enough for CPU tests in milliseconds, with every feature of the real one (GQA, q/k norm, top-k > 1).
 _TINY: dict[str, Any] = dict(
     _QWEN3_30B_A3B,
@@ -75,7 +88,11 @@ _TINY: dict[str, Any] = dict(
     eos_token_id=None,
 )
 
-PRESETS: dict[str, dict[str, Any]] = {"qwen3-30b-a3b": _QWEN3_30B_A3B, "tiny": _TINY}
+PRESETS: dict[str, dict[str, Any]] = {
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "qwen3-235b-a22b": _QWEN3_235B_A22B,
+    "tiny": _TINY,
+}
 """Preset name -> ``Qwen3MoeConfig`` fields (read through :func:`get_preset_config`)."""
 
 # Keys a Qwen3MoeConfig understands: its dataclass fields plus the ones it reads through kwargs.

@@ -1,0 +1,116 @@
+"""``plan`` with LoRA: the frozen base once in the compute dtype, the adapters with float32 masters, gradients and
+AdamW's moments, against the state of a real job (a world of one on CPU) and on the 30B preset."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+LORA = [
+    "--lora.rank=4",
+    "--lora.target_modules=[q_proj,o_proj]",
+    "--lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]",
+]
+TINY_JOB = [
+    "--parallel.ep_size=1",
+    "--parallel.param_dtype=float32",  # what the CPU computes in: the frozen base is float32 there
+    "--data.seq_len=16",
+    "--data.synthetic_samples=64",
+    "--train.steps=1",
+    "--train.global_batch_size=2",
+    "--train.micro_batch_size=1",
+    "--checkpoint.every_steps=0",
+    "--eval.every_steps=0",
+    "--logging.tensorboard=false",
+    "--logging.progress_bar=false",
+    "--logging.expert_load_every=0",
+]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _bytes(t: torch.Tensor) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused-experts", "torch-adamw"])
+def test_plan_counts_the_state_of_a_lora_job(tmp_path, fuse):
+    """A world-of-one job with adapters on attention and the experts, after one step: its parameters' bytes (the
+    frozen base and the adapters) and its optimizer's state bytes (every tensor but the step counters) are what
+    ``plan`` estimates for the same config, and what trains is the adapters ``plan`` counts."""
+    from moeshard.train.commands.plan import plan_report
+    from moeshard.train.config import load_config
+    from moeshard.train.job import run_job
+
+    extra = [f"--train.fuse_local_experts={str(fuse).lower()}", f"--logging.output_dir={tmp_path}"]
+    cfg = load_config(None, [*LORA, *TINY_JOB, *extra])
+    report = plan_report(cfg, nnodes=1, nproc_per_node=1, table=False)  # the fake backend: before the real group
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        job = run_job(cfg)["job"]
+    finally:
+        dist.destroy_process_group()
+
+    params = list(job.model.parameters())
+    trained = [p for p in params if p.requires_grad]
+    assert trained and len(trained) < len(params)
+    states = {id(p): st for o in job.optimizer.optimizers for p, st in o.state.items()}
+    assert set(states) == {id(p) for p in trained}  # the optimizer holds the adapters only
+    # The fused update of experts outside FSDP keeps their float32 master in its state and the parameter is the
+    # compute copy (plan counts those with the compute copies); elsewhere the parameter is the master.
+    masters = [t for st in states.values() for k, t in st.items() if k in ("master", "master_low")]
+    copies = {i for i, st in states.items() if "master" in st or "master_low" in st}
+    assert bool(copies) == fuse
+    held = sum(_bytes(p) for p in params if id(p) not in copies) + sum(_bytes(t) for t in masters)
+    assert report.memory.params == held  # the frozen base in float32 (the CPU's compute dtype) and the masters
+    moments = [t for st in states.values() for k, t in st.items() if k in ("exp_avg", "exp_avg_sq")]
+    assert report.memory.optimizer == sum(_bytes(t) for t in moments)  # AdamW's two float32 moments, adapters only
+    assert report.memory.optimizer == 8 * sum(_local(p).numel() for p in trained)
+    assert report.memory.grads == 4 * sum(_local(p).numel() for p in trained)
+    adapters = sum(_local(job.model.get_parameter(n)).numel() for n in job.adapters.names())
+    assert f"adapter parameters: {adapters / 1e6:.2f} M in total" in report.text
+    assert "lora: rank 4" in report.text and "(8 linear modules, 8 expert tensors)" in report.text
+    assert "the frozen head has no weight gradient" in report.text
+
+
+def _plan(*overrides: str, nproc: int = 8):
+    from moeshard.train.commands.plan import plan_report
+    from moeshard.train.config import load_config
+
+    keys = ["--model.preset=qwen3-30b-a3b", "--model.overrides.num_hidden_layers=2", "--parallel.param_dtype=bfloat16"]
+    keys += ["--data.seq_len=4096", "--train.global_batch_size=8", "--train.micro_batch_size=1"]
+    keys += ["--parallel.ep_size=8", "--parallel.activation_checkpointing=full"]
+    return plan_report(load_config(None, keys + list(overrides)), nnodes=1, nproc_per_node=nproc, table=False)
+
+
+def test_lora_holds_the_base_once_in_bf16_and_trains_only_the_adapters():
+    """On 2 layers of the 30B at EP 8: the base's bytes are 2 per element (no master, gradient or moments), the
+    adapters' 16 (4 master + 4 gradient + 8 AdamW); nothing of the base is reduced; the linear adapters keep r
+    elements per token of the recomputed layer; the expert adapters keep none (recomputed in backward)."""
+    full = _plan()
+    lora = _plan(*LORA)
+    rank = 4
+    d, heads, kv, hd, experts, width, layers = 2048, 32, 4, 128, 128, 768, 2
+    q, o = (d, rank, heads * hd), (heads * hd, rank, d)  # (in, r, out) per linear target
+    linear = layers * sum(i * r + r * o for i, r, o in (q, o))
+    expert = layers * experts * (rank * d + 2 * width * rank + rank * width + d * rank)  # gate_up, down: A and B
+    assert lora.text.count("adapter parameters: ") == 1
+    assert f"{(linear + expert) / 1e6:.2f} M in total" in lora.text
+    # The base: its rank's elements at 2 bytes (full fine-tuning holds 4 of master, 4 of gradient, 8 of moments).
+    local_base = full.memory.optimizer // 8
+    assert lora.memory.optimizer < full.memory.optimizer / 50
+    trained_local = lora.memory.optimizer // 8
+    # the expert adapters (EP 8: kept out of FSDP, the fused update) hold 2 bytes of master low halves, their bf16
+    # high halves being the compute copies
+    assert lora.memory.params == 2 * local_base + 4 * trained_local - 2 * expert // 8
+    assert lora.memory.reduce_buffers < full.memory.reduce_buffers / 50
+    assert lora.memory.loss_head == 2 * 4096 * 151936 * 2  # a chunk's logits and gradient, no [V, D] gradient
+    extras = 2 * rank * 2 * 4096  # q_proj and o_proj of the one recomputed layer, bf16, per token
+    assert lora.memory.activations - full.memory.activations == extras
+    assert lora.memory.unsharded < full.memory.unsharded  # the frozen local experts are their own compute copies
+    assert lora.memory.total < full.memory.total
