@@ -95,7 +95,7 @@ def test_lora_holds_the_base_once_in_bf16_and_trains_only_the_adapters():
     full = _plan()
     lora = _plan(*LORA)
     rank = 4
-    d, heads, kv, hd, experts, width, layers = 2048, 32, 4, 128, 128, 768, 2
+    d, heads, hd, experts, width, layers = 2048, 32, 128, 128, 768, 2
     q, o = (d, rank, heads * hd), (heads * hd, rank, d)  # (in, r, out) per linear target
     linear = layers * sum(i * r + r * o for i, r, o in (q, o))
     expert = layers * experts * (rank * d + 2 * width * rank + rank * width + d * rank)  # gate_up, down: A and B

@@ -40,8 +40,8 @@ from moeshard.train.config import (
     parallel_options,
 )
 from moeshard.train.families import family_of
-from moeshard.train.run.build import compute_dtype
 from moeshard.train.observe.comm import estimate_comm_bytes
+from moeshard.train.run.build import compute_dtype
 
 
 def _kept_factor_ratio(config: Any, tokens: int, micro_batches: int, ep_size: int, dispatch: str) -> float:
