@@ -129,7 +129,9 @@ def test_under_torchrun_rank_0_says_it_once(tmp_path):
     assert "exitcode  : 2" in out and "OMP_NUM_THREADS" not in out and "no error file defined" not in out
     assert run.returncode == 1  # torchrun's status when a worker fails, whatever the worker's
     copied = json.loads(agent_file.read_text())["message"]
-    assert copied["message"] == ours[0].removeprefix(PREFIX) and copied["errorCode"] == 2
+    # torchrun copies the earliest error file: rank 0's (status 2), or a waiting rank's, which wrote the same line
+    # and was then stopped by torchrun's SIGTERM (-15), whichever file is older
+    assert copied["message"] == ours[0].removeprefix(PREFIX) and copied["errorCode"] in (2, -15)
 
 
 def test_the_usage_text_documents_the_statuses():
