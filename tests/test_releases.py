@@ -269,7 +269,8 @@ TRANSFORMERS_USERS = {
 CHAINS = [
     ["moeshard-qwen3moe", "moeshard-qwen3moe[parallel]", "moeshard-train"],
     ["moeshard-meshes", "moeshard-ep", "moeshard-fsdp-moe", "moeshard-checkpoint"],
-    ["moeshard-models-common", "moeshard-deepseekv3", "moeshard-qwen35moe"],
+    ["moeshard-models-common", "moeshard-deepseekv3"],
+    ["moeshard-qwen35moe"],
     ["moeshard-gptoss"],
     ["moeshard-prefetch"],
     ["moeshard-sequence"],
