@@ -92,14 +92,23 @@ def runs(toy_dir):
     return run_distributed(_rank, 4, toy_dir, ids_RBS, ranks_per_node=2)[0]
 
 
+def _fsdp2_holds_a_reduce_dtype_grad() -> bool:
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return "unsharded_accumulated_grad" in FSDPParam.__annotations__
+
+
 @pytest.mark.parametrize("every", [True, False], ids=["sync_every_micro_batch", "sync_last_micro_batch"])
 def test_handed_over_in_float32(runs, every):
     losses, grads, answers, _ = runs[(True, every)]
     plain_losses, plain_grads, plain_answers, _ = runs[(False, every)]
     products = answers.pop("products")
-    assert answers == {name: 2 for name in HANDED}  # both weights, both micro-batches
-    # the head's second micro-batch, where FSDP2 holds the first one's gradient: one product added in backward
-    assert products == {"model.embed_tokens.weight": 0, "lm_head.weight": 0 if every else 1}
+    if _fsdp2_holds_a_reduce_dtype_grad():
+        assert answers == {name: 2 for name in HANDED}  # both weights, both micro-batches
+        # the head's second micro-batch, where FSDP2 holds the first one's gradient: one product added in backward
+        assert products == {"model.embed_tokens.weight": 0, "lm_head.weight": 0 if every else 1}
+    else:  # torch 2.15: autograd accumulates in the reduce dtype itself; nothing is handed over, the sums the same
+        assert answers == {name: 0 for name in HANDED} and products == {name: 0 for name in HANDED}
     assert plain_answers.pop("products") == {name: 0 for name in HANDED}
     assert plain_answers == {name: 0 for name in HANDED}
     assert torch.equal(losses, plain_losses)
