@@ -160,6 +160,7 @@ def plan_report(
         lines.append("")
     numel = f"{built.total_numel / 1e9:.3f} B in total, {built.local_numel / 1e6:.2f} M on rank {rank}"
     lines.append(f"parameters: {numel}")
+    lines.append(flops_line(mcfg, cfg.data.seq_len))
     if built.adapters is not None:
         lines.append(_lora_line(built))
     lines += memory_lines(
@@ -176,6 +177,22 @@ def plan_report(
     )
     lines += comm_estimate_lines(comm, bound)
     return PlanReport("\n".join(lines), est, comm, bound, warning)
+
+
+def flops_line(config: Any, seq_len: int) -> str:
+    """The report's FLOPs line: training FLOPs per token at ``seq_len`` (what MFU divides by) and its three terms,
+    ``ModelFacts.flops_per_token``'s: the matmuls, causal attention, recurrent mixers' state work (forward and
+    backward: 3x the forward's)."""
+    facts = family_of(config).facts(config)
+    matmul = 6 * facts.matmul_parameters
+    attention = 6 * (seq_len / 2) * facts.attention_width
+    recurrent = 3 * facts.recurrent_flops
+    total = facts.flops_per_token(seq_len)
+    assert abs(total - (matmul + attention + recurrent)) <= 1e-6 * total, (total, matmul, attention, recurrent)
+    return (
+        f"FLOPs per token: {total / 1e9:.3f} G at seq {seq_len} (training: matmuls {matmul / 1e9:.3f} G, causal "
+        f"attention {attention / 1e9:.3f} G, recurrent state work {recurrent / 1e9:.3f} G)"
+    )
 
 
 def _compute_bytes(cfg: JobConfig) -> int:

@@ -70,12 +70,16 @@ def activation_bytes_per_token(
     of its output is kept for that gradient).
     The loss head is chunked (the trainer never holds the ``[tokens, vocab]`` logits): per token it keeps the
     hidden states and their gradient (its ``[V, D]`` weight gradient and one chunk's logits are
-    :func:`loss_head_bytes`).
+    :func:`loss_head_bytes`). Each layer's sequence mixer counts its own (``ModelFacts.mixer_activations``: a model
+    whose layers mix attention and a linear attention), and a recurrent mixer's per-chunk states (the largest
+    layer's, ``ModelFacts.recurrent_state``) are added once: one layer holds them while it runs.
     """
     facts = family_of(config).facts(config)  # derived from the family's model, whatever its config calls things
     d, e, k, f = facts.hidden_size, facts.num_experts, facts.top_k, facts.expert_width
     attn_elems, mlp_elems = facts.attention_activations, facts.mlp_activations  # the attention, shared experts
-    attn = compute_bytes * (4 * d + attn_elems) + 4 * facts.attention_heads  # norms, projections, sdpa out + lse
+    mixer = compute_bytes * 4 * d + 4 * facts.attention_heads  # norms, projections, sdpa lse (the mixer's own below)
+    attn = mixer + compute_bytes * attn_elems  # the first MoE layer's, for the one layer recomputed at a time
+    state = compute_bytes * facts.recurrent_state
     moe = compute_bytes * (2 * d + k * (d + 3 * f) + mlp_elems) + 4 * (2 * e + 3 * k)  # dispatch ... router
     if activation_checkpointing == "selective":
         moe -= compute_bytes * k * (f if selective_recompute == "activation" else 3 * f)
@@ -83,8 +87,8 @@ def activation_bytes_per_token(
     layers = config.num_hidden_layers
     if activation_checkpointing == "full":
         kept_elems, kept_floats = facts.kept_attention if keep_attention else (0, 0)
-        return layers * ((d + kept_elems) * compute_bytes + 4 * kept_floats) + (attn + moe) + head
-    return layers * (attn + moe) + head
+        return layers * ((d + kept_elems) * compute_bytes + 4 * kept_floats) + (attn + moe) + state + head
+    return layers * (mixer + moe) + compute_bytes * facts.mixer_activations + state + head
 
 
 def adapter_activation_bytes_per_token(

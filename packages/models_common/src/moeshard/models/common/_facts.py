@@ -6,7 +6,10 @@ family writes no formula. What the module tree cannot say, the attention modules
 ``qk_head_dim`` / ``v_head_dim`` (head sizes of ``q·k`` and of the values; MLA's differ). A sequence mixer whose
 cost per token does not grow with the sequence (a linear attention: a recurrent state instead of the keys) declares
 them too (its value heads, key heads, key and value head sizes) and ``recurrent_flops_per_token``, the forward
-FLOPs per token of its state work (not counted as attention).
+FLOPs per token of its state work (not counted as attention); for memory ``recurrent_activations_per_token``, the
+elements per token its state work keeps for backward beside its modules' outputs (in place of attention's query and
+keys), and ``recurrent_state_per_token``, the elements per token of the per-chunk states it materialises while it runs
+(one layer's at a time).
 
     facts = model_facts(Qwen3MoeForCausalLM, config)
     facts.parameters, facts.active_parameters, facts.flops_per_token(4096), facts.expert_width
@@ -24,7 +27,9 @@ Counting rules (each is the family's model, not its config's field names):
 - activations per token of one MoE layer (an estimate for planning memory, beside the layer norms and routed
   copies the planner counts itself): for the attention and for the MoE block's other modules (shared experts),
   each leaf module's output but the block's last one's, the last one's input (each is what the op after it keeps
-  for backward), and for the attention the query and keys its kernel reads (rotated copies, new tensors).
+  for backward), and for the attention the query and keys its kernel reads (rotated copies, new tensors), for a
+  recurrent mixer its declared ``recurrent_activations_per_token``. Models whose layers mix both kinds sum each
+  layer's own mixer (``mixer_activations``).
 """
 
 from __future__ import annotations
@@ -69,6 +74,10 @@ class ModelFacts:
             keep for backward (shared experts; 0 where there are none).
         recurrent_flops: ``Σ`` of the recurrent mixers' ``recurrent_flops_per_token`` (forward FLOPs per token of
             their state work; 0 without such layers).
+        mixer_activations: ``Σ_layers`` of each layer's sequence mixer's activations per token, counted as
+            ``attention_activations`` is (``layers · attention_activations`` where every layer has the same mixer).
+        recurrent_state: the largest ``recurrent_state_per_token`` of the recurrent mixers (elements per token of the
+            per-chunk states one layer materialises while it runs forward or backward; 0 without such layers).
         kept_attention: ``(compute-dtype, float32)`` elements per token and layer that full activation
             checkpointing keeps beside the layer's input where it keeps the attention's output: the output and its
             log-sum-exp where the kept kernels apply (one head size for q, k and v), and the output projection's
@@ -90,6 +99,8 @@ class ModelFacts:
     mlp_activations: int
     kept_attention: tuple[int, int]
     recurrent_flops: int = 0
+    mixer_activations: int = 0
+    recurrent_state: int = 0
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward and backward) at ``seq_len`` with causal attention:
@@ -130,7 +141,8 @@ def model_facts(model_class: type[nn.Module], config: PretrainedConfig) -> Model
     i = next((i for i, layer in enumerate(layers) if isinstance(layer.mlp, MoEBlock)), 0)
     heads, kv_heads, qk, v = attentions[i]
     d = model.lm_head.weight.shape[1]
-    attn_elems, out_width = _attention_activations(model, mixers[i], d)
+    per_layer = [_mixer_activations(model, m, d, dims) for m, dims in zip(mixers, attentions)]
+    attn_elems, out_width = per_layer[i]
     mlp_elems, num_experts, top_k, width = 0, 0, 0, 0
     if blocks:
         first = blocks[0]
@@ -151,10 +163,12 @@ def model_facts(model_class: type[nn.Module], config: PretrainedConfig) -> Model
         top_k=top_k,
         expert_width=width,
         attention_heads=attentions[0][0],
-        attention_activations=attn_elems + heads * qk + kv_heads * qk,
+        attention_activations=attn_elems,
         mlp_activations=mlp_elems,
         kept_attention=kept,
         recurrent_flops=sum(int(r) for r in recurrent if r is not None),
+        mixer_activations=sum(elems for elems, _ in per_layer),
+        recurrent_state=max((int(getattr(m, "recurrent_state_per_token", 0)) for m in mixers), default=0),
     )
 
 
@@ -172,11 +186,15 @@ def _attention_dims(attn: nn.Module) -> tuple[int, int, int, int]:
     return tuple(int(getattr(attn, a)) for a in ATTENTION_ATTRIBUTES)  # type: ignore[return-value]
 
 
-def _attention_activations(model: nn.Module, attn: nn.Module, d: int) -> tuple[int, int]:
-    """``(elements per token kept by the attention's modules, its output projection's width)``, by a meta forward."""
+def _mixer_activations(model: nn.Module, mixer: nn.Module, d: int, dims: tuple[int, int, int, int]) -> tuple[int, int]:
+    """``(elements per token the mixer keeps for backward, its output projection's width)``: its modules' (a meta
+    forward), and the query and keys an attention kernel reads, or what a recurrent mixer declares it keeps."""
     positions = torch.arange(_TOKENS, device="meta")[None]
     cos, sin = model.model.rotary_emb(positions, torch.float32)
-    return _block_activations(attn, torch.empty(1, _TOKENS, d, device="meta"), cos, sin, None)
+    elems, out_width = _block_activations(mixer, torch.empty(1, _TOKENS, d, device="meta"), cos, sin, None)
+    heads, kv_heads, qk, _ = dims
+    kernel = getattr(mixer, "recurrent_activations_per_token", None)
+    return elems + (heads * qk + kv_heads * qk if kernel is None else int(kernel)), out_width
 
 
 def _block_activations(block: nn.Module, *inputs) -> tuple[int, int]:

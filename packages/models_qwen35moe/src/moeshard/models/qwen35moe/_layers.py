@@ -19,6 +19,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from transformers import Qwen3_5MoeTextConfig
 
 from moeshard.models.common import (
+    DELTA_RULE_CHUNK,
     AttentionOptions,
     RMSNorm,
     RowSegments,
@@ -69,6 +70,13 @@ class GatedDeltaNet(nn.Module):
         self.qk_head_dim, self.v_head_dim = self.head_k_dim, self.head_v_dim
         self.recurrent_flops_per_token = delta_rule_flops_per_token(self.num_v_heads, self.head_k_dim, self.head_v_dim)
         conv_dim, width = 2 * self.key_dim + self.value_dim, config.linear_conv_kernel_dim
+        # For plan's memory (FAMILY.facts), as flash-linear-attention's chunked kernels run: backward keeps the
+        # convolved q, k, v, the rule's output (the gated norm's input), each chunk's WY matrix (H x chunk per token)
+        # and the per-head gates (g, β and their inputs); the per-chunk states [H, Dk, Dv] exist only while a layer
+        # runs (recomputed in backward).
+        h = self.num_v_heads
+        self.recurrent_activations_per_token = conv_dim + self.value_dim + h * (DELTA_RULE_CHUNK + 4)
+        self.recurrent_state_per_token = h * self.head_k_dim * self.head_v_dim // DELTA_RULE_CHUNK
         # Registered in transformers' order, so state dicts list the same keys in the same order.
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, width, bias=False, groups=conv_dim, padding=width - 1)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
