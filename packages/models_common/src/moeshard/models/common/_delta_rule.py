@@ -169,25 +169,40 @@ def _reference_kernels() -> LinearAttentionKernels:
 
 
 def _fla_kernels() -> LinearAttentionKernels:
-    from fla.modules.convolution import causal_conv1d
+    """flash-linear-attention 0.6's kernels (``fla.modules.causal_conv1d.causal_conv1d``,
+    ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``): ``[B, T, heads, D]`` rows, or with ``cu_seqlens`` (int64
+    ``[N + 1]``, its documented type) one row of the flattened segments."""
+    from fla.modules.causal_conv1d import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     def conv(x_BSC, weight_CK, segments: RowSegments):
         b, s, c = x_BSC.shape
         cu = segments.cu_seqlens(b, s, x_BSC.device)
-        x = x_BSC if cu is None else x_BSC.reshape(1, b * s, c)  # varlen kernels take rows flattened
-        y = causal_conv1d(x, weight=weight_CK, activation="silu", cu_seqlens=cu)[0]
+        if cu is not None:  # varlen kernels take rows flattened
+            x_BSC, cu = x_BSC.reshape(1, b * s, c), cu.long()
+        # weight [C, K], tap j on x_{t-K+1+j} as F.conv1d's (the reference's); silu applied in the kernel
+        y, _ = causal_conv1d(x_BSC, weight=weight_CK, activation="silu", cu_seqlens=cu)
         return y.reshape(b, s, c)
 
     def rule(q, k, v, g, beta, cu_seqlens):
-        b, s, h = g.shape
-        if q.shape[2] != h:  # one key head per value head, as the reference
-            q, k = q.repeat_interleave(h // q.shape[2], dim=2), k.repeat_interleave(h // k.shape[2], dim=2)
+        b, s = g.shape[:2]
         if cu_seqlens is not None:
             q, k, v, g, beta = (x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v, g, beta))
-        out = chunk_gated_delta_rule(
-            q, k, v, g=g, beta=beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, output_final_state=False
-        )[0]
+            cu_seqlens = cu_seqlens.long()
+        # q, k keep their Hk key heads: the kernel's grouped values read key head i // (H / Hk) for value head i,
+        # the reference's repeat_interleave, without the copies. g in log space (float32), β after its sigmoid.
+        out, _ = chunk_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=q.shape[-1] ** -0.5,
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu_seqlens,
+        )
         return out.reshape(b, s, *out.shape[2:])
 
     return LinearAttentionKernels("fla", conv, rule)
@@ -212,5 +227,5 @@ def linear_attention_kernels(kernel: str, device: torch.device) -> LinearAttenti
     except ImportError as err:
         raise ValueError(
             f"linear attention on GPU needs flash-linear-attention ({err}): install the model family's 'kernels' "
-            "extra, or pip install flash-linear-attention), or set the mixers' kernel to 'torch' (slow)"
+            "extra (or pip install 'flash-linear-attention>=0.6'), or set the mixers' kernel to 'torch' (slow)"
         ) from None
