@@ -151,3 +151,15 @@ def test_mxfp4_folder_at_ep_2_on_gloo_equal_to_transformers(mxfp4_dir):
         assert len(blocks) == 4
         ranges.add(experts["model.layers.0.mlp.experts.gate_up_proj_bias"])
     assert ranges == {(0, 4), (4, 8)}  # each rank its own half of the experts, biases with their weights
+
+
+def test_parallelize_two_nodes_of_two_equal_one_process(tmp_path):
+    """EP 2 x ep_fsdp 2 on 4 gloo ranks (``parallelize``): loss and every gradient, sinks and biases non-zero,
+    rows longer than the window, equal to the model in one process."""
+    from moeshard.models.common import ParallelOptions
+    from moeshard.models.common.testing import check_two_nodes_of_two
+
+    _random_hf(seed=4).save_pretrained(tmp_path / "f32")
+    reference = GptOssForCausalLM.from_pretrained(tmp_path / "f32")
+    assert reference.model.layers[0].self_attn.sinks.abs().min() > 0
+    check_two_nodes_of_two(GptOssForCausalLM, tmp_path / "f32", reference, ParallelOptions())
