@@ -1,6 +1,7 @@
 """Sequence parallelism on the real families: 2 gloo ranks share each packed row (sp 2); the summed shard losses
 and the summed gradients equal one process's on the whole rows (Qwen3-MoE with 2 and with 1 KV heads, the
-DeepSeek-V3 architecture's MLA)."""
+DeepSeek-V3 architecture's MLA, Qwen3.5-MoE's Gated DeltaNet beside its gated attention: the DeltaNet's convolution
+and state run along the whole row on head shards)."""
 
 import copy
 
@@ -36,6 +37,9 @@ def _model(family: str, **overrides):
     if family == "qwen3moe":
         from moeshard.models.qwen3moe import Qwen3MoeForCausalLM as cls
         from moeshard.models.qwen3moe import get_preset_config
+    elif family == "qwen35moe":
+        from moeshard.models.qwen35moe import Qwen35MoeForCausalLM as cls
+        from moeshard.models.qwen35moe import get_preset_config
     else:
         from moeshard.models.deepseekv3 import DeepseekV3ForCausalLM as cls
         from moeshard.models.deepseekv3 import get_preset_config
@@ -88,8 +92,13 @@ def _sp_equals_whole_rows(family: str, overrides: dict):
 
 @pytest.mark.parametrize(
     ("family", "overrides"),
-    [("qwen3moe", {}), ("qwen3moe", {"num_key_value_heads": 1}), ("deepseekv3", {})],
-    ids=["qwen3moe", "qwen3moe-sp-above-kv-heads", "deepseekv3-mla"],
+    [
+        ("qwen3moe", {}),
+        ("qwen3moe", {"num_key_value_heads": 1}),
+        ("deepseekv3", {}),
+        ("qwen35moe", {"layer_types": ["linear_attention", "full_attention"]}),
+    ],
+    ids=["qwen3moe", "qwen3moe-sp-above-kv-heads", "deepseekv3-mla", "qwen35moe-deltanet"],
 )
 def test_sp2_loss_and_gradients_equal_the_whole_rows(family, overrides):
     res = run_distributed(_sp_equals_whole_rows, 2, family, overrides)
@@ -108,3 +117,16 @@ def test_a_shard_cannot_shift_its_own_labels():
         model(ids, labels=ids, position_ids=torch.arange(8))
     with pytest.raises(ValueError, match="whole-row position_ids"):
         model(ids, shift_labels=ids)
+
+
+def test_a_deltanet_whose_heads_do_not_split_is_refused_in_one_line():
+    from moeshard.meshes import fake_process_group
+
+    model = _model("qwen35moe", layer_types=["linear_attention", "full_attention"], linear_num_key_heads=1)
+    with fake_process_group(2):
+        with pytest.raises(ValueError) as err:
+            apply_sequence_parallel(model, dist.group.WORLD)
+    assert str(err.value) == (
+        "sequence parallelism sp=2 splits GatedDeltaNet's heads over ranks: its 4 value heads and 1 key heads must "
+        "both divide by sp; use an sp that divides both"
+    )

@@ -42,6 +42,13 @@ def test_cu_seqlens_start_a_segment_at_each_row_and_document():
     assert RowSegments().cu_seqlens(B, S, torch.device("cpu")) is None
 
 
+def test_a_rank_of_a_sequence_group_reads_its_tokens_of_the_row_mask():
+    mask = torch.arange(8).repeat(2, 1) % 3 != 0
+    assert RowSegments(attention_mask_BS=mask).local_attention_mask(8) is mask
+    assert torch.equal(RowSegments(attention_mask_BS=mask, sequence_rank=1).local_attention_mask(4), mask[:, 4:])
+    assert RowSegments(sequence_rank=1).local_attention_mask(4) is None
+
+
 def test_the_reference_on_packed_rows_equals_each_document_alone():
     (x, w), (q, k, v, g, beta) = _inputs()
     cu = RowSegments(document_ids_BS=DOCUMENTS).cu_seqlens(B, S, torch.device("cpu"))

@@ -54,6 +54,7 @@ from moeshard.models.common._delta_rule import (
     chunk_gated_delta_rule_reference,
     delta_rule_flops_per_token,
     linear_attention_kernels,
+    linear_attention_row,
 )
 from moeshard.models.common._evaluation import EvalResult, evaluate
 from moeshard.models.common._facts import ATTENTION_ATTRIBUTES, ModelFacts
@@ -153,6 +154,7 @@ __all__ = [
     "expert_counts",
     "global_balancing_loss",
     "linear_attention_kernels",
+    "linear_attention_row",
     "linear_cross_entropy",
     "load_balancing_loss",
     "load_hf_config",

@@ -216,11 +216,13 @@ class DecoderModel(nn.Module):
                 attention_mask_BS, document_ids_BS, s * self.sequence_parallel_size, x_BSD.device
             )
         if "segments" in kinds:  # mixers that carry state along the row restart it per document themselves
-            if document_ids_BS is not None and document_ids_BS.shape[-1] != s:
+            row = s * self.sequence_parallel_size  # the whole row's ids under sequence parallelism
+            if document_ids_BS is not None and document_ids_BS.shape[-1] != row:
                 raise ValueError(
-                    f"document_ids must be [batch, seq_len={s}] like input_ids, got {tuple(document_ids_BS.shape)}"
+                    f"document_ids must be [batch, seq_len={row}] like the row's input_ids, got "
+                    f"{tuple(document_ids_BS.shape)}"
                 )
-            masks["segments"] = RowSegments(document_ids_BS, attention_mask_BS)
+            masks["segments"] = RowSegments(document_ids_BS, attention_mask_BS, self.sequence_parallel_rank)
         attention = self.attention.on(x_BSD.device)  # keep: only where the device has the kept kernels
         routed = []  # each MoE layer's (router logits, selected expert ids)
         for layer in self.layers:

@@ -29,6 +29,7 @@ __all__ = [
     "chunk_gated_delta_rule_reference",
     "delta_rule_flops_per_token",
     "linear_attention_kernels",
+    "linear_attention_row",
 ]
 
 DELTA_RULE_CHUNK = 64
@@ -43,6 +44,16 @@ class RowSegments:
 
     document_ids_BS: torch.Tensor | None = None
     attention_mask_BS: torch.Tensor | None = None
+    sequence_rank: int = 0
+    """Under sequence parallelism this rank's place in its group: it holds the row's tokens ``[rank·s, (rank+1)·s)``
+    (the two masks are the whole row's)."""
+
+    def local_attention_mask(self, s: int) -> torch.Tensor | None:
+        """The padding mask of this rank's ``s`` tokens (None: no padding)."""
+        mask = self.attention_mask_BS
+        if mask is None or mask.shape[-1] == s:
+            return mask
+        return mask[:, self.sequence_rank * s : (self.sequence_rank + 1) * s]
 
     def cu_seqlens(self, b: int, s: int, device: torch.device) -> torch.Tensor | None:
         """int32 ``[N + 1]`` starts of the segments of the flattened ``[B·S]`` tokens (each row starts one, so does
@@ -229,3 +240,33 @@ def linear_attention_kernels(kernel: str, device: torch.device) -> LinearAttenti
             f"linear attention on GPU needs flash-linear-attention ({err}): install the model family's 'kernels' "
             "extra (or pip install 'flash-linear-attention>=0.6'), or set the mixers' kernel to 'torch' (slow)"
         ) from None
+
+
+def linear_attention_row(
+    q_BSGDk: torch.Tensor,
+    k_BSGDk: torch.Tensor,
+    v_BSHDv: torch.Tensor,
+    g_BSH: torch.Tensor,
+    beta_BSH: torch.Tensor,
+    conv_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    segments: RowSegments,
+    kernels: LinearAttentionKernels,
+) -> torch.Tensor:
+    """A Gated DeltaNet's work along the whole row for the heads it is given: the short causal convolution (with its
+    silu) of the projected ``q``, ``k``, ``v``, then the chunked gated delta rule with ``g`` (log-space decay) and
+    ``beta``; ``[B, S, H, Dv]``. ``conv_weights``: the convolution's per-head weights ``([G, Dk, K], [G, Dk, K],
+    [H, Dv, K])`` of q, k and v (the channels are per head, so a subset of heads is a subset of channels). Each of the
+    ``G`` key heads serves ``H / G`` consecutive value heads. Under sequence parallelism this call runs on head
+    shards (``apply_sequence_parallel``)."""
+    b, s = g_BSH.shape[:2]
+    parts = (q_BSGDk, k_BSGDk, v_BSHDv)
+    x_BSC = torch.cat([t.reshape(b, s, -1) for t in parts], dim=-1)
+    weight_CK = torch.cat([w.reshape(-1, w.shape[-1]) for w in conv_weights])
+    y_BSC = kernels.conv(x_BSC, weight_CK, segments)
+    q, k, v = torch.split(y_BSC, [t.shape[2] * t.shape[3] for t in parts], dim=-1)
+    return kernels.delta_rule(
+        *(x.reshape(t.shape) for x, t in zip((q, k, v), parts)),
+        g_BSH,
+        beta_BSH,
+        segments.cu_seqlens(b, s, x_BSC.device),
+    )

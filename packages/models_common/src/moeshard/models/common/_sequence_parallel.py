@@ -2,7 +2,8 @@
 
 Everything per token (embedding, norms, RoPE at the whole row's positions, router, experts, head, loss) runs on the
 shard as it is; each attention module's ``attention_call`` becomes the same call on head shards between two
-all-to-alls (``moeshard.sequence.UlyssesAttention``), and the decoder builds its mask for the whole row. The
+all-to-alls (``moeshard.sequence.UlyssesAttention``), so does a recurrent mixer's ``row_call`` (its convolution and
+state along the whole row, for its heads), and the decoder builds its mask for the whole row. The
 model then takes a rank's shard as ``moeshard.sequence.shard_row`` gives it::
 
     apply_sequence_parallel(model, sp_group)
@@ -44,24 +45,54 @@ def apply_sequence_parallel(model: nn.Module, group) -> int:
         return 1
     decoders = [m for m in model.modules() if isinstance(m, DecoderModel)]
     attentions = [m for m in model.modules() if hasattr(m, "attention_call")]
-    if len(decoders) != 1 or not attentions:
+    rows = [m for m in model.modules() if hasattr(m, "row_call")]
+    if len(decoders) != 1 or not (attentions or rows):
         raise ValueError(
             f"apply_sequence_parallel needs a moeshard causal LM (one decoder with attention modules), got "
             f"{type(model).__name__}"
         )
-    stateful = sorted({type(m).__name__ for m in model.modules() if getattr(m, "mask_kind", None) == "segments"})
-    if stateful:
+    stateful = {m for m in model.modules() if getattr(m, "mask_kind", None) == "segments"}
+    unsplit = sorted({type(m).__name__ for m in stateful - set(rows)})
+    if unsplit:
         raise ValueError(
-            f"sequence parallelism (sp={sp}) does not split {', '.join(stateful)} (a recurrent state along the row) "
-            "across ranks yet: set parallel.sp_size to 1 for this model"
+            f"sequence parallelism (sp={sp}) does not split {', '.join(unsplit)} (a recurrent state along the row, "
+            "without a row_call to run on head shards) across ranks: set parallel.sp_size to 1 for this model"
         )
     for m in attentions:
         check_sequence_parallel(sp, num_heads=m.num_heads, num_kv_heads=getattr(m, "num_kv_heads", m.num_heads))
+    for m in rows:  # no replication: each key head's state is its value heads', all on one rank
+        if m.num_heads % sp or m.num_kv_heads % sp:
+            raise ValueError(
+                f"sequence parallelism sp={sp} splits {type(m).__name__}'s heads over ranks: its {m.num_heads} value "
+                f"heads and {m.num_kv_heads} key heads must both divide by sp; use an sp that divides both"
+            )
     for m in attentions:
         m.attention_call = UlyssesAttention(attend, pg)
+    for m in rows:
+        m.row_call = _RowOnHeadShards(type(m).row_call, pg)
     decoders[0].sequence_parallel_size = sp
     decoders[0].sequence_parallel_rank = dist.get_rank(pg)
     return sp
+
+
+class _RowOnHeadShards:
+    """A recurrent mixer's ``row_call`` (``linear_attention_row``'s signature) on head shards: the per-token inputs
+    (q, k, v as projected, before the convolution, which runs along the whole row; the per-head gates) trade this
+    rank's tokens of every head for the whole row of its ``1/sp`` of the heads, the call runs there with those heads'
+    convolution weights, and its output comes back to this rank's tokens of every head."""
+
+    def __init__(self, call, group) -> None:
+        self.call, self.group = call, group
+
+    def __call__(self, q_BsGD, k_BsGD, v_BsHD, g_BsH, beta_BsH, conv_weights, segments, kernels) -> torch.Tensor:
+        from moeshard.sequence import heads_to_sequence, sequence_to_heads
+
+        sp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        shards = [sequence_to_heads(t, self.group, head_dim=2, seq_dim=1) for t in (q_BsGD, k_BsGD, v_BsHD)]
+        gates = [sequence_to_heads(t, self.group, head_dim=2, seq_dim=1) for t in (g_BsH, beta_BsH)]
+        weights = tuple(w.chunk(sp)[rank] for w in conv_weights)  # rank r: heads [r·H/sp, (r+1)·H/sp)
+        out_BShD = self.call(*shards, *gates, weights, segments, kernels)
+        return heads_to_sequence(out_BShD, self.group, head_dim=2, seq_dim=1)
 
 
 @dataclass(frozen=True)

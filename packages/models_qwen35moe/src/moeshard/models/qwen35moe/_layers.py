@@ -29,6 +29,7 @@ from moeshard.models.common import (
     attention_output,
     delta_rule_flops_per_token,
     linear_attention_kernels,
+    linear_attention_row,
 )
 
 __all__ = ["GatedAttention", "GatedDeltaNet", "GatedRMSNorm"]
@@ -57,6 +58,10 @@ class GatedDeltaNet(nn.Module):
     """
 
     mask_kind = "segments"
+
+    row_call = staticmethod(linear_attention_row)
+    """The convolution and the delta rule along the whole row, on the heads given (``linear_attention_row``);
+    ``apply_sequence_parallel`` replaces it on an instance with the same call on head shards."""
 
     def __init__(self, config: Qwen3_5MoeTextConfig, kernel: str = "auto") -> None:
         super().__init__()
@@ -107,22 +112,29 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """Output ``[B, S, D]``; positions play no part (the state orders the tokens), ``attention`` neither."""
         segments = segments if isinstance(segments, RowSegments) else RowSegments()
-        if segments.attention_mask_BS is not None:  # padding in, zeros in (transformers' apply_mask_to_padding)
-            x_BSD = (x_BSD * segments.attention_mask_BS[:, :, None]).to(x_BSD.dtype)
         b, s, _ = x_BSD.shape
-        kernels = linear_attention_kernels(self.kernel, x_BSD.device)
-        qkv_BSC = kernels.conv(self.in_proj_qkv(x_BSD), self.conv1d.weight.squeeze(1), segments)
-        q, k, v = torch.split(qkv_BSC, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        mask_BS = segments.local_attention_mask(s)
+        if mask_BS is not None:  # padding in, zeros in (transformers' apply_mask_to_padding)
+            x_BSD = (x_BSD * mask_BS[:, :, None]).to(x_BSD.dtype)
+        q, k, v = torch.split(self.in_proj_qkv(x_BSD), [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        w_CK = self.conv1d.weight.squeeze(1)
+        w_q, w_k, w_v = torch.split(w_CK, [self.key_dim, self.key_dim, self.value_dim])
         z_BSHDv = self.in_proj_z(x_BSD).reshape(b, s, -1, self.head_v_dim)
         beta_BSH = self.in_proj_b(x_BSD).sigmoid()
         g_BSH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_BSD).float() + self.dt_bias)
-        out_BSHDv = kernels.delta_rule(
+        out_BSHDv = self.row_call(
             q.reshape(b, s, -1, self.head_k_dim),
             k.reshape(b, s, -1, self.head_k_dim),
             v.reshape(b, s, -1, self.head_v_dim),
             g_BSH,
             beta_BSH,
-            segments.cu_seqlens(b, s, x_BSD.device),
+            (
+                w_q.reshape(self.num_k_heads, self.head_k_dim, -1),
+                w_k.reshape(self.num_k_heads, self.head_k_dim, -1),
+                w_v.reshape(self.num_v_heads, self.head_v_dim, -1),
+            ),
+            segments,
+            linear_attention_kernels(self.kernel, x_BSD.device),
         )
         out = self.norm(out_BSHDv.reshape(-1, self.head_v_dim), z_BSHDv.reshape(-1, self.head_v_dim))
         return self.out_proj(out.reshape(b, s, -1))
