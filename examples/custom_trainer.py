@@ -14,6 +14,11 @@ attention inside it); the global batch of step s is a pure function of s, rank r
 micro-batches (gradient accumulation), and a ``PrefetchLoader`` prepares the next steps in a background thread.
 Optional: aux-loss-free expert balancing (``--router-bias RATE``: a selection bias per expert, moved after each step
 from the step's global expert load) and a held-out loss at the end (``--eval-data``), both from the packages.
+
+LoRA (``moeshard.lora``): ``--lora-rank 16 --lora-modules q_proj o_proj --lora-experts mlp.experts.gate_up_proj
+mlp.experts.down_proj --adapter OUT`` freezes the base (held in the compute dtype, no gradient or optimizer state)
+and trains adapters beside it, sharded with what they adapt (the EP plan slices the expert adapters with their
+experts); ``OUT`` is written in PEFT's format (``peft.PeftModel.from_pretrained`` loads it).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from moeshard.checkpoint import model_state, save_checkpoint
 from moeshard.data import DataConfig, EvalBatches, PrefetchLoader, StepBatches, open_dataset
 from moeshard.ep import EPOptions
 from moeshard.fsdp_moe import ExpertGradOptions, build_optimizer, num_items_for_global_mean
+from moeshard.lora import LoraOptions, apply_lora, reset_adapters, save_adapter
 from moeshard.meshes import build_meshes
 from moeshard.models import deepseekv3, qwen3moe
 from moeshard.models.common import (
@@ -72,6 +78,11 @@ def main() -> None:
     p.add_argument("--eval-data", default=None, help="held-out data (as --data): its loss after the last step")
     p.add_argument("--losses", type=Path, default=None, help="write the per-step losses here (JSON)")
     p.add_argument("--checkpoint", type=Path, default=None, help="checkpoint folder: step_N/ written at the end")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA: the adapters' rank (0: train every weight)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA: the scaling's numerator (default: 2 x rank)")
+    p.add_argument("--lora-modules", nargs="*", default=(), help="LoRA: linear modules (q_proj o_proj ...)")
+    p.add_argument("--lora-experts", nargs="*", default=(), help="LoRA: fused expert tensors (mlp.experts.down_proj)")
+    p.add_argument("--adapter", type=Path, default=None, help="LoRA: write the adapter here (PEFT's format)")
     args = p.parse_args()
 
     # 1. Process group and meshes: EP groups inside a node, expert FSDP across nodes.
@@ -95,6 +106,19 @@ def main() -> None:
     config = family.load_config(args.model)
     with torch.device("meta"):
         model = family.model_class(config)
+    adapters = None
+    if args.lora_rank:
+        # Before parallelize, so the EP plan slices the expert adapters with their experts. The frozen base is held
+        # in the compute dtype (bf16 on GPU): it needs no float32 master, gradient or optimizer state.
+        lora = LoraOptions(
+            rank=args.lora_rank,
+            alpha=args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank,
+            target_modules=tuple(args.lora_modules),
+            target_parameters=tuple(args.lora_experts),
+        )
+        base_dtype = torch.bfloat16 if device.type == "cuda" else None
+        adapters = apply_lora(model, lora, seed=0, base_dtype=base_dtype)
+        print0(adapters.describe())
     options = ParallelOptions(ep=EPOptions(dispatch=args.dispatch), prefetch_depth=args.prefetch_depth)
     parallel = parallelize(model, meshes, options)
     print0("\n".join(options.describe()))
@@ -102,9 +126,11 @@ def main() -> None:
     # 3. Memory, then weights: every rank reads only the slices it holds.
     model.to_empty(device=device)
     load_hf_weights(model, args.model, ep_info=parallel.ep_info)  # ep_info: the experts this EP rank holds
+    if adapters is not None:  # their values were lost on meta: each rank takes its share of the same initial ones
+        reset_adapters(model, adapters, seed=0, ep_rank=parallel.ep_info.ep_rank)
     if args.router_bias:
         model.enable_router_bias()  # after the HF weights (their format has no bias), before any DCP load or save
-    # AdamW for every parameter (fused on GPU); experts kept out of FSDP (ep_fsdp of one rank) get one fused pass
+    # AdamW for every trainable parameter (with LoRA: the adapters only; fused on GPU); experts kept out of FSDP (ep_fsdp of one rank) get one fused pass
     # from their compute-dtype gradients. One step(), zero_grad(), state_dict() and clip_grad_norm_() for all.
     # expert_grads: those experts' weight gradients kept over a step's micro-batches, formed once in the last.
     expert_grads = ExpertGradOptions(micro_batches=max(1, args.global_batch // world // args.micro_batch))
@@ -188,6 +214,15 @@ def main() -> None:
         extra = {"step": args.steps, "model_config": config.to_dict(), "model_path": str(args.model.resolve())}
         saved = save_checkpoint(args.checkpoint, args.steps, model_state(model, optimizer), extra, {}, keep_last=1)
         print0(f"checkpoint {saved.path}: {saved.write_s:.2f} s, {saved.rate_text} per rank")
+    # 7. The adapter in PEFT's format: each adapter gathered whole (experts over EP, shards over FSDP), rank 0 writes.
+    if adapters is not None and args.adapter is not None:
+        entries = model_state(model, optimizer)["model"]  # layout independent: experts in their global shape
+        full = {
+            n: entries[n].full_tensor() if hasattr(entries[n], "full_tensor") else entries[n] for n in adapters.names()
+        }
+        if rank == 0:
+            save_adapter(args.adapter, adapters, full, base_model=str(args.model.resolve()))
+            print0(f"adapter {args.adapter}")
     if rank == 0 and args.losses is not None:
         record = {"loss": losses, "grad_norm": grad_norms, "expert_load_max_over_mean": imbalance, "val_loss": val_loss}
         args.losses.write_text(json.dumps(record))

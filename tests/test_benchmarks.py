@@ -47,6 +47,7 @@ TOOLS = {
     "balancing.py": "test_balancing_help",  # its curves: apps/train/tests/test_balancing.py
     "balancing.json": "test_balancing_help",  # balancing.py's output, the app README's figure
     "balancing.svg": "test_balancing_help",
+    "lora_cost.py": "test_lora_cost",
 }
 
 # The tiny CPU job appended to bench's flags in "run" mode.
@@ -303,3 +304,23 @@ def test_balancing_help():
     assert res.returncode == 0 and "--steps" in res.stdout, res.stderr
     curves = json.loads((BENCH / "balancing.json").read_text())
     assert curves and (BENCH / "balancing.svg").read_text().startswith("<svg")
+
+
+def test_lora_cost(tmp_path):
+    """benchmarks/lora_cost.py --smoke: the frozen experts and attention projections, without and with adapters,
+    each timed (forward + backward) and the adapters' share printed and written."""
+    out = tmp_path / "cost.json"
+    res = subprocess.run(
+        [sys.executable, str(BENCH / "lora_cost.py"), "--smoke", "--json", str(out)],
+        capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-4000:]
+    lines = res.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["experts", "attention"]
+    assert all("with rank-8 adapters" in line and "adapters' share" in line for line in lines)
+    figures = json.loads(out.read_text())
+    for name in ("experts", "attention"):
+        base, lora = figures[f"{name}_ms"], figures[f"{name}_lora_ms"]
+        assert base > 0 and lora > 0
+        assert figures[f"{name}_adapter_share"] == pytest.approx((lora - base) / lora)
+    assert figures["args"]["rank"] == 8 and figures["args"]["experts"] == 4

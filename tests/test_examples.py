@@ -164,6 +164,60 @@ def test_custom_trainer_checkpoint_exports_to_a_hub_folder(tiny, tmp_path, capsy
         torch.testing.assert_close(theirs(input_ids=ids).logits, ours(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+LORA = dict(
+    rank=4, alpha=8, modules=("q_proj", "o_proj"), experts=("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+)
+LORA_APP_CONFIG = (
+    APP_CONFIG.replace(f"  router_bias: {{update_rate: {ROUTER_BIAS}}}\n", "")
+    .replace("lr: 0.003", "lr: 0.02")
+    .replace(f"steps: {HYPER['steps']}", "steps: 3")
+    + f"lora: {{rank: {LORA['rank']}, alpha: {LORA['alpha']}, target_modules: [{', '.join(LORA['modules'])}], "
+    f"target_parameters: [{', '.join(LORA['experts'])}]}}\n"
+)
+
+
+@pytest.mark.slow
+def test_custom_trainer_with_lora_matches_the_app(tiny, tmp_path):
+    """``--lora-*`` (moeshard.lora's public API) on 2 CPU ranks, EP 2: the app's LoRA job on the same checkpoint,
+    data and hyper-parameters takes the same steps, and the two PEFT folders hold the same adapters."""
+    from safetensors.torch import load_file
+
+    assert "router_bias" not in LORA_APP_CONFIG and "lr: 0.02" in LORA_APP_CONFIG and "steps: 3" in LORA_APP_CONFIG
+    (tmp_path / "app.yaml").write_text(LORA_APP_CONFIG)
+    app_out, losses_file, adapter = tmp_path / "app", tmp_path / "example_losses.json", tmp_path / "example_adapter"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**HYPER, "steps": 3, "lr": 0.02}.items()]
+    _run(
+        [
+            sys.executable, "-m", "moeshard.train", "launch-local", "--nnodes", "1", "--nproc-per-node", "2", "--",
+            "--config", str(tmp_path / "app.yaml"), f"--data.path={tiny / 'data.jsonl'}",
+            f"--model.path={tiny / 'model'}", f"--logging.output_dir={app_out}",
+        ],
+        _torchrun(
+            2, EXAMPLES / "custom_trainer.py", f"--model={tiny / 'model'}", f"--data={tiny / 'data.jsonl'}",
+            "--ep-size=2", "--ranks-per-node=2", *flags, f"--losses={losses_file}", f"--lora-rank={LORA['rank']}",
+            f"--lora-alpha={LORA['alpha']}", "--lora-modules", *LORA["modules"], "--lora-experts", *LORA["experts"],
+            f"--adapter={adapter}",
+        ),
+        cwd=tmp_path,
+    )  # fmt: skip
+    app = [json.loads(line) for line in (app_out / "metrics.jsonl").read_text().splitlines()]
+    app = [r for r in app if "loss" in r]
+    example = json.loads(losses_file.read_text())
+    assert [m["step"] for m in app] == [1, 2, 3]
+    assert example["loss"] == pytest.approx([m["loss"] for m in app], rel=1e-5)
+    assert example["grad_norm"] == pytest.approx([m["grad_norm"] for m in app], rel=1e-4)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == LORA["rank"] and sorted(config["target_parameters"]) == sorted(LORA["experts"])
+    ours, theirs = (
+        load_file(str(adapter / "adapter_model.safetensors")),
+        load_file(str(app_out / "adapter" / "adapter_model.safetensors")),
+    )
+    assert ours.keys() == theirs.keys() and any("experts" in k for k in ours)
+    for k in ours:
+        torch.testing.assert_close(ours[k], theirs[k], rtol=1e-4, atol=1e-6, msg=k)
+    assert any(v.abs().sum() > 0 for k, v in ours.items() if "lora_B" in k)  # trained (B starts at zero)
+
+
 @pytest.mark.slow
 def test_toy_moe_matches_one_process(tmp_path):
     _run(

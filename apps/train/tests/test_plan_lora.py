@@ -114,3 +114,31 @@ def test_lora_holds_the_base_once_in_bf16_and_trains_only_the_adapters():
     assert lora.memory.activations - full.memory.activations == extras
     assert lora.memory.unsharded < full.memory.unsharded  # the frozen local experts are their own compute copies
     assert lora.memory.total < full.memory.total
+
+
+def test_lora_reduce_scatters_only_the_adapters_gradients():
+    """2 nodes x 8 (EP 8 x ep_fsdp 2), 2 layers of the 30B: the reduce-scatter of a LoRA step carries the adapters'
+    float32 gradients only (the frozen base has none), over all 16 ranks outside the experts and over the 2 ep_fsdp
+    ranks for this EP rank's expert adapters; the all-gather carries the base and the adapters."""
+    from moeshard.train.commands.plan import plan_report
+    from moeshard.train.config import load_config
+
+    keys = ["--model.preset=qwen3-30b-a3b", "--model.overrides.num_hidden_layers=2", "--parallel.param_dtype=bfloat16"]
+    keys += ["--data.seq_len=4096", "--train.global_batch_size=16", "--train.micro_batch_size=1"]
+    keys += ["--parallel.ep_size=8", "--parallel.activation_checkpointing=full"]
+
+    def comm(*extra: str) -> dict:
+        report = plan_report(load_config(None, keys + list(extra)), nnodes=2, nproc_per_node=8, table=False)
+        return {kind: sum(b for (k, _), b in report.comm.items() if k == kind) for kind, _ in report.comm}
+
+    full, lora = comm(), comm(*LORA)
+    rank, d, heads, hd, experts, width, layers = 4, 2048, 32, 128, 128, 768, 2
+    linear = layers * sum(i * rank + rank * o for i, o in ((d, heads * hd), (heads * hd, d)))  # q_proj, o_proj
+    expert = layers * experts * (rank * d + 2 * width * rank + rank * width + d * rank)  # gate_up, down: A and B
+    want = linear * 4 * 15 / 16 + expert / 8 * 4 * 1 / 2  # one micro-batch per rank: one reduce-scatter
+    assert lora["reduce_scatter"] == pytest.approx(want, rel=1e-9)
+    assert lora["reduce_scatter"] < full["reduce_scatter"] / 50
+    # the all-gather: the base as full fine-tuning gathers it, plus the adapters (in the compute dtype)
+    assert lora["all_gather"] > full["all_gather"]
+    assert lora["all_gather"] - full["all_gather"] < 2 * (linear + expert / 8) * 2
+    assert lora["all_to_all"] == full["all_to_all"]

@@ -170,9 +170,17 @@ def plan_report(
         warning = _exceeds(cfg, mcfg, built, est, nnodes, nproc_per_node, mb, gpu_memory)
         lines.append(warning)
     lines.append("")
-    comm = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, built.units.once_numel)
+    adapters = built.units.adapter_numel if built.adapters is not None else None
+    comm = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, built.units.once_numel, adapters=adapters)
     bound = comm_estimate(
-        cfg, mcfg, world, nproc_per_node, compute_bytes, built.units.once_numel, uniform_routing=False
+        cfg,
+        mcfg,
+        world,
+        nproc_per_node,
+        compute_bytes,
+        built.units.once_numel,
+        uniform_routing=False,
+        adapters=adapters,
     )
     lines += comm_estimate_lines(comm, bound)
     return PlanReport("\n".join(lines), est, comm, bound, warning)
@@ -397,6 +405,7 @@ class _UnitFigures(NamedTuple):
     fused_numel: int  # experts updated by the fused pass (compute-dtype gradients)
     held_grads: int  # bytes of unsharded gradients held with gradient_sync last_micro_batch
     head_trains: bool  # the LM head's weight gets a gradient (not a frozen base's, lora)
+    adapter_numel: tuple[int, int]  # unsharded elements that train, outside the expert units and in them (lora)
 
 
 def _unit_figures(
@@ -459,8 +468,20 @@ def _unit_figures(
 
     held_grads = sum(grad_bytes(m) * (shards(m) - 1) // shards(m) for _, m in units)
     head_trains = any(p.requires_grad for p in head.parameters() if p.dim() == 2)
+    # What each unit reduce-scatters (a frozen base, lora, nothing): outside the experts and this EP rank's experts'.
+    trained = [(id(m) in expert_units, _managed_numel(m, skip, trained_only=True)) for _, m in units]  # root too
+    adapter_numel = (sum(n for e, n in trained if not e), sum(n for e, n in trained if e))
     return _UnitFigures(
-        in_flight, reduce_buffers, once_numel, kept_numel, all_numel, experts_kept, fused_numel, held_grads, head_trains
+        in_flight,
+        reduce_buffers,
+        once_numel,
+        kept_numel,
+        all_numel,
+        experts_kept,
+        fused_numel,
+        held_grads,
+        head_trains,
+        adapter_numel,
     )
 
 
@@ -482,9 +503,20 @@ def _managed_numel(unit: torch.nn.Module, skip: set[int], trained_only: bool = F
 
 
 def comm_estimate(
-    cfg: JobConfig, mcfg: Any, world: int, per_node: int, elem: int, once_numel: int, *, uniform_routing: bool = True
+    cfg: JobConfig,
+    mcfg: Any,
+    world: int,
+    per_node: int,
+    elem: int,
+    once_numel: int,
+    *,
+    uniform_routing: bool = True,
+    adapters: tuple[int, int] | None = None,
 ) -> dict[tuple[str, str], float]:
-    """Bytes per optimizer step per rank by ``(kind, link)`` for this job (see :mod:`moeshard.train.observe.comm`)."""
+    """Bytes per optimizer step per rank by ``(kind, link)`` for this job (see :mod:`moeshard.train.observe.comm`).
+
+    ``adapters``: a LoRA job's trained elements (outside the experts, this EP rank's experts'): only their gradients
+    are reduce-scattered."""
     reshard, expert_reshard = parallel_options(cfg).resharding(world)
     return estimate_comm_bytes(
         mcfg,
@@ -505,6 +537,7 @@ def comm_estimate(
         reduce_every_micro_batch=gradient_sync(cfg.train, world) == "every_micro_batch",
         sp_size=cfg.parallel.sp_size,
         uniform_routing=uniform_routing,
+        adapter_numel=adapters,
     )
 
 

@@ -40,6 +40,7 @@ def estimate_comm_bytes(
     reduce_every_micro_batch: bool = True,
     uniform_routing: bool = True,
     sp_size: int = 1,
+    adapter_numel: tuple[float, float] | None = None,
 ) -> dict[tuple[str, str], float]:
     """Bytes leaving one rank per optimizer step, keyed by ``(kind, "intra-node" | "inter-node")``.
 
@@ -63,6 +64,9 @@ def estimate_comm_bytes(
             output comes back, forward and backward (and again in full checkpointing's recompute), each rank
             sending ``(sp-1)/sp`` of them inside its node (``sp_all_to_all``); key/value heads replicated to
             ``lcm(G, sp)`` where fewer than ``sp``.
+        adapter_numel: LoRA: the adapters' unsharded elements ``(outside the experts, this EP rank's experts')``.
+            They are gathered beside the frozen base and are the only gradients reduce-scattered (the base has
+            none); None: no adapters, every parameter trains.
 
     all-to-all per MoE layer and token: the token's hidden state out and its partial output back, in forward and
     backward (4 passes; 5 with activation checkpointing, whose recompute sends the hidden states out again), plus
@@ -97,14 +101,24 @@ def estimate_comm_bytes(
     gathers = 2 if reshard_after_forward else 1
     expert_reshard = reshard_after_forward if expert_reshard_after_forward is None else expert_reshard_after_forward
     ep_fsdp_nodes = min(nodes, ep_fsdp)
-    for numel, root, group, group_nodes, unit_gathers, reduce_bytes in (
-        (dense_numel, once_numel, world_size, nodes, gathers, 4),
-        (expert_numel / ep_size, 0, ep_fsdp, ep_fsdp_nodes, 2 if expert_reshard else 1, expert_reduce_bytes),
+    dense_adapters, expert_adapters = adapter_numel if adapter_numel is not None else (0.0, 0.0)
+    for numel, reduced, root, group, group_nodes, unit_gathers, reduce_bytes in (
+        (dense_numel + dense_adapters, dense_adapters, once_numel, world_size, nodes, gathers, 4),
+        (
+            expert_numel / ep_size + expert_adapters,
+            expert_adapters,
+            0,
+            ep_fsdp,
+            ep_fsdp_nodes,
+            2 if expert_reshard else 1,
+            expert_reduce_bytes,
+        ),
     ):
         gathered = micro_batches * (unit_gathers * (numel - root) + root)
         add("all_gather", gathered * compute_bytes * (group - 1) / group, group, group_nodes)
         reductions = micro_batches if reduce_every_micro_batch else 1
-        add("reduce_scatter", reductions * numel * reduce_bytes * (group - 1) / group, group, group_nodes)
+        reduced = reduced if adapter_numel is not None else numel  # only what trains has a gradient
+        add("reduce_scatter", reductions * reduced * reduce_bytes * (group - 1) / group, group, group_nodes)
     if sp_size > 1:
         h = facts.attention_heads
         g = getattr(config, "num_key_value_heads", None) or h

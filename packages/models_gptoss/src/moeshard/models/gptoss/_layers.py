@@ -120,6 +120,7 @@ class GptOssAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.qk_head_dim = self.v_head_dim = self.head_dim  # declared for FAMILY.facts (ATTENTION_ATTRIBUTES)
+        self.attention_window = self.sliding_window  # FAMILY.facts counts a window layer's keys up to it
         self.dropout = float(config.attention_dropout)
         d, bias = config.hidden_size, config.attention_bias
         self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
