@@ -3,6 +3,7 @@ and the summed gradients equal one process's on the whole rows (Qwen3-MoE with 2
 DeepSeek-V3 architecture's MLA)."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -103,7 +104,7 @@ def test_a_shard_cannot_shift_its_own_labels():
     ids = torch.randint(0, 512, (1, 8))
     with pytest.raises(ValueError, match="not both"):
         model(ids, labels=ids, shift_labels=ids)
-    model.model.sequence_parallel_size = 2  # as apply_sequence_parallel leaves it
+    model.model.sequence = dataclasses.replace(model.model.sequence, size=2)  # as apply_sequence_parallel leaves it
     with pytest.raises(ValueError, match="pass shift_labels"):
         model(ids, labels=ids, position_ids=torch.arange(8))
     with pytest.raises(ValueError, match="whole-row position_ids"):

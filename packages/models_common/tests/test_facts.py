@@ -150,3 +150,38 @@ def test_the_shared_toy_family_gets_its_facts_and_refuses_an_unknown_preset():
     assert TOY_FAMILY.name == "toy_moe" and TOY_FAMILY.preset_config("toy-4").num_hidden_layers == 4
     with pytest.raises(ValueError, match="unknown toy preset 'big'"):
         TOY_FAMILY.preset_config("big")
+
+
+def test_a_window_layer_counts_the_keys_it_sees():
+    class Windowed(ToyAttention):  # the layer spec any family can declare: a query sees at most 4 keys
+        def __init__(self, config):
+            super().__init__(config)
+            self.attention_window = 4
+
+    class WindowedModel(ToyModel):
+        attention_class = Windowed
+
+    class WindowedLM(ToyForCausalLM):
+        base_model_class = WindowedModel
+
+    config = ToyConfig()
+    full, windowed = model_facts(ToyForCausalLM, config), model_facts(WindowedLM, config)
+    width = H * (DQK + DV)
+    assert windowed.attention_width == 0 and windowed.windowed_attention == ((4, width),) * L
+    for s in (2, 4):  # up to the window: the causal mean, S/2, as a full layer
+        assert windowed.flops_per_token(s) == full.flops_per_token(s)
+    # beyond: the mean of min(position, 4) over 100 positions, 4 - 16/200, not 100/2
+    assert windowed.flops_per_token(100) == 6 * windowed.matmul_parameters + 6 * (4 - 16 / 200) * L * width
+    assert full.flops_per_token(100) - windowed.flops_per_token(100) == pytest.approx(6 * (50 - 3.92) * L * width)
+
+    class Broken(ToyAttention):
+        attention_window = 0
+
+    class BrokenModel(ToyModel):
+        attention_class = Broken
+
+    class BrokenLM(ToyForCausalLM):
+        base_model_class = BrokenModel
+
+    with pytest.raises(ValueError, match="Broken.attention_window=0: declare a positive int"):
+        model_facts(BrokenLM, config)

@@ -19,7 +19,8 @@
 - HF checkpoints: a family describes its format once (:class:`HFFormat`, the model class's ``hf_format``);
   :func:`load_hf_weights` fills a plain, EP-sliced or FSDP-sharded model in place from either expert layout, each
   rank reading only its slices, the whole plan checked before the first byte (FP8 block-scaled weights
-  dequantised, skipped layers named in one line); :func:`save_hf_weights` / :func:`stream_hf_weights` /
+  dequantised, skipped layers named in one line; tensors a family stores in a layout of its own, quantised or not,
+  converted by its :class:`StoredLayout`); :func:`save_hf_weights` / :func:`stream_hf_weights` /
   :func:`save_hf_checkpoint` write folders transformers loads.
 - :class:`ModelFamily`: a family's entry points as one value (each family package exports its ``FAMILY``), so a
   trainer picks a family by name and knows none; its :class:`ModelFacts` (parameter and FLOP counts, activation
@@ -62,6 +63,7 @@ from moeshard.models.common._hf_load import (
     FolderLayout,
     HFFormat,
     LoadReport,
+    StoredLayout,
     load_hf_config,
     load_hf_weights,
     local_region,
@@ -131,6 +133,7 @@ __all__ = [
     "RotaryEmbedding",
     "SafetensorsDir",
     "StepBalance",
+    "StoredLayout",
     "TensorInfo",
     "TopKRouter",
     "ZeroCenteredRMSNorm",

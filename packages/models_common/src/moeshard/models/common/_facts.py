@@ -6,7 +6,8 @@ family writes no formula. What the module tree cannot say, the attention modules
 ``qk_head_dim`` / ``v_head_dim`` (head sizes of ``q·k`` and of the values; MLA's differ). A sequence mixer whose
 cost per token does not grow with the sequence (a linear attention: a recurrent state instead of the keys) declares
 them too (its value heads, key heads, key and value head sizes) and ``recurrent_flops_per_token``, the forward
-FLOPs per token of its state work (not counted as attention).
+FLOPs per token of its state work (not counted as attention). An attention that sees at most the last ``w`` keys (a
+sliding window) declares ``attention_window = w`` (None or absent: every earlier key).
 
     facts = model_facts(Qwen3MoeForCausalLM, config)
     facts.parameters, facts.active_parameters, facts.flops_per_token(4096), facts.expert_width
@@ -18,9 +19,11 @@ Counting rules (each is the family's model, not its config's field names):
 - active parameters: all of them but the routed experts, of which each token uses ``top_k / num_experts``.
 - matmul parameters per token: the weights with two or more dims outside embedding lookups (the LM head is a
   matmul, the token embedding is not), routed experts scaled by ``top_k / num_experts`` as above.
-- FLOPs per token (training): ``6 · matmul parameters + 6 · (S/2) · Σ_attention layers H · (Dqk + Dv) + 3 ·
-  Σ_recurrent layers recurrent_flops_per_token``: causal attention's score and value products over half the keys
-  on average; a recurrent mixer's state work, forward and twice that backward.
+- FLOPs per token (training): ``6 · matmul parameters + 6 · Σ_attention layers keys(S, w) · H · (Dqk + Dv) + 3 ·
+  Σ_recurrent layers recurrent_flops_per_token``: causal attention's score and value products over the keys a
+  query sees on average, ``keys = S/2`` without a window and, with a window of ``w`` keys, the mean of
+  ``min(position, w)``: ``S/2`` while ``S <= w``, else ``w - w²/(2S)`` (``w`` for ``S >> w``); a recurrent mixer's
+  state work, forward and twice that backward.
 - activations per token of one MoE layer (an estimate for planning memory, beside the layer norms and routed
   copies the planner counts itself): for the attention and for the MoE block's other modules (shared experts),
   each leaf module's output but the block's last one's, the last one's input (each is what the op after it keeps
@@ -54,7 +57,8 @@ class ModelFacts:
         active_parameters: those one token touches: all but the routed experts, ``top_k`` of those per MoE layer.
         matmul_parameters: weights a token passes through in matmuls (the LM head, not the embedding lookup),
             routed experts counted ``top_k`` per MoE layer.
-        attention_width: ``Σ_layers heads · (qk_head_dim + v_head_dim)``: causal attention's FLOPs per key.
+        attention_width: ``Σ_layers heads · (qk_head_dim + v_head_dim)`` over the attention layers without a
+            window: causal attention's FLOPs per key.
         layers: decoder layers.
         moe_layers: decoder layers with routed experts.
         hidden_size: the model's width ``D``.
@@ -73,6 +77,8 @@ class ModelFacts:
             checkpointing keeps beside the layer's input where it keeps the attention's output: the output and its
             log-sum-exp where the kept kernels apply (one head size for q, k and v), and the output projection's
             output; only the latter otherwise.
+        windowed_attention: ``(window, heads · (qk_head_dim + v_head_dim))`` of each attention layer that sees at
+            most ``window`` keys (its ``attention_window``); empty without such layers.
     """
 
     parameters: int
@@ -90,11 +96,28 @@ class ModelFacts:
     mlp_activations: int
     kept_attention: tuple[int, int]
     recurrent_flops: int = 0
+    windowed_attention: tuple[tuple[int, int], ...] = ()
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward and backward) at ``seq_len`` with causal attention:
-        ``6 · matmul_parameters + 6 · (seq_len / 2) · attention_width + 3 · recurrent_flops``."""
-        return 6 * self.matmul_parameters + 6 * (seq_len / 2) * self.attention_width + 3 * self.recurrent_flops
+        ``6 · matmul_parameters + 6 · (seq_len / 2) · attention_width + 6 · Σ_windowed keys(seq_len, window) · width
+        + 3 · recurrent_flops`` (:func:`window_keys`)."""
+        windowed = sum(window_keys(seq_len, w) * width for w, width in self.windowed_attention)
+        return (
+            6 * self.matmul_parameters
+            + 6 * (seq_len / 2) * self.attention_width
+            + 6 * windowed
+            + 3 * self.recurrent_flops
+        )
+
+
+def window_keys(seq_len: int, window: int) -> float:
+    """The keys a query of a causal row of ``seq_len`` tokens sees on average under a window of ``window`` keys, in
+    the full attention's ``S/2`` convention: the mean of ``min(position, window)`` over ``[0, seq_len]``,
+    ``seq_len / 2`` while ``seq_len <= window``, else ``window - window² / (2 · seq_len)``."""
+    if seq_len <= window:
+        return seq_len / 2
+    return window - window * window / (2 * seq_len)
 
 
 def model_facts(model_class: type[nn.Module], config: PretrainedConfig) -> ModelFacts:
@@ -126,6 +149,7 @@ def model_facts(model_class: type[nn.Module], config: PretrainedConfig) -> Model
     mixers = [layer.mixer for layer in layers]
     attentions = [_attention_dims(m) for m in mixers]
     recurrent = [getattr(m, "recurrent_flops_per_token", None) for m in mixers]
+    windows = [_window(m) for m in mixers]
     # Activations of an MoE layer (what the planner multiplies by the layers); a model without one: its first layer.
     i = next((i for i, layer in enumerate(layers) if isinstance(layer.mlp, MoEBlock)), 0)
     heads, kv_heads, qk, v = attentions[i]
@@ -143,7 +167,9 @@ def model_facts(model_class: type[nn.Module], config: PretrainedConfig) -> Model
         parameters=stored,
         active_parameters=stored - routed + routed_active,
         matmul_parameters=matmul,
-        attention_width=sum(h * (q + w) for (h, _, q, w), r in zip(attentions, recurrent) if r is None),
+        attention_width=sum(
+            h * (q + w) for (h, _, q, w), r, win in zip(attentions, recurrent, windows) if r is None and win is None
+        ),
         layers=len(layers),
         moe_layers=len(blocks),
         hidden_size=d,
@@ -155,7 +181,17 @@ def model_facts(model_class: type[nn.Module], config: PretrainedConfig) -> Model
         mlp_activations=mlp_elems,
         kept_attention=kept,
         recurrent_flops=sum(int(r) for r in recurrent if r is not None),
+        windowed_attention=tuple(
+            (win, h * (q + w)) for (h, _, q, w), r, win in zip(attentions, recurrent, windows) if r is None and win
+        ),
     )
+
+
+def _window(attn: nn.Module) -> int | None:
+    window = getattr(attn, "attention_window", None)
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"{type(attn).__name__}.attention_window={window!r}: declare a positive int, or None")
+    return window
 
 
 def _numel(module: nn.Module) -> int:

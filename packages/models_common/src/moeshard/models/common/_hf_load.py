@@ -22,9 +22,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -42,6 +44,7 @@ __all__ = [
     "FolderLayout",
     "HFFormat",
     "LoadReport",
+    "StoredLayout",
     "load_hf_config",
     "load_hf_weights",
     "local_region",
@@ -84,6 +87,31 @@ class FolderLayout:
     skipped: tuple[tuple[str, str], ...] = ()
 
 
+class StoredLayout(Protocol):
+    """Parameters a family's checkpoints store in another layout than the model's (transposed, rows reordered,
+    quantised): the loader reads each such parameter's stored tensors for this rank's rows of dim 0 only (its
+    experts, for an expert tensor) and converts them; the writer writes the stored layout back.
+
+    Contract: every stored tensor of a parameter keeps the parameter's dim 0 (a rank's rows ``[a, b)`` of the
+    parameter come from rows ``[a, b)`` of each stored tensor), so no rank ever reads another rank's experts.
+    """
+
+    def stored_keys(self, fqn: str, shape: tuple[int, ...], found: Set[str]) -> dict[str, tuple[int, ...]] | None:
+        """Stored key -> full stored shape of the tensors that hold parameter ``fqn`` (global shape ``shape``) in a
+        checkpoint holding the keys ``found``; None where ``fqn`` is stored as it is."""
+        ...
+
+    def from_stored(self, fqn: str, stored: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """``fqn``'s rows in the model's layout and ``dtype`` from its stored tensors (keys of :meth:`stored_keys`),
+        each cut to the same rows of dim 0."""
+        ...
+
+    def to_stored(self, fqn: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Stored key -> tensor to write for parameter ``fqn`` (unquantised; works on the meta device too); None
+        where ``fqn`` is written as it is."""
+        ...
+
+
 @dataclass(frozen=True)
 class HFFormat:
     """What one model family's HF checkpoints look like: the loader and writer read it from the model class
@@ -104,6 +132,7 @@ class HFFormat:
             writer writes the family's own layout.
         skipped: ``(stored prefix, what it is)`` of parts a checkpoint of the format's own layout may carry that
             the model does not build (``("mtp.", "multi-token prediction")``), each left out with one logged line.
+        stored: parameters stored in another layout than the model's (:class:`StoredLayout`), None for none.
     """
 
     model_type: str
@@ -117,6 +146,7 @@ class HFFormat:
     field: Callable[[PretrainedConfig, str], object] = _config_field
     layouts: tuple[FolderLayout, ...] = ()
     skipped: tuple[tuple[str, str], ...] = ()
+    stored: StoredLayout | None = None
 
     def layout_of(self, model_type: object) -> FolderLayout | None:
         """The :class:`FolderLayout` of folders of ``model_type``, None for the format's own."""
@@ -271,6 +301,18 @@ class _Request:
     dst: torch.Tensor
 
 
+@dataclass
+class _Converted:
+    """A parameter region filled from stored tensors in another layout: rows ``rows`` of dim 0 of each of ``keys``
+    are read whole, converted (``StoredLayout.from_stored``), then cut to ``box`` (dims 1...)."""
+
+    fqn: str
+    keys: tuple[str, ...]
+    rows: slice
+    box: tuple[slice, ...]
+    dst: torch.Tensor
+
+
 def _expert_requests(
     fqn: str, global_shape: tuple[int, ...], offset: tuple[int, ...], local: torch.Tensor
 ) -> list[_Request]:
@@ -379,7 +421,7 @@ def load_hf_weights(
     config = getattr(model, "config", None)
     num_experts = fmt.num_experts(config) if config is not None else None
 
-    requests, wanted_shape = _plan(model, ckpt, fmt, ep_info, expert_range, num_experts)
+    requests, converted, wanted_shape = _plan(model, ckpt, fmt, ep_info, expert_range, num_experts)
     found = ckpt.keys()
     skipped = _skipped_keys(found, fmt.skipped_layers(config)) if config is not None else set()
     if skipped:
@@ -404,6 +446,8 @@ def load_hf_weights(
     fp8 = sorted({r.key for r in requests if ckpt.info(r.key).dtype in FP8})
     check_fp8(ckpt, fp8, block)
     casts = check_dtypes(ckpt, requests, set(fp8), allow_dtype_cast)
+    for label, n in _converted_casts(ckpt, converted, allow_dtype_cast).items():
+        casts[label] = casts.get(label, 0) + n
     if casts:
         logger.info("load_hf_weights(%s): cast checkpoint tensors to the parameters' dtypes: %s", path, casts)
 
@@ -417,12 +461,36 @@ def load_hf_weights(
             if req.key in scale_of:
                 tensor = dequantize(tensor, scale_of[req.key], req.slices, block, req.dst.dtype)
             req.dst.copy_(tensor)
+        for conv in converted:  # one parameter's rows at a time: host memory holds one rank's experts of one tensor
+            reads = [(key, (conv.rows,) + (slice(None),) * (len(ckpt.info(key).shape) - 1)) for key in conv.keys]
+            stored = {key: tensor for _, key, tensor in ckpt.read(reads)}
+            bytes_read += sum(t.numel() * t.element_size() for t in stored.values())
+            value = fmt.stored.from_stored(conv.fqn, stored, conv.dst.dtype)
+            conv.dst.copy_(value[(slice(None), *conv.box)])
     return LoadReport(
-        keys_read=frozenset(r.key for r in requests),
+        keys_read=frozenset([r.key for r in requests] + [k for c in converted for k in c.keys]),
         bytes_read=bytes_read,
         casts=casts,
         skipped=frozenset(skipped | left_out),
     )
+
+
+def _converted_casts(ckpt: SafetensorsDir, converted: list[_Converted], allow_dtype_cast: bool) -> dict[str, int]:
+    """``"src->dst"`` -> parameters converted from stored tensors of other dtypes (``"uint8->float32"`` for a
+    quantised format); a float-to-float cast with ``allow_dtype_cast=False`` is refused."""
+    counts: Counter[str] = Counter()
+    for conv in converted:
+        dtypes = {ckpt.info(key).dtype for key in conv.keys}
+        if dtypes == {conv.dst.dtype}:
+            continue
+        if not allow_dtype_cast and all(d.is_floating_point for d in dtypes):
+            raise CheckpointError(
+                f"{conv.keys[0]} is stored as {sorted(map(str, dtypes))}, the parameter {conv.fqn} is "
+                f"{conv.dst.dtype}: pass allow_dtype_cast=True (or convert the checkpoint or the model's dtype)"
+            )
+        names = ",".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        counts[f"{names}->{str(conv.dst.dtype).removeprefix('torch.')}"] += 1
+    return dict(counts)
 
 
 _ADAPTER_SUFFIXES = (".lora_A", ".lora_B", "_lora_A", "_lora_B")
@@ -435,11 +503,14 @@ def _plan(
     ep_info: EPInfo | None,
     expert_range: tuple[int, int] | None,
     num_experts: int | None,
-) -> tuple[list[_Request], dict[str, tuple[int, ...]]]:
-    """``(reads that fill this rank's boxes, every checkpoint key the model needs -> its stored shape)``; expert
-    tensors read from fused keys where the checkpoint has them, else from per-expert keys."""
+) -> tuple[list[_Request], list[_Converted], dict[str, tuple[int, ...]]]:
+    """``(reads that fill this rank's boxes, regions filled from another stored layout, every checkpoint key the
+    model needs -> its stored shape)``; expert tensors read from fused keys where the checkpoint has them, else from
+    per-expert keys."""
     requests: list[_Request] = []
+    converted: list[_Converted] = []
     wanted_shape: dict[str, tuple[int, ...]] = {}
+    found = ckpt.keys()
     for raw_fqn, param in _tensors(model, fmt):
         fqn = _clean_fqn(raw_fqn)
         if fqn.endswith(_ADAPTER_SUFFIXES):
@@ -450,10 +521,12 @@ def _plan(
         global_shape = tuple(param.shape)
         meta = ep_info.params.get(fqn) if ep_info is not None else None
         is_expert = fqn.endswith(_EXPERT_SUFFIXES)
+        # any tensor of the routed experts (a family's expert biases too) holds one row per expert on dim 0
+        per_expert_rows = ".mlp.experts." in fqn
         if meta is not None:
             global_shape, start = tuple(meta.global_shape), meta.expert_start
             offset = (offset[0] + start, *offset[1:])
-        elif is_expert and expert_range is not None:
+        elif per_expert_rows and expert_range is not None:
             start, end = expert_range
             if global_shape[0] != end - start or num_experts is None:
                 raise ValueError(
@@ -461,12 +534,20 @@ def _plan(
                 )
             global_shape = (num_experts, *global_shape[1:])
             offset = (offset[0] + start, *offset[1:])
-        elif is_expert and num_experts is not None and global_shape[0] != num_experts:
+        elif per_expert_rows and num_experts is not None and global_shape[0] != num_experts:
             raise ValueError(
                 f"{fqn} holds {global_shape[0]} of the model's {num_experts} experts (EP applied) but no ep_info was "
                 "given: pass load_hf_weights(..., ep_info=...) with what apply_ep / parallelize returned"
             )
 
+        stored = fmt.stored.stored_keys(fqn, global_shape, found) if fmt.stored is not None else None
+        if stored is not None:
+            wanted_shape.update(stored)
+            if local.numel():
+                rows = slice(offset[0], offset[0] + local.shape[0])
+                box = tuple(slice(o, o + n) for o, n in zip(offset[1:], local.shape[1:]))
+                converted.append(_Converted(fqn, tuple(stored), rows, box, local))
+            continue
         if not is_expert or fqn in ckpt:
             wanted_shape[fqn] = global_shape
             if fqn in ckpt and local.numel():
@@ -478,4 +559,4 @@ def _plan(
         if local.numel():
             requests.extend(_expert_requests(fqn, global_shape, offset, local))
 
-    return requests, wanted_shape
+    return requests, converted, wanted_shape

@@ -52,9 +52,14 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def _expand(state: Mapping[str, torch.Tensor], expert_layout: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Checkpoint key → tensor, splitting fused expert tensors per expert when asked."""
+def _expand(state: Mapping[str, torch.Tensor], expert_layout: str, fmt: HFFormat) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint key → tensor: a tensor the format stores in another layout in that layout
+    (``HFFormat.stored``), fused expert tensors split per expert when asked."""
     for fqn, tensor in state.items():
+        stored = fmt.stored.to_stored(fqn, tensor) if fmt.stored is not None else None
+        if stored is not None:
+            yield from stored.items()
+            continue
         prefix, _, name = fqn.rpartition(".")
         if expert_layout == "fused" or not prefix.endswith(".mlp.experts") or name not in ("gate_up_proj", "down_proj"):
             yield fqn, tensor
@@ -109,7 +114,8 @@ def save_hf_weights(
         config: the model's config; ``config.json`` gets ``architectures`` and ``dtype`` filled in.
         path: the directory to create or replace.
         max_shard_size: bytes per shard (int or ``"5GB"``); a larger single tensor gets a shard of its own.
-        expert_layout: ``"per_expert"`` (the Hub's keys, default) or ``"fused"``.
+        expert_layout: ``"per_expert"`` (the Hub's keys, default) or ``"fused"``; tensors the format stores in
+            a layout of its own (``HFFormat.stored``) are written in that layout either way.
         dtype: cast floating-point tensors to this dtype (default: keep each tensor's).
         fmt: the model family's format (its ``architectures`` name in ``config.json``).
 
@@ -137,12 +143,15 @@ def _out_dtype(src: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
 
 
 def _plan(
-    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]], expert_layout: str, dtype: torch.dtype | None
+    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    expert_layout: str,
+    dtype: torch.dtype | None,
+    fmt: HFFormat,
 ) -> Iterator[tuple[str, str, int]]:
     """``(output key, source key, bytes)`` in writing order; fused experts expand per expert (see ``_expand``)."""
     for fqn, (shape, src_dtype) in specs.items():
         meta = torch.empty(shape, dtype=_out_dtype(src_dtype, dtype), device="meta")
-        for key, part in _expand({fqn: meta}, expert_layout):
+        for key, part in _expand({fqn: meta}, expert_layout, fmt):
             yield key, fqn, part.numel() * part.element_size()
 
 
@@ -171,7 +180,7 @@ def stream_hf_weights(
     limit = parse_size(max_shard_size)
     shards: list[list[tuple[str, str]]] = [[]]
     size = 0
-    for key, src, nbytes in _plan(specs, expert_layout, dtype):
+    for key, src, nbytes in _plan(specs, expert_layout, dtype, fmt):
         if shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
@@ -195,7 +204,7 @@ def stream_hf_weights(
             needed = list(dict.fromkeys(src for _, src in shard))
             missing = [k for k in needed if k not in held]
             held.update({k: v.detach() for k, v in read(missing).items()} if missing else {})
-            parts = dict(_expand({k: held[k] for k in needed}, expert_layout))
+            parts = dict(_expand({k: held[k] for k in needed}, expert_layout, fmt))
             # Contiguous CPU copies in the output dtype: per-expert views share storage, which safetensors refuses.
             tensors = {
                 key: parts[key].to("cpu", _out_dtype(parts[key].dtype, dtype), copy=True).contiguous()

@@ -16,6 +16,7 @@ from transformers import GptOssConfig
 
 from moeshard.ep import ParallelPlan
 from moeshard.models.common import DecoderLayer, DecoderModel, HFFormat, MoECausalLM
+from moeshard.models.gptoss._checkpoint import HUB_LAYOUT
 from moeshard.models.gptoss._layers import GptOssAttention, sliding_masks
 from moeshard.models.gptoss._moe import GptOssMoE
 from moeshard.models.gptoss._presets import MODEL_TYPE, check_config, is_moe_layer
@@ -43,6 +44,7 @@ def _gpt_oss_format(**layouts) -> HFFormat:
         check_config=check_config,
         structural_keys=STRUCTURAL_CONFIG_KEYS,
         num_experts=lambda config: config.num_local_experts,
+        stored=HUB_LAYOUT,
         **layouts,
     )
 

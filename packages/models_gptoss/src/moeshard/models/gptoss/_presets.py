@@ -111,9 +111,17 @@ def check_config(config: GptOssConfig) -> None:
     """Refuse configs this model does not implement, each with the reason and the fix.
 
     Raises:
-        ValueError: another architecture, tied embeddings, inconsistent heads or layer types, a window < 1.
+        ValueError: another architecture, tied embeddings, inconsistent heads or layer types, a window < 1, a
+            quantisation other than MXFP4.
     """
     check_common_config(config, MODEL_TYPE, "GPT-OSS")
+    quant = getattr(config, "quantization_config", None) or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if method not in (None, "mxfp4"):
+        raise ValueError(
+            f"quantization_config.quant_method={method!r}: GPT-OSS checkpoints load from bf16 or MXFP4 (mxfp4) "
+            "experts; dequantise the checkpoint to bf16 first"
+        )
     if config.num_attention_heads % config.num_key_value_heads:
         raise ValueError(
             f"num_attention_heads={config.num_attention_heads} is not a multiple of "
