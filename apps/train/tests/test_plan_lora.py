@@ -39,7 +39,9 @@ def _bytes(t: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize(
-    "fuse,dtype", [(True, "float32"), (False, "float32"), (True, "bfloat16")], ids=["fused", "torch-adamw", "fused-bf16"]
+    "fuse,dtype",
+    [(True, "float32"), (False, "float32"), (True, "bfloat16")],
+    ids=["fused", "torch-adamw", "fused-bf16"],
 )
 def test_plan_counts_the_state_of_a_lora_job(tmp_path, fuse, dtype):
     """A world-of-one job with adapters on attention and the experts, after one step: its parameters' bytes (the

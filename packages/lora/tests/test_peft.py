@@ -215,7 +215,9 @@ def test_bad_targets_and_adapters_are_one_line_errors(base, tmp_path):
         "neither a fused 3-D expert tensor",
     )
     fails(
-        lambda: apply_lora(model, LoraOptions(rank=2, target_modules=("q_proj",), target_parameters=("q_proj.weight",))),
+        lambda: apply_lora(
+            model, LoraOptions(rank=2, target_modules=("q_proj",), target_parameters=("q_proj.weight",))
+        ),
         "targets model.layers.0.self_attn.q_proj twice",
     )
     options = LoraOptions(rank=2, alpha=4, target_modules=MODULES, target_parameters=PARAMS)
