@@ -4,6 +4,7 @@ DeepSeek-V3 architecture's MLA, Qwen3.5-MoE's Gated DeltaNet beside its gated at
 and state run along the whole row on head shards)."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -112,7 +113,7 @@ def test_a_shard_cannot_shift_its_own_labels():
     ids = torch.randint(0, 512, (1, 8))
     with pytest.raises(ValueError, match="not both"):
         model(ids, labels=ids, shift_labels=ids)
-    model.model.sequence_parallel_size = 2  # as apply_sequence_parallel leaves it
+    model.model.sequence = dataclasses.replace(model.model.sequence, size=2)  # as apply_sequence_parallel leaves it
     with pytest.raises(ValueError, match="pass shift_labels"):
         model(ids, labels=ids, position_ids=torch.arange(8))
     with pytest.raises(ValueError, match="whole-row position_ids"):

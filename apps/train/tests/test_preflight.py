@@ -201,8 +201,9 @@ def test_readme_plan_figures_are_what_plan_prints():
         for path in (ROOT / "README.md", ROOT / "apps/train/README.md")
         for m in _FIGURE.finditer(path.read_text())
     ]
-    # the Qwen3-30B-A3B on 8 and 16 GPUs, the DeepSeek-V3 16B on 8; with LoRA the 235B on 8 (and without), the 30B
-    assert len(found) >= 6
+    # the Qwen3-30B-A3B on 8 and 16 GPUs, the DeepSeek-V3 16B on 8; with LoRA the 235B on 8 (and without), the 30B;
+    # long rows: the 30B at 128k at sp 1 and 8, the DeepSeek-V3 16B at 64k at sp 1 and 8
+    assert len(found) >= 10
     for path, m in found:
         words = m["args"].split()
         config = ROOT / words[words.index("--config") + 1]
@@ -215,5 +216,10 @@ def test_readme_plan_figures_are_what_plan_prints():
         if gpu is not None:  # the line says what plan's check against the GPU says
             said = "does not fit" if "does not fit" in m["rest"] else "fits" if "fits" in m["rest"] else None
             assert said == ("does not fit" if report.warning else "fits"), (m.group(0), report.warning)
+        smallest = re.search(r"the smallest sp: (\d+), (\w+) checkpointing", m["rest"])
+        if smallest:  # the line names what plan's context line names
+            c = report.context
+            assert c is not None and c.fits, (m.group(0), c)
+            assert (str(c.sp_size), c.activation_checkpointing) == smallest.groups(), (m.group(0), c)
         if "(full fine-tuning)" in m["rest"]:
             assert not cfg.lora.enabled, m.group(0)

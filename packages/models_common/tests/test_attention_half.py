@@ -1,5 +1,8 @@
-"""The decoder layer is plain PyTorch: forward = attention_half then the MLP, and the two things ``parallelize``
-compiles (a layer's ``attention_half``, the head's ``chunk_loss``) are instance attributes it may replace."""
+"""The decoder layer is plain PyTorch: forward = attention_half then the MLP, and what ``parallelize`` and
+``apply_activation_checkpointing`` change (a layer's attention half and checkpoint, the head's ``chunk_loss``) are
+values the modules declare (``execution``, ``options``), replaced whole."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -46,13 +49,13 @@ def test_attention_half_then_mlp_is_the_layer(padded):
         assert torch.equal(out, x_half + y)
 
 
-def test_instance_attributes_replace_the_compiled_parts_and_keep_fqns():
+def test_declared_values_replace_the_compiled_parts_and_keep_fqns():
     torch.manual_seed(0)
     model = _model()
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
     ref = model(ids, labels=ids, return_logits=False).loss
     keys = list(model.state_dict())
-    calls = {"attention_half": 0, "chunk_loss": 0}
+    calls = {"attention_half": 0, "checkpoint": 0, "chunk_loss": 0}
 
     def counting(name, fn):
         def call(*args):
@@ -62,11 +65,17 @@ def test_instance_attributes_replace_the_compiled_parts_and_keep_fqns():
         return call
 
     for layer in model.model.layers:
-        layer.attention_half = counting("attention_half", layer.attention_half)
-    model.lm_head.chunk_loss = counting("chunk_loss", model.lm_head.chunk_loss)
-    assert type(model.lm_head).chunk_loss is ce_chunk  # the class default is untouched
+        layer.execution = dataclasses.replace(
+            layer.execution,
+            attention_half=counting("attention_half", layer.attention_half),
+            checkpoint=counting("checkpoint", lambda forward, *args: forward(*args)),
+        )
+    head = model.lm_head
+    head.options = dataclasses.replace(head.options, chunk_loss=counting("chunk_loss", head.options.chunk_loss))
+    assert type(head).options.chunk_loss is ce_chunk  # the class default is untouched
     loss = model(ids, labels=ids, return_logits=False).loss
-    assert calls == {"attention_half": 2, "chunk_loss": 1}
+    assert calls == {"attention_half": 2, "checkpoint": 2, "chunk_loss": 1}
     assert torch.equal(loss, ref)
     assert list(model.state_dict()) == keys
     assert [n for n, _ in model.named_parameters()] == keys
+    assert not any({"forward", "attention_half", "chunk_loss"} & vars(m).keys() for m in model.modules())

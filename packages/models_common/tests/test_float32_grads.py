@@ -1,5 +1,5 @@
-"""The embedding's and the LM head's weight gradients handed to FSDP2 in float32 (``parallelize`` sets their
-``grad_target`` to ``moeshard.fsdp_moe.reduced_grad_target``), 4 gloo processes as 2 nodes x 2 (EP 2 x ep_fsdp 2),
+"""The embedding's and the LM head's weight gradients handed to FSDP2 in float32 (``parallelize`` gives their
+``options.grad_target`` as ``moeshard.fsdp_moe.reduced_grad_target``), 4 gloo processes as 2 nodes x 2 (EP 2 x ep_fsdp 2),
 the toy family, bfloat16 compute with float32 reduction, two micro-batches, FSDP2 reducing every micro-batch or only the last:
 
 - the two gradients are handed over in every backward (autograd never writes them in bfloat16);
@@ -11,6 +11,8 @@ the toy family, bfloat16 compute with float32 reduction, two micro-batches, FSDP
 - the loss's float32 divisor (``num_items_in_batch`` as a tensor, as the trainer passes it) reaches the model
   unrounded: FSDP2's forward-input cast, which would round it to bfloat16, is off.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -34,7 +36,7 @@ def _variant(path, ids_BS, param_dtype: str, handed: bool, sync_every: bool):
     answers = {name: 0 for name in HANDED}
     products = {name: 0 for name in HANDED}
     for name, module in zip(HANDED, (model.model.embed_tokens, model.lm_head)):
-        target = module.grad_target
+        target = module.options.grad_target
         assert target is not None, name
 
         def counted(weight, target=target, name=name):
@@ -50,7 +52,7 @@ def _variant(path, ids_BS, param_dtype: str, handed: bool, sync_every: bool):
                 answer.add_product_ = add_product_
             return answer
 
-        module.grad_target = counted if handed else None
+        module.options = dataclasses.replace(module.options, grad_target=counted if handed else None)
     share = ids_BS.numel()  # this rank's share of the global mean: N_global / 4 (FSDP averages over the 4 ranks)
     losses = []
     micro = ids_BS.chunk(2)

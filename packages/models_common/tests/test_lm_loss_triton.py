@@ -136,12 +136,15 @@ def test_parallelize_gives_the_head_the_kernel_with_the_triton_tier_on_cuda(monk
 
     from moeshard.ep import EPOptions
     from moeshard.models.common import LMHead, ParallelOptions, TopKRouter
+    from moeshard.models.common._causal_lm import LayerExecution
     from moeshard.models.common._layers import RMSNorm
     from moeshard.models.common._lm_loss_triton import ce_chunk_triton_
     from moeshard.models.common._parallelize import _compile
     from moeshard.models.common._topk_triton import topk_ids_op
 
     class Layer(torch.nn.Module):
+        execution = LayerExecution()
+
         def __init__(self):
             super().__init__()
             self.router = TopKRouter(8, 4, 2, True)
@@ -149,6 +152,9 @@ def test_parallelize_gives_the_head_the_kernel_with_the_triton_tier_on_cuda(monk
         def attention_half(self, x):
             return x
 
+    compiled = []  # what torch.compile was given
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, *a, **k: compiled.append(fn) or compile_(fn, *a, **k))
     for cuda in (True, False):  # without CUDA the tier means the compiled function, as moeshard.ep's tier does
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
         for kernels in ("triton", "compiled"):
@@ -156,9 +162,12 @@ def test_parallelize_gives_the_head_the_kernel_with_the_triton_tier_on_cuda(monk
             model = SimpleNamespace(model=decoder, lm_head=LMHead(8, 16))
             _compile(model, kernels)  # step 3 of parallelize; nothing compiles before a call
             triton_tier = cuda and kernels == "triton"
-            assert (model.lm_head.chunk_loss is ce_chunk_triton_) == triton_tier  # the gradient over the logits
-            assert (decoder.layers[0].router.topk_kernel is topk_ids_op) == triton_tier  # the routers' selection
-            assert "forward" in vars(decoder.norm)  # the final norm's forward, compiled on the instance
+            head, layer = model.lm_head.options, decoder.layers[0]
+            assert (head.chunk_loss is ce_chunk_triton_) == triton_tier  # the gradient over the logits
+            assert (layer.router.selection.kernel is topk_ids_op) == triton_tier  # the routers' selection
+            assert layer.execution.attention_half is not None  # the layer's half, compiled, in its execution
+            assert any(getattr(fn, "__self__", None) is decoder.norm for fn in compiled)  # the final norm's call
+            assert not vars(decoder.norm).keys() & {"forward", "__call__"}  # nothing patched on the instance
     lines = ParallelOptions(compile=True, ep=EPOptions(kernels="triton")).describe()
     assert "compile: attention half of each decoder layer, final norm, loss chunk (a triton kernel on CUDA)" in lines
 

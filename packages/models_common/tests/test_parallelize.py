@@ -209,13 +209,15 @@ def test_plan_at_world_16(monkeypatch, ep, which):
         assert [args for args, _ in host_sync_hooks] == expected_hooks  # the hooks of the EPInfo, as an argument
 
         full = options.activation_checkpointing == "full"
-        assert all(("forward" in vars(layer)) == full for layer in model.model.layers)  # applied from outside
+        # Applied from outside as values the modules declare and read: nothing else is set on an instance.
+        for layer in model.model.layers:
+            assert (layer.execution.checkpoint is not None) == full
+            assert (layer.execution.attention_half is not None) == options.compile
+            assert "forward" not in vars(layer) and "attention_half" not in vars(layer)
         experts = [m for m in model.modules() if hasattr(m, "dispatch")]
         assert experts and all(m.dispatch.options == options.ep_options() for m in experts)
-        for layer in model.model.layers:
-            assert ("attention_half" in vars(layer)) == options.compile  # an instance attribute, from outside
-        assert ("chunk_loss" in vars(model.lm_head)) == options.compile
-        assert type(model.lm_head).chunk_loss is ce_chunk
+        assert (model.lm_head.options.chunk_loss is not ce_chunk) == options.compile
+        assert type(model.lm_head).options.chunk_loss is ce_chunk  # the class's default is untouched
 
         with pytest.raises(ValueError):
             parallelize(model, meshes, options)  # once per model

@@ -77,6 +77,7 @@ class PlanReport:
     comm: dict[tuple[str, str], float]  # (kind, "intra-node" | "inter-node") -> bytes per rank per step
     comm_bound: dict[tuple[str, str], float]  # the same with the all-to-all upper bound
     warning: str | None = None  # the estimate exceeds the GPU's memory: by how much, and what would fit
+    context: ContextFit | None = None  # with a GPU's memory: the smallest sp in which the job's rows fit it
 
 
 def plan(
@@ -166,10 +167,14 @@ def plan_report(
     lines += memory_lines(
         est, built.options, mb, cfg.data.seq_len, compute_bytes, _expert_grad_bytes(cfg), lora=cfg.lora.enabled
     )
-    warning = None
+    warning = context = None
+    if gpu_memory is not None:
+        context = _context_fit(cfg, mcfg, built, nnodes, nproc_per_node, mb, gpu_memory[1] * GiB)
     if gpu_memory is not None and est.total > gpu_memory[1] * GiB:
-        warning = _exceeds(cfg, mcfg, built, est, nnodes, nproc_per_node, mb, gpu_memory)
+        warning = _exceeds(cfg, mcfg, built, est, nnodes, nproc_per_node, mb, gpu_memory, context)
         lines.append(warning)
+    if context is not None:
+        lines.append(context.line(gpu_memory[1], nnodes * nproc_per_node))
     lines.append("")
     adapters = built.units.adapter_numel if built.adapters is not None else None
     comm = comm_estimate(cfg, mcfg, world, nproc_per_node, compute_bytes, built.units.once_numel, adapters=adapters)
@@ -184,7 +189,7 @@ def plan_report(
         adapters=adapters,
     )
     lines += comm_estimate_lines(comm, bound)
-    return PlanReport("\n".join(lines), est, comm, bound, warning)
+    return PlanReport("\n".join(lines), est, comm, bound, warning, context)
 
 
 def flops_line(config: Any, seq_len: int) -> str:
@@ -272,13 +277,12 @@ def _memory_estimate(cfg: JobConfig, mcfg: Any, built: _Built, world: int, mb: i
     lora = built.adapters is not None
     if micro_batches > 1 and u.fused_numel and budget is not None and ratio <= budget and not lora:
         fused_grads = int(fused_grads * ratio)
-    # Local experts the fused pass updates in bf16 hold their float32 masters split: the bf16 parameter (counted with
-    # the compute copies below) and 2 bytes of low halves (moeshard.fsdp_moe.split_master), not 4 bytes of master.
-    split_numel = u.fused_numel if compute_bytes == 2 else 0
     head_held = micro_batches > 1 and deferred_sync  # FSDP2 holds the head's float32 gradient between micro-batches
     over_logits = loss_head_over_logits(opts, compute_bytes)
     # What trains gets a float32 master, a gradient and AdamW's two moments; a frozen base (lora) is held once, in
-    # the compute dtype, and nothing else.
+    # the compute dtype, and nothing else. Local experts the fused pass updates hold their 4 bytes of master as the
+    # parameter (bf16: its high half, beside 2 bytes of low halves in the optimizer; float32: the master itself) and
+    # no other compute copy (see _unit_figures).
     trained, frozen = built.trained_local, built.local_numel - built.trained_local
     activations = activation_bytes_per_token(
         mcfg, compute_bytes, opts.activation_checkpointing, opts.selective_recompute, opts.keep_attention
@@ -288,7 +292,7 @@ def _memory_estimate(cfg: JobConfig, mcfg: Any, built: _Built, world: int, mb: i
             built.adapters, mcfg.num_hidden_layers, compute_bytes, opts.activation_checkpointing
         )
     return MemoryEstimate(
-        params=4 * trained - 2 * split_numel + compute_bytes * frozen,
+        params=4 * trained + compute_bytes * frozen,
         grads=4 * (trained - u.fused_numel) + fused_grads,
         optimizer=8 * trained,
         # Where no unit reshards after forward (one rank, or parallel.reshard_after_forward false with the experts
@@ -314,14 +318,18 @@ def _exceeds(
     nproc_per_node: int,
     mb: int,
     gpu_memory: tuple[str, float],
+    context: ContextFit | None = None,
 ) -> str:
     where, gib = gpu_memory
     head = f"warning: the estimated peak {est.total / GiB:.2f} GiB exceeds the {gib:.2f} GiB of {where}"
     fit = _fitting_regime(cfg, mcfg, built, nnodes, nproc_per_node, mb, gib * GiB)
+    if fit is None and context is not None and context.fits:  # longer rows: splitting them is what fits
+        fit = context.flags, context.total
     if fit is None:
         return (
             f"{head}; no regime tried fits (activation checkpointing selective and full, micro-batches down to 1, EP "
-            f"up to the {nproc_per_node} ranks of a node, up to {4 * nnodes} nodes): plan a larger cluster"
+            f"up to the {nproc_per_node} ranks of a node, up to {4 * nnodes} nodes, sp up to {nproc_per_node}): "
+            "plan a larger cluster"
         )
     flags, total = fit
     return f"{head}; fits with {flags} ({total / GiB:.2f} GiB)"
@@ -333,7 +341,7 @@ def _regimes(cfg: JobConfig, opts: Any, mb: int, world: int) -> list[tuple[str, 
     measured costs per step: ``docs/performance.md``)."""
     ladder = ("none", "selective", "full")
     current = opts.activation_checkpointing
-    per_rank = cfg.train.global_batch_size // world
+    per_rank = cfg.train.global_batch_size // (world // cfg.parallel.sp_size)  # rows of a data-parallel group
     sizes = [m for m in range(mb, 0, -1) if per_rank % m == 0]
     out = []
     for ac in ladder[max(1, ladder.index(current)) :]:
@@ -378,6 +386,78 @@ def _fitting_regime(
                 extra += [f"--train.micro_batch_size={m}"] if m != mb else []
                 return " ".join(flags + extra), total
     return None
+
+
+@dataclass(frozen=True)
+class ContextFit:
+    """The smallest sequence-parallel size whose regime holds the job's rows within a GPU's memory
+    (:func:`_context_fit`), or, where none does, the regime that comes closest."""
+
+    seq_len: int
+    fits: bool
+    sp_size: int
+    activation_checkpointing: str
+    micro_batch_size: int
+    total: float  # bytes per GPU: that regime's estimate
+    flags: str  # what to change from the job's config to get it ("" for nothing)
+
+    def line(self, gib: float, world: int) -> str:
+        """One line for ``plan``'s report against a GPU of ``gib`` GiB, the job on ``world`` GPUs."""
+        regime = (
+            f"{self.activation_checkpointing} activation checkpointing, micro-batch {self.micro_batch_size}: "
+            f"{self.total / GiB:.2f} GiB"
+        )
+        if not self.fits:
+            return (
+                f"context: rows of {self.seq_len} tokens fit {gib:.2f} GiB per GPU at no sp on these {world} GPUs "
+                f"(the least: sp {self.sp_size}, {regime}); use more GPUs or a shorter data.seq_len"
+            )
+        change = self.flags or "the job as configured"
+        return (
+            f"context: rows of {self.seq_len} tokens fit {gib:.2f} GiB per GPU from sp {self.sp_size} ({regime}): "
+            f"{change}"
+        )
+
+
+def _context_fit(
+    cfg: JobConfig, mcfg: Any, built: _Built, nnodes: int, nproc_per_node: int, mb: int, limit: float
+) -> ContextFit | None:
+    """The smallest sp (a divisor of the ranks per node that training accepts for this job) at which some regime
+    of :func:`_regimes` (the job's own first) holds its rows within ``limit`` bytes; where none does, the least
+    estimate tried. None where no sp is accepted at all.
+
+    One build serves every sp: a rank's parameters, their FSDP units and shards are the same at any sp (FSDP spans
+    every rank); sp changes the tokens a rank holds and the micro-batches of a step, which the estimate takes from
+    the config.
+    """
+    world = nnodes * nproc_per_node
+    least: ContextFit | None = None
+    for sp in (s for s in range(1, nproc_per_node + 1) if nproc_per_node % s == 0):
+        keys: dict[str, Any] = {"sp_size": sp}
+        if sp > 1 and cfg.parallel.compile:  # training refuses the attention's all-to-alls inside a compiled half
+            keys["compile"] = False
+        c = _with(cfg, parallel=keys)
+        try:
+            check_layout(_with(c, train={"micro_batch_size": 1}), world_size=world, ranks_per_node=nproc_per_node)
+        except ConfigError:
+            continue  # an sp that does not divide the heads or seq_len, a global batch too small for its groups
+        opts = parallel_options(c)
+        rows = c.train.global_batch_size // (world // sp)
+        own = [(opts.activation_checkpointing, mb)] if rows % mb == 0 else []
+        for ac, m in own + _regimes(c, opts, mb, world):
+            r = _with(c, parallel={"activation_checkpointing": ac}) if ac != opts.activation_checkpointing else c
+            total = _memory_estimate(r, mcfg, built, world, m, parallel_options(r)).total
+            flags = [f"--parallel.{k}={str(v).lower()}" for k, v in keys.items() if getattr(cfg.parallel, k) != v]
+            flags += (
+                [f"--parallel.activation_checkpointing={ac}"] if ac != cfg.parallel.activation_checkpointing else []
+            )
+            flags += [f"--train.micro_batch_size={m}"] if m != mb else []
+            fit = ContextFit(cfg.data.seq_len, total <= limit, sp, ac, m, total, " ".join(flags))
+            if fit.fits:
+                return fit
+            if least is None or total < least.total:
+                least = fit
+    return least
 
 
 def _with(cfg: JobConfig, **sections: dict[str, Any]) -> JobConfig:
@@ -442,12 +522,14 @@ def _unit_figures(
     kept = [units.root, head] + ([m for _, m in units.experts] if experts_kept else [])
     kept_numel = sum(_managed_numel(m, skip) for m in kept)
     # Experts outside FSDP: a frozen base (lora) in the compute dtype is its own compute copy (counted with the
-    # parameters); what trains is cast to the compute dtype for the pass.
-    kept_numel += sum(_managed_numel(m, skip, trained_only=True) for m in local_experts.values())
+    # parameters); what trains is cast to the compute dtype for the pass, except under the fused update
+    # (train.fuse_local_experts), where the parameter is the compute copy and part of the master: its high half in
+    # bf16 (moeshard.fsdp_moe.split_master), the master itself in float32, counted with the parameters.
+    cast = 0 if cfg.train.fuse_local_experts else 1
+    local_cast = cast * sum(_managed_numel(m, skip, trained_only=True) for m in local_experts.values())
+    kept_numel += local_cast
     kept_ids = {id(m) for m in kept} | {id(m) for m in local_experts.values()}
-    all_numel = sum(_managed_numel(m, skip) for _, m in units) + sum(
-        _managed_numel(m, skip, trained_only=True) for m in local_experts.values()
-    )
+    all_numel = sum(_managed_numel(m, skip) for _, m in units) + local_cast
 
     def stage_numel(stage: Any) -> int:
         # What a stage gathers beyond the kept units (counted once, above); its local experts are kept.

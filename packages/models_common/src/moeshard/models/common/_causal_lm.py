@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,45 @@ from moeshard.models.common._layers import (
 from moeshard.models.common._lm_loss import IGNORE_INDEX
 from moeshard.models.common._moe import Experts, MoEBlock, routers
 
-__all__ = ["DecoderLayer", "DecoderModel", "MoECausalLM"]
+__all__ = ["DecoderLayer", "DecoderModel", "LayerExecution", "MoECausalLM", "SequenceLayout"]
+
+
+@dataclass(frozen=True)
+class LayerExecution:
+    """How a :class:`DecoderLayer` runs; what it computes is the same.
+
+    Attributes:
+        attention_half: a compiled :meth:`DecoderLayer.attention_half` of the layer (``parallelize(compile=True)``:
+            ``torch.compile`` of the bound method, so every layer shares one graph), run in its place; None: eager.
+        checkpoint: ``checkpoint(forward, *args)`` runs the layer's forward under activation checkpointing
+            (``apply_activation_checkpointing``); None: plainly.
+    """
+
+    attention_half: Callable | None = None
+    checkpoint: Callable | None = None
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Which tokens of each row this rank holds: ``[rank·s, (rank+1)·s)`` of rows of ``s·size`` tokens
+    (:func:`apply_sequence_parallel` sets it on the decoder; size 1: whole rows).
+
+    Raises:
+        ValueError: ``size`` below 1 or ``rank`` outside ``[0, size)``.
+    """
+
+    size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(
+                f"a sequence layout needs size >= 1 and 0 <= rank < size, got size={self.size}, rank={self.rank}"
+            )
+
+    def local(self, whole_BS: torch.Tensor, s: int) -> torch.Tensor:
+        """This rank's ``s`` columns of a whole row's ``[B, s·size]`` tensor."""
+        return whole_BS[:, self.rank * s : (self.rank + 1) * s]
 
 
 class DecoderLayer(nn.Module):
@@ -61,7 +100,12 @@ class DecoderLayer(nn.Module):
     (``"self_attn"``; checkpoints name it, e.g. ``"linear_attn"``) and is :attr:`mixer` whatever its name; its
     class's ``mask_kind`` (default ``"attention"``) says which mask the decoder gives it: the attention mask, or
     ``"segments"``, the row's :class:`RowSegments`. ``norm_class`` is the kind of the two norms.
+
+    ``execution`` (a :class:`LayerExecution`, replaced whole by ``parallelize`` and
+    ``apply_activation_checkpointing``) says whether the attention half runs compiled and the forward checkpointed.
     """
+
+    execution: LayerExecution = LayerExecution()
 
     def __init__(
         self,
@@ -98,8 +142,9 @@ class DecoderLayer(nn.Module):
         """The layer up to the routed experts: ``(x + attn(input_norm(x)), h = post_attention_norm(of that), the
         MoE block's routing of h)``; the routing (``MoEBlock.route``: logits, weights, ids) is None for a dense MLP.
 
-        Compiled from outside as one graph (``parallelize``: ``torch.compile(layer.attention_half)`` on the
-        instance), the router inside it; the routed experts after it stay eager (they sync with the host under EP).
+        Compiled from outside as one graph (``parallelize``: ``torch.compile(layer.attention_half)``, which
+        :attr:`execution` holds and :meth:`forward` runs), the router inside it; the routed experts after it stay
+        eager (they sync with the host under EP).
         """
         x_BSD = x_BSD + self.mixer(self.input_layernorm(x_BSD), cos_BSDh, sin_BSDh, mask_B1SS, attention)
         h_BSD = self.post_attention_layernorm(x_BSD)
@@ -114,7 +159,20 @@ class DecoderLayer(nn.Module):
         attention: AttentionOptions | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """``(x_BSD, (router_logits_TE, topk_ids_TK) or None for a dense layer)``: the ids that routed the tokens."""
-        x_BSD, h_BSD, routing = self.attention_half(x_BSD, cos_BSDh, sin_BSDh, mask_B1SS, attention)
+        if self.execution.checkpoint is not None:
+            return self.execution.checkpoint(self._forward, x_BSD, cos_BSDh, sin_BSDh, mask_B1SS, attention)
+        return self._forward(x_BSD, cos_BSDh, sin_BSDh, mask_B1SS, attention)
+
+    def _forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos_BSDh: torch.Tensor,
+        sin_BSDh: torch.Tensor,
+        mask_B1SS: torch.Tensor | None,
+        attention: AttentionOptions | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        half = self.attention_half if self.execution.attention_half is None else self.execution.attention_half
+        x_BSD, h_BSD, routing = half(x_BSD, cos_BSDh, sin_BSDh, mask_B1SS, attention)
         out = self.mlp(h_BSD) if routing is None else self.mlp(h_BSD, routing)
         if isinstance(out, tuple):  # an MoE block: (y, router logits)
             y_BSD, logits_TE = out
@@ -137,7 +195,9 @@ class DecoderModel(nn.Module):
     runs, ``"sdpa"`` (default; SDPA's choice, cuDNN's on Hopper) or ``"fa4"`` (FlashAttention 4's, the optional
     ``flash-attn-4`` package; refused with the reason where it cannot run), and whether a checkpointed layer keeps
     that attention's output (``_kept.AttentionKeep``). Every layer gets it, resolved for the
-    forward's device, beside the mask, which says only which keys a query sees.
+    forward's device, beside the mask, which says only which keys a query sees. ``sequence`` (a
+    :class:`SequenceLayout`, replaced whole by :func:`apply_sequence_parallel`) says which shard of each row the
+    forward's tokens are.
     """
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -148,9 +208,7 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         self.document_attention = "auto"
         self.attention = AttentionOptions()
-        # Set by apply_sequence_parallel: this rank holds tokens [rank·s, (rank+1)·s) of rows of s·size tokens.
-        self.sequence_parallel_size = 1
-        self.sequence_parallel_rank = 0
+        self.sequence = SequenceLayout()
 
     attention_class: type[nn.Module]
     """The family's attention, ``attention_class(config)``."""
@@ -196,7 +254,7 @@ class DecoderModel(nn.Module):
         """``(hidden_BSD after the final norm, each MoE layer's router logits, each one's selected expert ids)``."""
         x_BSD = self.embed_tokens(input_ids_BS)
         s = input_ids_BS.shape[1]
-        if self.sequence_parallel_size > 1 and position_ids_BS is None:
+        if self.sequence.size > 1 and position_ids_BS is None:
             raise ValueError(
                 "under sequence parallelism each rank holds a shard of the row: pass its whole-row position_ids "
                 "(moeshard.sequence.shard_row gives them)"
@@ -213,16 +271,16 @@ class DecoderModel(nn.Module):
         masks = {}
         if "attention" in kinds:
             masks["attention"] = self._attention_mask(
-                attention_mask_BS, document_ids_BS, s * self.sequence_parallel_size, x_BSD.device
+                attention_mask_BS, document_ids_BS, s * self.sequence.size, x_BSD.device
             )
         if "segments" in kinds:  # mixers that carry state along the row restart it per document themselves
-            row = s * self.sequence_parallel_size  # the whole row's ids under sequence parallelism
+            row = s * self.sequence.size  # the whole row's ids under sequence parallelism
             if document_ids_BS is not None and document_ids_BS.shape[-1] != row:
                 raise ValueError(
                     f"document_ids must be [batch, seq_len={row}] like the row's input_ids, got "
                     f"{tuple(document_ids_BS.shape)}"
                 )
-            masks["segments"] = RowSegments(document_ids_BS, attention_mask_BS, self.sequence_parallel_rank)
+            masks["segments"] = RowSegments(document_ids_BS, attention_mask_BS, self.sequence.rank)
         attention = self.attention.on(x_BSD.device)  # keep: only where the device has the kept kernels
         routed = []  # each MoE layer's (router logits, selected expert ids)
         for layer in self.layers:
@@ -339,7 +397,7 @@ class MoECausalLM(nn.Module):
         """
         if labels is not None and shift_labels is not None:
             raise ValueError("pass labels (shifted inside) or shift_labels (already shifted), not both")
-        if self.model.sequence_parallel_size > 1 and labels is not None:
+        if self.model.sequence.size > 1 and labels is not None:
             raise ValueError(
                 "under sequence parallelism a shard cannot shift its own labels (its last target is on the next "
                 "rank): pass shift_labels, the targets moeshard.sequence.shard_row shifted over the whole row"
@@ -359,10 +417,9 @@ class MoECausalLM(nn.Module):
         aux_loss, lm_loss = None, loss
         if output_router_logits:
             if router_logits:
-                if attention_mask is not None and self.model.sequence_parallel_size > 1:
+                if attention_mask is not None and self.model.sequence.size > 1:
                     # the router logits are this shard's tokens; the padding mask is the whole row's
-                    s, r = input_ids.shape[1], self.model.sequence_parallel_rank
-                    attention_mask = attention_mask[:, r * s : (r + 1) * s]
+                    attention_mask = self.model.sequence.local(attention_mask, input_ids.shape[1])
                 aux_loss = load_balancing_loss(
                     router_logits, self.num_experts, self.config.num_experts_per_tok, attention_mask
                 )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -20,8 +19,9 @@ __all__ = ["apply_activation_checkpointing"]
 
 
 def apply_activation_checkpointing(model: MoECausalLM, *, keep_attention: bool = True) -> None:
-    """Recompute each decoder layer in backward: its ``forward`` becomes (an instance attribute, so FQNs, the state
-    dict and FSDP's hooks are untouched) a non-reentrant ``torch.utils.checkpoint`` of itself.
+    """Recompute each decoder layer in backward: its ``forward`` runs under a non-reentrant
+    ``torch.utils.checkpoint`` (the layer's ``execution.checkpoint``; FQNs, the state dict and FSDP's hooks are
+    untouched).
 
     Applied from outside the model (:func:`parallelize` calls it with ``activation_checkpointing="full"``, after EP
     and before compile and FSDP): FSDP's hooks run outside the checkpointed region, as with torch's checkpoint
@@ -41,17 +41,20 @@ def apply_activation_checkpointing(model: MoECausalLM, *, keep_attention: bool =
         ValueError: already applied.
     """
     for layer in model.model.layers:
-        if "forward" in layer.__dict__:
+        if layer.execution.checkpoint is not None:
             raise ValueError("activation checkpointing is already applied to this model; apply it once")
     for layer in model.model.layers:
-        layer.forward = _checkpointed(layer.forward, layer, keep_attention)
+        layer.execution = dataclasses.replace(layer.execution, checkpoint=_checkpoint(layer, keep_attention))
         for module in layer.modules():
             if isinstance(module, TopKRouter):
-                module.keep_selection = keep_attention
+                module.selection = module.selection.replace(kept=keep_attention)
     model.model.attention = dataclasses.replace(model.model.attention, keep=keep_attention)
 
 
-def _checkpointed(forward, layer: torch.nn.Module, keep_attention: bool):
+def _checkpoint(layer: torch.nn.Module, keep_attention: bool):
+    """``run(forward, *args, **kwargs)``: ``layer``'s ``forward`` checkpointed, with its dispatchers' replays and,
+    with ``keep_attention``, the attention's keep."""
+
     def contexts():
         # Looked up at each call: the dispatchers apply_ep installed, whenever it ran. The routed experts' output
         # only flows into additions in a decoder layer (shared experts, the residual), which save nothing for
@@ -63,8 +66,7 @@ def _checkpointed(forward, layer: torch.nn.Module, keep_attention: bool):
         keep = AttentionKeep()  # per call: what it keeps lives as long as this checkpoint's graph
         return _Both(record, keep.recording()), _Both(replay, keep.replaying())
 
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
+    def run(forward, *args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 from moeshard.models.common._lm_loss import IGNORE_INDEX, ce_chunk, linear_cross_entropy
 
-__all__ = ["CausalLMOutput", "LMHead", "causal_lm_loss"]
+__all__ = ["CausalLMOutput", "LMHead", "LMHeadOptions", "causal_lm_loss"]
 
 
 @dataclass
@@ -38,19 +39,31 @@ class CausalLMOutput:
     router_ids: tuple[torch.Tensor, ...] | None = None
 
 
+@dataclass(frozen=True)
+class LMHeadOptions:
+    """How an :class:`LMHead` computes its chunked loss (:func:`linear_cross_entropy`); the numbers are the same.
+
+    Attributes:
+        chunk_loss: the function of one chunk's loss and logit gradient: ``ce_chunk``, or what ``parallelize``
+            gives (compiled, or the Triton kernel of the ``"triton"`` tier).
+        grad_target: None, or the head's ``moeshard.fsdp_moe.reduced_grad_target`` (``parallelize`` gives it):
+            the weight's float32 gradient goes from the loss path to FSDP2.
+    """
+
+    chunk_loss: Callable = ce_chunk
+    grad_target: Callable | None = None
+
+
 class LMHead(nn.Linear):
     """The output projection; given next-token targets it returns the loss instead of logits (chunked, see
     :func:`linear_cross_entropy`). A module of its own so that FSDP's hooks
     gather its weight in both cases; its parameter name stays ``lm_head.weight``.
 
-    ``chunk_loss`` is the function of one chunk's loss and logit gradient (``ce_chunk``); setting it on
-    an instance (``parallelize`` sets a compiled version) changes that head only. ``grad_target`` (None, or the
-    head's ``moeshard.fsdp_moe.reduced_grad_target``, which ``parallelize`` sets) takes the weight's float32
-    gradient from the loss path (see :func:`linear_cross_entropy`).
+    ``options`` (an :class:`LMHeadOptions`, the defaults until ``parallelize`` replaces it whole) says how the loss
+    is computed.
     """
 
-    chunk_loss = staticmethod(ce_chunk)
-    grad_target = None
+    options: LMHeadOptions = LMHeadOptions()
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__(hidden_size, vocab_size, bias=False)
@@ -68,8 +81,8 @@ class LMHead(nn.Linear):
             self.weight,
             targets_BS.reshape(-1),
             num_items_in_batch,
-            chunk_loss=self.chunk_loss,
-            grad_target=self.grad_target,
+            chunk_loss=self.options.chunk_loss,
+            grad_target=self.options.grad_target,
         )
 
 

@@ -8,6 +8,9 @@ heads, Dh head_dim, Dr the rotated width, D hidden.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,6 +27,7 @@ from moeshard.models.common._kept import (
 
 __all__ = [
     "DenseMLP",
+    "EmbeddingOptions",
     "RMSNorm",
     "RotaryEmbedding",
     "TokenEmbedding",
@@ -60,22 +64,35 @@ class _EmbeddingIntoTarget(torch.autograd.Function):
         return None, None, None, None
 
 
+@dataclass(frozen=True)
+class EmbeddingOptions:
+    """Where a :class:`TokenEmbedding`'s weight gradient goes.
+
+    Attributes:
+        grad_target: None (autograd's gradient), or the embedding's ``moeshard.fsdp_moe.reduced_grad_target``
+            (``parallelize`` gives it).
+    """
+
+    grad_target: Callable | None = None
+
+
 class TokenEmbedding(nn.Embedding):
     """``nn.Embedding`` (same parameter, same numbers forward) whose weight gradient can go to a float32 target.
 
-    ``grad_target`` (None, or the embedding's ``moeshard.fsdp_moe.reduced_grad_target``, which ``parallelize``
-    sets) is asked in each forward with grad: where it answers a holder, backward adds the ``B·S`` rows' gradients
+    ``options.grad_target`` (an :class:`EmbeddingOptions`, the defaults until ``parallelize`` replaces it whole) is
+    asked in each forward with grad: where it answers a holder, backward adds the ``B·S`` rows' gradients
     into it in float32 (``index_put_`` with accumulation; FSDP2 reduces them as its own float32 gradient) instead
     of autograd's dense ``[V, D]`` gradient in the weight's dtype, which FSDP2 would then cast or add in float32
     (two passes over ``[V, D]`` per micro-batch).
     """
 
-    grad_target = None
+    options: EmbeddingOptions = EmbeddingOptions()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: D102
         target = None
-        if self.grad_target is not None and torch.is_grad_enabled() and self.weight.requires_grad:
-            target = self.grad_target(self.weight)
+        grad_target = self.options.grad_target
+        if grad_target is not None and torch.is_grad_enabled() and self.weight.requires_grad:
+            target = grad_target(self.weight)
         if target is None or self.max_norm is not None or self.scale_grad_by_freq or self.sparse:
             return super().forward(input)
         return _EmbeddingIntoTarget.apply(input, self.weight, self.padding_idx, target)

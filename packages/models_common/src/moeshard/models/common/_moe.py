@@ -13,6 +13,9 @@ width.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,7 +24,16 @@ from moeshard.ep import LocalDispatch, LowRankDelta
 from moeshard.models.common._kept import kept_topk
 from moeshard.models.common._topk import TopkIds, row_topk
 
-__all__ = ["SCORING_FUNCS", "Experts", "GroupLimitedRouter", "MoEBlock", "Router", "TopKRouter", "routers"]
+__all__ = [
+    "SCORING_FUNCS",
+    "Experts",
+    "GroupLimitedRouter",
+    "MoEBlock",
+    "Router",
+    "TopKRouter",
+    "TopkSelection",
+    "routers",
+]
 
 SCORING_FUNCS = ("sigmoid", "softmax")
 """Score functions of :class:`GroupLimitedRouter`."""
@@ -60,6 +72,32 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, mean=0.0, std=std, generator=generator)
 
 
+@dataclass(frozen=True)
+class TopkSelection:
+    """How a :class:`TopKRouter` selects its top-k, beside what it selects.
+
+    Attributes:
+        kernel: the selection's Triton kernel (``moeshard.models.common._topk_triton``'s ``topk_ids_op``), which
+            ``parallelize`` gives with the ``"triton"`` kernel tier on a machine with CUDA; None: ``torch.topk``.
+        kept: the router runs inside a checkpointed layer that keeps (``apply_activation_checkpointing(
+            keep_attention=True)``): the top-k goes through ``kept_topk`` and the recompute replays the forward's.
+
+    Replaced whole with :meth:`replace`, which gives one object per value: every router's compiled attention half
+    then reads the same constant.
+    """
+
+    kernel: TopkIds | None = None
+    kept: bool = False
+
+    def replace(self, **changes) -> TopkSelection:
+        """``dataclasses.replace(self, **changes)``, the same object for the same values."""
+        value = dataclasses.replace(self, **changes)
+        return _SELECTIONS.setdefault(value, value)
+
+
+_SELECTIONS: dict[TopkSelection, TopkSelection] = {}
+
+
 class TopKRouter(Router):
     """Linear router: softmax over experts in float32, top-k, optional renormalisation of the k weights (Qwen3-MoE).
 
@@ -67,7 +105,12 @@ class TopKRouter(Router):
     *selection* only; the combine weights stay the unbiased probabilities of the selected experts (aux-loss-free
     balancing, see :func:`update_router_bias`). A persistent buffer once enabled, so distributed checkpoints keep it;
     transformers' Qwen3-MoE format has no place for it.
+
+    ``selection`` (a :class:`TopkSelection`, the defaults until ``parallelize`` or
+    ``apply_activation_checkpointing`` replaces it whole) says how the top-k is computed; the ids are the same.
     """
+
+    selection: TopkSelection = TopkSelection().replace()  # the defaults' one object
 
     def __init__(self, num_experts: int, hidden_size: int, top_k: int, norm_topk_prob: bool) -> None:
         super().__init__()
@@ -75,8 +118,6 @@ class TopKRouter(Router):
         self.norm_topk_prob = norm_topk_prob
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.bias: torch.Tensor | None = None
-        self.keep_selection = False  # full checkpointing that keeps: the top-k through kept_topk (replayed)
-        self.topk_kernel: TopkIds | None = None  # the selection's Triton kernel (parallelize, "triton" tier, CUDA)
 
     @property
     def selection_bias(self) -> torch.Tensor | None:
@@ -97,9 +138,10 @@ class TopKRouter(Router):
         return probs_TE.gather(-1, ids_TK), ids_TK
 
     def _topk(self, scores_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keep_selection:  # inside a checkpointed layer that keeps it: the recompute replays the forward's
-            return kept_topk(scores_TE, self.top_k, by_kernel=self.topk_kernel is not None)
-        return row_topk(scores_TE, self.top_k, self.topk_kernel)
+        selection = self.selection
+        if selection.kept:  # inside a checkpointed layer that keeps it: the recompute replays the forward's
+            return kept_topk(scores_TE, self.top_k, by_kernel=selection.kernel is not None)
+        return row_topk(scores_TE, self.top_k, selection.kernel)
 
     @torch.no_grad()
     def select_ids(self, logits_TE: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,8 @@ from torch import nn
 from moeshard.ep import EPInfo, fqn_matches
 from moeshard.models.common._causal_lm import MoECausalLM
 from moeshard.models.common._checkpointing import apply_activation_checkpointing
+from moeshard.models.common._head import LMHead
+from moeshard.models.common._layers import TokenEmbedding
 from moeshard.models.common._moe import TopKRouter
 from moeshard.models.common._parallel_options import ParallelOptions
 from moeshard.models.common._sequence_parallel import apply_sequence_parallel
@@ -75,11 +77,11 @@ def parallelize(
     2. **Activation checkpointing**: ``"full"`` checkpoints each decoder layer's forward from outside
        (:func:`apply_activation_checkpointing`: no wrapper module, FQNs kept); ``"selective"`` is an EP option of
        step 1 (the experts' intermediates recomputed).
-    3. **Compile**: ``layer.attention_half = torch.compile(layer.attention_half)`` on each decoder layer (an
-       instance attribute: FQNs and the state dict unchanged), the final norm's ``forward`` likewise, and
-       ``moeshard.ep.compile_rows_dynamic`` on the
-       head's loss chunk (with ``ep.kernels="triton"``, the head's Triton loss-chunk kernel). Nothing compiles until the first forward. The compiled region lies inside the layer's
-       forward, so FSDP's hooks (after step 4) run outside it and it sees plain gathered parameters; under
+    3. **Compile**: ``torch.compile(layer.attention_half)`` on each decoder layer (in the layer's ``execution``,
+       which its forward reads: FQNs and the state dict unchanged), the final norm's call (``nn.Module.compile``),
+       and ``moeshard.ep.compile_rows_dynamic`` on the head's loss chunk (its ``options.chunk_loss``; with
+       ``ep.kernels="triton"``, the head's Triton loss-chunk kernel). Nothing compiles until the first forward.
+       The compiled region lies inside the layer's forward, so FSDP's hooks (after step 4) run outside it and it sees plain gathered parameters; under
        checkpointing the recomputation runs the compiled graph again. The routed experts stay eager: they sync
        with the host (split sizes), where a graph would break anyway.
     4. **FSDP2** (``moeshard.fsdp_moe.shard_model``), bottom-up: experts on ``meshes.ep_fsdp`` (dim 1), then
@@ -157,18 +159,18 @@ def parallelize(
 
 def _hand_over_float32_grads(model: MoECausalLM) -> None:
     """The embedding's and the head's weight gradients go to their FSDP units in float32 (the units'
-    ``reduced_grad_target``; inert where FSDP2 reduces in the compute dtype): the head's float32 sum is never
-    rounded to bfloat16, the embedding adds its rows instead of a dense ``[V, D]`` gradient, and FSDP2 casts or adds
-    neither (see ``moeshard.fsdp_moe.reduced_grad_target``). The other units' gradients, which FSDP2 accumulates
-    in float32 between micro-batches that do not reduce, are added in one vectorised pass per unit
+    ``reduced_grad_target``, given in their ``options``; inert where FSDP2 reduces in the compute dtype): the head's
+    float32 sum is never rounded to bfloat16, the embedding adds its rows instead of a dense ``[V, D]`` gradient, and
+    FSDP2 casts or adds neither (see ``moeshard.fsdp_moe.reduced_grad_target``). The other units' gradients, which
+    FSDP2 accumulates in float32 between micro-batches that do not reduce, are added in one vectorised pass per unit
     (``moeshard.fsdp_moe.grouped_grad_accumulation``)."""
     from torch.distributed.fsdp import FSDPModule
 
     from moeshard.fsdp_moe import grouped_grad_accumulation, reduced_grad_target
 
     for module in (model.model.embed_tokens, model.lm_head):
-        if isinstance(module, FSDPModule) and hasattr(module, "grad_target"):
-            module.grad_target = reduced_grad_target(module)
+        if isinstance(module, FSDPModule) and isinstance(module, (TokenEmbedding, LMHead)):
+            module.options = dataclasses.replace(module.options, grad_target=reduced_grad_target(module))
     grouped_grad_accumulation(model)
 
 
@@ -183,11 +185,14 @@ def _compile(model: MoECausalLM, kernels: str) -> None:
     from moeshard.ep import compile_rows_dynamic
 
     for layer in model.model.layers:
-        # At the call site, from outside (the bound method, compiled): every layer shares one graph.
-        layer.attention_half = torch.compile(layer.attention_half)
+        # At the call site, from outside (the bound method, compiled): every layer shares one graph. Kept in the
+        # layer's execution, which its forward reads.
+        layer.execution = dataclasses.replace(layer.execution, attention_half=torch.compile(layer.attention_half))
     # The final norm, which no layer's graph holds: eager, its float32 statistics are ~8 kernels over the
-    # [tokens, D] rows forward and ~15 backward; compiled, one pass each way.
-    model.model.norm.forward = torch.compile(model.model.norm.forward)
+    # [tokens, D] rows forward and ~15 backward; compiled, one pass each way. nn.Module.compile: the module's call
+    # compiled in place (FQNs unchanged).
+    model.model.norm.compile()
+    head = model.lm_head
     # The row count varies (the last chunk), the vocabulary width never does.
     if kernels == "triton" and torch.cuda.is_available():
         try:
@@ -199,13 +204,14 @@ def _compile(model: MoECausalLM, kernels: str) -> None:
                 "routers' top-k with triton kernels, but triton cannot be imported: install it (pip install triton) "
                 "or use kernels='compiled'"
             ) from e
-        model.lm_head.chunk_loss = ce_chunk_triton_  # the gradient over the chunk's logits: one [C, V] buffer
+        # The gradient over the chunk's logits: one [C, V] buffer.
+        head.options = dataclasses.replace(head.options, chunk_loss=ce_chunk_triton_)
         for layer in model.model.layers:
             for module in layer.modules():
                 if isinstance(module, TopKRouter):  # the selection by the kernel (an opaque op in the compiled half)
-                    module.topk_kernel = topk_ids_op
+                    module.selection = module.selection.replace(kernel=topk_ids_op)
     else:
-        model.lm_head.chunk_loss = compile_rows_dynamic(model.lm_head.chunk_loss)
+        head.options = dataclasses.replace(head.options, chunk_loss=compile_rows_dynamic(head.options.chunk_loss))
 
 
 def _mp_policy(param_dtype: str, device_type: str) -> MixedPrecisionPolicy:

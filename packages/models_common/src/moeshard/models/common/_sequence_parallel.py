@@ -25,13 +25,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from moeshard.models.common._causal_lm import DecoderModel
+from moeshard.models.common._causal_lm import DecoderModel, SequenceLayout
 from moeshard.models.common._layers import attend
 
 
 def apply_sequence_parallel(model: nn.Module, group) -> int:
     """Run ``model``'s attention on head shards of ``group`` (a process group or 1-D ``DeviceMesh``; consecutive
-    ranks of a node) and take each row as this rank's shard of it. Returns the sequence group's size.
+    ranks of a node) and take each row as this rank's shard of it (the decoder's ``sequence``, a
+    ``SequenceLayout`` of the group's size and this rank). Returns the sequence group's size.
 
     Every module with an ``attention_call`` (each family's attention, MLA included) gets the call on head shards;
     its query heads must divide by the group's size (key/value heads need not: they are replicated). A group of one
@@ -70,8 +71,7 @@ def apply_sequence_parallel(model: nn.Module, group) -> int:
         m.attention_call = UlyssesAttention(attend, pg)
     for m in rows:
         m.row_call = _RowOnHeadShards(type(m).row_call, pg)
-    decoders[0].sequence_parallel_size = sp
-    decoders[0].sequence_parallel_rank = dist.get_rank(pg)
+    decoders[0].sequence = SequenceLayout(size=sp, rank=dist.get_rank(pg))
     return sp
 
 

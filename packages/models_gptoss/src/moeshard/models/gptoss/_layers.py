@@ -11,12 +11,20 @@ Each layer gets the model's masks for both layer types (:func:`sliding_masks`) a
 - a flex ``BlockMask`` (CUDA; the fused kernel where the layer runs compiled): flex_attention's output over the
   keys and its log-sum-exp ``lse`` give the sink's share exactly, ``out · sigmoid(lse - sink)``; no ``S x S``
   tensor, and the window's blocks beyond it are skipped.
+
+Under sequence parallelism (``moeshard.models.common.apply_sequence_parallel``) the same call runs between the two
+all-to-alls on each rank's ``H/sp`` query heads of the whole row, with those heads' sinks.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import GptOssConfig
 
@@ -92,25 +100,43 @@ def sliding_masks(
     return {"full_attention": base, "sliding_attention": base & band_SS}
 
 
-class _NoSequenceParallel:
-    """``attention_call`` of GPT-OSS's attention: read, nothing (the sinks need their own call); set (what
-    ``apply_sequence_parallel`` does), refused in one line."""
+def _sinks_on_head_shard(q_BhSDh, k_BgSDh, v_BgSDh, mask_B1SS, sinks_H, scale, dropout, *, group):
+    """:func:`sink_attention` on this rank's head shard under sequence parallelism: rank ``r`` of ``group`` holds
+    query heads ``[r·h, (r+1)·h)`` of the ``H`` (``moeshard.sequence``'s layout), so it takes their sinks."""
+    pg = group.get_group() if isinstance(group, DeviceMesh) else group
+    h = q_BhSDh.shape[1]
+    assert h * dist.get_world_size(pg) == sinks_H.shape[0], (h, sinks_H.shape)
+    r = dist.get_rank(pg)
+    return sink_attention(q_BhSDh, k_BgSDh, v_BgSDh, mask_B1SS, sinks_H[r * h : (r + 1) * h], scale, dropout)
+
+
+class _HeadShardCall:
+    """``attention_call`` of GPT-OSS's attention: None by default (the sinks' own call, :func:`sink_attention`,
+    runs on every head). ``apply_sequence_parallel`` sets a head-shard wrapper of the shared attention call (a
+    dataclass with ``attn_fn`` and ``group``, ``moeshard.sequence.UlyssesAttention``); the attention then runs that
+    wrapper with the sinks' call in place of ``attn_fn``, each rank on its heads' sinks. Sliding windows need
+    nothing: each rank sees the whole row."""
 
     def __get__(self, obj, owner=None):
-        return None
+        return None if obj is None else obj.__dict__.get("_head_shard_call")
 
     def __set__(self, obj, value):
-        raise ValueError(
-            "sequence parallelism (sp > 1) is not supported for GPT-OSS (its attention sinks have no head-shard "
-            "call yet); set parallel.sp to 1"
-        )
+        if value is not None and not (
+            dataclasses.is_dataclass(value) and hasattr(value, "attn_fn") and hasattr(value, "group")
+        ):
+            raise ValueError(
+                f"GPT-OSS's attention takes a head-shard wrapper with attn_fn and group as attention_call (its "
+                f"sinks need their own call), got {type(value).__name__}; use moeshard.models.common."
+                "apply_sequence_parallel"
+            )
+        obj.__dict__["_head_shard_call"] = value
 
 
 class GptOssAttention(nn.Module):
     """Grouped-query self-attention with biased q/k/v/o, a sink logit per head (``sinks [H]``) and the layer's
     window (``sliding_window`` for ``sliding_attention`` layers, None for ``full_attention``)."""
 
-    attention_call = _NoSequenceParallel()
+    attention_call = _HeadShardCall()
 
     def __init__(self, config: GptOssConfig, layer_idx: int) -> None:
         super().__init__()
@@ -150,7 +176,10 @@ class GptOssAttention(nn.Module):
         v = self.v_proj(x_BSD).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos_BSDh, sin_BSDh), apply_rotary(k, cos_BSDh, sin_BSDh)
         dropout = self.dropout if self.training else 0.0
-        out_BHSDh = sink_attention(q, k, v, masks[self.layer_type], self.sinks, self.head_dim**-0.5, dropout)
+        call = sink_attention
+        if (shard := self.attention_call) is not None:  # sequence parallel: on this rank's heads of the whole row
+            call = dataclasses.replace(shard, attn_fn=functools.partial(_sinks_on_head_shard, group=shard.group))
+        out_BHSDh = call(q, k, v, masks[self.layer_type], self.sinks, self.head_dim**-0.5, dropout)
         return self.o_proj(out_BHSDh.transpose(1, 2).reshape(b, s, -1))
 
     def extra_repr(self) -> str:
