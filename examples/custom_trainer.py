@@ -212,7 +212,15 @@ def main() -> None:
         # extra (JSON, rank 0's): the step, and what makes the checkpoint a Hub folder with `moeshard-train export-hf`:
         # the model's config, the folder it started from (its tokenizer and generation config go along).
         extra = {"step": args.steps, "model_config": config.to_dict(), "model_path": str(args.model.resolve())}
-        saved = save_checkpoint(args.checkpoint, args.steps, model_state(model, optimizer), extra, {}, keep_last=1)
+        state = model_state(model, optimizer)
+        if adapters is not None:
+            # A frozen base is what --model holds already: like the app's LoRA checkpoints, this one holds what trains
+            # (the adapters, and their optimizer state: the optimizer holds nothing else) and the buffers.
+            trained = set(adapters.names())
+            assert trained <= state["model"].keys(), "the state dict names the adapters as the model does"
+            frozen = {n for n, _ in model.named_parameters()} - trained
+            state["model"] = {k: v for k, v in state["model"].items() if k not in frozen}
+        saved = save_checkpoint(args.checkpoint, args.steps, state, extra, {}, keep_last=1)
         print0(f"checkpoint {saved.path}: {saved.write_s:.2f} s, {saved.rate_text} per rank")
     # 7. The adapter in PEFT's format: each adapter gathered whole (experts over EP, shards over FSDP), rank 0 writes.
     if adapters is not None and args.adapter is not None:

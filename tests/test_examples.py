@@ -180,6 +180,7 @@ LORA_APP_CONFIG = (
 def test_custom_trainer_with_lora_matches_the_app(tiny, tmp_path):
     """``--lora-*`` (moeshard.lora's public API) on 2 CPU ranks, EP 2: the app's LoRA job on the same checkpoint,
     data and hyper-parameters takes the same steps, and the two PEFT folders hold the same adapters."""
+    import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
 
     assert "router_bias" not in LORA_APP_CONFIG and "lr: 0.02" in LORA_APP_CONFIG and "steps: 3" in LORA_APP_CONFIG
@@ -196,7 +197,7 @@ def test_custom_trainer_with_lora_matches_the_app(tiny, tmp_path):
             2, EXAMPLES / "custom_trainer.py", f"--model={tiny / 'model'}", f"--data={tiny / 'data.jsonl'}",
             "--ep-size=2", "--ranks-per-node=2", *flags, f"--losses={losses_file}", f"--lora-rank={LORA['rank']}",
             f"--lora-alpha={LORA['alpha']}", "--lora-modules", *LORA["modules"], "--lora-experts", *LORA["experts"],
-            f"--adapter={adapter}",
+            f"--adapter={adapter}", f"--checkpoint={tmp_path / 'example_ckpt'}",
         ),
         cwd=tmp_path,
     )  # fmt: skip
@@ -216,6 +217,15 @@ def test_custom_trainer_with_lora_matches_the_app(tiny, tmp_path):
     for k in ours:
         torch.testing.assert_close(ours[k], theirs[k], rtol=1e-4, atol=1e-6, msg=k)
     assert any(v.abs().sum() > 0 for k, v in ours.items() if "lora_B" in k)  # trained (B starts at zero)
+    # --checkpoint holds the adapters and their optimizer state, as the app's LoRA checkpoints do: no base weight.
+    meta = dcp.FileSystemReader(tmp_path / "example_ckpt" / "step_00000003").read_metadata()
+    model_keys = {k.removeprefix("model.") for k in meta.state_dict_metadata if k.startswith("model.")}
+    adapters = {k.removeprefix("base_model.model.").replace(".weight", "") for k in ours}
+    experts = {k for k in model_keys if "experts" in k}
+    assert model_keys - experts == {k for k in adapters if "experts" not in k}  # the linear modules' A and B
+    assert experts and all(k.endswith(("_lora_A", "_lora_B")) for k in experts)  # the fused experts' A and B
+    state_keys = [k for k in meta.state_dict_metadata if k.startswith("optimizer.state.")]
+    assert state_keys and all("lora_" in k for k in state_keys)
 
 
 @pytest.mark.slow

@@ -38,16 +38,23 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused-experts", "torch-adamw"])
-def test_plan_counts_the_state_of_a_lora_job(tmp_path, fuse):
+@pytest.mark.parametrize(
+    "fuse,dtype",
+    [(True, "float32"), (False, "float32"), (True, "bfloat16")],
+    ids=["fused", "torch-adamw", "fused-bf16"],
+)
+def test_plan_counts_the_state_of_a_lora_job(tmp_path, fuse, dtype):
     """A world-of-one job with adapters on attention and the experts, after one step: its parameters' bytes (the
     frozen base and the adapters) and its optimizer's state bytes (every tensor but the step counters) are what
-    ``plan`` estimates for the same config, and what trains is the adapters ``plan`` counts."""
+    ``plan`` estimates for the same config, and what trains is the adapters ``plan`` counts. The fused update's
+    expert adapters: their parameter is (part of) the master, counted in ``params``, with no compute copy in
+    ``unsharded``."""
     from moeshard.train.commands.plan import plan_report
     from moeshard.train.config import load_config
     from moeshard.train.job import run_job
 
     extra = [f"--train.fuse_local_experts={str(fuse).lower()}", f"--logging.output_dir={tmp_path}"]
+    extra.append(f"--parallel.param_dtype={dtype}")
     cfg = load_config(None, [*LORA, *TINY_JOB, *extra])
     report = plan_report(cfg, nnodes=1, nproc_per_node=1, table=False)  # the fake backend: before the real group
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -64,14 +71,25 @@ def test_plan_counts_the_state_of_a_lora_job(tmp_path, fuse):
     # The fused update of experts outside FSDP keeps their float32 master in its state and the parameter is the
     # compute copy (plan counts those with the compute copies); elsewhere the parameter is the master.
     masters = [t for st in states.values() for k, t in st.items() if k in ("master", "master_low")]
-    copies = {i for i, st in states.items() if "master" in st or "master_low" in st}
-    assert bool(copies) == fuse
-    held = sum(_bytes(p) for p in params if id(p) not in copies) + sum(_bytes(t) for t in masters)
-    assert report.memory.params == held  # the frozen base in float32 (the CPU's compute dtype) and the masters
+    assert bool(masters) == fuse
+    # Every tensor the parameters and the masters hold, each storage once (a float32 master is the parameter).
+    storages = {_local(t).untyped_storage().data_ptr(): _bytes(t) for t in [*params, *masters]}
+    assert report.memory.params == sum(storages.values())  # the frozen base in the compute dtype, the masters whole
+    compute = 2 if dtype == "bfloat16" else 4
+    frozen = sum(_local(p).numel() for p in params if not p.requires_grad)
+    assert sum(_bytes(p) for p in params if not p.requires_grad) == compute * frozen
+    experts = sum(_local(job.model.get_parameter(n)).numel() for t in job.adapters.targets if t.kind == "experts"
+                  for n in (t.a_name, t.b_name))  # fmt: skip
+    if fuse:  # the expert adapters are the fused pass's: no cast copy (their parameters, counted above, are it)
+        unfused = plan_report(load_config(None, [*LORA, *TINY_JOB, *extra, "--train.fuse_local_experts=false"]),
+                              nnodes=1, nproc_per_node=1, table=False)  # fmt: skip
+        assert unfused.memory.unsharded - report.memory.unsharded == compute * experts
+        assert unfused.memory.params == report.memory.params
     moments = [t for st in states.values() for k, t in st.items() if k in ("exp_avg", "exp_avg_sq")]
     assert report.memory.optimizer == sum(_bytes(t) for t in moments)  # AdamW's two float32 moments, adapters only
     assert report.memory.optimizer == 8 * sum(_local(p).numel() for p in trained)
-    assert report.memory.grads == 4 * sum(_local(p).numel() for p in trained)
+    fused_grads = (compute - 4) * experts if fuse else 0  # the fused pass's gradients are in the compute dtype
+    assert report.memory.grads == 4 * sum(_local(p).numel() for p in trained) + fused_grads
     adapters = sum(_local(job.model.get_parameter(n)).numel() for n in job.adapters.names())
     assert f"adapter parameters: {adapters / 1e6:.2f} M in total" in report.text
     assert "lora: rank 4" in report.text and "(8 linear modules, 8 expert tensors)" in report.text
@@ -105,14 +123,16 @@ def test_lora_holds_the_base_once_in_bf16_and_trains_only_the_adapters():
     local_base = full.memory.optimizer // 8
     assert lora.memory.optimizer < full.memory.optimizer / 50
     trained_local = lora.memory.optimizer // 8
-    # the expert adapters (EP 8: kept out of FSDP, the fused update) hold 2 bytes of master low halves, their bf16
-    # high halves being the compute copies
-    assert lora.memory.params == 2 * local_base + 4 * trained_local - 2 * expert // 8
+    # the expert adapters (EP 8: kept out of FSDP, the fused update) hold their 4 bytes of master as the bf16
+    # parameter (its high half, which is also the compute copy) and 2 bytes of low halves
+    assert lora.memory.params == 2 * local_base + 4 * trained_local
     assert lora.memory.reduce_buffers < full.memory.reduce_buffers / 50
     assert lora.memory.loss_head == 2 * 4096 * 151936 * 2  # a chunk's logits and gradient, no [V, D] gradient
     extras = 2 * rank * 2 * 4096  # q_proj and o_proj of the one recomputed layer, bf16, per token
     assert lora.memory.activations - full.memory.activations == extras
-    assert lora.memory.unsharded < full.memory.unsharded  # the frozen local experts are their own compute copies
+    # The local experts are their own compute copies in both (a frozen base; the fused update's parameters): LoRA
+    # gathers the linear adapters beside the base's units, in bf16, at most all of them.
+    assert 0 < lora.memory.unsharded - full.memory.unsharded <= 2 * linear
     assert lora.memory.total < full.memory.total
 
 

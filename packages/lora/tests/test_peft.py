@@ -22,17 +22,19 @@ from safetensors.torch import load_file  # noqa: E402
 
 MODULES = ("q_proj", "o_proj")
 PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-# DeepSeek-V3: MLA's projections. Not the shared expert's or the dense layer's gate/up/down_proj: PEFT on
-# transformers 5 reads those target_modules names as the fused expert tensors (see README, "PEFT's reading").
-DSV3_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+# The dense layer's and the shared expert's MLP: names PEFT on transformers 5 would retarget onto the fused experts
+# were they written to the folder's target_modules (see README, "PEFT's reading").
+MLP = ("gate_proj", "up_proj", "down_proj")
+# DeepSeek-V3: MLA's projections and both MLPs.
+DSV3_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", *MLP)
 EXPERT_CLASSES = ("Qwen3MoeExperts", "DeepseekV3Experts")
 
 
-def _tiny_base():
+def _tiny_base(dense_layers=()):
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=list(dense_layers), norm_topk_prob=True,
     )  # fmt: skip
     torch.manual_seed(0)
     return transformers.Qwen3MoeForCausalLM(cfg).float().eval()
@@ -106,13 +108,17 @@ def base():
     return _tiny_base()
 
 
-@pytest.mark.parametrize("family", ["qwen3moe", "deepseekv3"])
+@pytest.mark.parametrize("family", ["qwen3moe", "qwen3moe-dense-mlp", "deepseekv3"])
 def test_save_then_peft_loads_our_adapter_with_equal_logits_and_gradients(base, family, tmp_path):
+    modules = {"qwen3moe": MODULES, "qwen3moe-dense-mlp": (*MODULES, *MLP), "deepseekv3": DSV3_MODULES}[family]
     if family == "deepseekv3":
         base = _tiny_deepseek_v3()
-    modules = MODULES if family == "qwen3moe" else DSV3_MODULES
+    elif family == "qwen3moe-dense-mlp":  # layer 0 a dense MLP: its gate/up/down_proj are plain linears
+        base = _tiny_base(dense_layers=[0])
     options = LoraOptions(rank=4, alpha=8, target_modules=modules, target_parameters=PARAMS)
     ours, adapters = _ours(base, options)
+    if family != "qwen3moe":
+        assert sum(t.module.endswith(MLP) for t in adapters.targets) == {"deepseekv3": 6}.get(family, 3)
     assert all(not p.requires_grad for n, p in ours.named_parameters() if "lora" not in n)
     assert sorted(n for n, p in ours.named_parameters() if p.requires_grad) == sorted(adapters.names())
     save_adapter(tmp_path, adapters, adapters.state_dict(ours), base_model="tiny/qwen3-moe")
@@ -205,8 +211,14 @@ def test_bad_targets_and_adapters_are_one_line_errors(base, tmp_path):
         "entry 'experts.up_proj' matches no parameter",
     )
     fails(
-        lambda: apply_lora(model, LoraOptions(rank=2, target_parameters=("q_proj.weight",))),
-        "not a fused 3-D expert tensor",
+        lambda: apply_lora(model, LoraOptions(rank=2, target_parameters=("input_layernorm.weight",))),
+        "neither a fused 3-D expert tensor",
+    )
+    fails(
+        lambda: apply_lora(
+            model, LoraOptions(rank=2, target_modules=("q_proj",), target_parameters=("q_proj.weight",))
+        ),
+        "targets model.layers.0.self_attn.q_proj twice",
     )
     options = LoraOptions(rank=2, alpha=4, target_modules=MODULES, target_parameters=PARAMS)
     ours, adapters = _ours(base, options)
@@ -227,3 +239,46 @@ def test_bad_targets_and_adapters_are_one_line_errors(base, tmp_path):
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     fails(lambda: load_adapter(tmp_path, adapters), "uses PEFT's use_dora=True, which is not supported")
+
+
+@pytest.mark.parametrize("regex", [False, True])
+def test_mlp_targets_are_written_so_peft_loads_them_and_both_forms_load_into_ours(regex, tmp_path):
+    """PEFT retargets a target_modules entry ending in gate_proj / up_proj / down_proj onto the fused experts, a
+    regular expression too (it resolves it to leaf names first): the folder names those linears by their weight in
+    target_parameters and a regular expression by the module names it matched. Our reader takes that form, the
+    job's own names (a folder written before) and the folder's options alike."""
+    base = _tiny_deepseek_v3()
+    tm = r"model\.layers\.1\.(self_attn\.q_b_proj|mlp\.shared_experts\.(gate|up|down)_proj)" if regex else DSV3_MODULES
+    options = LoraOptions(rank=4, alpha=8, target_modules=tm, target_parameters=PARAMS)
+    ours, adapters = _ours(base, options)
+    save_adapter(tmp_path / "new", adapters, adapters.state_dict(ours))
+    config = json.loads((tmp_path / "new/adapter_config.json").read_text())
+    mlp_weights = [p for p in config["target_parameters"] if p.endswith(".weight")]
+    if regex:
+        assert config["target_modules"] == ["model.layers.1.self_attn.q_b_proj"] and len(mlp_weights) == 3
+    else:
+        assert sorted(config["target_modules"]) == sorted(DSV3_MODULES[:5])
+        assert sorted(mlp_weights) == sorted(f"{m}.weight" for m in MLP)
+    assert not any(m.endswith(MLP) for m in config["target_modules"])
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "new"))
+    ids = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).logits, theirs(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+    # the job's own names in the folder (as written before): PEFT misreads it, ours reads it
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new/adapter_model.safetensors").rename(tmp_path / "old/adapter_model.safetensors")
+    old = {**config, "target_modules": tm if regex else list(tm), "target_parameters": list(PARAMS)}
+    (tmp_path / "old/adapter_config.json").write_text(json.dumps(old))
+    want = adapters.state_dict(ours)
+    got = load_adapter(tmp_path / "old", adapters)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    # a job made from the folder's own options (init_from) targets the same tensors and loads it too
+    save_adapter(tmp_path / "new", adapters, want)
+    folder_options = read_adapter_options(tmp_path / "new")
+    fresh, fresh_adapters = _ours(base, LoraOptions(**{**folder_options.__dict__, "init_from": None}))
+    assert sorted(t.base_name for t in fresh_adapters.targets) == sorted(t.base_name for t in adapters.targets)
+    fresh_adapters.load_state_dict(fresh, load_adapter(tmp_path / "new", fresh_adapters))
+    assert load_adapter(tmp_path / "new", adapters).keys() == want.keys()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(input_ids=ids).logits, ours(input_ids=ids).logits)

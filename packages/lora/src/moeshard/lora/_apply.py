@@ -183,10 +183,21 @@ def _find_targets(model: nn.Module, options: LoraOptions) -> list[LoraTarget]:
             entries = [t for t in tp if key == t or key.endswith(f".{t}")]
             if not entries:
                 continue
+            if isinstance(module, nn.Linear) and pname == "weight":
+                # PEFT wraps a linear module's weight named this way like the module itself (same names, same
+                # delta), and save_adapter writes some linear targets so (see _peft.py: PEFT re-reads their names)
+                if targets and targets[-1].module == name:
+                    raise ValueError(
+                        f"lora targets {name} twice (target_modules and target_parameters entry {entries[0]!r}): "
+                        "name it once"
+                    )
+                targets.append(LoraTarget(name, "weight", LINEAR))
+                hit_params.update(entries)
+                continue
             if param.dim() != 3:
                 raise ValueError(
-                    f"lora.target_parameters matches {key} of shape {tuple(param.shape)}, not a fused 3-D expert "
-                    "tensor [experts, out, in]: target linear modules with target_modules"
+                    f"lora.target_parameters matches {key} of shape {tuple(param.shape)}, neither a fused 3-D expert "
+                    "tensor [experts, out, in] nor a linear module's weight: target modules with target_modules"
                 )
             if not name:
                 raise ValueError(

@@ -9,6 +9,15 @@ What ``peft.PeftModel.from_pretrained(transformers_model, folder)`` loads and ``
   is named ``m`` + ``.base_layer`` k times; its ``lora_A.weight`` is ``[E·r, in]`` with rows expert-major (row
   ``e·r + j`` is expert e's row j) and its ``lora_B.weight`` is ``[out, r·E]`` with columns rank-major (column
   ``j·E + e``), as ``ParamWrapper.get_delta_weight`` reads them.
+
+PEFT 0.21 on transformers 5 rewrites, for MoE model types it maps to ``qwen2_moe`` or ``mixtral`` (Qwen3-MoE and
+DeepSeek-V3 among them), every ``target_modules`` entry named or ending in ``.gate_proj``, ``.up_proj``,
+``.down_proj``, ``.gate``, ``.w1``, ``.w2`` or ``.w3`` as a per-expert linear of transformers 4 and retargets it onto
+the fused experts; a regular expression is first resolved to the leaf names it matches, so it is rewritten alike
+(``_convert_peft_config_moe`` in ``peft/utils/transformers_weight_conversion.py``). ``target_parameters`` are left
+as written, and an entry there naming a linear module's ``weight`` gets a ``ParamWrapper`` with the names and delta
+of a linear LoRA layer. So the folder names such linear targets in ``target_parameters`` (``m.weight``), and a
+regular expression is written as the module names it matched.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from moeshard.lora._apply import EXPERTS, LoraAdapters, LoraTarget
+from moeshard.lora._apply import EXPERTS, LoraAdapters, LoraTarget, _module_matches
 from moeshard.lora._options import LoraOptions
 
 __all__ = ["load_adapter", "read_adapter_options", "save_adapter"]
@@ -49,8 +58,28 @@ def _from_peft(t: LoraTarget, A: torch.Tensor, B: torch.Tensor, experts: int) ->
     return A.reshape(experts, r, A.shape[1]), B.reshape(B.shape[0], r, experts).permute(2, 0, 1)
 
 
-def _config(options: LoraOptions, base_model: str | None, model_class: str | None) -> dict:
-    tm = options.target_modules
+# The leaf names PEFT takes for transformers 4's per-expert linears (see the module docstring).
+_PEFT_REMAPPED = frozenset({"gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
+
+
+def _remapped(entry: str) -> bool:
+    return entry.rpartition(".")[2] in _PEFT_REMAPPED
+
+
+def _peft_targets(adapters: LoraAdapters) -> tuple[list[str], list[str]]:
+    """``(target_modules, target_parameters)`` as the folder writes them: what PEFT loads as the job targeted it."""
+    options = adapters.options
+    if isinstance(options.target_modules, str):
+        modules = sorted(t.module for t in adapters.targets if t.kind != EXPERTS)
+    else:
+        modules = sorted(set(options.target_modules))
+    params = set(options.target_parameters) | {f"{m}.weight" for m in modules if _remapped(m)}
+    return [m for m in modules if not _remapped(m)], sorted(params)
+
+
+def _config(adapters: LoraAdapters, base_model: str | None, model_class: str | None) -> dict:
+    options = adapters.options
+    modules, params = _peft_targets(adapters)
     config = {
         "peft_type": "LORA",
         "task_type": None,
@@ -58,8 +87,8 @@ def _config(options: LoraOptions, base_model: str | None, model_class: str | Non
         "r": options.rank,
         "lora_alpha": options.alpha,
         "use_rslora": options.use_rslora,
-        "target_modules": tm if isinstance(tm, str) else sorted(set(tm)),
-        "target_parameters": sorted(set(options.target_parameters)) or None,
+        "target_modules": modules or None,
+        "target_parameters": params or None,
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -109,7 +138,7 @@ def save_adapter(
     save_file(out, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, folder / WEIGHTS)
     tmp = folder / f".{CONFIG}.tmp"
-    tmp.write_text(json.dumps(_config(adapters.options, base_model, model_class), indent=2, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps(_config(adapters, base_model, model_class), indent=2, sort_keys=True) + "\n")
     os.replace(tmp, folder / CONFIG)
     return folder
 
@@ -194,12 +223,12 @@ def load_adapter(
     ):
         if a != b:
             raise ValueError(f"lora.init_from: {folder} has {name}={a}, this job {name}={b}; set lora.{name}: {a}")
-    tm_a, tm_b = theirs.target_modules, ours.target_modules
-    same_modules = tm_a == tm_b if isinstance(tm_a, str) or isinstance(tm_b, str) else set(tm_a) == set(tm_b)
-    if not same_modules or set(theirs.target_parameters) != set(ours.target_parameters):
+    difference = _target_difference(theirs, adapters)
+    if difference:
         raise ValueError(
-            f"lora.init_from: {folder} targets modules {tm_a} and parameters {list(theirs.target_parameters)}, this "
-            f"job {tm_b} and {list(ours.target_parameters)}; use the adapter's targets"
+            f"lora.init_from: {folder} targets modules {theirs.target_modules} and parameters "
+            f"{list(theirs.target_parameters)}, this job {ours.target_modules} and {list(ours.target_parameters)} "
+            f"({difference}); use the adapter's targets"
         )
     theirs_base = config.get("base_model_name_or_path")
     if base_model and theirs_base and not _same_base(theirs_base, base_model):
@@ -238,6 +267,34 @@ def load_adapter(
             "do not name"
         )
     return out
+
+
+def _target_difference(folder: LoraOptions, adapters: LoraAdapters) -> str | None:
+    """Where the folder's targets and the job's differ, or None: compared by what they target in the model, so a
+    folder written by :func:`save_adapter` (linear weights in ``target_parameters``, a regular expression written
+    as module names) and one naming the same tensors as the job's options do agree."""
+
+    def hits(key: str, entry: str) -> bool:
+        return key == entry or key.endswith(f".{entry}")
+
+    def covered(t: LoraTarget) -> bool:
+        if any(hits(t.base_name, e) for e in folder.target_parameters):
+            return True
+        return t.kind != EXPERTS and bool(folder.target_modules) and _module_matches(t.module, folder.target_modules)
+
+    for t in adapters.targets:
+        if not covered(t):
+            return f"the folder does not target {t.base_name}"
+    linear = [t.module for t in adapters.targets if t.kind != EXPERTS]
+    tm = folder.target_modules
+    entries = [tm] if isinstance(tm, str) else list(tm)
+    for e in entries:
+        if not any(_module_matches(m, e if isinstance(tm, str) else (e,)) for m in linear):
+            return f"the job targets no module that its target_modules entry {e!r} names"
+    for e in folder.target_parameters:
+        if not any(hits(t.base_name, e) for t in adapters.targets):
+            return f"the job targets no tensor that its target_parameters entry {e!r} names"
+    return None
 
 
 def _expected(adapters: LoraAdapters, t: LoraTarget) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -127,13 +127,12 @@ def _memory_estimate(cfg: JobConfig, mcfg: Any, built: _Built, world: int, mb: i
     lora = built.adapters is not None
     if micro_batches > 1 and u.fused_numel and budget is not None and ratio <= budget and not lora:
         fused_grads = int(fused_grads * ratio)
-    # Local experts the fused pass updates in bf16 hold their float32 masters split: the bf16 parameter (counted with
-    # the compute copies below) and 2 bytes of low halves (moeshard.fsdp_moe.split_master), not 4 bytes of master.
-    split_numel = u.fused_numel if compute_bytes == 2 else 0
     head_held = micro_batches > 1 and deferred_sync  # FSDP2 holds the head's float32 gradient between micro-batches
     over_logits = loss_head_over_logits(opts, compute_bytes)
     # What trains gets a float32 master, a gradient and AdamW's two moments; a frozen base (lora) is held once, in
-    # the compute dtype, and nothing else.
+    # the compute dtype, and nothing else. Local experts the fused pass updates hold their 4 bytes of master as the
+    # parameter (bf16: its high half, beside 2 bytes of low halves in the optimizer; float32: the master itself) and
+    # no other compute copy (see _unit_figures).
     trained, frozen = built.trained_local, built.local_numel - built.trained_local
     activations = activation_bytes_per_token(
         mcfg, compute_bytes, opts.activation_checkpointing, opts.selective_recompute, opts.keep_attention
@@ -143,7 +142,7 @@ def _memory_estimate(cfg: JobConfig, mcfg: Any, built: _Built, world: int, mb: i
             built.adapters, mcfg.num_hidden_layers, compute_bytes, opts.activation_checkpointing
         )
     return MemoryEstimate(
-        params=4 * trained - 2 * split_numel + compute_bytes * frozen,
+        params=4 * trained + compute_bytes * frozen,
         grads=4 * (trained - u.fused_numel) + fused_grads,
         optimizer=8 * trained,
         # Where no unit reshards after forward (one rank, or parallel.reshard_after_forward false with the experts
@@ -214,12 +213,14 @@ def _unit_figures(
     kept = [units.root, head] + ([m for _, m in units.experts] if experts_kept else [])
     kept_numel = sum(_managed_numel(m, skip) for m in kept)
     # Experts outside FSDP: a frozen base (lora) in the compute dtype is its own compute copy (counted with the
-    # parameters); what trains is cast to the compute dtype for the pass.
-    kept_numel += sum(_managed_numel(m, skip, trained_only=True) for m in local_experts.values())
+    # parameters); what trains is cast to the compute dtype for the pass, except under the fused update
+    # (train.fuse_local_experts), where the parameter is the compute copy and part of the master: its high half in
+    # bf16 (moeshard.fsdp_moe.split_master), the master itself in float32, counted with the parameters.
+    cast = 0 if cfg.train.fuse_local_experts else 1
+    local_cast = cast * sum(_managed_numel(m, skip, trained_only=True) for m in local_experts.values())
+    kept_numel += local_cast
     kept_ids = {id(m) for m in kept} | {id(m) for m in local_experts.values()}
-    all_numel = sum(_managed_numel(m, skip) for _, m in units) + sum(
-        _managed_numel(m, skip, trained_only=True) for m in local_experts.values()
-    )
+    all_numel = sum(_managed_numel(m, skip) for _, m in units) + local_cast
 
     def stage_numel(stage: Any) -> int:
         # What a stage gathers beyond the kept units (counted once, above); its local experts are kept.
