@@ -305,7 +305,7 @@ def test_expert_weight_grads_budget():
     30B-A3B (128 local experts) 4 micro-batches of 4,096 tokens 1.04x the gradients; at EP 2 the overlapped
     dispatcher's factors also hold the own copies' sorted rows (``2D (P - 1) / P`` elements per copy)."""
     from moeshard.fsdp_moe import expert_grad_budget
-    from moeshard.train.commands.plan import _kept_factor_ratio as kept_factor_ratio
+    from moeshard.train.commands.plan_build import _kept_factor_ratio as kept_factor_ratio
     from moeshard.train.config import load_config, resolve_model_config
 
     def budget(value, ratio=None):

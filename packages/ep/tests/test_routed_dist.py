@@ -116,12 +116,12 @@ def _same_under_activation_checkpointing(experts, world, rank):
     the outputs back."""
     from torch.utils.checkpoint import checkpoint
 
-    from moeshard.ep import _mlp
     from moeshard.ep._dispatch import overlapped
+    from moeshard.ep._expert_pass import ExpertPass
 
     x_TD, ids_TK, w_TK, _ = _problem(world, "random")[rank]
     results, forwards, syncs, backward_work = [], [], [], []
-    original, down, kernels = overlapped._OverlappedExperts.forward, _mlp.ExpertPass._down, experts.dispatch.kernels
+    original, down, kernels = overlapped._OverlappedExperts.forward, ExpertPass._down, experts.dispatch.kernels
     exchanges = {name: getattr(dist, name) for name in ("all_to_all_single", "batch_isend_irecv")}
     work = collections.Counter()
 
@@ -146,7 +146,7 @@ def _same_under_activation_checkpointing(experts, world, rank):
 
         forwards.clear()
         overlapped._OverlappedExperts.forward = staticmethod(counted)
-        _mlp.ExpertPass._down = counting("down", down)
+        ExpertPass._down = counting("down", down)
         experts.dispatch.kernels = dataclasses.replace(
             kernels, gather_sum=counting("gather_sum", kernels.gather_sum), route=counting("route", kernels.route)
         )
@@ -167,7 +167,7 @@ def _same_under_activation_checkpointing(experts, world, rank):
                 backward_work.append(dict(work))
         finally:
             overlapped._OverlappedExperts.forward = staticmethod(original)
-            _mlp.ExpertPass._down = down
+            ExpertPass._down = down
             experts.dispatch.kernels = kernels
             for name, fn in exchanges.items():
                 setattr(dist, name, fn)

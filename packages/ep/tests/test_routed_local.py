@@ -5,8 +5,9 @@ import torch
 
 from moeshard.ep import EPOptions, LocalDispatch
 from moeshard.ep._dispatch import routed_experts
+from moeshard.ep._expert_pass import ExpertPass
 from moeshard.ep._kernels import kernels_for
-from moeshard.ep._mlp import ExpertPass, grouped_expert_mlp
+from moeshard.ep._mlp import grouped_expert_mlp
 from moeshard.ep.testing import reference_routed_experts
 
 # T tokens, K top-k, D hidden, E experts, F expert width

@@ -26,7 +26,7 @@ from moeshard.ep._dispatch import (
     recompute_contexts,
 )
 from moeshard.ep._kernels import ClampedSwiGLU, compile_rows_dynamic
-from moeshard.ep._mlp import LowRankDelta
+from moeshard.ep._lowrank import LowRankDelta
 from moeshard.ep._options import EPOptions
 from moeshard.ep._plan import EPInfo, EPParamMeta, ParallelPlan, apply_ep, fqn_matches
 from moeshard.ep._weight_grads import WeightGradFactors, WeightGradTarget, sum_weight_grads

@@ -1,6 +1,6 @@
 """The memory model of ``moeshard-train plan``: the bytes per rank a step holds at its peak (:class:`MemoryEstimate`),
 the activations a training micro-batch saves per token (:func:`activation_bytes_per_token`), what the chunked loss
-head holds (:func:`loss_head_bytes`), and the report's memory lines. ``plan.py`` builds the job on meta and fills
+head holds (:func:`loss_head_bytes`), and the report's memory lines. ``plan_build.py`` builds the job on meta and fills
 them in."""
 
 from __future__ import annotations

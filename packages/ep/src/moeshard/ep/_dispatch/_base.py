@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
+from moeshard.ep._expert_pass import NO_BIASES
 from moeshard.ep._kernels import Activation, activation_fn, kernels_for
-from moeshard.ep._mlp import NO_BIASES, NO_DELTAS, LowRankDelta
+from moeshard.ep._lowrank import NO_DELTAS, LowRankDelta
 from moeshard.ep._options import EPOptions
 from moeshard.ep._permute import combine, expand_rows_and_weights
 from moeshard.ep._weight_grads import WeightGradTarget

@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 from moeshard.ep._dispatch._base import ExpertDispatch
-from moeshard.ep._mlp import NO_BIASES, NO_DELTAS, grouped_expert_mlp
+from moeshard.ep._expert_pass import NO_BIASES
+from moeshard.ep._lowrank import NO_DELTAS
+from moeshard.ep._mlp import grouped_expert_mlp
 from moeshard.ep._permute import inverse_permutation, permute_rows, regroup_by_local_expert
 
 __all__ = ["AllToAllDispatch", "all_to_all"]

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 from moeshard.ep._dispatch._base import ExpertDispatch
-from moeshard.ep._mlp import NO_BIASES, NO_DELTAS, grouped_expert_mlp
+from moeshard.ep._expert_pass import NO_BIASES
+from moeshard.ep._lowrank import NO_DELTAS
+from moeshard.ep._mlp import grouped_expert_mlp
 
 __all__ = ["LocalDispatch"]
 

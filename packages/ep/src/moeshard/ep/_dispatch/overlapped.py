@@ -29,8 +29,10 @@ import torch
 import torch.distributed as dist
 
 from moeshard.ep._dispatch._base import ExpertDispatch
+from moeshard.ep._expert_pass import NO_BIASES, ExpertPass
 from moeshard.ep._kernels import Kernels, resolve_gemm
-from moeshard.ep._mlp import NO_BIASES, NO_DELTAS, ExpertPass, _deltas, check_biases, delta_inputs
+from moeshard.ep._lowrank import NO_DELTAS, _deltas, delta_inputs
+from moeshard.ep._mlp import check_biases
 from moeshard.ep._permute import inverse_permutation, regroup_by_local_expert
 from moeshard.ep._torch_internals import set_sm_carveout, sm_carveout
 from moeshard.ep._weight_grads import Handoff, add_into, takes_factors, weight_grad_buffers
