@@ -16,6 +16,7 @@ from moeshard.models.common import (
     chunk_gated_delta_rule_reference,
     linear_attention_kernels,
 )
+from moeshard.models.common._delta_rule import fla_platform_defect
 
 # 2 rows of 80: documents of 30, 3 (shorter than the convolution) and 47 (across a chunk of 64), then one of 80
 DOCUMENTS = torch.tensor([[0] * 30 + [1] * 3 + [2] * 47, [5] * 80])
@@ -83,10 +84,27 @@ def test_kernel_choice_and_its_refusals_in_one_line(monkeypatch):
         assert "'kernels' extra" in line and "kernel to 'torch'" in line
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
-    reason="flash-linear-attention (the 'kernels' extra) on a CUDA GPU",
-)
+def test_a_platform_where_fla_backward_is_wrong_is_refused_in_one_line():
+    assert fla_platform_defect((9, 0), "3.7.1", has_tilelang=False) is None
+    assert fla_platform_defect((9, 0), "3.3.1", has_tilelang=False) is None
+    assert fla_platform_defect((8, 0), "3.6.0", has_tilelang=False) is None  # Ampere: fla runs it
+    assert fla_platform_defect((9, 0), "3.6.0", has_tilelang=True) is None  # fla's tilelang backend serves it
+    line = fla_platform_defect((9, 0), "3.6.0+git1234", has_tilelang=False)
+    assert "\n" not in line and "Hopper GPUs with triton 3.6.0+git1234" in line
+    assert "triton>=3.7.1 or tilelang" in line and "kernel to 'torch'" in line
+
+
+def _fla_skip() -> str | None:
+    if not torch.cuda.is_available() or importlib.util.find_spec("fla") is None:
+        return "flash-linear-attention (the 'kernels' extra) on a CUDA GPU"
+    import triton
+
+    return fla_platform_defect(
+        torch.cuda.get_device_capability(), triton.__version__, importlib.util.find_spec("tilelang") is not None
+    )
+
+
+@pytest.mark.skipif(_fla_skip() is not None, reason=str(_fla_skip()))
 def test_flash_linear_attention_equals_the_reference_on_packed_rows():
     segments = RowSegments(document_ids_BS=DOCUMENTS.cuda())
     cuda = torch.device("cuda")

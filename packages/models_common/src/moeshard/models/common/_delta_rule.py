@@ -16,6 +16,8 @@ convolution sees no token of an earlier document (:class:`RowSegments`).
 
 from __future__ import annotations
 
+import importlib.util
+import re
 from dataclasses import dataclass
 
 import torch
@@ -219,13 +221,35 @@ def _fla_kernels() -> LinearAttentionKernels:
     return LinearAttentionKernels("fla", conv, rule)
 
 
+def fla_platform_defect(capability: tuple[int, int], triton_version: str, has_tilelang: bool) -> str | None:
+    """Why flash-linear-attention 0.6 cannot train a Gated DeltaNet on this platform, or None: on Hopper GPUs
+    (compute capability 9.x) with triton at least 3.4.0 and below 3.7.1 the gated delta rule's backward gives wrong
+    results, and fla itself refuses it there unless its tilelang backend is installed."""
+    found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", triton_version)
+    version = tuple(int(x or 0) for x in found.groups()) if found else (0, 0, 0)
+    if capability[0] != 9 or not (3, 4, 0) <= version < (3, 7, 1) or has_tilelang:
+        return None
+    return (
+        f"flash-linear-attention's gated delta rule backward gives wrong results on Hopper GPUs with triton "
+        f"{triton_version} (fla refuses it there): install triton>=3.7.1 or tilelang (pip install tilelang), or set "
+        "the Gated DeltaNet's kernel to 'torch' (slow)"
+    )
+
+
+def _platform_defect(device: torch.device) -> str | None:
+    import triton
+
+    has_tilelang = importlib.util.find_spec("tilelang") is not None
+    return fla_platform_defect(torch.cuda.get_device_capability(device), triton.__version__, has_tilelang)
+
+
 def linear_attention_kernels(kernel: str, device: torch.device) -> LinearAttentionKernels:
     """The kernels of ``kernel`` (``"auto"``: flash-linear-attention's on CUDA, the torch reference elsewhere;
     ``"fla"``; ``"torch"``) for ``device``.
 
     Raises:
         ValueError: an unknown kernel, or flash-linear-attention asked for (or ``"auto"`` on CUDA) where it is not
-            installed or the device is not CUDA.
+            installed, the device is not CUDA, or its backward is known to be wrong (:func:`fla_platform_defect`).
     """
     if kernel not in ("auto", "fla", "torch"):
         raise ValueError(f"linear attention kernel {kernel!r} is not one of 'auto', 'fla', 'torch'")
@@ -234,12 +258,16 @@ def linear_attention_kernels(kernel: str, device: torch.device) -> LinearAttenti
     if device.type != "cuda":
         raise ValueError(f"linear attention kernel 'fla' needs a CUDA device, got {device}; use 'torch' or 'auto'")
     try:
-        return _fla_kernels()
+        kernels = _fla_kernels()
     except ImportError as err:
         raise ValueError(
             f"linear attention on GPU needs flash-linear-attention ({err}): install the model family's 'kernels' "
             "extra (or pip install 'flash-linear-attention>=0.6'), or set the mixers' kernel to 'torch' (slow)"
         ) from None
+    defect = _platform_defect(device)
+    if defect is not None:
+        raise ValueError(defect)
+    return kernels
 
 
 def linear_attention_row(
