@@ -1,7 +1,8 @@
 """Your own training loop on moeshard's pieces (no ``moeshard.train``): EP + expert FSDP2 for any model family
-(Qwen3-MoE, the DeepSeek-V3 architecture): the checkpoint's ``model_type`` picks it.
+(Qwen3-MoE, the DeepSeek-V3 architecture, Qwen3.5-MoE, GPT-OSS): the checkpoint's ``model_type`` picks it, through
+each family package's ``FAMILY``.
 
-    python examples/make_tiny_inputs.py /tmp/tiny
+    python examples/make_tiny_inputs.py /tmp/tiny        # --family deepseek_v3 | qwen3_5_moe_text | gpt_oss
     torchrun --nproc-per-node 4 examples/custom_trainer.py --model /tmp/tiny/model --data /tmp/tiny/data.jsonl \
         --ep-size 2 --ranks-per-node 2 --losses /tmp/tiny/losses.json        # CPU: 4 gloo ranks as 2 nodes x 2
 
@@ -15,10 +16,16 @@ micro-batches (gradient accumulation), and a ``PrefetchLoader`` prepares the nex
 Optional: aux-loss-free expert balancing (``--router-bias RATE``: a selection bias per expert, moved after each step
 from the step's global expert load) and a held-out loss at the end (``--eval-data``), both from the packages.
 
+Sequence parallelism (Ulysses, ``--sp-size N``): N consecutive ranks of a node share each row, each holding
+``seq_len / N`` contiguous tokens (``moeshard.models.common.model_inputs``, i.e. ``moeshard.sequence.shard_row``);
+``parallelize`` runs every attention (and linear-attention mixer) on head shards of the whole row between two
+all-to-alls. The data-parallel degree is then ``world / N``: the ranks of a sequence group read the same rows.
+
 LoRA (``moeshard.lora``): ``--lora-rank 16 --lora-modules q_proj o_proj --lora-experts mlp.experts.gate_up_proj
 mlp.experts.down_proj --adapter OUT`` freezes the base (held in the compute dtype, no gradient or optimizer state)
 and trains adapters beside it, sharded with what they adapt (the EP plan slices the expert adapters with their
-experts); ``OUT`` is written in PEFT's format (``peft.PeftModel.from_pretrained`` loads it).
+experts); ``OUT`` is written in PEFT's format (``peft.PeftModel.from_pretrained`` loads it). It composes with
+``--sp-size``.
 """
 
 from __future__ import annotations
@@ -38,17 +45,24 @@ from moeshard.ep import EPOptions
 from moeshard.fsdp_moe import ExpertGradOptions, build_optimizer, num_items_for_global_mean
 from moeshard.lora import LoraOptions, apply_lora, reset_adapters, save_adapter
 from moeshard.meshes import build_meshes
-from moeshard.models import deepseekv3, qwen3moe
+from moeshard.models import deepseekv3, gptoss, qwen3moe, qwen35moe
 from moeshard.models.common import (
     Balancing,
     BalancingOptions,
     ParallelOptions,
     evaluate,
     load_hf_weights,
+    model_inputs,
     parallelize,
 )
 
-FAMILIES = {family.name: family for family in (qwen3moe.FAMILY, deepseekv3.FAMILY)}  # model_type -> ModelFamily
+# model_type -> ModelFamily: each family's own name, and the other folders it loads from (Qwen3.5-MoE's Hub folders
+# are vision-language ones, ``qwen3_5_moe``, whose language model is read), as its checkpoint format lists them.
+FAMILIES = {
+    model_type: family
+    for family in (qwen3moe.FAMILY, deepseekv3.FAMILY, qwen35moe.FAMILY, gptoss.FAMILY)
+    for model_type in (family.name, *(layout.model_type for layout in family.hf_format.layouts))
+}
 
 
 def print0(*args: object) -> None:
@@ -71,6 +85,7 @@ def main() -> None:
     p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95))
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--ep-size", type=int, default=2)
+    p.add_argument("--sp-size", type=int, default=1, help="sequence parallelism: ranks sharing each row (Ulysses)")
     p.add_argument("--ranks-per-node", type=int, default=None, help="default: LOCAL_WORLD_SIZE")
     p.add_argument("--prefetch-depth", type=int, default=1)
     p.add_argument("--dispatch", choices=("overlapped", "all_to_all"), default="overlapped", help="EP token exchange")
@@ -85,7 +100,8 @@ def main() -> None:
     p.add_argument("--adapter", type=Path, default=None, help="LoRA: write the adapter here (PEFT's format)")
     args = p.parse_args()
 
-    # 1. Process group and meshes: EP groups inside a node, expert FSDP across nodes.
+    # 1. Process group and meshes: EP groups inside a node, expert FSDP across nodes; sequence groups (--sp-size)
+    # are consecutive ranks inside a node too, and cut neither mesh.
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -94,11 +110,16 @@ def main() -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    meshes = build_meshes(args.ep_size, device_type=device.type, ranks_per_node=args.ranks_per_node)
+    meshes = build_meshes(
+        args.ep_size, device_type=device.type, ranks_per_node=args.ranks_per_node, sp_size=args.sp_size
+    )
+    # The rows are read by data-parallel rank: the ranks of a sequence group read the same rows, each its shard.
+    dp_rank, dp_size, sp_rank = meshes.dp_rank, meshes.dp_size, meshes.sp_rank
     print0(meshes.describe())
 
     # 2. The model on meta (no memory), parallelised in one call: experts sliced on dim 0 to this EP rank's share
-    # (EP), then FSDP2 (experts: dim 1 over ep_fsdp; the rest: dim 0 over all ranks), then the prefetch schedule.
+    # (EP), attention on head shards (sp > 1), then FSDP2 (experts: dim 1 over ep_fsdp; the rest: dim 0 over all
+    # ranks), then the prefetch schedule.
     model_type = json.loads((args.model / "config.json").read_text()).get("model_type")
     if model_type not in FAMILIES:
         raise SystemExit(f"{args.model}: model_type {model_type!r} is none of the families {sorted(FAMILIES)}")
@@ -119,7 +140,9 @@ def main() -> None:
         base_dtype = torch.bfloat16 if device.type == "cuda" else None
         adapters = apply_lora(model, lora, seed=0, base_dtype=base_dtype)
         print0(adapters.describe())
-    options = ParallelOptions(ep=EPOptions(dispatch=args.dispatch), prefetch_depth=args.prefetch_depth)
+    options = ParallelOptions(
+        ep=EPOptions(dispatch=args.dispatch), prefetch_depth=args.prefetch_depth, sp_size=args.sp_size
+    )
     parallel = parallelize(model, meshes, options)
     print0("\n".join(options.describe()))
 
@@ -133,7 +156,7 @@ def main() -> None:
     # AdamW for every trainable parameter (with LoRA: the adapters only; fused on GPU); experts kept out of FSDP (ep_fsdp of one rank) get one fused pass
     # from their compute-dtype gradients. One step(), zero_grad(), state_dict() and clip_grad_norm_() for all.
     # expert_grads: those experts' weight gradients kept over a step's micro-batches, formed once in the last.
-    expert_grads = ExpertGradOptions(micro_batches=max(1, args.global_batch // world // args.micro_batch))
+    expert_grads = ExpertGradOptions(micro_batches=max(1, args.global_batch // dp_size // args.micro_batch))
     optimizer = build_optimizer(
         model, lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay, expert_grads=expert_grads
     )
@@ -149,37 +172,38 @@ def main() -> None:
         )
 
     rows = rows_of(args.data)
-    step_batches = StepBatches(rows, global_batch=args.global_batch, world_size=world, micro_batch=args.micro_batch)
+    step_batches = StepBatches(rows, global_batch=args.global_batch, world_size=dp_size, micro_batch=args.micro_batch)
     # Expert balancing, one object with the hooks the loop calls: transformers' aux loss per micro-batch at the
-    # model's coefficient and, with --router-bias, aux-loss-free selection biases moved after each step.
+    # model's coefficient and, with --router-bias, aux-loss-free selection biases moved after each step. Under
+    # sequence parallelism its statistics are summed over the sequence group, so a row's tokens count once.
     options = BalancingOptions(aux_loss_coef=model.router_aux_loss_coef, router_bias_rate=args.router_bias or None)
-    balancing = Balancing(model, options, device=device)
+    sequence_group = meshes.sp.get_group() if meshes.sp is not None else None
+    balancing = Balancing(model, options, device=device, sequence_group=sequence_group)
     losses, grad_norms, imbalance = [], [], []
     # A background thread prepares the next steps' batches (in pinned memory on CUDA: the copies below are async).
-    loader = PrefetchLoader(step_batches, rank, start_step=0, stop_step=args.steps, pin_memory=device.type == "cuda")
+    loader = PrefetchLoader(step_batches, dp_rank, start_step=0, stop_step=args.steps, pin_memory=device.type == "cuda")
     with loader:
         for step, micro_batches in loader:
             optimizer.zero_grad(set_to_none=True)
+            # This rank's view of the rows: the whole rows at sp 1; else its shard of every row, with the targets
+            # shifted before the split (a shard's last token predicts the next shard's first) and the whole row's
+            # document ids and padding mask (attention sees the whole row after its all-to-all).
+            inputs = [model_inputs(b, sp_rank=sp_rank, sp_size=args.sp_size) for b in micro_batches]
             # N_global / W: with it each rank's loss is W * (its token-loss sum) / N_global, and FSDP's average over
-            # W ranks is the global-batch mean however unevenly label tokens fall on ranks.
-            num_items = num_items_for_global_mean(sum(b.num_targets for b in micro_batches)).clamp_min(1.0 / world)
+            # W ranks is the global-batch mean however unevenly label tokens fall on ranks (or shards).
+            num_items = num_items_for_global_mean(sum(i.num_targets for i in inputs)).clamp_min(1.0 / world)
             lm_sum = torch.zeros((), device=device)
-            balancing.start_step(len(micro_batches))
-            for b in micro_batches:
-                b = b.to(device, non_blocking=True)
+            balancing.start_step(len(inputs))
+            for i in inputs:
+                i = i.to(device, non_blocking=True)
+                # kwargs: input_ids; labels (-100: not a target: prompt tokens of SFT records, padding, document
+                # starts), or a shard's shift_labels; position_ids (restart at 0 in every document of a packed row);
+                # document_ids (a token attends to the earlier tokens of its own document only); attention_mask
+                # (None unless rows are padded: --no-packing).
                 # return_logits=False: the loss goes through the head in chunks, never holding the [B, S, V] logits.
-                out = model(
-                    b.input_ids,
-                    labels=b.labels,  # -100: not a target (prompt tokens of SFT records, padding, document starts)
-                    position_ids=b.position_ids,  # restart at 0 in every document of a packed row
-                    document_ids=b.document_ids,  # a token attends to the earlier tokens of its own document only
-                    attention_mask=b.attention_mask,  # None unless rows are padded (--no-packing)
-                    num_items_in_batch=num_items,
-                    output_router_logits=True,
-                    return_logits=False,
-                )
+                out = model(**i.kwargs, num_items_in_batch=num_items, output_router_logits=True, return_logits=False)
                 # The LM loss plus the balancing term (the aux loss, a per-micro-batch mean, averaged over the step).
-                (out.lm_loss + balancing.micro_batch_loss(out, b.attention_mask)).backward()
+                (out.lm_loss + balancing.micro_batch_loss(out, i.token_mask, rows=i.rows)).backward()
                 lm_sum += out.lm_loss.detach()
             # One norm over both meshes (a device tensor, no host sync); the step may apply the clip coefficient.
             grad_norm = optimizer.clip_grad_norm_(args.max_grad_norm)
@@ -196,13 +220,15 @@ def main() -> None:
             )
 
     # 5. A held-out loss: the mean over every predicted token of the eval rows on all ranks (every rank runs the
-    # same number of forwards, so EP's exchanges pair up even when ranks hold different token counts).
+    # same number of forwards, so EP's exchanges pair up even when ranks hold different token counts; under
+    # sequence parallelism each rank runs its shard of its data-parallel group's rows).
     val_loss = None
     if args.eval_data is not None:
         batches = EvalBatches(
-            rows_of(args.eval_data), global_batch=args.global_batch, world_size=world, micro_batch=args.micro_batch
+            rows_of(args.eval_data), global_batch=args.global_batch, world_size=dp_size, micro_batch=args.micro_batch
         )
-        val_loss = evaluate(model, batches.rank_batches(rank), device=device).loss
+        rank_batches = batches.rank_batches(dp_rank)
+        val_loss = evaluate(model, rank_batches, device=device, sp_rank=sp_rank, sp_size=args.sp_size).loss
         print0(f"eval: loss {val_loss:.6f}")
 
     # 6. A checkpoint with experts in their global shape (it loads into any EP size / world size), published

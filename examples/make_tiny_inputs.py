@@ -1,11 +1,13 @@
-"""Write a tiny Qwen3-MoE (or DeepSeek-V3) checkpoint (HF layout, random weights) and a small JSONL data set for the
-examples.
+"""Write a tiny checkpoint of any family (HF layout, random weights) and a small JSONL data set for the examples.
 
     python examples/make_tiny_inputs.py /tmp/tiny                          # -> /tmp/tiny/model/, /tmp/tiny/data.jsonl
     python examples/make_tiny_inputs.py /tmp/tiny_ds --family deepseek_v3  # the DeepSeek-V3 architecture
+    python examples/make_tiny_inputs.py /tmp/tiny_q35 --family qwen3_5_moe_text   # or gpt_oss
 
-The checkpoint is written by transformers' own ``Qwen3MoeForCausalLM.save_pretrained`` (the Hub's layout); the
-data are records ``{"input_ids": [...]}`` of varied lengths, so ranks see different numbers of label tokens.
+Qwen3-MoE and DeepSeek-V3 checkpoints are written by transformers' own ``save_pretrained`` (the Hub's layout);
+Qwen3.5-MoE and GPT-OSS ones by the family's model at its ``tiny`` preset (``FAMILY.preset_config("tiny")``), whose
+``save_pretrained`` writes folders transformers loads. The data are records ``{"input_ids": [...]}`` of varied
+lengths, so ranks see different numbers of label tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from moeshard.models import gptoss, qwen35moe
 
 # Small enough for 4 CPU processes in seconds, with top-k > 1, GQA and every layer MoE.
 TINY = dict(
@@ -63,13 +67,25 @@ TINY_DEEPSEEK_V3 = dict(
 )
 
 
+# The families written from their ``tiny`` preset (model_type -> FAMILY).
+PRESET_FAMILIES = {family.name: family for family in (qwen35moe.FAMILY, gptoss.FAMILY)}
+FAMILY_NAMES = ("qwen3_moe", "deepseek_v3", *PRESET_FAMILIES)
+
+
 def write_model(path: Path, seed: int = 0, family: str = "qwen3_moe") -> Path:
-    """A randomly initialised tiny model of ``family`` (``qwen3_moe`` or ``deepseek_v3``) saved by transformers."""
+    """A randomly initialised tiny model of ``family`` (one of :data:`FAMILY_NAMES`, a ``model_type``) saved in the
+    Hub's layout."""
+    if family not in FAMILY_NAMES:
+        raise ValueError(f"family {family!r} is none of {FAMILY_NAMES}; pass one of them")
     torch.manual_seed(seed)
     if family == "deepseek_v3":
         DeepseekV3ForCausalLM(DeepseekV3Config(**TINY_DEEPSEEK_V3)).save_pretrained(path)
-    else:
+    elif family == "qwen3_moe":
         Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY)).save_pretrained(path)
+    else:
+        model = PRESET_FAMILIES[family].model_class(PRESET_FAMILIES[family].preset_config("tiny"))
+        model.init_weights()  # the family's own initialisation, drawn from the seed above
+        model.save_pretrained(path)
     return path
 
 
@@ -88,7 +104,7 @@ def write_data(path: Path, num_records: int = 64, seq_len: int = 24, seed: int =
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="folder for model/ and data.jsonl")
-    parser.add_argument("--family", choices=("qwen3_moe", "deepseek_v3"), default="qwen3_moe")
+    parser.add_argument("--family", choices=FAMILY_NAMES, default="qwen3_moe")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     print(write_model(args.out / "model", family=args.family), write_data(args.out / "data.jsonl"))

@@ -241,3 +241,110 @@ def test_toy_moe_matches_one_process(tmp_path):
     assert any(".ffn.routed.w_in" in fqn for fqn in one["grads"])
     for fqn, grad in one["grads"].items():
         torch.testing.assert_close(four["grads"][fqn], grad, rtol=1e-4, atol=1e-6, msg=fqn)
+
+
+def _example_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_custom_trainer_knows_every_family_the_app_trains():
+    """The example picks its family by the folder's ``model_type`` through each family package's ``FAMILY``: every
+    ``model_type`` the app trains (the Hub's Qwen3.5-MoE vision-language folders too), each to its family."""
+    from moeshard.train.families import FAMILIES, get_family
+
+    families = _example_module("custom_trainer").FAMILIES
+    assert set(families) == set(FAMILIES)
+    for model_type, family in families.items():
+        assert family is get_family(model_type), model_type
+        assert model_type == family.name or family.hf_format.layout_of(model_type) is not None
+
+
+SP_HYPER = {**HYPER, "steps": 3}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_5_moe_text", "gpt_oss"])
+def test_custom_trainer_every_family_matches_the_app_and_sp2_matches_sp1(family, tmp_path):
+    """For each family's tiny folder (``make_tiny_inputs.py --family``): the example on 2 ranks (EP 2) takes the
+    app's steps (``launch-local``, one node of 2, the same folder, data and hyper-parameters), and at ``--sp-size 2``
+    on 4 ranks (each row split over a sequence group of 2; the same 2 data-parallel groups) the same steps again."""
+    make = _example_module("make_tiny_inputs")
+    model, data = make.write_model(tmp_path / "model", family=family), make.write_data(tmp_path / "data.jsonl")
+    assert json.loads((model / "config.json").read_text())["model_type"] == family
+    (tmp_path / "app.yaml").write_text(APP_CONFIG.replace(f"steps: {HYPER['steps']}", f"steps: {SP_HYPER['steps']}"))
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SP_HYPER.items()]
+    common = [f"--model={model}", f"--data={data}", "--ep-size=2", "--ranks-per-node=2", *flags]
+    common += [f"--router-bias={ROUTER_BIAS}", f"--eval-data={data}"]
+    _run(
+        [
+            sys.executable, "-m", "moeshard.train", "launch-local", "--nnodes", "1", "--nproc-per-node", "2", "--",
+            "--config", str(tmp_path / "app.yaml"), f"--data.path={data}", f"--model.path={model}",
+            f"--logging.output_dir={tmp_path / 'app'}", f"--eval.path={data}",
+        ],
+        _torchrun(2, EXAMPLES / "custom_trainer.py", *common, f"--losses={tmp_path / 'sp1.json'}"),
+        _torchrun(4, EXAMPLES / "custom_trainer.py", *common, "--sp-size=2", f"--losses={tmp_path / 'sp2.json'}"),
+        cwd=tmp_path,
+    )  # fmt: skip
+    records = [json.loads(line) for line in (tmp_path / "app" / "metrics.jsonl").read_text().splitlines()]
+    app, app_eval = [r for r in records if "loss" in r], [r for r in records if "val_loss" in r]
+    sp1, sp2 = (json.loads((tmp_path / f"sp{n}.json").read_text()) for n in (1, 2))
+    assert [m["step"] for m in app] == list(range(1, SP_HYPER["steps"] + 1))
+    for example in (sp1, sp2):
+        assert example["loss"] == pytest.approx([m["loss"] for m in app], rel=1e-5)
+        assert example["grad_norm"] == pytest.approx([m["grad_norm"] for m in app], rel=1e-4)
+        assert example["val_loss"] == pytest.approx(app_eval[0]["val_loss"], rel=1e-5)
+        # aux-loss-free balancing sees the same global expert load at either sp (each token counted once)
+        assert example["expert_load_max_over_mean"] == pytest.approx(sp1["expert_load_max_over_mean"], rel=1e-6)
+    assert sp1["loss"][-1] < sp1["loss"][0]  # it learns
+
+
+def _optimizer_moments(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The AdamW first moments (``exp_avg``: a running mean of the gradients) in a DCP checkpoint, by parameter."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint, checkpoint.parent / "state.pt")
+    state = torch.load(checkpoint.parent / "state.pt", weights_only=False)
+    moments = {name: entry["exp_avg"] for name, entry in state["optimizer"]["state"].items()}
+    assert moments and all("lora_" in name for name in moments)  # the adapters' state only: the base is frozen
+    return moments
+
+
+@pytest.mark.slow
+def test_custom_trainer_lora_under_sequence_parallelism_matches_sp1(tiny, tmp_path):
+    """A LoRA job (linear modules and fused experts) at ``--sp-size 2`` (4 ranks, EP 2) takes the steps of the same
+    job at sp 1 (2 ranks, EP 2): the same losses and gradient norms, the same adapter gradients (AdamW's first
+    moments in the checkpoint after 2 steps) and the same adapters written in PEFT's format."""
+    from safetensors.torch import load_file
+
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**HYPER, "steps": 2, "lr": 0.02}.items()]
+    lora = [f"--lora-rank={LORA['rank']}", f"--lora-alpha={LORA['alpha']}", "--lora-modules", *LORA["modules"]]
+    common = [f"--model={tiny / 'model'}", f"--data={tiny / 'data.jsonl'}", "--ep-size=2", "--ranks-per-node=2"]
+    common += [*flags, *lora, "--lora-experts", *LORA["experts"]]
+    runs = {
+        sp: [f"--sp-size={sp}", f"--losses={tmp_path / f'sp{sp}.json'}", f"--adapter={tmp_path / f'adapter{sp}'}",
+             f"--checkpoint={tmp_path / f'ckpt{sp}'}"]
+        for sp in (1, 2)
+    }  # fmt: skip
+    _run(
+        *(_torchrun(2 * sp, EXAMPLES / "custom_trainer.py", *common, *extra) for sp, extra in runs.items()),
+        cwd=tmp_path,
+    )
+    sp1, sp2 = (json.loads((tmp_path / f"sp{sp}.json").read_text()) for sp in (1, 2))
+    assert sp2["loss"] == pytest.approx(sp1["loss"], rel=1e-5)
+    assert sp2["grad_norm"] == pytest.approx(sp1["grad_norm"], rel=1e-4)
+
+    m1, m2 = (_optimizer_moments(tmp_path / f"ckpt{sp}" / "step_00000002") for sp in (1, 2))
+    assert m1.keys() == m2.keys() and any("experts" in k for k in m1) and any("q_proj" in k for k in m1)
+    scale = max(float(m.abs().max()) for m in m1.values())
+    for name, moment in m1.items():
+        torch.testing.assert_close(m2[name], moment, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+    a1, a2 = (load_file(str(tmp_path / f"adapter{sp}" / "adapter_model.safetensors")) for sp in (1, 2))
+    assert a1.keys() == a2.keys() and any(v.abs().sum() > 0 for k, v in a1.items() if "lora_B" in k)  # trained
+    for name, weight in a1.items():
+        # AdamW moves a weight by about lr whatever its gradient's size: where a gradient is near AdamW's eps, its
+        # float32 rounding (another summation order across shards) moves the weight by a small fraction of lr.
+        torch.testing.assert_close(a2[name], weight, rtol=1e-4, atol=0.02 * 1e-2, msg=name)
