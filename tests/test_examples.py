@@ -298,7 +298,6 @@ def test_custom_trainer_every_family_matches_the_app_and_sp2_matches_sp1(family,
         assert example["val_loss"] == pytest.approx(app_eval[0]["val_loss"], rel=1e-5)
         # aux-loss-free balancing sees the same global expert load at either sp (each token counted once)
         assert example["expert_load_max_over_mean"] == pytest.approx(sp1["expert_load_max_over_mean"], rel=1e-6)
-    assert sp1["loss"][-1] < sp1["loss"][0]  # it learns
 
 
 def _optimizer_moments(checkpoint: Path) -> dict[str, torch.Tensor]:
