@@ -2,7 +2,8 @@
 
 - ``examples/custom_trainer.py`` under torchrun (4 CPU ranks, ``build_meshes(ep_size=2, ranks_per_node=2)``) gives
   the per-step losses and gradient norms of ``moeshard-train`` run through its real entry point (``launch-local``,
-  2 nodes x 2) on the same checkpoint, data and hyper-parameters;
+  2 nodes x 2) on the same checkpoint, data and hyper-parameters; for every family's tiny folder it takes the app's
+  steps on 2 ranks, and the same steps again at ``--sp-size 2`` on 4 (LoRA too, beside the app's LoRA job at sp 2);
 - ``examples/toy_moe.py`` (a MoE with other module names) on 4 ranks gives the losses and gradients of the plain
   module in one process.
 """
@@ -315,7 +316,8 @@ def _optimizer_moments(checkpoint: Path) -> dict[str, torch.Tensor]:
 def test_custom_trainer_lora_under_sequence_parallelism_matches_sp1(tiny, tmp_path):
     """A LoRA job (linear modules and fused experts) at ``--sp-size 2`` (4 ranks, EP 2) takes the steps of the same
     job at sp 1 (2 ranks, EP 2): the same losses and gradient norms, the same adapter gradients (AdamW's first
-    moments in the checkpoint after 2 steps) and the same adapters written in PEFT's format."""
+    moments in the checkpoint after 2 steps) and the same adapters written in PEFT's format; so does the app's LoRA
+    job at ``parallel.sp_size: 2`` (``launch-local``, one node of 4)."""
     from safetensors.torch import load_file
 
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**HYPER, "steps": 2, "lr": 0.02}.items()]
@@ -327,13 +329,23 @@ def test_custom_trainer_lora_under_sequence_parallelism_matches_sp1(tiny, tmp_pa
              f"--checkpoint={tmp_path / f'ckpt{sp}'}"]
         for sp in (1, 2)
     }  # fmt: skip
-    _run(
-        *(_torchrun(2 * sp, EXAMPLES / "custom_trainer.py", *common, *extra) for sp, extra in runs.items()),
-        cwd=tmp_path,
-    )
+    app_config = LORA_APP_CONFIG.replace("steps: 3", "steps: 2").replace("{ep_size: 2,", "{ep_size: 2, sp_size: 2,")
+    assert "sp_size: 2" in app_config and "steps: 2" in app_config
+    (tmp_path / "app.yaml").write_text(app_config)
+    app = [
+        sys.executable, "-m", "moeshard.train", "launch-local", "--nnodes", "1", "--nproc-per-node", "4", "--",
+        "--config", str(tmp_path / "app.yaml"), f"--data.path={tiny / 'data.jsonl'}",
+        f"--model.path={tiny / 'model'}", f"--logging.output_dir={tmp_path / 'app'}",
+    ]  # fmt: skip
+    examples = (_torchrun(2 * sp, EXAMPLES / "custom_trainer.py", *common, *extra) for sp, extra in runs.items())
+    _run(app, *examples, cwd=tmp_path)
     sp1, sp2 = (json.loads((tmp_path / f"sp{sp}.json").read_text()) for sp in (1, 2))
-    assert sp2["loss"] == pytest.approx(sp1["loss"], rel=1e-5)
-    assert sp2["grad_norm"] == pytest.approx(sp1["grad_norm"], rel=1e-4)
+    records = [json.loads(line) for line in (tmp_path / "app" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    app_sp2 = {"loss": [r["loss"] for r in steps], "grad_norm": [r["grad_norm"] for r in steps]}
+    for other in (sp2, app_sp2):
+        assert other["loss"] == pytest.approx(sp1["loss"], rel=1e-5)
+        assert other["grad_norm"] == pytest.approx(sp1["grad_norm"], rel=1e-4)
 
     m1, m2 = (_optimizer_moments(tmp_path / f"ckpt{sp}" / "step_00000002") for sp in (1, 2))
     assert m1.keys() == m2.keys() and any("experts" in k for k in m1) and any("q_proj" in k for k in m1)
@@ -341,9 +353,14 @@ def test_custom_trainer_lora_under_sequence_parallelism_matches_sp1(tiny, tmp_pa
     for name, moment in m1.items():
         torch.testing.assert_close(m2[name], moment, rtol=1e-4, atol=1e-5 * scale, msg=name)
 
-    a1, a2 = (load_file(str(tmp_path / f"adapter{sp}" / "adapter_model.safetensors")) for sp in (1, 2))
-    assert a1.keys() == a2.keys() and any(v.abs().sum() > 0 for k, v in a1.items() if "lora_B" in k)  # trained
-    for name, weight in a1.items():
-        # AdamW moves a weight by about lr whatever its gradient's size: where a gradient is near AdamW's eps, its
-        # float32 rounding (another summation order across shards) moves the weight by a small fraction of lr.
-        torch.testing.assert_close(a2[name], weight, rtol=1e-4, atol=0.02 * 1e-2, msg=name)
+    a1, a2, a_app = (
+        load_file(str(folder / "adapter_model.safetensors"))
+        for folder in (tmp_path / "adapter1", tmp_path / "adapter2", tmp_path / "app" / "adapter")
+    )
+    assert any(v.abs().sum() > 0 for k, v in a1.items() if "lora_B" in k)  # trained (B starts at zero)
+    for other in (a2, a_app):
+        assert other.keys() == a1.keys()
+        for name, weight in a1.items():
+            # AdamW moves a weight by about lr whatever its gradient's size: where a gradient is near AdamW's eps,
+            # its float32 rounding (another summation order across shards) moves the weight by a small part of lr.
+            torch.testing.assert_close(other[name], weight, rtol=1e-4, atol=0.02 * 1e-2, msg=name)
