@@ -64,7 +64,10 @@ def test_names_the_smallest_sp_that_fits(estimates):
 
 
 def test_prefers_the_job_checkpointing_at_the_smallest_sp(estimates):
-    c = _report(gib=(estimates[2, "selective"] + 1e-6) / GiB).context
+    # a limit that sp 2 fits with the job's checkpointing and sp 1 with full: the smaller sp wins
+    limit = max(estimates[2, "selective"], estimates[1, "full"])
+    assert limit < estimates[1, "selective"]
+    c = _report(gib=(limit + 1e-6) / GiB).context
     assert (c.sp_size, c.activation_checkpointing, c.flags) == (1, "full", "--parallel.activation_checkpointing=full")
     c = _report("--parallel.sp_size=4", gib=estimates[1, "selective"] * 1.01 / GiB).context
     assert (c.sp_size, c.activation_checkpointing, c.flags) == (1, "selective", "--parallel.sp_size=1")

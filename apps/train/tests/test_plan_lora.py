@@ -129,6 +129,8 @@ def test_lora_holds_the_base_once_in_bf16_and_trains_only_the_adapters():
     assert lora.memory.reduce_buffers < full.memory.reduce_buffers / 50
     assert lora.memory.loss_head == 2 * 4096 * 151936 * 2  # a chunk's logits and gradient, no [V, D] gradient
     extras = 2 * rank * 2 * 4096  # q_proj and o_proj of the one recomputed layer, bf16, per token
+    # and the gate/up delta's input gradients in the expert pass's backward (top-8 copies of D, twice), bf16
+    extras += 8 * 2 * d * 2 * 4096
     assert lora.memory.activations - full.memory.activations == extras
     # The local experts are their own compute copies in both (a frozen base; the fused update's parameters): LoRA
     # gathers the linear adapters beside the base's units, in bf16, at most all of them.

@@ -22,6 +22,7 @@ from moeshard.ep._dispatch import (
     HostSyncHooks,
     LocalDispatch,
     OverlappedDispatch,
+    backward_elements,
     kept_factor_elements,
     recompute_contexts,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "WeightGradFactors",
     "WeightGradTarget",
     "apply_ep",
+    "backward_elements",
     "compile_rows_dynamic",
     "fqn_matches",
     "kept_factor_elements",

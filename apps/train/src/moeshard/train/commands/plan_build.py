@@ -134,8 +134,17 @@ def _memory_estimate(cfg: JobConfig, mcfg: Any, built: _Built, world: int, mb: i
     # parameter (bf16: its high half, beside 2 bytes of low halves in the optimizer; float32: the master itself) and
     # no other compute copy (see _unit_figures).
     trained, frozen = built.trained_local, built.local_numel - built.trained_local
+    # the gate/up delta is what adds input gradients to the expert pass (moeshard.ep.backward_elements)
+    lowrank_experts = lora and any(t.kind != "linear" and "gate_up" in t.param for t in built.adapters.targets)
     activations = activation_bytes_per_token(
-        mcfg, compute_bytes, opts.activation_checkpointing, opts.selective_recompute, opts.keep_attention
+        mcfg,
+        compute_bytes,
+        opts.activation_checkpointing,
+        opts.selective_recompute,
+        opts.keep_attention,
+        dispatch=opts.ep.dispatch,
+        ep_size=built.ep_size,
+        lowrank_experts=lowrank_experts,
     )
     if lora:
         activations += adapter_activation_bytes_per_token(

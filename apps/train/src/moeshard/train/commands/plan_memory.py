@@ -10,6 +10,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from moeshard.ep import backward_elements
 from moeshard.models.common import LOSS_CHUNK_TOKENS
 from moeshard.train.families import family_of
 
@@ -57,8 +58,13 @@ def activation_bytes_per_token(
     activation_checkpointing: str = "none",
     selective_recompute: str = "activation",
     keep_attention: bool = False,
+    *,
+    dispatch: str = "overlapped",
+    ep_size: int = 1,
+    lowrank_experts: bool = False,
 ) -> int:
-    """Saved activations per token of one training micro-batch, all layers + the loss head.
+    """Saved activations per token of one training micro-batch, all layers + the loss head, and the working set of
+    the one layer whose backward runs at the peak.
 
     Without activation checkpointing every layer keeps its activations; with ``full``, each layer keeps only its
     input (and with ``keep_attention`` what the family's layer keeps, ``ModelFacts.kept_attention``:
@@ -73,6 +79,10 @@ def activation_bytes_per_token(
     :func:`loss_head_bytes`). Each layer's sequence mixer counts its own (``ModelFacts.mixer_activations``: a model
     whose layers mix attention and a linear attention), and a recurrent mixer's per-chunk states (the largest
     layer's, ``ModelFacts.recurrent_state``) are added once: one layer holds them while it runs.
+    Once, too, what the MoE layer in backward holds beyond its saved tensors while its expert pass forms the copies'
+    gradients (the EP dispatcher's report, ``moeshard.ep.backward_elements`` for ``dispatch`` at ``ep_size``;
+    ``lowrank_experts``: LoRA's adapters on the expert weights), in every regime: it is alive beside all that the
+    other layers keep.
     """
     facts = family_of(config).facts(config)  # derived from the family's model, whatever its config calls things
     d, e, k, f = facts.hidden_size, facts.num_experts, facts.top_k, facts.expert_width
@@ -84,6 +94,9 @@ def activation_bytes_per_token(
     if activation_checkpointing == "selective":
         moe -= compute_bytes * k * (f if selective_recompute == "activation" else 3 * f)
     head = 2 * d * compute_bytes
+    # one MoE layer's backward working set (per token: top_k routed copies), added once as the recompute is
+    if k:
+        state += int(compute_bytes * backward_elements(dispatch, ep_size, k, d, f, lowrank=lowrank_experts))
     layers = config.num_hidden_layers
     if activation_checkpointing == "full":
         kept_elems, kept_floats = facts.kept_attention if keep_attention else (0, 0)

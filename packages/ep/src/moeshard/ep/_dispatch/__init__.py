@@ -25,6 +25,7 @@ __all__ = [
     "LocalDispatch",
     "OverlappedDispatch",
     "all_to_all",
+    "backward_elements",
     "kept_factor_elements",
     "make_dispatch",
     "recompute_contexts",
@@ -61,12 +62,25 @@ def kept_factor_elements(dispatch: str, ep_size: int, rows: int, hidden: int, wi
     weight-gradient factors, in elements of the compute dtype (:meth:`ExpertDispatch.kept_factor_elements`), for
     ``rows`` routed copies per rank (tokens · top-k) of experts with ``hidden`` D and ``width`` F; each dispatcher
     also tells its weight-gradient target this in every forward (``WeightGradTarget``'s ``expect_factors``)."""
+    return _dispatcher_class(dispatch, ep_size).kept_factor_elements(rows, hidden, width, ep_size)
+
+
+def backward_elements(
+    dispatch: str, ep_size: int, rows: int, hidden: int, width: int, *, lowrank: bool = False
+) -> float:
+    """What the dispatcher ``apply_ep`` picks for ``dispatch`` and ``ep_size`` holds at the peak of one layer's
+    backward beyond what its forward saved, in elements of the compute dtype
+    (:meth:`ExpertDispatch.backward_elements`), for ``rows`` routed copies per rank (tokens · top-k) of experts
+    with ``hidden`` D and ``width`` F; ``lowrank``: the expert weights carry low-rank deltas (adapters)."""
+    return _dispatcher_class(dispatch, ep_size).backward_elements(rows, hidden, width, ep_size, lowrank)
+
+
+def _dispatcher_class(dispatch: str, ep_size: int) -> type[ExpertDispatch]:
     if dispatch not in _STRATEGIES:
         raise ValueError(f"dispatch must be one of {', '.join(sorted(_STRATEGIES))}, got {dispatch!r}")
     if ep_size < 1:
         raise ValueError(f"ep_size must be >= 1, got {ep_size}")
-    cls = LocalDispatch if ep_size == 1 else _STRATEGIES[dispatch]
-    return cls.kept_factor_elements(rows, hidden, width, ep_size)
+    return LocalDispatch if ep_size == 1 else _STRATEGIES[dispatch]
 
 
 def routed_experts(

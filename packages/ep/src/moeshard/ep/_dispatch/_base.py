@@ -201,6 +201,18 @@ class ExpertDispatch:
         ``[N, 2F]`` and ``[N, D]``, down's ``[N, D]`` and ``[N, F]``, i.e. ``N · (2D + 3F)``."""
         return rows * (2 * hidden + 3 * width)
 
+    @classmethod
+    def backward_elements(cls, rows: int, hidden: int, width: int, ep_size: int, lowrank: bool = False) -> float:
+        """What one layer's backward holds at its peak beyond the tensors its forward saved, in elements of the
+        compute dtype, for ``rows`` routed copies on a rank (``T · K``) of experts with ``hidden`` D and ``width`` F:
+        the expert pass's working set while it forms the copies' input gradient (``ExpertPass.backward``): the
+        copies' output gradient ``[N, D]`` (the combine's backward), the gated activation's gradient ``[N, F]``,
+        the gate/up output's ``[N, 2F]`` and the input gradient ``[N, D]``, i.e. ``N · (2D + 3F)``. With
+        ``lowrank`` (adapters on both expert weights) the gate/up delta's input gradient and its sum with the base
+        one are alive beside the base one: ``2D`` more per copy. The weight gradients go into buffers their owner
+        counts (or, for a frozen base, are not formed)."""
+        return rows * (2 * hidden + 3 * width + (2 * hidden if lowrank else 0))
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(num_experts={self.num_experts}, ep_size={self.ep_size}, {self.options.describe()})"
