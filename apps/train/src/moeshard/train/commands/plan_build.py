@@ -146,13 +146,26 @@ def _memory_estimate(cfg: JobConfig, mcfg: Any, built: _Built, world: int, mb: i
         ep_size=built.ep_size,
         lowrank_experts=lowrank_experts,
     )
+    first_layer = activation_bytes_per_token(
+        mcfg,
+        compute_bytes,
+        opts.activation_checkpointing,
+        opts.selective_recompute,
+        opts.keep_attention,
+        dispatch=opts.ep.dispatch,
+        ep_size=built.ep_size,
+        lowrank_experts=lowrank_experts,
+        first_layer=True,
+    )
     if lora:
-        activations += adapter_activation_bytes_per_token(
+        adapter = adapter_activation_bytes_per_token(
             built.adapters, mcfg.num_hidden_layers, compute_bytes, opts.activation_checkpointing
         )
+        activations, first_layer = activations + adapter, first_layer + adapter
+    grads = 4 * (trained - u.fused_numel) + fused_grads
     return MemoryEstimate(
         params=4 * trained + compute_bytes * frozen,
-        grads=4 * (trained - u.fused_numel) + fused_grads,
+        grads=grads,
         optimizer=8 * trained,
         # Where no unit reshards after forward (one rank, or parallel.reshard_after_forward false with the experts
         # following), every unit's compute copy lives through the step; else the stages in flight at once (one and
@@ -165,6 +178,10 @@ def _memory_estimate(cfg: JobConfig, mcfg: Any, built: _Built, world: int, mb: i
         loss_head=loss_head_bytes(mcfg, compute_bytes, tokens, head_held, over_logits, u.head_trains),
         loss_head_adds=u.head_trains and head_adds_in_backward(compute_bytes, tokens, head_held),
         loss_head_over_logits=over_logits,
+        # backward forms the first stage's gradients (the embedding's) after the first decoder layer's
+        first_layer=first_layer * tokens,
+        late_grads=grads - u.first_stage_grads,
+        late_reduce_buffers=u.block_reduce_buffers,
     )
 
 
@@ -200,6 +217,8 @@ class _UnitFigures(NamedTuple):
     fused_numel: int  # experts updated by the fused pass (compute-dtype gradients)
     held_grads: int  # bytes of unsharded gradients held with gradient_sync last_micro_batch
     head_trains: bool  # the LM head's weight gets a gradient (not a frozen base's, lora)
+    first_stage_grads: int  # bytes of this rank's gradients of the first stage (the embedding's): backward's last
+    block_reduce_buffers: int  # bytes of the largest decoder block's reduce buffers (stages but the first and last)
     adapter_numel: tuple[int, int]  # unsharded elements that train, outside the expert units and in them (lora)
 
 
@@ -252,6 +271,7 @@ def _unit_figures(
         return sum(grad_bytes(m) for _, m in stage.modules)
 
     reduce_buffers = max(stage_grad_bytes(stage) for stage in units.stages)  # the largest stage's, in backward
+    block_reduce_buffers = max((stage_grad_bytes(stage) for stage in units.stages[1:-1]), default=0)
     # Experts outside FSDP updated by the fused pass keep their gradients in the compute dtype.
     fused_numel = sum(p.numel() for m in local_experts.values() for p in m.parameters() if p.requires_grad)
     fused_numel = fused_numel if cfg.train.fuse_local_experts else 0
@@ -265,6 +285,16 @@ def _unit_figures(
 
     held_grads = sum(grad_bytes(m) * (shards(m) - 1) // shards(m) for _, m in units)
     head_trains = any(p.requires_grad for p in head.parameters() if p.dim() == 2)
+    # This rank's gradients of the first stage, as the estimate's grads count them: a float32 shard where FSDP
+    # holds it, the compute dtype for local experts the fused pass updates.
+    first = units.stages[0]
+    local_bytes = _compute_bytes(cfg) if cfg.train.fuse_local_experts else 4
+    first_stage_grads = sum(4 * _managed_numel(m, skip, trained_only=True, local=True) for _, m in first.modules)
+    first_stage_grads += sum(
+        local_bytes * _managed_numel(m, set(), trained_only=True, local=True)
+        for fqn, m in local_experts.items()
+        if fqn in first.local_experts
+    )
     # What each unit reduce-scatters (a frozen base, lora, nothing): outside the experts and this EP rank's experts'.
     trained = [(id(m) in expert_units, _managed_numel(m, skip, trained_only=True)) for _, m in units]  # root too
     adapter_numel = (sum(n for e, n in trained if not e), sum(n for e, n in trained if e))
@@ -278,6 +308,8 @@ def _unit_figures(
         fused_numel,
         held_grads,
         head_trains,
+        first_stage_grads,
+        block_reduce_buffers,
         adapter_numel,
     )
 
@@ -287,13 +319,14 @@ def _expert_grad_bytes(cfg: JobConfig) -> int:
     return 2 if cfg.parallel.expert_reduce_dtype == "bfloat16" else 4
 
 
-def _managed_numel(unit: torch.nn.Module, skip: set[int], trained_only: bool = False) -> int:
+def _managed_numel(unit: torch.nn.Module, skip: set[int], trained_only: bool = False, local: bool = False) -> int:
     """Unsharded elements of the parameters of ``unit`` and its submodules, except those of the modules in
     ``skip`` (other units, and expert modules outside FSDP): what one FSDP unit gathers (``trained_only``: of the
-    parameters that require a gradient, what it reduces)."""
+    parameters that require a gradient, what it reduces; ``local``: this rank's shard of them instead)."""
     total, stack = 0, [unit]
     while stack:
         m = stack.pop()
-        total += sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad or not trained_only)
+        params = [p for p in m.parameters(recurse=False) if p.requires_grad or not trained_only]
+        total += sum(_local(p).numel() if local else p.numel() for p in params)
         stack.extend(c for c in m.children() if id(c) not in skip)
     return total

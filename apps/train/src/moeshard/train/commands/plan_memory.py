@@ -32,20 +32,38 @@ class MemoryEstimate:
     reduce_buffers: int = 0
     loss_head_adds: bool = False  # the head adds its weight gradient into a held one in backward (loss_head_bytes)
     loss_head_over_logits: bool = False  # a chunk's logit gradient is written over its logits (loss_head_bytes)
+    first_layer: int = 0  # activations while the first decoder layer runs backward (its own, the gradient flowing)
+    late_grads: int = 0  # gradients formed by then: all but the first stage's (the embedding's, formed last)
+    late_reduce_buffers: int = 0  # a decoder block's reduce buffers (the largest), in flight by then
+
+    @property
+    def backward_start(self) -> int:
+        """Beyond the parameters, optimizer state and compute copies, what the backward's first layer holds: all
+        that forward saved (``activations``) and the loss head's (``loss_head``); no gradient yet but the head's,
+        which ``loss_head`` counts."""
+        return self.activations + self.loss_head
+
+    @property
+    def backward_end(self) -> int:
+        """The same at the backward's other end (one micro-batch): the first decoder layer's activations and
+        working set (``first_layer``) beside every gradient formed after it (``late_grads``: the later layers',
+        the head's) and a block's reduce buffers; or, once backward is over, every gradient and the largest
+        stage's reduce buffers. Gradients are never freed within a step: ``zero_grad`` drops them at the next."""
+        late = self.first_layer + self.late_grads + self.late_reduce_buffers
+        return max(late, self.grads + self.reduce_buffers)
 
     @property
     def total(self) -> int:
-        """The peak. The forward's end holds the saved activations and the loss head's (``loss_head``); backward
-        holds the gradients and, where a stage's gradients are reduced, its reduce buffers (``reduce_buffers``).
-        With one micro-batch per step the two do not add up: the activations are freed as the gradients appear.
-        With several, the gradients of the earlier micro-batches are alive beside the last one's activations, and
-        with ``train.gradient_sync: last_micro_batch`` also FSDP's unsharded float32 gradients (``held_grads``).
+        """The peak. Backward runs the layers from the last to the first: each frees what its forward saved and
+        keeps the gradients it forms, so what is alive moves linearly from one end (:attr:`backward_start`) to the
+        other (:attr:`backward_end`), and the peak is at one of them. With several micro-batches per step, the
+        gradients of the earlier ones are alive beside the last one's activations, and with
+        ``train.gradient_sync: last_micro_batch`` also FSDP's unsharded float32 gradients (``held_grads``).
         (How close this comes to the measured peaks, per regime: docs/performance.md.)"""
-        saved = self.activations + self.loss_head
         base = self.params + self.optimizer + self.unsharded
         if self.micro_batches > 1:
-            return base + self.grads + self.held_grads + max(saved, self.reduce_buffers)
-        return base + max(saved, self.grads + self.reduce_buffers)
+            return base + self.grads + self.held_grads + max(self.backward_start, self.reduce_buffers)
+        return base + max(self.backward_start, self.backward_end)
 
 
 def _size(n: float) -> str:
@@ -62,6 +80,7 @@ def activation_bytes_per_token(
     dispatch: str = "overlapped",
     ep_size: int = 1,
     lowrank_experts: bool = False,
+    first_layer: bool = False,
 ) -> int:
     """Saved activations per token of one training micro-batch, all layers + the loss head, and the working set of
     the one layer whose backward runs at the peak.
@@ -83,6 +102,9 @@ def activation_bytes_per_token(
     gradients (the EP dispatcher's report, ``moeshard.ep.backward_elements`` for ``dispatch`` at ``ep_size``;
     ``lowrank_experts``: LoRA's adapters on the expert weights), in every regime: it is alive beside all that the
     other layers keep.
+    ``first_layer``: what is alive while the first decoder layer runs backward instead (the other layers' saved
+    tensors freed): that layer's as above (its attention counted as the first MoE layer's), its working set and the
+    gradient into its output (the loss head's input is freed by then).
     """
     facts = family_of(config).facts(config)  # derived from the family's model, whatever its config calls things
     d, e, k, f = facts.hidden_size, facts.num_experts, facts.top_k, facts.expert_width
@@ -97,10 +119,14 @@ def activation_bytes_per_token(
     # one MoE layer's backward working set (per token: top_k routed copies), added once as the recompute is
     if k:
         state += int(compute_bytes * backward_elements(dispatch, ep_size, k, d, f, lowrank=lowrank_experts))
-    layers = config.num_hidden_layers
+    layers = 1 if first_layer else config.num_hidden_layers
+    if first_layer:  # the loss head's input is freed by then; the gradient into the layer's output is not
+        head = d * compute_bytes
     if activation_checkpointing == "full":
         kept_elems, kept_floats = facts.kept_attention if keep_attention else (0, 0)
         return layers * ((d + kept_elems) * compute_bytes + 4 * kept_floats) + (attn + moe) + state + head
+    if first_layer:
+        return attn + moe + state + head
     return layers * (mixer + moe) + compute_bytes * facts.mixer_activations + state + head
 
 
