@@ -63,7 +63,10 @@ def test_plan_counts_the_delta_rule_state_and_flops():
     # an MoE layer as plan counts it (routed copies of top-2 of 8 experts of width 32, the gated shared expert)
     moe = 2 * (2 * d + 2 * (d + 3 * 32) + facts.mlp_activations) + 4 * (2 * 8 + 3 * 2)
     head = 2 * d * 2
-    per_token = 4 * (2 * 4 * d + 4 * heads + moe) + 2 * (3 * deltanet + attention) + 2 * 16 + head
+    # once, one layer's expert pass in backward (moeshard.ep.backward_elements): each of the top-2 copies holds its
+    # output's and input's gradients (D each) and its activation's and gate/up's (3F), 2 bytes each
+    expert_backward = 2 * 2 * (2 * d + 3 * 32)
+    per_token = 4 * (2 * 4 * d + 4 * heads + moe) + 2 * (3 * deltanet + attention) + 2 * 16 + head + expert_backward
     assert report.memory.activations == per_token * tokens
 
 
