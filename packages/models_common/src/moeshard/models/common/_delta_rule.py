@@ -16,6 +16,7 @@ convolution sees no token of an earlier document (:class:`RowSegments`).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 from dataclasses import dataclass
@@ -236,6 +237,7 @@ def fla_platform_defect(capability: tuple[int, int], triton_version: str, has_ti
     )
 
 
+@functools.cache  # asked at every DeltaNet forward: find the facts once per device, not a sys.path scan per layer
 def _platform_defect(device: torch.device) -> str | None:
     import triton
 
