@@ -20,9 +20,10 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from moeshard.ep import EPOptions, LocalDispatch, LowRankDelta
+from moeshard.lora import LoraOptions, apply_lora
 
 
 def _timed(fn, iters: int, warmup: int, device: torch.device) -> float:
@@ -72,23 +73,22 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         return run
 
     H, G, hd = args.heads, args.kv_heads, args.head_dim
-    shapes = {"q": (H * hd, D), "k": (G * hd, D), "v": (G * hd, D), "o": (D, H * hd)}
-    ws = {n: torch.randn(o, i, device=device, dtype=dtype) / i**0.5 for n, (o, i) in shapes.items()}
-    ad = {n: [t[0] for t in _adapter(1, o, i, r, device)] for n, (o, i) in shapes.items()}
-    ad = {n: (a.detach().requires_grad_(), b.detach().requires_grad_()) for n, (a, b) in ad.items()}
+    shapes = {"q_proj": (H * hd, D), "k_proj": (G * hd, D), "v_proj": (G * hd, D), "o_proj": (D, H * hd)}
     h = torch.randn(T, D, device=device, dtype=dtype, requires_grad=True)
     attn_in = torch.randn(T, H * hd, device=device, dtype=dtype, requires_grad=True)
 
     def attention(with_lora: bool):
-        def proj(n, inp):
-            y = F.linear(inp, ws[n])
-            if with_lora:
-                A, B = ad[n]
-                y = y + F.linear(F.linear(inp, A.to(dtype)), B.to(dtype)) * s
-            return y
+        # the projections as frozen linears; with LoRA, moeshard.lora's own adapters (the app's code path)
+        proj = nn.ModuleDict({n: nn.Linear(i, o, bias=False) for n, (o, i) in shapes.items()}).to(device, dtype)
+        proj.requires_grad_(False)
+        if with_lora:
+            apply_lora(proj, LoraOptions(rank=r, alpha=args.alpha, target_modules=tuple(shapes)), seed=0)
+            with torch.no_grad():  # B non-zero (a trained adapter)
+                for m in proj.values():
+                    m.lora_B.normal_(0.0, 0.01)
 
         def run():
-            outs = [proj(n, h) for n in ("q", "k", "v")] + [proj("o", attn_in)]
+            outs = [proj[n](h) for n in ("q_proj", "k_proj", "v_proj")] + [proj["o_proj"](attn_in)]
             sum(o.float().sum() for o in outs).backward()
 
         return run
@@ -96,8 +96,26 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     t = {}
     for name, make in (("experts", experts), ("attention", attention)):
         for lora in (False, True):
-            t[f"{name}{'_lora' if lora else ''}_ms"] = _timed(make(lora), args.iters, args.warmup, device)
+            fn = make(lora)
+            t[f"{name}{'_lora' if lora else ''}_ms"] = _timed(fn, args.iters, args.warmup, device)
+            if args.profile:
+                _profile(fn, f"{name}{' with adapters' if lora else ''}", device)
     return t
+
+
+def _profile(fn, title: str, device: torch.device, rows: int = 14) -> None:
+    """Print the kernels of three calls of ``fn`` by their total device time (where the adapters' time goes)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(3):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"--- {title}: 3 calls, by {key}")
+    print(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -119,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--device", default=None, help="default: cuda where there is one, else cpu")
     p.add_argument("--smoke", action="store_true", help="a tiny geometry, 2 iterations (CPU check)")
     p.add_argument("--json", default=None, help="also write the figures here")
+    p.add_argument("--profile", action="store_true", help="also print each variant's kernels by device time")
     args = p.parse_args(argv)
     if args.smoke:
         args.hidden, args.expert_width, args.experts, args.heads, args.kv_heads, args.head_dim = 64, 32, 4, 4, 2, 16

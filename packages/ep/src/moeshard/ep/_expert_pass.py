@@ -170,12 +170,19 @@ class ExpertPass:
         return torch.stack([a_NM[s : s + n].transpose(0, 1) @ b_NK[s : s + n] for s, n in self._spans()])
 
     def _delta_rows(self, x_NK, delta: LowRankDelta):
-        """``s · (x A_eᵀ) B_eᵀ`` per row: the delta's output, rank-``r`` GEMMs only."""
-        return self._rows(self._rows(x_NK, delta.A.transpose(-2, -1)), delta.B.transpose(-2, -1)) * delta.scaling
+        """``s · (x A_eᵀ) B_eᵀ`` per row: the delta's output, rank-``r`` GEMMs only (scaled at rank ``r``, not over
+        the output rows)."""
+        t_Nr = self._rows(x_NK, delta.A.transpose(-2, -1)) * delta.scaling
+        return self._rows(t_Nr, delta.B.transpose(-2, -1))
 
-    def _delta_backward(self, g_NM, x_NK, delta: LowRankDelta, need_x: bool):
-        """``(grad x part | None, grad A, grad B)`` of :meth:`_delta_rows` for its output's gradient ``g_NM``."""
-        u_Nr = (self._rows(g_NM, delta.B) * delta.scaling).contiguous()  # the gradient at x A_eᵀ
+    def _delta_input_grad(self, g_NM, delta: LowRankDelta):
+        """``s · g B_e``: the gradient at ``x A_eᵀ`` for the delta output's gradient ``g_NM`` (rank ``r``)."""
+        return (self._rows(g_NM, delta.B) * delta.scaling).contiguous()
+
+    def _delta_backward(self, g_NM, x_NK, delta: LowRankDelta, need_x: bool, u_Nr=None):
+        """``(grad x part | None, grad A, grad B)`` of :meth:`_delta_rows` for its output's gradient ``g_NM``
+        (``u_Nr``: :meth:`_delta_input_grad` where the caller has it already)."""
+        u_Nr = self._delta_input_grad(g_NM, delta) if u_Nr is None else u_Nr  # the gradient at x A_eᵀ
         t_Nr = self._rows(x_NK, delta.A.transpose(-2, -1)).contiguous()  # recomputed: rank r, cheaper than keeping
         gB = self._per_expert(g_NM, t_Nr) * delta.scaling
         gA = self._per_expert(u_Nr, x_NK)
@@ -237,14 +244,17 @@ class ExpertPass:
         if self.gemm == "grouped_mm" or d1 is not None or d2 is not None:
             # one grouped pass over all experts (the loop backend's per-expert GEMMs stand in for grouped_mm here)
             ga_NF = self._rows(grad_ND, w_down)
+            u2_Nr = None
             if d2 is not None:
-                ga_NF = ga_NF + self._rows((self._rows(grad_ND, d2.B) * d2.scaling).contiguous(), d2.A)
+                u2_Nr = self._delta_input_grad(grad_ND, d2)
+                ga_NF = ga_NF + self._rows(u2_Nr, d2.A)
             gh_NX, gs_N, a_NF = self._gated_backward(h_NX, ga_NF, s_N, need_a)  # pointwise: rows in one call
             a_NF = a_NF if a_kept is None else a_kept
             offs = self._offsets(grad_ND.device)
             if need_w:
                 gw2 = self._weight_grad(grad_ND, a_NF, into[1], offs)
-            g2 = None if d2 is None else self._delta_backward(grad_ND, a_NF, d2, False)[1:]
+            g2 = None if d2 is None else self._delta_backward(grad_ND, a_NF, d2, False, u2_Nr)[1:]
+            del u2_Nr  # rank r rows, but not alive at the peak below (backward_elements)
             if need_x:
                 gx = self._rows(gh_NX, w_gate_up)
             g1 = None

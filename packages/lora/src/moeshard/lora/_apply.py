@@ -148,10 +148,14 @@ class LoraAdapters:
 
 
 def _linear_hook(scaling: float):
+    # output + s · (x Aᵀ) Bᵀ with the second GEMM, its scaling and the sum in one addmm (one pass over the output
+    # each way instead of three: a GEMM, a scaling, an add; backward's scaled gradients come from the GEMMs' alpha)
     def hook(module: nn.Linear, args, output):
         x = args[0]
         A, B = module.lora_A.to(x.dtype), module.lora_B.to(x.dtype)
-        return output + F.linear(F.linear(x, A), B) * scaling
+        t = F.linear(x, A)
+        out = torch.addmm(output.reshape(-1, output.shape[-1]), t.reshape(-1, t.shape[-1]), B.t(), alpha=scaling)
+        return out.view(output.shape)
 
     return hook
 
