@@ -77,3 +77,42 @@ def test_a_moved_attention_kernel_is_named_with_torchs_version(monkeypatch, fn, 
     x = torch.zeros(1, 1, 2, 2)
     with pytest.raises(RuntimeError, match=line):
         getattr(ti, fn)(*[x] * (len(inspect.signature(getattr(ti, fn)).parameters) - 1), 1.0)
+
+
+def _all_reduce_both_ways():
+    """On each rank: :func:`all_reduce_sum` and the deprecated ``torch.distributed.nn.functional.all_reduce`` on the
+    same rank-dependent, non-contiguous input, forward and backward, and the warnings each gave."""
+    import warnings
+
+    from torch.distributed.nn.functional import all_reduce as deprecated
+
+    rank = dist.get_rank()
+    results = {}
+    for name, fn in (("ours", ti.all_reduce_sum), ("torch", deprecated)):
+        x = (torch.arange(6.0).view(3, 2).t() * (rank + 1)).requires_grad_(True)
+        assert not x.is_contiguous()  # [2, 3] with [3, 2]'s strides: the copy must still be laid out alike
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y = fn(x, group=dist.group.WORLD)
+            (y * torch.full_like(y, 10.0**rank)).sum().backward()
+        results[name] = (
+            y.detach(),
+            x.grad,
+            torch.equal(x.detach(), torch.arange(6.0).view(3, 2).t() * (rank + 1)),  # the input is left as it was
+            [w.category.__name__ for w in caught],
+        )
+    return results
+
+
+def test_all_reduce_sum_is_the_deprecated_all_reduce_without_its_warning():
+    from moeshard.meshes.testing import run_distributed
+
+    base = torch.arange(6.0).view(3, 2).t()
+    for res in run_distributed(_all_reduce_both_ways, 2):
+        y, grad, kept, warned = res["ours"]
+        assert torch.equal(y, base * (1 + 2))  # rank 0's input plus rank 1's (twice rank 0's)
+        assert torch.equal(grad, torch.full((2, 3), 1.0 + 10.0))  # each rank's output gradient, summed
+        assert kept and warned == []
+        y_old, grad_old, kept_old, warned_old = res["torch"]
+        assert torch.equal(y, y_old) and torch.equal(grad, grad_old) and kept_old
+        assert "FutureWarning" in warned_old  # why ours exists; once torch drops the old one, drop this comparison

@@ -24,8 +24,9 @@ Under sequence parallelism (``sequence_group``: the ranks sharing each row, each
 every statistic a loss takes over its tokens (expert counts, summed probabilities, token counts, z-loss sums) is
 summed over the group before the losses' products and quotients, so each token counts once and every rank of the
 group computes the loss of the whole rows. The sums that carry a gradient are all-reduced with autograd
-(``torch.distributed.nn.functional.all_reduce``: its backward sums the group's gradients, ``sp`` times the
-whole-row loss's, which FSDP's mean over ``world = sp · dp`` ranks turns into the mean over the dp groups).
+(``_torch_internals.all_reduce_sum``, what ``torch.distributed.nn.functional.all_reduce`` did before torch deprecated
+it: its backward sums the group's gradients, ``sp`` times the whole-row loss's, which FSDP's mean over
+``world = sp · dp`` ranks turns into the mean over the dp groups).
 
 Legend: T tokens, B rows (sequences) of a micro-batch, S tokens per row, K top-k, E experts, L MoE layers.
 """
@@ -44,6 +45,7 @@ from moeshard.models.common._expert_load import GlobalExpertCounts, expert_count
 from moeshard.models.common._moe import routers
 from moeshard.models.common._sequence_balance import sequence_balancing_loss, sequence_rows
 from moeshard.models.common._topk import kernel_takes
+from moeshard.models.common._torch_internals import all_reduce_sum
 from moeshard.models.common._weighted_counts import weighted_counts
 
 __all__ = [
@@ -358,9 +360,7 @@ def _size(group: dist.ProcessGroup) -> int:
 def _group_sum(t: torch.Tensor, group: dist.ProcessGroup, *, grad: bool = False) -> torch.Tensor:
     """``t`` summed over ``group``; with ``grad`` differentiable (the backward sums the group's gradients)."""
     if grad:
-        from torch.distributed.nn.functional import all_reduce
-
-        return all_reduce(t, group=group)
+        return all_reduce_sum(t, group=group)
     t = t.detach().clone()
     dist.all_reduce(t, group=group)
     return t

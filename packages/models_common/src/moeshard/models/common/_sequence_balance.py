@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from moeshard.models.common._moe import Router
+from moeshard.models.common._torch_internals import all_reduce_sum
 
 __all__ = ["sequence_balancing_loss", "sequence_rows"]
 
@@ -74,11 +75,9 @@ def sequence_balancing_loss(
             tokens_B = w_BS1.sum(dim=(1, 2))
         chosen_BE, probs_BE = chosen_BSE.sum(1), probs_BSE.sum(1)
         if group is not None:
-            from torch.distributed.nn.functional import all_reduce
-
             for t in (chosen_BE, tokens_B):  # no gradient: plain sums
                 dist.all_reduce(t, group=group)
-            probs_BE = all_reduce(probs_BE, group=group)  # the backward sums the group's gradients
+            probs_BE = all_reduce_sum(probs_BE, group=group)  # the backward sums the group's gradients
         n_B1 = tokens_B.clamp_min(1.0)[:, None]
         f_BE = chosen_BE * (e / top_k) / n_B1
         p_BE = probs_BE / n_B1

@@ -1,4 +1,5 @@
-"""Every private part of torch this package reads, in one place, each behind a small named function.
+"""Every private part of torch this package reads, in one place, each behind a small named function; and the one
+deprecated torch function it used, rebuilt here from public parts.
 
 A torch release may rename or drop any of these without notice. Each function here checks that what it reads is
 still there and otherwise raises one ``RuntimeError`` naming the installed torch, the internal that moved and the
@@ -16,6 +17,13 @@ Why each private access remains (torch 2.11-2.15 offer no public way to do the s
   ``_scaled_dot_product_cudnn_attention`` with their backward ops, the kernels behind
   ``F.scaled_dot_product_attention``. The public function returns the output only; the kept attention needs the
   log-sum-exp (and cuDNN's random state) to run the backward from a kept output without computing it again.
+
+What torch deprecates and this package keeps as its own:
+
+- :func:`all_reduce_sum`: ``torch.distributed.nn.functional.all_reduce`` (a ``FutureWarning`` on torch 2.13, which
+  points to the private ``torch.distributed._functional_collectives``), a SUM all-reduce whose backward is the SUM
+  all-reduce of the gradient. This is the deprecated function's autograd Function (same copy, same collectives) on
+  the public ``dist.all_reduce``, so nothing private is read.
 """
 
 from __future__ import annotations
@@ -23,9 +31,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 __all__ = [
+    "all_reduce_sum",
     "causal_attention_cpu",
     "causal_attention_cpu_backward",
     "causal_attention_cudnn",
@@ -117,3 +127,25 @@ def causal_attention_cudnn_backward(
     s_q, s_k = q.shape[-2], k.shape[-2]
     dq, dk, dv = op(grad_out, q, k, v, out, lse, seed, offset, None, None, None, s_q, s_k, 0.0, True, scale=scale)
     return dq, dk, dv
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """``torch.distributed.nn.functional._AllReduce`` with ``op=SUM``: a sum over the group of a contiguous copy
+    (the input is left as it is), and the same of the gradient, through this Function so it stays differentiable."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup | None, tensor: torch.Tensor) -> torch.Tensor:
+        ctx.group = group
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, _AllReduceSum.apply(ctx.group, grad)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``tensor`` summed over ``group`` (default: the world) as a new tensor, differentiable: the backward sums the
+    group's gradients, as ``torch.distributed.nn.functional.all_reduce`` did (every rank must call it alike)."""
+    return _AllReduceSum.apply(group, tensor)
