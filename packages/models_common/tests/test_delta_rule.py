@@ -17,6 +17,7 @@ from moeshard.models.common import (
     linear_attention_kernels,
 )
 from moeshard.models.common._delta_rule import fla_platform_defect
+from moeshard.models.common._sequence_layout import SequenceLayout
 
 # 2 rows of 80: documents of 30, 3 (shorter than the convolution) and 47 (across a chunk of 64), then one of 80
 DOCUMENTS = torch.tensor([[0] * 30 + [1] * 3 + [2] * 47, [5] * 80])
@@ -46,8 +47,12 @@ def test_cu_seqlens_start_a_segment_at_each_row_and_document():
 def test_a_rank_of_a_sequence_group_reads_its_tokens_of_the_row_mask():
     mask = torch.arange(8).repeat(2, 1) % 3 != 0
     assert RowSegments(attention_mask_BS=mask).local_attention_mask(8) is mask
-    assert torch.equal(RowSegments(attention_mask_BS=mask, sequence_rank=1).local_attention_mask(4), mask[:, 4:])
-    assert RowSegments(sequence_rank=1).local_attention_mask(4) is None
+    second = SequenceLayout(size=2, rank=1)
+    segments = RowSegments(attention_mask_BS=mask, sequence=second)
+    assert segments.sequence_rank == 1
+    assert torch.equal(segments.local_attention_mask(4), mask[:, 4:])
+    assert torch.equal(segments.local_attention_mask(4), second.local(mask, 4))  # the decoder's own shard
+    assert RowSegments(sequence=second).local_attention_mask(4) is None
 
 
 def test_the_reference_on_packed_rows_equals_each_document_alone():

@@ -47,6 +47,7 @@ from moeshard.models.common._layers import (
 )
 from moeshard.models.common._lm_loss import IGNORE_INDEX
 from moeshard.models.common._moe import Experts, MoEBlock, routers
+from moeshard.models.common._sequence_layout import SequenceLayout
 
 __all__ = ["DecoderLayer", "DecoderModel", "LayerExecution", "MoECausalLM", "SequenceLayout"]
 
@@ -64,29 +65,6 @@ class LayerExecution:
 
     attention_half: Callable | None = None
     checkpoint: Callable | None = None
-
-
-@dataclass(frozen=True)
-class SequenceLayout:
-    """Which tokens of each row this rank holds: ``[rank·s, (rank+1)·s)`` of rows of ``s·size`` tokens
-    (:func:`apply_sequence_parallel` sets it on the decoder; size 1: whole rows).
-
-    Raises:
-        ValueError: ``size`` below 1 or ``rank`` outside ``[0, size)``.
-    """
-
-    size: int = 1
-    rank: int = 0
-
-    def __post_init__(self) -> None:
-        if self.size < 1 or not 0 <= self.rank < self.size:
-            raise ValueError(
-                f"a sequence layout needs size >= 1 and 0 <= rank < size, got size={self.size}, rank={self.rank}"
-            )
-
-    def local(self, whole_BS: torch.Tensor, s: int) -> torch.Tensor:
-        """This rank's ``s`` columns of a whole row's ``[B, s·size]`` tensor."""
-        return whole_BS[:, self.rank * s : (self.rank + 1) * s]
 
 
 class DecoderLayer(nn.Module):
@@ -280,7 +258,7 @@ class DecoderModel(nn.Module):
                     f"document_ids must be [batch, seq_len={row}] like the row's input_ids, got "
                     f"{tuple(document_ids_BS.shape)}"
                 )
-            masks["segments"] = RowSegments(document_ids_BS, attention_mask_BS, self.sequence.rank)
+            masks["segments"] = RowSegments(document_ids_BS, attention_mask_BS, self.sequence)
         attention = self.attention.on(x_BSD.device)  # keep: only where the device has the kept kernels
         routed = []  # each MoE layer's (router logits, selected expert ids)
         for layer in self.layers:

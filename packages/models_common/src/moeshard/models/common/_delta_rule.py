@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moeshard.models.common._sequence_layout import SequenceLayout
+
 __all__ = [
     "DELTA_RULE_CHUNK",
     "LinearAttentionKernels",
@@ -47,16 +49,21 @@ class RowSegments:
 
     document_ids_BS: torch.Tensor | None = None
     attention_mask_BS: torch.Tensor | None = None
-    sequence_rank: int = 0
-    """Under sequence parallelism this rank's place in its group: it holds the row's tokens ``[rank·s, (rank+1)·s)``
+    sequence: SequenceLayout = SequenceLayout()
+    """Under sequence parallelism the decoder's layout: this rank holds the row's tokens ``[rank·s, (rank+1)·s)``
     (the two masks are the whole row's)."""
+
+    @property
+    def sequence_rank(self) -> int:
+        """This rank's place in its sequence group (``sequence.rank``)."""
+        return self.sequence.rank
 
     def local_attention_mask(self, s: int) -> torch.Tensor | None:
         """The padding mask of this rank's ``s`` tokens (None: no padding)."""
         mask = self.attention_mask_BS
         if mask is None or mask.shape[-1] == s:
             return mask
-        return mask[:, self.sequence_rank * s : (self.sequence_rank + 1) * s]
+        return self.sequence.local(mask, s)
 
     def cu_seqlens(self, b: int, s: int, device: torch.device) -> torch.Tensor | None:
         """int32 ``[N + 1]`` starts of the segments of the flattened ``[B·S]`` tokens (each row starts one, so does
