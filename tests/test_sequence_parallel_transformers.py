@@ -17,49 +17,46 @@ from moeshard.models.common.testing import pack_documents
 SEQ = 24  # divisible by sp 4; pack_documents cuts 2 rows of several documents each, one across the rows
 
 # 2 layers (one MoE, one dense), 8 experts top-2, 4 query heads: the families' tiny shapes, as transformers names them
-_QWEN3 = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    moe_intermediate_size=32,
-    num_experts=8,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    mlp_only_layers=[1],
-    rope_theta=1e6,
-    max_position_embeddings=128,
-    pad_token_id=0,
-)
-_DEEPSEEK_V3 = dict(
+_TINY = dict(
     vocab_size=512,
     hidden_size=64,
     intermediate_size=96,
     moe_intermediate_size=32,
     num_hidden_layers=2,
-    first_k_dense_replace=1,
     num_attention_heads=4,
-    num_key_value_heads=4,
-    n_routed_experts=8,
-    n_shared_experts=1,
     num_experts_per_tok=2,
-    n_group=4,
-    topk_group=2,
-    routed_scaling_factor=2.5,
     norm_topk_prob=True,
-    q_lora_rank=24,
-    kv_lora_rank=16,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
-    max_position_embeddings=512,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    num_mtp_layers=0,
     pad_token_id=0,
 )
+_CONFIGS = {  # each family's keys for the same shapes, over _TINY
+    "qwen3moe": dict(
+        _TINY,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        mlp_only_layers=[1],
+        rope_theta=1e6,
+        max_position_embeddings=128,
+    ),
+    "deepseekv3": dict(
+        _TINY,
+        first_k_dense_replace=1,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        num_mtp_layers=0,
+    ),
+}
 
 
 def _classes(family: str):
@@ -69,12 +66,12 @@ def _classes(family: str):
 
         from moeshard.models.qwen3moe import Qwen3MoeForCausalLM as Ours
 
-        return Qwen3MoeForCausalLM, Qwen3MoeConfig(**_QWEN3), Ours
+        return Qwen3MoeForCausalLM, Qwen3MoeConfig(**_CONFIGS[family]), Ours
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from moeshard.models.deepseekv3 import DeepseekV3ForCausalLM as Ours
 
-    return DeepseekV3ForCausalLM, DeepseekV3Config(**_DEEPSEEK_V3), Ours
+    return DeepseekV3ForCausalLM, DeepseekV3Config(**_CONFIGS[family]), Ours
 
 
 def _save(family: str, path):
