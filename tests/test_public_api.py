@@ -53,14 +53,16 @@ def example_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     are cores): ``{import_name: its completed process}``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    def run(example: str, name: str) -> subprocess.CompletedProcess:
-        cwd = tmp_path_factory.mktemp(f"example_{name}")
+    def run(example: str, cwd) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-c", example]
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
     examples = {name: _readme_example(folder) for folder, name in PACKAGES}
+    # the folders made here, before the threads: the factory's first mktemp creates its base folder, and two threads
+    # doing that at once each make one (then one of them refuses its own folder as outside the base)
+    cwds = {name: tmp_path_factory.mktemp(f"example_{name}") for name, ex in examples.items() if ex is not None}
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        futures = {name: pool.submit(run, ex, name) for name, ex in examples.items() if ex is not None}
+        futures = {name: pool.submit(run, examples[name], cwd) for name, cwd in cwds.items()}
         return {name: f.result() for name, f in futures.items()}
 
 

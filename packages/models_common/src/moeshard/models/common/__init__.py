@@ -94,6 +94,7 @@ from moeshard.models.common._parallel_options import ParallelOptions
 from moeshard.models.common._parallelize import Parallelized, parallelize
 from moeshard.models.common._presets import check_common_config, config_keys, preset_config
 from moeshard.models.common._safetensors import CheckpointError, SafetensorsDir, TensorInfo
+from moeshard.models.common._sequence_layout import SequenceLayout
 from moeshard.models.common._sequence_parallel import ModelInputs, apply_sequence_parallel, model_inputs
 
 __all__ = [
@@ -131,6 +132,7 @@ __all__ = [
     "RMSNorm",
     "Router",
     "RowSegments",
+    "SequenceLayout",
     "RotaryEmbedding",
     "SafetensorsDir",
     "StepBalance",

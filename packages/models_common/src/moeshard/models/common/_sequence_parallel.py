@@ -25,8 +25,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from moeshard.models.common._causal_lm import DecoderModel, SequenceLayout
+from moeshard.models.common._causal_lm import DecoderModel
 from moeshard.models.common._layers import attend
+from moeshard.models.common._sequence_layout import SequenceLayout
 
 
 def apply_sequence_parallel(model: nn.Module, group) -> int:
