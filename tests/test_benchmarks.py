@@ -48,6 +48,7 @@ TOOLS = {
     "balancing.json": "test_balancing_help",  # balancing.py's output, the app README's figure
     "balancing.svg": "test_balancing_help",
     "lora_cost.py": "test_lora_cost",
+    "figures_1gpu.sh": "test_figures_1gpu",
 }
 
 # The tiny CPU job appended to bench's flags in "run" mode.
@@ -304,6 +305,26 @@ def test_balancing_help():
     assert res.returncode == 0 and "--steps" in res.stdout, res.stderr
     curves = json.loads((BENCH / "balancing.json").read_text())
     assert curves and (BENCH / "balancing.svg").read_text().startswith("<svg")
+
+
+def test_figures_1gpu(tmp_path):
+    jobs = "full lora s4k s16k s32k s64k s128k l128k q3 oss q35".split()
+    res, launches = _run_script(tmp_path, "figures_1gpu.sh", "check", JOBS=" ".join(jobs), LAYERS="2")
+    assert len(launches) == len(jobs), res.stdout + res.stderr
+    _check(launches)
+    by_job = dict(zip(jobs, (launch["flags"] for launch in launches)))
+    assert all("--model.overrides.num_hidden_layers=2" in flags for flags in by_job.values())
+    assert "--lora.rank=16" in by_job["lora"] and "--lora.rank=16" not in by_job["full"]
+    tokens = {
+        j: int(next((f for f in by_job[j] if f.startswith("--data.seq_len=")), "=4096").split("=")[1]) for j in jobs
+    }
+    rows = {j: int(by_job[j][by_job[j].index("--batch-per-gpu") + 1]) for j in ("s4k", "s16k", "s32k", "s64k")}
+    assert {tokens[j] * rows[j] for j in rows} == {65536}  # the same tokens per step up to 64k
+    assert tokens["s128k"] == 131072 and "--parallel.activation_checkpointing=full" in by_job["s128k"]
+    assert "--model.preset=gpt-oss-20b" in by_job["oss"] and "--model.preset=qwen3.5-35b-a3b" in by_job["q35"]
+    res, launches = _run_script(tmp_path, "figures_1gpu.sh", "run", JOBS="full")  # the whole path: bench, the table
+    assert (tmp_path / "out" / "full_mb4.json").exists(), res.stdout + res.stderr
+    assert any(line.startswith("full_mb4") for line in res.stdout.splitlines()), res.stdout
 
 
 def test_lora_cost(tmp_path):
