@@ -243,3 +243,34 @@ def test_attention_options_are_values_apart_from_the_mask():
     assert len(keep) == 1  # only the kept one went through kept_causal_attention
     torch.testing.assert_close(plain, ref, rtol=0, atol=0)
     torch.testing.assert_close(kept_out, ref, rtol=0, atol=0)
+
+
+def test_a_kept_output_projection_with_hooks_is_called_not_replayed():
+    """``attention_output`` under the keeping options runs a plain linear as ``kept_linear`` (its GEMM only), which
+    would drop what a hook adds (a LoRA adapter on ``o_proj`` is a forward hook): such a module is called instead,
+    in the checkpointed forward and in its recompute, and its output and gradients are those without keeping."""
+    from moeshard.models.common import attention_output
+
+    torch.manual_seed(0)
+    o_proj = torch.nn.Linear(8, 6, bias=False)
+    extra = torch.nn.Parameter(torch.randn(6))
+    o_proj.register_forward_hook(lambda module, args, out: out + extra)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    want = o_proj(x)
+    keep = kept.AttentionKeep()
+
+    def region(x):
+        return attention_output(o_proj, x, None, kept.KEPT_ATTENTION)
+
+    got = checkpoint(region, x, use_reentrant=False, context_fn=lambda: (keep.recording(), keep.replaying()))
+    torch.testing.assert_close(got, want)
+    g = torch.randn_like(want)
+    grads = torch.autograd.grad(got, (x, o_proj.weight, extra), g)
+    wants = torch.autograd.grad(want, (x, o_proj.weight, extra), g)
+    for a, b in zip(grads, wants):
+        torch.testing.assert_close(a, b)
+    hookless = torch.nn.Linear(8, 6, bias=False)  # the same call on a module without hooks keeps its output
+    keep2 = kept.AttentionKeep()
+    with keep2.recording():
+        attention_output(hookless, x, None, kept.KEPT_ATTENTION)
+    assert len(keep2) == 1 and len(keep) == 0

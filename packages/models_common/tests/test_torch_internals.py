@@ -116,3 +116,21 @@ def test_all_reduce_sum_is_the_deprecated_all_reduce_without_its_warning():
         y_old, grad_old, kept_old, warned_old = res["torch"]
         assert torch.equal(y, y_old) and torch.equal(grad, grad_old) and kept_old
         assert "FutureWarning" in warned_old  # why ours exists; once torch drops the old one, drop this comparison
+
+
+def test_has_call_hooks_sees_every_kind_of_hook(monkeypatch):
+    linear = torch.nn.Linear(4, 4, bias=False)
+    assert not ti.has_call_hooks(linear)
+    for register in ("register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook"):
+        handle = getattr(linear, register)(lambda *args: None)
+        assert ti.has_call_hooks(linear), register
+        handle.remove()
+        assert not ti.has_call_hooks(linear), register
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)  # on every module
+    try:
+        assert ti.has_call_hooks(linear)
+    finally:
+        handle.remove()
+    monkeypatch.setattr(linear, "_forward_hooks", None)  # a torch that keeps them elsewhere
+    with pytest.raises(RuntimeError, match=r"torch .*: torch\.nn\.Module no longer keeps _forward_hooks \(used by "):
+        ti.has_call_hooks(linear)

@@ -24,6 +24,7 @@ from moeshard.models.common._kept import (
     kept_causal_attention,
     kept_linear,
 )
+from moeshard.models.common._torch_internals import has_call_hooks
 
 __all__ = [
     "DenseMLP",
@@ -300,9 +301,10 @@ def attention_output(
     """``o_proj(x_BSX)``, the attention's output projection, under the mask and options the layer got: for a plain
     causal attention (mask None) whose options keep (``KEPT_ATTENTION``: full activation checkpointing that keeps the
     attention's output), a plain ``nn.Linear`` without bias runs as :func:`kept_linear`, so the layer's recompute
-    takes its output from the forward instead of running the GEMM."""
+    takes its output from the forward instead of running the GEMM. A module with hooks (a LoRA adapter is a forward
+    hook) is called instead: its output is more than the GEMM's."""
     keep = mask_B1SS is None and options is not None and options.keep
-    if keep and type(o_proj) is nn.Linear and o_proj.bias is None:
+    if keep and type(o_proj) is nn.Linear and o_proj.bias is None and not has_call_hooks(o_proj):
         return kept_linear(x_BSX, o_proj.weight)
     return o_proj(x_BSX)
 

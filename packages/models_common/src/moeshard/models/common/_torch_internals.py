@@ -18,6 +18,11 @@ Why each private access remains (torch 2.11-2.15 offer no public way to do the s
   ``F.scaled_dot_product_attention``. The public function returns the output only; the kept attention needs the
   log-sum-exp (and cuDNN's random state) to run the backward from a kept output without computing it again.
 
+- :func:`has_call_hooks`: ``nn.Module``'s hook dictionaries (``_forward_hooks`` and the like, and the global ones in
+  ``torch.nn.modules.module``): whether calling a module runs more than its ``forward``. The kept output projection
+  computes a linear module's output without calling it, which is right only for a module without hooks (a LoRA
+  adapter on ``o_proj`` is a forward hook).
+
 What torch deprecates and this package keeps as its own:
 
 - :func:`all_reduce_sum`: ``torch.distributed.nn.functional.all_reduce`` (a ``FutureWarning`` on torch 2.13, which
@@ -41,8 +46,12 @@ __all__ = [
     "causal_attention_cudnn",
     "causal_attention_cudnn_backward",
     "foreach_mul",
+    "has_call_hooks",
     "shard_offset",
 ]
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = tuple(f"_global{name}" for name in _HOOKS)
 
 
 def _moved(what: str, used_by: str) -> RuntimeError:
@@ -68,6 +77,23 @@ def foreach_mul(tensors: Sequence[torch.Tensor], factor: torch.Tensor | float) -
     if fn is None:
         raise _moved("torch no longer has _foreach_mul", "foreach_mul")
     return list(fn(list(tensors), factor))
+
+
+def has_call_hooks(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` runs anything besides its ``forward``: hooks of its own (forward, pre-forward,
+    backward) or the global module hooks. Code that would compute a module's output without calling it must call it
+    where this is True."""
+    from torch.nn.modules import module as module_py
+
+    for holder, names in ((module, _HOOKS), (module_py, _GLOBAL_HOOKS)):
+        for name in names:
+            hooks = getattr(holder, name, None)
+            if not isinstance(hooks, dict):
+                where = "torch.nn.Module" if holder is module else "torch.nn.modules.module"
+                raise _moved(f"{where} no longer keeps {name}", "has_call_hooks")
+            if hooks:
+                return True
+    return False
 
 
 def _aten(name: str, used_by: str):
