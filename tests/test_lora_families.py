@@ -81,3 +81,13 @@ def test_another_familys_module_name_is_one_line(family, entry):
     with pytest.raises(ValueError, match=f"lora.target_modules entry '{entry}' matches no module") as err:
         apply_lora(_tiny(family), LoraOptions(rank=4, target_modules=(entry,), target_parameters=EXPERTS))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("family", sorted(TARGETS))
+@pytest.mark.parametrize("where", ["target_modules", "target_parameters"])
+def test_the_lm_head_is_refused_in_one_line(family, where):
+    # the head computes the training loss from its weight in chunks: a hook's term would silently be left out
+    entry = "lm_head" if where == "target_modules" else "lm_head.weight"
+    with pytest.raises(ValueError, match=r"lora targets lm_head \(LMHead\), which takes no adapter: ") as err:
+        apply_lora(_tiny(family), LoraOptions(rank=4, **{where: (entry,)}))
+    assert "\n" not in str(err.value)

@@ -63,3 +63,21 @@ def test_set_adapters_keeps_this_ep_rank_s_experts_of_full_tensors():
     seeded = apply_lora(fresh, OPTIONS, seed=3).state_dict(fresh)
     assert torch.equal(local.get_parameter("q_proj.lora_A"), seeded["q_proj.lora_A"])
     assert torch.equal(local.get_parameter("experts.gate_up_proj_lora_A"), seeded["experts.gate_up_proj_lora_A"][2:])
+
+
+def test_a_linear_module_that_refuses_adapters_is_one_line_and_its_model_is_untouched():
+    class LossHead(nn.Linear):  # a linear whose forward is more than its GEMM says so
+        lora_refusal = "its forward computes the loss from the weight"
+
+    model = Tiny()
+    model.head = LossHead(3, 7)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for options in (
+        LoraOptions(rank=2, target_modules=("q_proj", "head")),
+        LoraOptions(rank=2, target_parameters=("head.weight",)),
+    ):
+        with pytest.raises(ValueError, match=r"^lora targets head \(LossHead\), which takes no adapter: its forward"):
+            apply_lora(model, options)
+    assert all(p.requires_grad for p in model.parameters())  # refused before anything was frozen or added
+    assert {n for n, _ in model.named_parameters()} == set(before)
+    assert apply_lora(model, LoraOptions(rank=2, target_modules=("q_proj",))).targets  # the others still adapt

@@ -160,6 +160,14 @@ def _linear_hook(scaling: float):
     return hook
 
 
+def _check_adaptable(name: str, module: nn.Module) -> None:
+    """ValueError where a linear module says it takes no adapter: its ``lora_refusal`` (a reason) is set, as on a
+    module whose forward is more than its GEMM (an LM head that computes the loss from its weight)."""
+    reason = getattr(module, "lora_refusal", None)
+    if reason:
+        raise ValueError(f"lora targets {name} ({type(module).__name__}), which takes no adapter: {reason}")
+
+
 def _module_matches(name: str, target_modules: tuple[str, ...] | str) -> bool:
     if isinstance(target_modules, str):
         return re.fullmatch(target_modules, name) is not None
@@ -179,6 +187,7 @@ def _find_targets(model: nn.Module, options: LoraOptions) -> list[LoraTarget]:
                     f"lora.target_modules matches {name} ({type(module).__name__}), which is not a linear module: "
                     "name linear modules there (q_proj, o_proj, ...) and fused expert tensors in target_parameters"
                 )
+            _check_adaptable(name, module)
             targets.append(LoraTarget(name, "weight", LINEAR))
             hit_modules.update([tm] if isinstance(tm, str) else [t for t in tm if name == t or name.endswith("." + t)])
         matched = []
@@ -195,6 +204,7 @@ def _find_targets(model: nn.Module, options: LoraOptions) -> list[LoraTarget]:
                         f"lora targets {name} twice (target_modules and target_parameters entry {entries[0]!r}): "
                         "name it once"
                     )
+                _check_adaptable(name, module)
                 targets.append(LoraTarget(name, "weight", LINEAR))
                 hit_params.update(entries)
                 continue

@@ -64,6 +64,11 @@ class LMHead(nn.Linear):
     """
 
     options: LMHeadOptions = LMHeadOptions()
+    lora_refusal: str = (
+        "the LM head computes the loss from its weight in chunks, where a forward hook's term would be left out; "
+        "adapt the attention, mixer and expert projections instead (lora.target_modules, lora.target_parameters)"
+    )
+    """Read by ``moeshard.lora``: why this linear module takes no adapter."""
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__(hidden_size, vocab_size, bias=False)
