@@ -28,7 +28,8 @@ def hf_dir(tmp_path_factory):
 
 
 def _variants(path, ids_SBS):
-    """One rank of 2: two steps' losses and the adapters' gradients, eager, compiled, compiled + checkpointing."""
+    """One rank of 2: two steps' losses and the adapters' gradients, eager and compiled + checkpointed (the
+    compiled attention half with the adapters' hooks inside, recomputed in backward)."""
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
@@ -42,7 +43,6 @@ def _variants(path, ids_SBS):
     out = {}
     for name, options in (
         ("eager", ParallelOptions(prefetch_depth=0)),
-        ("compiled", ParallelOptions(prefetch_depth=0, compile=True)),
         ("compiled+checkpointing", ParallelOptions(prefetch_depth=0, compile=True, activation_checkpointing=True)),
     ):
         with torch.device("meta"):
@@ -78,9 +78,9 @@ def test_lora_compiled_equals_eager(hf_dir):
     ids_RSBS = torch.randint(1, 512, (2, 2, 2, 12), generator=torch.Generator().manual_seed(4))
     for out in run_distributed(_variants, 2, hf_dir, ids_RSBS, timeout=600):
         eager_losses, eager_grads, _ = out["eager"]
-        assert out["compiled"][2] > 0  # something compiled
+        assert out["compiled+checkpointing"][2] > 0  # something compiled
         assert all(g.abs().sum() > 0 for g in eager_grads.values())  # every adapter tensor has a gradient
-        for variant in ("compiled", "compiled+checkpointing"):
+        for variant in ("compiled+checkpointing",):
             losses, grads, _ = out[variant]
             torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=1e-5, atol=1e-5)
             assert grads.keys() == eager_grads.keys()
