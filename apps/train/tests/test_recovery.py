@@ -392,13 +392,14 @@ def test_a_stopped_worker_ends_the_job_within_its_timeout_and_the_resume_is_inta
     # of one: checkpoints are layout independent) continues from the newest complete checkpoint, as the same
     # command or a torchrun --max-restarts restart does.
     out = tmp_path / "run"
-    job = [*TINY, "--checkpoint.every_steps=2", "--checkpoint.keep_last=100", f"--train.timeout_s={HANG_TIMEOUT}"]
+    job = [*TINY, "--checkpoint.every_steps=2", "--checkpoint.keep_last=3", f"--train.timeout_s={HANG_TIMEOUT}"]
     log = tmp_path / "a.log"
     with log.open("w") as f:
         a = _torchrun([*job, "--train.steps=400", f"--logging.output_dir={out}"], stdout=f, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
         while not ((out / "metrics.jsonl").is_file() and len(_steps(out)) >= 3) and time.monotonic() < deadline:
+            assert a.poll() is None, log.read_text()[-3000:]  # the job ended before its third step
             time.sleep(0.1)
         stopped = _worker_pid(a.pid, rank=1)
         assert stopped is not None, log.read_text()[-3000:]

@@ -87,20 +87,27 @@ def test_too_little_space_is_one_line_before_any_write(world_of_one, tmp_path, m
 
     d = tmp_path / "ckpts"
     state = {"model": {"w": torch.zeros(1 << 20)}}  # 4 MiB
-    monkeypatch.setattr(_space, "free_bytes", lambda folder: 40 << 20)
+    monkeypatch.setattr(_space, "free_bytes", lambda folder: 5 << 20)  # not the 4 MiB + 1.25 MiB for metadata
     with pytest.raises(CheckpointSaveError) as e:
         ckpt.save_checkpoint(d, 3, state, {}, {}, keep_last=2)
     assert str(e.value) == (
-        f"no room for the checkpoint of step 3 in {d}: it needs 4.0 MiB, the disk has 40.0 MiB free; nothing was "
+        f"no room for the checkpoint of step 3 in {d}: it needs 4.0 MiB, the disk has 5.0 MiB free; nothing was "
         "written. Free disk space, lower keep_last or save to a larger disk"
     )
     assert not d.exists()
-    # At the start of a run: keep_last + 1 checkpoints (each with its allowance for metadata) must fit.
-    monkeypatch.setattr(_space, "free_bytes", lambda folder: 500 << 20)
+    # At the start of a run: keep_last + 1 checkpoints (each with its allowance for metadata: 1 MiB + 1/16) must fit.
+    monkeypatch.setattr(_space, "free_bytes", lambda folder: 40 << 20)
     one, needed = ckpt.check_room_for_run(d, state, keep_last=2)
-    assert one == 4 << 20 and needed == 3 * (68 << 20)
-    with pytest.raises(CheckpointSaveError, match=r"keep_last 7 \+ 1 being written need 544.0 MiB \(4.0 MiB each"):
+    assert one == 4 << 20 and needed == 3 * (5 << 20) + 3 * (1 << 18)
+    with pytest.raises(CheckpointSaveError) as e:
         ckpt.check_room_for_run(d, state, keep_last=7)
+    assert str(e.value) == (
+        f"not enough disk space for this run's checkpoints in {d}: keep_last 7 + 1 being written need 42.0 MiB "
+        "(5.2 MiB each with its metadata; the folder's checkpoints hold 0.0 MiB), the disk has 40.0 MiB free; nothing "
+        "was written. Free disk space, lower keep_last or save to a larger disk"
+    )
+    # A large checkpoint's allowance stops at 64 MiB.
+    assert _space.metadata_allowance(100 << 30) == _space.METADATA_ALLOWANCE == 64 << 20
 
 
 def test_small_files_are_json_and_tensors_and_older_checkpoints_still_load(world_of_one, tmp_path):

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from moeshard.checkpoint._errors import CheckpointSaveError
-from moeshard.checkpoint._space import METADATA_ALLOWANCE, agree_sizes, check_room_for_save, human
+from moeshard.checkpoint._space import agree_sizes, check_room_for_save, human, metadata_allowance
 from moeshard.checkpoint._stage import Stager, state_bytes
 from moeshard.fsdp_moe import joined_masters
 
@@ -162,12 +162,14 @@ def check_room_for_run(
             held += sum(read_marker(path).get("files", {}).values())
         except ValueError:
             continue
-    steady = (max(1, keep_last) + 1) * (one + METADATA_ALLOWANCE)
-    needed = max(one + METADATA_ALLOWANCE, steady - held)
+    each = one + metadata_allowance(one)
+    steady = (max(1, keep_last) + 1) * each
+    needed = max(each, steady - held)
     if needed > free:
         raise CheckpointSaveError(
             f"not enough disk space for this run's checkpoints in {folder}: keep_last {keep_last} + 1 being written "
-            f"need {human(steady)} ({human(one)} each; the folder's checkpoints hold {human(held)}), the disk has "
+            f"need {human(steady)} ({human(each)} each with its metadata; the folder's checkpoints hold "
+            f"{human(held)}), the disk has "
             f"{human(free)} free; nothing was written. Free disk space, lower keep_last or save to a larger disk"
         )
     return one, needed

@@ -16,7 +16,14 @@ import torch.distributed as dist
 from moeshard.checkpoint._errors import CheckpointSaveError
 from moeshard.checkpoint._stage import state_bytes
 
-METADATA_ALLOWANCE = 64 << 20  # .metadata, the small files, each file's headers
+METADATA_ALLOWANCE = 64 << 20  # .metadata, the small files, each file's headers: at most this per checkpoint
+
+
+def metadata_allowance(state_bytes: int) -> int:
+    """Bytes beside the tensors a checkpoint of ``state_bytes`` may take on disk (``.metadata``, the small files,
+    each file's headers): 1 MiB + 1/16 of the tensors, at most :data:`METADATA_ALLOWANCE` (a tiny model's
+    checkpoints are not counted at 64 MiB each)."""
+    return min(METADATA_ALLOWANCE, (1 << 20) + state_bytes // 16)
 
 
 def human(n: float) -> str:
@@ -51,7 +58,7 @@ def check_room_for_save(folder: Path, step: int, state: dict[str, Any], group: d
         CheckpointSaveError: on every rank alike, one line naming both figures and the fix.
     """
     need, free = agree_sizes(folder, state, group)
-    if need + METADATA_ALLOWANCE > free:
+    if need + metadata_allowance(need) > free:
         raise CheckpointSaveError(
             f"no room for the checkpoint of step {step} in {folder}: it needs {human(need)}, the disk has "
             f"{human(free)} free; nothing was written. Free disk space, lower keep_last or save to a larger disk"

@@ -267,7 +267,9 @@ def apply_lora(
     if base_dtype is not None:
         _cast_parameters(model, base_dtype)
     r, handles, shapes = options.rank, [], {}
-    for t, (A, B) in zip(targets, _initial(model, targets, r, seed)):
+    on_meta = all(model.get_parameter(t.base_name).is_meta for t in targets)  # no values to generate
+    initial = _initial(model, targets, r, seed, meta=on_meta)
+    for t, (A, B) in zip(targets, initial):
         module = model.get_submodule(t.module)
         base = _param_of(module, t.param)
         A, B = A.to(device=base.device, dtype=dtype), B.to(device=base.device, dtype=dtype)
@@ -292,18 +294,27 @@ def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def _initial(
-    model: nn.Module, targets, r: int, seed: int, shapes: Mapping[str, tuple[int, ...]] | None = None
+    model: nn.Module,
+    targets,
+    r: int,
+    seed: int,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+    *,
+    meta: bool = False,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Each target's initial ``(A, B)``, float32 on the CPU, in the full (unsharded) shapes of the base tensors as
-    ``shape`` gives them: one generator over the targets in order, so a sharded model gets the same values."""
+    ``shape`` gives them: one generator over the targets in order, so a sharded model gets the same values.
+    ``meta``: the shapes only, on the meta device (a model built there has no values to give)."""
     gen = torch.Generator().manual_seed(seed)
+    device = "meta" if meta else "cpu"
     for t in targets:
         shape = _global_shape(model, t, shapes)
         out_f, in_f = shape[-2], shape[-1]
         experts = shape[0] if t.kind == EXPERTS else 1
-        A = torch.empty(experts * r, in_f, dtype=torch.float32)
-        nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=gen)  # fan_in = in, as PEFT's nn.Linear(in, r·E)
-        B = torch.zeros(experts, out_f, r, dtype=torch.float32)
+        A = torch.empty(experts * r, in_f, dtype=torch.float32, device=device)
+        if not meta:
+            nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=gen)  # fan_in = in, as PEFT's nn.Linear(in, r·E)
+        B = torch.zeros(experts, out_f, r, dtype=torch.float32, device=device)
         yield (A, B[0]) if t.kind == LINEAR else (A.reshape(experts, r, in_f), B)
 
 

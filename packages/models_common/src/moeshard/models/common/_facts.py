@@ -132,7 +132,8 @@ def window_keys(seq_len: int, window: int) -> float:
 
 
 def model_facts(model_class: type[nn.Module], config: PretrainedConfig) -> ModelFacts:
-    """The :class:`ModelFacts` of ``model_class(config)`` (a ``MoECausalLM``), built on the meta device.
+    """The :class:`ModelFacts` of ``model_class(config)`` (a ``MoECausalLM``), built on the meta device; the facts of
+    a config already seen (its values, compared as JSON) are reused, as the model it builds is the same.
 
     Raises:
         ValueError: the config is refused by the model (its family's check), or the model's attention does not
@@ -143,6 +144,19 @@ def model_facts(model_class: type[nn.Module], config: PretrainedConfig) -> Model
         facts = model_facts(DeepseekV3ForCausalLM, get_preset_config("deepseek-v3-16b"))
         facts.active_parameters, facts.flops_per_token(4096)
     """
+    key = (model_class, config.to_json_string(use_diff=False))
+    if key not in _SEEN:
+        while len(_SEEN) >= _SEEN_MAX:
+            _SEEN.pop(next(iter(_SEEN)))
+        _SEEN[key] = _build_facts(model_class, config)
+    return _SEEN[key]
+
+
+_SEEN: dict[tuple[type, str], ModelFacts] = {}
+_SEEN_MAX = 64
+
+
+def _build_facts(model_class: type[nn.Module], config: PretrainedConfig) -> ModelFacts:
     with torch.device("meta"):
         model = model_class(config)
     layers = list(model.model.layers)
@@ -165,7 +179,13 @@ def model_facts(model_class: type[nn.Module], config: PretrainedConfig) -> Model
     i = next((i for i, layer in enumerate(layers) if isinstance(layer.mlp, MoEBlock)), 0)
     heads, kv_heads, qk, v = attentions[i]
     d = model.lm_head.weight.shape[1]
-    per_layer = [_mixer_activations(model, m, d, dims) for m, dims in zip(mixers, attentions)]
+    measured: dict[tuple, tuple[int, int]] = {}  # layers of one kind measure alike: once per kind
+    per_layer = []
+    for m, dims in zip(mixers, attentions):
+        kind = _module_kind(m)
+        if kind not in measured:
+            measured[kind] = _mixer_activations(model, m, d, dims)
+        per_layer.append(measured[kind])
     attn_elems, out_width = per_layer[i]
     mlp_elems, num_experts, top_k, width = 0, 0, 0, 0
     if blocks:
@@ -198,6 +218,20 @@ def model_facts(model_class: type[nn.Module], config: PretrainedConfig) -> Model
         ),
         mixer_activations=sum(elems for elems, _ in per_layer),
         recurrent_state=max((int(getattr(m, "recurrent_state_per_token", 0)) for m in mixers), default=0),
+    )
+
+
+def _module_kind(module: nn.Module) -> tuple:
+    """What decides a module's meta forward: the class and the plain attributes of it and its submodules, and
+    their tensors' shapes (two layers equal in these run the same ops on the same shapes)."""
+    return tuple(
+        (
+            name,
+            type(m),
+            tuple((k, v) for k, v in sorted(vars(m).items()) if isinstance(v, (bool, int, float, str, type(None)))),
+            tuple((k, tuple(t.shape), t.dtype) for k, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]),
+        )
+        for name, m in module.named_modules()
     )
 
 
