@@ -185,3 +185,36 @@ def test_a_window_layer_counts_the_keys_it_sees():
 
     with pytest.raises(ValueError, match="Broken.attention_window=0: declare a positive int"):
         model_facts(BrokenLM, config)
+
+
+def test_layers_of_two_kinds_each_count_theirs_and_an_equal_config_reuses_its_facts():
+    class Narrow(ToyAttention):  # odd layers: values half as wide (the same class, other shapes)
+        def __init__(self, config, width):
+            super().__init__(config)
+            self.v_head_dim = width
+            self.v = nn.Linear(config.hidden_size, H * width, bias=False)
+            self.out = nn.Linear(H * width, config.hidden_size, bias=False)
+
+        def forward(self, x, cos, sin, mask):
+            b, s, _ = x.shape
+            q, k = self.qk(x).view(b, s, 2, H, DQK).permute(2, 0, 3, 1, 4)
+            v = self.v(x).view(b, s, H, self.v_head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.out(o.transpose(1, 2).reshape(b, s, H * self.v_head_dim))
+
+    class MixedModel(ToyModel):
+        @classmethod
+        def build_mixer(cls, config, layer_idx):
+            return "self_attn", Narrow(config, DV if layer_idx % 2 == 0 else DV // 2)
+
+    class MixedLM(ToyForCausalLM):
+        base_model_class = MixedModel
+
+    config = ToyConfig()
+    facts, full = model_facts(MixedLM, config), model_facts(ToyForCausalLM, config)
+    per_layer = [2 * H * DQK + 2 * H * w + 2 * H * DQK for w in (DV, DV // 2, DV)]  # as the first test counts one
+    assert facts.mixer_activations == sum(per_layer) and full.mixer_activations == L * per_layer[0]
+    assert facts.attention_width == 2 * H * (DQK + DV) + H * (DQK + DV // 2)
+    # An equal config (another object) gets the facts already derived; a changed one its own.
+    assert model_facts(MixedLM, ToyConfig()) is facts
+    assert model_facts(MixedLM, ToyConfig(num_hidden_layers=2)).mixer_activations == sum(per_layer[:2])

@@ -229,7 +229,10 @@ def _module_kind(module: nn.Module) -> tuple:
             name,
             type(m),
             tuple((k, v) for k, v in sorted(vars(m).items()) if isinstance(v, (bool, int, float, str, type(None)))),
-            tuple((k, tuple(t.shape), t.dtype) for k, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]),
+            tuple(
+                (k, tuple(t.shape), t.dtype)
+                for k, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]
+            ),
         )
         for name, m in module.named_modules()
     )
