@@ -31,6 +31,7 @@ experts); ``OUT`` is written in PEFT's format (``peft.PeftModel.from_pretrained`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -127,7 +128,7 @@ def main() -> None:
     config = family.load_config(args.model)
     with torch.device("meta"):
         model = family.model_class(config)
-    adapters = None
+    adapters, lora = None, None
     if args.lora_rank:
         # Before parallelize, so the EP plan slices the expert adapters with their experts. The frozen base is held
         # in the compute dtype (bf16 on GPU): it needs no float32 master, gradient or optimizer state.
@@ -236,10 +237,12 @@ def main() -> None:
     # `python -m moeshard.train export-hf --checkpoint <checkpoint>/step_N --out DIR` makes it a Hub folder.
     if args.checkpoint is not None:
         # extra (JSON, rank 0's): the step, and what makes the checkpoint a Hub folder with `moeshard-train export-hf`:
-        # the model's config, the folder it started from (its tokenizer and generation config go along).
+        # the model's config, the folder it started from (its tokenizer and generation config go along), and for LoRA
+        # its options (export-hf then writes the adapter in PEFT's format, or with --merge-lora the merged model).
         extra = {"step": args.steps, "model_config": config.to_dict(), "model_path": str(args.model.resolve())}
         state = model_state(model, optimizer)
         if adapters is not None:
+            extra["lora"] = dataclasses.asdict(lora)
             # A frozen base is what --model holds already: like the app's LoRA checkpoints, this one holds what trains
             # (the adapters, and their optimizer state: the optimizer holds nothing else) and the buffers.
             trained = set(adapters.names())

@@ -227,6 +227,18 @@ def test_custom_trainer_with_lora_matches_the_app(tiny, tmp_path):
     assert experts and all(k.endswith(("_lora_A", "_lora_B")) for k in experts)  # the fused experts' A and B
     state_keys = [k for k in meta.state_dict_metadata if k.startswith("optimizer.state.")]
     assert state_keys and all("lora_" in k for k in state_keys)
+    # export-hf knows it as a LoRA checkpoint (its extra records the options): the same adapter, or merged
+    from moeshard.train.__main__ import main
+
+    ckpt = tmp_path / "example_ckpt" / "step_00000003"
+    assert main(["export-hf", "--checkpoint", str(ckpt), "--out", str(tmp_path / "exported")]) == 0
+    exported = load_file(str(tmp_path / "exported" / "adapter_model.safetensors"))
+    assert exported.keys() == ours.keys() and all(torch.equal(exported[k], ours[k]) for k in ours)
+    assert main(["export-hf", "--checkpoint", str(ckpt), "--out", str(tmp_path / "merged"), "--merge-lora"]) == 0
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
 
 
 @pytest.mark.slow

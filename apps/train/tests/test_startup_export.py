@@ -171,3 +171,14 @@ def test_a_checkpoint_without_a_model_config_is_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"records no model config: .* needs 'model_config'"):
         export_hf(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+    # A loop of one's own saved LoRA adapters without its options: which options it needs, not a missing base weight
+    from moeshard.models.qwen3moe import get_preset_config
+
+    lora = tmp_path / "step_00000002"
+    dcp.save({"model": {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2)}}, checkpoint_id=str(lora))
+    (lora / "extra.json").write_text(json.dumps({"step": 2, "model_config": get_preset_config("tiny").to_dict()}))
+    (lora / "COMPLETE").write_text(json.dumps({"step": 2, "world_size": 1}))
+    with pytest.raises(ValueError, match=r"holds LoRA adapters but its extra records no 'lora': save with extra="):
+        export_hf(lora, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

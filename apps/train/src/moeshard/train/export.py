@@ -88,7 +88,8 @@ def find_tokenizer(cfg: JobConfig | None, model_path: str | None) -> tuple[str |
 
 class _Run:
     """What a checkpoint says about its run: job config (None for a loop of one's own), model config, the stored
-    tensors' metadata, the Hub folder the weights started from and the tokenizer folder."""
+    tensors' metadata, the Hub folder the weights started from, the tokenizer folder and the LoRA options (None
+    where every weight trained)."""
 
     def __init__(self, src: Path) -> None:
         ckpt.read_marker(src)
@@ -107,6 +108,14 @@ class _Run:
                 "config.to_dict()}"
             )
         self.stored = dcp.FileSystemReader(str(src)).read_metadata().state_dict_metadata
+        # A LoRA run: the app's config says so; a loop of one's own records its LoraOptions as a dict in extra.
+        lora = self.cfg.lora if self.cfg is not None else LoraOptions.from_dict(extra.get("lora") or {})
+        self.lora: LoraOptions | None = lora if lora.enabled else None
+        if self.lora is None and self.cfg is None and any(".lora_A" in k for k in self.stored):
+            raise ValueError(
+                f"{src} holds LoRA adapters but its extra records no 'lora': save with extra={{..., 'lora': "
+                "dataclasses.asdict(lora_options)}} (the LoraOptions the loop applied)"
+            )
         model_path = extra.get("model_path") or (self.cfg.model.path if self.cfg is not None else None)
         self.model_path: str | None = os.path.abspath(model_path) if model_path else None
         if "tokenizer" in extra:  # found when the run started, where its relative paths still meant something
@@ -181,7 +190,7 @@ def export_hf(
     run = _Run(src)
     mcfg = run.model_config
     fmt = family_of(mcfg).hf_format
-    lora = run.cfg.lora if run.cfg is not None and run.cfg.lora.enabled else None
+    lora = run.lora
     if lora is not None and not merge_lora:  # a LoRA run's checkpoint holds its adapters, not the base
         export_adapter(src, dst)
         say(f"{dst}: a LoRA run's adapter in PEFT's format; pass --merge-lora for the base with it merged")
@@ -288,10 +297,10 @@ def export_adapter(checkpoint: str | Path, out: str | Path) -> Path:
     """
     src = Path(checkpoint)
     run = _Run(src)
-    if run.cfg is None or not run.cfg.lora.enabled:
+    if run.lora is None:
         raise ValueError(f"{src} is not a checkpoint of a LoRA run (its config has lora.rank 0): use export-hf")
-    adapters, tensors = _adapters(src, run, run.cfg.lora)
-    base = run.model_path or run.cfg.model.preset
+    adapters, tensors = _adapters(src, run, run.lora)
+    base = run.model_path or (run.cfg.model.preset if run.cfg is not None else None)
     model_class = type(run.model_config).__name__.replace("Config", "ForCausalLM")
     return save_adapter(out, adapters, tensors, base_model=base, model_class=model_class)
 
