@@ -218,3 +218,7 @@ def test_layers_of_two_kinds_each_count_theirs_and_an_equal_config_reuses_its_fa
     # An equal config (another object) gets the facts already derived; a changed one its own.
     assert model_facts(MixedLM, ToyConfig()) is facts
     assert model_facts(MixedLM, ToyConfig(num_hidden_layers=2)).mixer_activations == sum(per_layer[:2])
+    # A config holding a value JSON cannot (a set) is derived each time, not refused.
+    odd = ToyConfig()
+    odd.tags = {"a", "b"}
+    assert model_facts(MixedLM, odd) == facts and model_facts(MixedLM, odd) is not facts

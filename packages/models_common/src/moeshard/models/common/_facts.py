@@ -144,7 +144,10 @@ def model_facts(model_class: type[nn.Module], config: PretrainedConfig) -> Model
         facts = model_facts(DeepseekV3ForCausalLM, get_preset_config("deepseek-v3-16b"))
         facts.active_parameters, facts.flops_per_token(4096)
     """
-    key = (model_class, config.to_json_string(use_diff=False))
+    try:
+        key = (model_class, config.to_json_string(use_diff=False))
+    except (TypeError, ValueError):  # a value JSON cannot hold: derive them again
+        return _build_facts(model_class, config)
     if key not in _SEEN:
         while len(_SEEN) >= _SEEN_MAX:
             _SEEN.pop(next(iter(_SEEN)))
