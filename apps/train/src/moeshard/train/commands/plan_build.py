@@ -5,6 +5,7 @@ searches them for the regimes that fit a GPU."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -136,7 +137,8 @@ def _memory_estimate(cfg: JobConfig, mcfg: Any, built: _Built, world: int, mb: i
     trained, frozen = built.trained_local, built.local_numel - built.trained_local
     # the gate/up delta is what adds input gradients to the expert pass (moeshard.ep.backward_elements)
     lowrank_experts = lora and any(t.kind != "linear" and "gate_up" in t.param for t in built.adapters.targets)
-    activations = activation_bytes_per_token(
+    per_token = functools.partial(
+        activation_bytes_per_token,
         mcfg,
         compute_bytes,
         opts.activation_checkpointing,
@@ -146,17 +148,7 @@ def _memory_estimate(cfg: JobConfig, mcfg: Any, built: _Built, world: int, mb: i
         ep_size=built.ep_size,
         lowrank_experts=lowrank_experts,
     )
-    first_layer = activation_bytes_per_token(
-        mcfg,
-        compute_bytes,
-        opts.activation_checkpointing,
-        opts.selective_recompute,
-        opts.keep_attention,
-        dispatch=opts.ep.dispatch,
-        ep_size=built.ep_size,
-        lowrank_experts=lowrank_experts,
-        first_layer=True,
-    )
+    activations, first_layer = per_token(), per_token(first_layer=True)  # every layer's; the first one's recompute
     if lora:
         adapter = adapter_activation_bytes_per_token(
             built.adapters, mcfg.num_hidden_layers, compute_bytes, opts.activation_checkpointing
