@@ -1,7 +1,8 @@
 """LoRA under ``parallelize(compile=True)`` equals LoRA eager: the linear adapters' hooks run inside each layer's
 compiled attention half (and its recompute under activation checkpointing), the expert adapters in the grouped expert
-pass. The tiny Qwen3-MoE on 2 gloo ranks (EP 2), adapters on q/o and on both fused expert tensors with non-zero
-``B`` (so every adapter tensor gets a gradient), the same batches in each variant; float32 on CPU."""
+pass. The tiny Qwen3-MoE on 2 gloo ranks (EP 2), adapters on every linear but the head (``all-linear``: q/k/v/o)
+and on both fused expert tensors with non-zero ``B`` (so every adapter tensor gets a gradient), the same batches in
+each variant; float32 on CPU."""
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from moeshard.meshes.testing import run_distributed
 from moeshard.models.qwen3moe import get_preset_config
 
 OPTIONS = LoraOptions(
-    rank=4, alpha=8, target_modules=("q_proj", "o_proj"),
+    rank=4, alpha=8, target_modules="all-linear",
     target_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
 )  # fmt: skip
 

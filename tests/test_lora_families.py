@@ -43,20 +43,24 @@ TARGETS = {
 }
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["named", "all-linear"])
 @pytest.mark.parametrize("family", sorted(TARGETS))
-def test_targets_resolve_and_the_adapted_model_equals_the_merged_base(family):
+def test_targets_resolve_and_the_adapted_model_equals_the_merged_base(family, named):
+    # all-linear: every linear module of the family (its mixers', shared experts', gates'), each through its hook
     base = _tiny(family)
-    modules = TARGETS[family]
+    modules = TARGETS[family] if named else "all-linear"
     options = LoraOptions(rank=4, alpha=8, target_modules=modules, target_parameters=EXPERTS)
     adapted = copy.deepcopy(base)
     adapters = apply_lora(adapted, options, seed=1)
-    names = {n for n, _ in base.named_modules()}
-    want_linear = {n for n in names if any(n == t or n.endswith("." + t) for t in modules)}
+    if named:
+        want_linear = {n for n, _ in base.named_modules() if any(n == t or n.endswith("." + t) for t in modules)}
+        assert all(any(n.endswith("." + t) for n in want_linear) for t in modules)  # every entry hits something
+    else:
+        want_linear = {n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
     assert {t.module for t in adapters.targets if t.kind == "linear"} == want_linear
     assert {t.base_name for t in adapters.targets if t.kind == "experts"} == {
         n for n, _ in base.named_parameters() if n.endswith(EXPERTS)
     }
-    assert all(any(n.endswith("." + t) for n in want_linear) for t in modules)  # every entry hits something
     with torch.no_grad():  # B starts at zero (the adapted model equals its base): give it values
         for name, p in adapted.named_parameters():
             if "_lora_B" in name or name.endswith("lora_B"):

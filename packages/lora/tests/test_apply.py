@@ -81,3 +81,21 @@ def test_a_linear_module_that_refuses_adapters_is_one_line_and_its_model_is_unto
     assert all(p.requires_grad for p in model.parameters())  # refused before anything was frozen or added
     assert {n for n, _ in model.named_parameters()} == set(before)
     assert apply_lora(model, LoraOptions(rank=2, target_modules=("q_proj",))).targets  # the others still adapt
+
+
+def test_all_linear_leaves_out_the_output_layer_and_refusing_heads_and_needs_a_linear():
+    class LossHead(nn.Linear):
+        lora_refusal = "its forward computes the loss from the weight"
+
+    class WithHead(Tiny):
+        def __init__(self):
+            super().__init__()
+            self.k_proj, self.out, self.loss_head = nn.Linear(5, 5), nn.Linear(3, 9), LossHead(3, 7)
+
+        def get_output_embeddings(self):  # transformers' name for the output layer, which PEFT leaves out
+            return self.out
+
+    adapters = apply_lora(WithHead(), LoraOptions(rank=2, target_modules="ALL-LINEAR"))
+    assert [t.module for t in adapters.targets] == ["q_proj", "k_proj"]
+    with pytest.raises(ValueError, match=r"^lora.target_modules 'all-linear': the model has no linear module that"):
+        apply_lora(Experts(), LoraOptions(rank=2, target_modules="all-linear"))

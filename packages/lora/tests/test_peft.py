@@ -282,3 +282,27 @@ def test_mlp_targets_are_written_so_peft_loads_them_and_both_forms_load_into_our
     assert load_adapter(tmp_path / "new", adapters).keys() == want.keys()
     with torch.no_grad():
         torch.testing.assert_close(fresh(input_ids=ids).logits, ours(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("family", ["qwen3moe-dense-mlp", "deepseekv3"])
+def test_all_linear_takes_what_peft_takes_and_peft_loads_it(family, tmp_path):
+    """``target_modules="all-linear"`` (PEFT's shorthand) targets the linear modules PEFT's own resolution of it
+    takes on the transformers model (every ``nn.Linear`` but the LM head; routers are no linears in either), and the
+    folder it writes loads into PEFT with our logits."""
+    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
+
+    base = _tiny_deepseek_v3() if family == "deepseekv3" else _tiny_base(dense_layers=[0])
+    options = LoraOptions(rank=4, alpha=8, target_modules="all-linear", target_parameters=PARAMS)
+    ours, adapters = _ours(base, options)
+    resolved = _maybe_include_all_linear_layers(peft.LoraConfig(target_modules="all-linear"), copy.deepcopy(base))
+    linear = sorted(t.module for t in adapters.targets if t.kind == "linear")
+    assert linear == sorted(resolved.target_modules) and "lm_head" not in linear
+    assert any(m.endswith("mlp.down_proj") for m in linear)  # the dense layer's (and shared experts') MLP too
+    save_adapter(tmp_path, adapters, adapters.state_dict(ours))
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path))
+    ids = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).logits, theirs(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    # the folder's options (the module names all-linear took) target the same tensors again
+    fresh, fresh_adapters = _ours(base, LoraOptions(**{**read_adapter_options(tmp_path).__dict__, "init_from": None}))
+    assert sorted(t.base_name for t in fresh_adapters.targets) == sorted(t.base_name for t in adapters.targets)

@@ -168,20 +168,46 @@ def _check_adaptable(name: str, module: nn.Module) -> None:
         raise ValueError(f"lora targets {name} ({type(module).__name__}), which takes no adapter: {reason}")
 
 
+ALL_LINEAR = "all-linear"
+"""PEFT's shorthand ``target_modules``: every linear module but the output layer (the LM head)."""
+
+
+def _all_linear(target_modules: tuple[str, ...] | str) -> bool:
+    return isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR
+
+
 def _module_matches(name: str, target_modules: tuple[str, ...] | str) -> bool:
+    if _all_linear(target_modules):  # by name every module; by type the linear ones (see _find_targets)
+        return True
     if isinstance(target_modules, str):
         return re.fullmatch(target_modules, name) is not None
     return any(name == t or name.endswith(f".{t}") for t in target_modules)
 
 
+def _output_layer(model: nn.Module) -> nn.Module | None:
+    """The module ``all-linear`` leaves out, as PEFT does: the model's output embeddings (its LM head)."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        return get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        return None
+
+
 def _find_targets(model: nn.Module, options: LoraOptions) -> list[LoraTarget]:
-    """The targets of ``options`` in ``model``, by PEFT's matching rules; one line per entry that matches nothing."""
+    """The targets of ``options`` in ``model``, by PEFT's matching rules; one line per entry that matches nothing.
+    ``target_modules="all-linear"`` takes every ``nn.Linear`` but the output layer and those that refuse an adapter
+    (``lora_refusal``), as PEFT takes every linear module of the transformers model but its output embeddings."""
     tm, tp = options.target_modules, options.target_parameters
     targets: list[LoraTarget] = []
     hit_modules: set[str] = set()
     hit_params: set[str] = set()
+    output_layer = _output_layer(model) if _all_linear(tm) else None
     for name, module in model.named_modules():
-        if tm and name and _module_matches(name, tm):
+        if _all_linear(tm) and (
+            not isinstance(module, nn.Linear) or module is output_layer or getattr(module, "lora_refusal", None)
+        ):
+            pass  # not a module all-linear takes (its parameters may still be targeted below)
+        elif tm and name and _module_matches(name, tm):
             if not isinstance(module, nn.Linear):
                 raise ValueError(
                     f"lora.target_modules matches {name} ({type(module).__name__}), which is not a linear module: "
@@ -221,6 +247,11 @@ def _find_targets(model: nn.Module, options: LoraOptions) -> list[LoraTarget]:
             matched.append(pname)
         # PEFT wraps the module's targeted tensors in registration order, the first innermost
         targets += [LoraTarget(name, p, EXPERTS, nesting=len(matched) - 1 - i) for i, p in enumerate(matched)]
+    if _all_linear(tm) and tm not in hit_modules:
+        raise ValueError(
+            f"lora.target_modules {tm!r}: the model has no linear module that takes an adapter (the LM head is left "
+            "out); name modules, or target fused expert tensors in target_parameters"
+        )
     for t in [tm] if isinstance(tm, str) else tm:
         if t not in hit_modules:
             raise ValueError(

@@ -38,7 +38,7 @@ class LoraOptions:
         metadata={
             "help": "linear modules by name, PEFT's rules: a list matches a module whose name equals an entry or ends "
             "with `.entry` (`q_proj`, `o_proj`, `kv_b_proj`, `shared_experts.down_proj`); a string is a regular "
-            "expression the whole name must match."
+            "expression the whole name must match, or `all-linear`: every linear module but the LM head, as PEFT's."
         },
     )
     target_parameters: tuple[str, ...] = field(
