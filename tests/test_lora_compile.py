@@ -28,9 +28,18 @@ def hf_dir(tmp_path_factory):
     return str(path)
 
 
-def _variants(path, ids_SBS):
-    """One rank of 2: two steps' losses and the adapters' gradients, eager and compiled + checkpointed (the
-    compiled attention half with the adapters' hooks inside, recomputed in backward)."""
+VARIANTS = {
+    "eager": dict(prefetch_depth=0),
+    "checkpointing": dict(prefetch_depth=0, activation_checkpointing=True),
+    "compiled": dict(prefetch_depth=0, compile=True),
+    "compiled+checkpointing": dict(prefetch_depth=0, compile=True, activation_checkpointing=True),
+}
+
+
+def _variants(path, ids_SBS, lora=OPTIONS, names=("eager", "compiled+checkpointing")):
+    """One rank of 2: two steps' losses and the adapters' gradients in each variant of ``names`` (compiled +
+    checkpointed: the compiled attention half with the adapters' hooks inside, recomputed in backward); each step's
+    forward from one seed (LoRA's dropout draws the same masks where the variants draw alike)."""
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
@@ -42,14 +51,11 @@ def _variants(path, ids_SBS):
     rank = dist.get_rank()
     meshes = build_meshes(ep_size=2, device_type="cpu")
     out = {}
-    for name, options in (
-        ("eager", ParallelOptions(prefetch_depth=0)),
-        ("compiled+checkpointing", ParallelOptions(prefetch_depth=0, compile=True, activation_checkpointing=True)),
-    ):
+    for name in names:
         with torch.device("meta"):
             model = Qwen3MoeForCausalLM(load_hf_config(path))
-        adapters = apply_lora(model, OPTIONS, seed=0)
-        parallel = parallelize(model, meshes, options)
+        adapters = apply_lora(model, lora, seed=0)
+        parallel = parallelize(model, meshes, ParallelOptions(**VARIANTS[name]))
         model.to_empty(device="cpu")
         load_hf_weights(model, path, ep_info=parallel.ep_info)
         reset_adapters(model, adapters, 0, ep_rank=parallel.ep_info.ep_rank)
@@ -60,8 +66,9 @@ def _variants(path, ids_SBS):
                     local = p.to_local() if hasattr(p, "to_local") else p
                     local.copy_(torch.randn(local.shape, generator=g) * 0.1)
         losses = []
-        for ids in ids_SBS[rank]:
+        for step, ids in enumerate(ids_SBS[rank]):
             model.zero_grad()
+            torch.manual_seed(100 + step)
             loss = model(ids, labels=ids).loss
             loss.backward()
             losses.append(loss.detach())
@@ -71,21 +78,41 @@ def _variants(path, ids_SBS):
             if p.requires_grad
         }
         assert grads and all("lora_" in n for n in grads), sorted(grads)
-        out[name] = (losses, grads, counters["stats"]["unique_graphs"])
+        torch.manual_seed(999)
+        with torch.no_grad():  # no optimizer step ran: the first step's parameters, other dropout masks if any
+            reseeded = model(ids_SBS[rank][0], labels=ids_SBS[rank][0]).loss.item()
+        out[name] = (losses, grads, counters["stats"]["unique_graphs"], reseeded)
     return out
 
 
 def test_lora_compiled_equals_eager(hf_dir):
     ids_RSBS = torch.randint(1, 512, (2, 2, 2, 12), generator=torch.Generator().manual_seed(4))
     for out in run_distributed(_variants, 2, hf_dir, ids_RSBS, timeout=600):
-        eager_losses, eager_grads, _ = out["eager"]
+        eager_losses, eager_grads, _, reseeded = out["eager"]
+        assert reseeded == pytest.approx(eager_losses[0].item(), rel=1e-6)  # no dropout: no draw changes the loss
         assert out["compiled+checkpointing"][2] > 0  # something compiled
         assert all(g.abs().sum() > 0 for g in eager_grads.values())  # every adapter tensor has a gradient
         for variant in ("compiled+checkpointing",):
-            losses, grads, _ = out[variant]
+            losses, grads, *_ = out[variant]
             torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=1e-5, atol=1e-5)
             assert grads.keys() == eager_grads.keys()
             for name, grad in grads.items():
                 torch.testing.assert_close(
                     grad, eager_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=f"{variant} {name}": f"{n}: {m}"
                 )
+
+
+def test_lora_dropout_draws_the_same_masks_when_checkpointing_recomputes(hf_dir):
+    """LoRA's dropout under activation checkpointing: the recompute in backward draws the masks forward drew (the
+    checkpoint restores the RNG), so the checkpointed run trains as the plain one, eager and compiled."""
+    dropout = LoraOptions(rank=4, alpha=8, target_modules="all-linear", dropout=0.3)
+    ids_RSBS = torch.randint(1, 512, (2, 2, 2, 12), generator=torch.Generator().manual_seed(4))
+    names = ("eager", "checkpointing", "compiled", "compiled+checkpointing")
+    for out in run_distributed(_variants, 2, hf_dir, ids_RSBS, dropout, names, timeout=600):
+        for plain, checkpointed in (("eager", "checkpointing"), ("compiled", "compiled+checkpointing")):
+            (l0, g0, *_), (l1, g1, *_) = out[plain], out[checkpointed]
+            torch.testing.assert_close(torch.stack(l1), torch.stack(l0), rtol=1e-5, atol=1e-5)
+            for name, grad in g1.items():
+                torch.testing.assert_close(grad, g0[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        # the masks matter: the first step's batch from another seed gives another loss (the parameters are the same)
+        assert abs(out["eager"][3] - out["eager"][0][0]) > 1e-4

@@ -164,3 +164,21 @@ def test_lora_reduce_scatters_only_the_adapters_gradients():
     assert lora["all_gather"] > full["all_gather"]
     assert lora["all_gather"] - full["all_gather"] < 2 * (linear + expert / 8) * 2
     assert lora["all_to_all"] == full["all_to_all"]
+
+
+def test_plan_counts_what_lora_dropout_keeps():
+    """With ``lora.dropout`` each linear adapter also keeps its dropped input (compute dtype) and the mask (a byte)
+    per element of its input, for every token of the micro-batch (no checkpointing: every layer's)."""
+    from moeshard.models.qwen3moe import get_preset_config
+    from moeshard.train.commands.plan import plan_report
+    from moeshard.train.config import load_config
+
+    keys = ["--lora.rank=4", "--lora.target_modules=[q_proj,o_proj]", "--parallel.activation_checkpointing=none"]
+    keys += ["--data.seq_len=16", "--train.global_batch_size=2", "--train.micro_batch_size=1"]
+    plain, dropped = (
+        plan_report(load_config(None, [*keys, *extra]), nnodes=1, nproc_per_node=2, table=False).memory
+        for extra in ([], ["--lora.dropout=0.1"])
+    )
+    c = get_preset_config("tiny")
+    inputs = c.num_hidden_layers * (c.hidden_size + c.num_attention_heads * c.head_dim)  # q_proj's and o_proj's
+    assert dropped.activations - plain.activations == 16 * inputs * (2 + 1)  # bf16 and a byte, 16 tokens

@@ -99,3 +99,36 @@ def test_all_linear_leaves_out_the_output_layer_and_refusing_heads_and_needs_a_l
     assert [t.module for t in adapters.targets] == ["q_proj", "k_proj"]
     with pytest.raises(ValueError, match=r"^lora.target_modules 'all-linear': the model has no linear module that"):
         apply_lora(Experts(), LoraOptions(rank=2, target_modules="all-linear"))
+
+
+def test_dropout_is_on_the_adapter_input_in_train_mode_only_and_refused_where_peft_has_none():
+    torch.manual_seed(0)
+    plain, dropped = Tiny(), Tiny()
+    dropped.load_state_dict(plain.state_dict())
+    kw = {"rank": 2, "alpha": 4, "target_modules": ("q_proj",)}
+    a, b = apply_lora(plain, LoraOptions(**kw)), apply_lora(dropped, LoraOptions(**kw, dropout=0.5))
+    with torch.no_grad():
+        for m in (plain, dropped):
+            m.q_proj.lora_B.copy_(torch.ones_like(m.q_proj.lora_B))
+    x = torch.randn(64, 3)
+    dropped.eval()  # evaluation: no dropout
+    torch.testing.assert_close(dropped.q_proj(x), plain.q_proj(x))
+    dropped.train()
+    torch.manual_seed(5)
+    y = dropped.q_proj(x)
+    torch.manual_seed(5)
+    x_d = torch.nn.functional.dropout(x, 0.5)  # the same draw: the base sees x, the adapter x with dropout
+    q = dropped.q_proj
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, q.weight, q.bias) + 2.0 * x_d @ q.lora_A.T @ q.lora_B.T)
+    assert not torch.allclose(y, plain.q_proj(x))
+    assert a.options.dropout == 0 and b.options.dropout == 0.5
+    # PEFT wraps fused experts (and linears named gate/up/down_proj, on MoE models) as parameters, with no dropout
+    for options in (
+        LoraOptions(rank=2, target_parameters=("experts.gate_up_proj",), dropout=0.1),
+        LoraOptions(rank=2, target_modules=("q_proj", "down_proj"), dropout=0.1),
+    ):
+        model = Tiny()
+        model.down_proj = nn.Linear(3, 3)
+        with pytest.raises(ValueError, match=r"^lora.dropout 0.1 with \S+ targeted: PEFT applies no dropout to") as e:
+            apply_lora(model, options)
+        assert "\n" not in str(e.value) and all(p.requires_grad for p in model.parameters())

@@ -20,6 +20,8 @@ def test_lists_become_tuples_and_describe():
     assert o.target_modules == ("q_proj",) and o.target_parameters == ("mlp.experts.down_proj",)
     assert o.describe() == "lora: rank 4, alpha/r = 2; modules: q_proj; parameters: mlp.experts.down_proj"
     assert LoraOptions().describe() == "lora: off"
+    with_dropout = LoraOptions(rank=4, alpha=8, target_modules=["q_proj"], dropout=0.05)
+    assert with_dropout.describe() == "lora: rank 4, alpha/r = 2, dropout 0.05; modules: q_proj; parameters: -"
 
 
 @pytest.mark.parametrize(
@@ -33,6 +35,8 @@ def test_lists_become_tuples_and_describe():
         ({"target_parameters": "mlp.experts.down_proj"}, r"LoraOptions.target_parameters=.* must be a list"),
         ({"rank": 8}, r"LoraOptions.rank=8 but nothing is targeted"),
         ({"init_from": ""}, r"LoraOptions.init_from='' must be the path"),
+        ({"dropout": 1.0}, r"LoraOptions.dropout=1.0 must be a number in \[0, 1\)"),
+        ({"dropout": True}, r"LoraOptions.dropout=True must be a number"),
     ],
 )
 def test_bad_values_are_one_line_errors(kwargs, message):
@@ -43,5 +47,5 @@ def test_bad_values_are_one_line_errors(kwargs, message):
 
 def test_from_dict_names_an_unknown_key():
     assert LoraOptions.from_dict({"rank": 2, "target_modules": ["o_proj"]}).rank == 2
-    with pytest.raises(ValueError, match=r"lora: unknown option 'dropout'; the options are rank, alpha"):
-        LoraOptions.from_dict({"rank": 2, "dropout": 0.1})
+    with pytest.raises(ValueError, match=r"lora: unknown option 'lora_dropout'; the options are rank, alpha"):
+        LoraOptions.from_dict({"rank": 2, "lora_dropout": 0.1})

@@ -306,3 +306,31 @@ def test_all_linear_takes_what_peft_takes_and_peft_loads_it(family, tmp_path):
     # the folder's options (the module names all-linear took) target the same tensors again
     fresh, fresh_adapters = _ours(base, LoraOptions(**{**read_adapter_options(tmp_path).__dict__, "init_from": None}))
     assert sorted(t.base_name for t in fresh_adapters.targets) == sorted(t.base_name for t in adapters.targets)
+
+
+def test_dropout_trains_as_peft_s_with_the_same_draws(base, tmp_path):
+    """``dropout`` (PEFT's ``lora_dropout``) on attention adapters: in train mode, from one seed, the logits and the
+    adapters' gradients are PEFT's (the same masks: each adapter draws its own in module order in both); the folder
+    records it and reads it back."""
+    options = LoraOptions(rank=4, alpha=8, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"), dropout=0.3)
+    ours, adapters = _ours(base, options)
+    save_adapter(tmp_path, adapters, adapters.state_dict(ours))
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["lora_dropout"] == 0.3
+    assert read_adapter_options(tmp_path).dropout == 0.3
+    theirs = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path), is_trainable=True)
+    ours.train(), theirs.train()
+    ids = _batch()
+    torch.manual_seed(11)
+    a = _loss(ours, ids)
+    torch.manual_seed(11)
+    b = _loss(theirs, ids)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    a.backward(), b.backward()
+    save_adapter(tmp_path / "grads", adapters, {n: p.grad for n, p in ours.named_parameters() if p.requires_grad})
+    ours_grads = load_file(str(tmp_path / "grads/adapter_model.safetensors"))
+    their_grads = {n.replace(".default", ""): p.grad for n, p in theirs.named_parameters() if p.requires_grad}
+    assert sorted(ours_grads) == sorted(their_grads)
+    for n in ours_grads:
+        torch.testing.assert_close(ours_grads[n], their_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+    torch.manual_seed(11)
+    assert not torch.allclose(_loss(ours.eval(), ids), a)  # evaluation draws no mask

@@ -147,11 +147,14 @@ class LoraAdapters:
         return f"{self.options.describe()} ({n_lin} linear modules, {len(self.targets) - n_lin} expert tensors)"
 
 
-def _linear_hook(scaling: float):
+def _linear_hook(scaling: float, dropout: float = 0.0):
     # output + s · (x Aᵀ) Bᵀ with the second GEMM, its scaling and the sum in one addmm (one pass over the output
-    # each way instead of three: a GEMM, a scaling, an add; backward's scaled gradients come from the GEMMs' alpha)
+    # each way instead of three: a GEMM, a scaling, an add; backward's scaled gradients come from the GEMMs' alpha);
+    # with dropout, PEFT's: on the adapter's input only, in train mode
     def hook(module: nn.Linear, args, output):
         x = args[0]
+        if dropout:
+            x = F.dropout(x, dropout, training=module.training)
         A, B = module.lora_A.to(x.dtype), module.lora_B.to(x.dtype)
         t = F.linear(x, A)
         out = torch.addmm(output.reshape(-1, output.shape[-1]), t.reshape(-1, t.shape[-1]), B.t(), alpha=scaling)
@@ -166,6 +169,28 @@ def _check_adaptable(name: str, module: nn.Module) -> None:
     reason = getattr(module, "lora_refusal", None)
     if reason:
         raise ValueError(f"lora targets {name} ({type(module).__name__}), which takes no adapter: {reason}")
+
+
+# The leaf names PEFT takes for transformers 4's per-expert linears (see _peft.py's docstring): a folder names such
+# linear targets in target_parameters, which PEFT wraps as parameters.
+_PEFT_REMAPPED = frozenset({"gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
+
+
+def _remapped(entry: str) -> bool:
+    return entry.rpartition(".")[2] in _PEFT_REMAPPED
+
+
+def _check_dropout(options: LoraOptions, targets: list[LoraTarget]) -> None:
+    """ValueError where dropout meets a target PEFT wraps as a parameter (it refuses lora_dropout there)."""
+    if not options.dropout:
+        return
+    wrapped = [t.base_name for t in targets if t.kind == EXPERTS or _remapped(t.module)]
+    if wrapped:
+        raise ValueError(
+            f"lora.dropout {options.dropout:g} with {wrapped[0]} targeted: PEFT applies no dropout to tensors it "
+            "wraps as parameters (fused experts, and linears named gate/up/down_proj, which it takes as experts' on "
+            "MoE models); set lora.dropout=0, or target only other linear modules (q_proj, o_proj, ...)"
+        )
 
 
 ALL_LINEAR = "all-linear"
@@ -293,6 +318,7 @@ def apply_lora(
     if not options.enabled:
         raise ValueError("apply_lora: LoraOptions.rank is 0 (LoRA off); give a rank > 0")
     targets = _find_targets(model, options)
+    _check_dropout(options, targets)
     for p in model.parameters():
         p.requires_grad_(False)
     if base_dtype is not None:
@@ -308,7 +334,7 @@ def apply_lora(
         module.register_parameter(t.a_name.rpartition(".")[2], nn.Parameter(A))
         module.register_parameter(t.b_name.rpartition(".")[2], nn.Parameter(B))
         if t.kind == LINEAR:
-            handles.append(module.register_forward_hook(_linear_hook(options.scaling)))
+            handles.append(module.register_forward_hook(_linear_hook(options.scaling, options.dropout)))
         else:
             module.lora_scaling = options.scaling  # read by the expert module with its adapters (see the docstring)
     return LoraAdapters(options, tuple(targets), shapes, handles)

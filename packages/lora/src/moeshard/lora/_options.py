@@ -52,6 +52,13 @@ class LoraOptions:
         default=None,
         metadata={"help": "a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) to start from."},
     )
+    dropout: float = field(
+        default=0.0,
+        metadata={
+            "help": "PEFT's `lora_dropout`: dropout on a linear adapter's input while training (the model in train "
+            "mode); PEFT takes none on tensors it wraps as parameters (fused experts), so neither does this."
+        },
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
@@ -76,6 +83,8 @@ class LoraOptions:
             raise ValueError(
                 f"LoraOptions.target_parameters={tp!r} must be a list of parameter names like 'mlp.experts.down_proj'"
             )
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise ValueError(f"LoraOptions.dropout={self.dropout!r} must be a number in [0, 1) (PEFT's lora_dropout)")
         if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
             raise ValueError(f"LoraOptions.init_from={self.init_from!r} must be the path of a PEFT adapter folder")
         if self.rank > 0 and not tm and not tp:
@@ -112,7 +121,8 @@ class LoraOptions:
         tm = self.target_modules if isinstance(self.target_modules, str) else ", ".join(self.target_modules) or "-"
         scale = f"alpha/sqrt(r) = {self.scaling:g}" if self.use_rslora else f"alpha/r = {self.scaling:g}"
         start = f", from {self.init_from}" if self.init_from else ""
+        dropout = f", dropout {self.dropout:g}" if self.dropout else ""
         return (
-            f"lora: rank {self.rank}, {scale}; modules: {tm}; parameters: "
+            f"lora: rank {self.rank}, {scale}{dropout}; modules: {tm}; parameters: "
             f"{', '.join(self.target_parameters) or '-'}{start}"
         )

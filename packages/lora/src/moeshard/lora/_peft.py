@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from moeshard.lora._apply import EXPERTS, LoraAdapters, LoraTarget, _module_matches
+from moeshard.lora._apply import EXPERTS, LoraAdapters, LoraTarget, _module_matches, _remapped
 from moeshard.lora._options import LoraOptions
 
 __all__ = ["load_adapter", "read_adapter_options", "save_adapter"]
@@ -58,14 +58,6 @@ def _from_peft(t: LoraTarget, A: torch.Tensor, B: torch.Tensor, experts: int) ->
     return A.reshape(experts, r, A.shape[1]), B.reshape(B.shape[0], r, experts).permute(2, 0, 1)
 
 
-# The leaf names PEFT takes for transformers 4's per-expert linears (see the module docstring).
-_PEFT_REMAPPED = frozenset({"gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
-
-
-def _remapped(entry: str) -> bool:
-    return entry.rpartition(".")[2] in _PEFT_REMAPPED
-
-
 def _peft_targets(adapters: LoraAdapters) -> tuple[list[str], list[str]]:
     """``(target_modules, target_parameters)`` as the folder writes them: what PEFT loads as the job targeted it."""
     options = adapters.options
@@ -89,7 +81,7 @@ def _config(adapters: LoraAdapters, base_model: str | None, model_class: str | N
         "use_rslora": options.use_rslora,
         "target_modules": modules or None,
         "target_parameters": params or None,
-        "lora_dropout": 0.0,
+        "lora_dropout": options.dropout,
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,
@@ -168,6 +160,7 @@ def read_adapter_options(path: str | os.PathLike) -> LoraOptions:
         target_modules=tm if isinstance(tm, str) else tuple(sorted(tm)),
         target_parameters=tuple(sorted(config.get("target_parameters") or ())),
         init_from=str(folder),
+        dropout=float(config.get("lora_dropout") or 0.0),
     )
 
 

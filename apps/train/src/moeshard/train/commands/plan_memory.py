@@ -137,24 +137,27 @@ def adapter_activation_bytes_per_token(
     :func:`activation_bytes_per_token` (which the frozen base keeps as the trained one does).
 
     A targeted linear module keeps its rank-``r`` intermediate ``x Aᵀ`` (``r`` elements per token in the compute
-    dtype, for ``B``'s gradient; ``x`` is the base's own saved input). A targeted fused expert tensor keeps nothing
-    per routed copy: the expert pass recomputes its ``x Aᵀ`` in backward (``moeshard.ep.ExpertPass``). With ``full``
-    activation checkpointing only the layer recomputed in backward holds them (the one with the most targets), and
-    the targets outside the decoder layers always.
+    dtype, for ``B``'s gradient; ``x`` is the base's own saved input); with ``lora.dropout`` also its dropped input
+    (``in`` elements, for ``A``'s gradient) and the dropout's mask (``in`` bytes). A targeted fused expert tensor keeps
+    nothing per routed copy: the expert pass recomputes its ``x Aᵀ`` in backward (``moeshard.ep.ExpertPass``). With
+    ``full`` activation checkpointing only the layer recomputed in backward holds them (the one that keeps the most),
+    and the targets outside the decoder layers always.
     """
+    r, dropout = adapters.options.rank, adapters.options.dropout
     per_layer: Counter[str] = Counter()
     outside = 0
     for t in adapters.targets:
         if t.kind != "linear":
             continue
+        kept = r * compute_bytes + (adapters.shapes[t.a_name][-1] * (compute_bytes + 1) if dropout else 0)
         m = re.search(r"(?:^|\.)layers\.(\d+)\.", t.module)
         if m is None:
-            outside += 1
+            outside += kept
         else:
-            per_layer[m.group(1)] += 1
+            per_layer[m.group(1)] += kept
     assert len(per_layer) <= layers, (len(per_layer), layers)
     in_layers = max(per_layer.values(), default=0) if activation_checkpointing == "full" else sum(per_layer.values())
-    return (in_layers + outside) * adapters.options.rank * compute_bytes
+    return in_layers + outside
 
 
 def loss_head_bytes(
