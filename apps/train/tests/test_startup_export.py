@@ -182,3 +182,37 @@ def test_a_checkpoint_without_a_model_config_is_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"holds LoRA adapters but its extra records no 'lora': save with extra="):
         export_hf(lora, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_block_counts_sequence_groups_and_says_what_lora_trains(tmp_path):
+    """Under sp the data-parallel degree is world / sp: the layout names the groups and the accumulation is per
+    group; a LoRA job's line says what trains (the adapters' options, counts and parameters)."""
+    import types
+
+    from moeshard.lora import apply_lora
+    from moeshard.models.qwen3moe import Qwen3MoeForCausalLM, get_preset_config
+    from moeshard.train.config import load_config
+    from moeshard.train.run.startup import startup_block
+
+    keys = ["--parallel.sp_size=2", "--parallel.ep_size=2", "--train.global_batch_size=8", "--train.micro_batch_size=1"]
+    keys += ["--lora.rank=4", "--lora.target_modules=all-linear", "--data.seq_len=32"]
+    cfg = load_config(None, keys)
+    config = get_preset_config("tiny")
+    with torch.device("meta"):
+        adapters = apply_lora(Qwen3MoeForCausalLM(config), cfg.lora)
+    meshes = types.SimpleNamespace(world_size=8, ep_size=2, ep_fsdp_size=4)
+    data = types.SimpleNamespace(summary=lambda: {"synthetic": {"tokens": 1024, "rows": 32}})
+    text = startup_block(cfg, config, meshes, 4, data, torch.device("cpu"), tmp_path, adapters)
+    block = {line[:12].strip(): line[12:] for line in text.splitlines()}
+    assert (
+        block["layout"]
+        == "world 8 = 2 nodes x 4 ranks; ep 2, ep_fsdp 4; sp 2: 4 data-parallel groups of 2 ranks, each row split over one"
+    )
+    assert block["batch"] == "micro-batch 1 x 2 accumulation x 4 groups = 8 rows of 32 = 256 tokens per step, 60 steps"
+    L, D, H, KV, Dh, r = (config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+                          config.num_key_value_heads, config.head_dim, 4)  # fmt: skip
+    per_layer = r * (D + H * Dh) + r * (D + KV * Dh) * 2 + r * (H * Dh + D)  # q, k and v, o: A [r, in], B [out, r]
+    assert block["lora"] == (
+        f"rank 4, alpha/r = 4; modules: all-linear; parameters: -; {L * per_layer / 1e3:.1f}K trained in {4 * L} "
+        "linear modules and 0 expert tensors, the base frozen"
+    )

@@ -107,7 +107,10 @@ def _build_and_resume(cfg: JobConfig, prep: Prepared, device: torch.device) -> t
     try:
         torch.manual_seed(cfg.train.seed)
         job = build(cfg, device, prep.model_config)  # resolved and checked once, by prepare's check_layout
-        print0(startup_block(cfg, job.model_config, job.meshes, prep.ranks_per_node, prep.data, device, prep.ckpt_dir))
+        block = startup_block(
+            cfg, job.model_config, job.meshes, prep.ranks_per_node, prep.data, device, prep.ckpt_dir, job.adapters
+        )
+        print0(block)
         print0(job.meshes.describe())
         start_step = 0
         if prep.resume_path is not None:

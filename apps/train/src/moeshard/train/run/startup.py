@@ -5,12 +5,17 @@ by rank 0 before the first step (a user need not check by hand that ``model.path
     parameters  30.5B total, 3.4B active per token; compute dtype bfloat16 (auto)
     layout      world 16 = 2 nodes x 8 GPUs; ep 8, ep_fsdp 2; 16 data-parallel ranks
     batch       micro-batch 1 x 2 accumulation x 16 ranks = 32 rows of 4096 = 131,072 tokens per step, 1000 steps
+    lora        rank 16, alpha/r = 2; modules: all-linear; parameters: -; 13.4M trained in 192 linear modules and 0 expert tensors, the base frozen
+
+Under sequence parallelism (``parallel.sp_size`` > 1) the layout counts data-parallel groups of ``sp`` ranks (each
+row split over one group) and the batch's accumulation is per group.
     data        web: weight 0.800, 1,234,567,890 tokens, 2,345,678 documents, /data/web-prepared
     outputs     outputs/run (checkpoints outputs/run/checkpoints; Hub folders outputs/run/hf: final)
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from moeshard.data import Dataset
+    from moeshard.lora import LoraAdapters
     from moeshard.meshes import ParallelMeshes
     from moeshard.train.config import JobConfig
 
@@ -43,9 +49,10 @@ def startup_block(
     data: Dataset,
     device: torch.device,
     ckpt_dir: Path,
+    adapters: LoraAdapters | None = None,
 ) -> str:
     """The block's lines (label, then text), aligned; parameter counts come from the family
-    (``ModelFamily.count_parameters``)."""
+    (``ModelFamily.count_parameters``), a LoRA job's line from its ``adapters``."""
     family = family_of(model_config)
     m = cfg.model
     if m.path is not None:
@@ -63,8 +70,15 @@ def startup_block(
     nodes = world // ranks_per_node
     gpus = "GPU" if device.type == "cuda" else "rank"
     t = cfg.train
-    accumulation = t.global_batch_size // (world * t.micro_batch_size)
+    sp = cfg.parallel.sp_size
+    dp = world // sp  # data-parallel ranks, or groups of sp ranks that share each row
+    accumulation = t.global_batch_size // (dp * t.micro_batch_size)
     seq = cfg.data.seq_len
+    if sp > 1:
+        data_parallel = f"sp {sp}: {dp} data-parallel group{'s' * (dp != 1)} of {sp} ranks, each row split over one"
+        per = f"group{'s' * (dp != 1)}"
+    else:
+        data_parallel, per = f"{world} data-parallel rank{'s' * (world != 1)}", f"rank{'s' * (world != 1)}"
 
     lines = [
         ("model", f"{family.name} {source}"),
@@ -72,14 +86,24 @@ def startup_block(
         (
             "layout",
             f"world {world} = {nodes} node{'s' * (nodes != 1)} x {ranks_per_node} {gpus}{'s' * (ranks_per_node != 1)}; "
-            f"ep {ep}, ep_fsdp {ep_fsdp}; {world} data-parallel rank{'s' * (world != 1)}",
+            f"ep {ep}, ep_fsdp {ep_fsdp}; {data_parallel}",
         ),
         (
             "batch",
-            f"micro-batch {t.micro_batch_size} x {accumulation} accumulation x {world} rank{'s' * (world != 1)} = "
+            f"micro-batch {t.micro_batch_size} x {accumulation} accumulation x {dp} {per} = "
             f"{t.global_batch_size} rows of {seq} = {t.global_batch_size * seq:,} tokens per step, {t.steps} steps",
         ),
     ]
+    if adapters is not None:
+        n_linear = sum(tgt.kind == "linear" for tgt in adapters.targets)
+        trained = sum(math.prod(shape) for shape in adapters.shapes.values())  # full shapes: the whole adapters
+        lines.append(
+            (
+                "lora",
+                f"{adapters.options.describe().removeprefix('lora: ')}; {_count(trained)} trained in {n_linear} linear "
+                f"modules and {len(adapters.targets) - n_linear} expert tensors, the base frozen",
+            )
+        )
     summary = data.summary()
     sources = cfg.data.source_list()
     if not sources:
