@@ -213,6 +213,6 @@ def test_the_block_counts_sequence_groups_and_says_what_lora_trains(tmp_path):
                           config.num_key_value_heads, config.head_dim, 4)  # fmt: skip
     per_layer = r * (D + H * Dh) + r * (D + KV * Dh) * 2 + r * (H * Dh + D)  # q, k and v, o: A [r, in], B [out, r]
     assert block["lora"] == (
-        f"rank 4, alpha/r = 4; modules: all-linear; parameters: -; {L * per_layer / 1e3:.1f}K trained in {4 * L} "
-        "linear modules and 0 expert tensors, the base frozen"
+        f"rank 4, alpha/r = 4; modules: all-linear; parameters: - ({4 * L} linear modules, 0 expert tensors); "
+        f"{L * per_layer / 1e3:.1f}K trained, the base frozen"
     )

@@ -163,10 +163,15 @@ def _linear_hook(scaling: float, dropout: float = 0.0):
     return hook
 
 
+def _refusal(module: nn.Module) -> str | None:
+    """Why a linear module takes no adapter (its ``lora_refusal``, set on a module whose forward is more than its
+    GEMM: an LM head that computes the loss from its weight), or None."""
+    return getattr(module, "lora_refusal", None) or None
+
+
 def _check_adaptable(name: str, module: nn.Module) -> None:
-    """ValueError where a linear module says it takes no adapter: its ``lora_refusal`` (a reason) is set, as on a
-    module whose forward is more than its GEMM (an LM head that computes the loss from its weight)."""
-    reason = getattr(module, "lora_refusal", None)
+    """ValueError where a linear module says it takes no adapter (:func:`_refusal`)."""
+    reason = _refusal(module)
     if reason:
         raise ValueError(f"lora targets {name} ({type(module).__name__}), which takes no adapter: {reason}")
 
@@ -228,9 +233,7 @@ def _find_targets(model: nn.Module, options: LoraOptions) -> list[LoraTarget]:
     hit_params: set[str] = set()
     output_layer = _output_layer(model) if _all_linear(tm) else None
     for name, module in model.named_modules():
-        if _all_linear(tm) and (
-            not isinstance(module, nn.Linear) or module is output_layer or getattr(module, "lora_refusal", None)
-        ):
+        if _all_linear(tm) and (not isinstance(module, nn.Linear) or module is output_layer or _refusal(module)):
             pass  # not a module all-linear takes (its parameters may still be targeted below)
         elif tm and name and _module_matches(name, tm):
             if not isinstance(module, nn.Linear):

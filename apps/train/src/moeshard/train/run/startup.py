@@ -5,7 +5,7 @@ by rank 0 before the first step (a user need not check by hand that ``model.path
     parameters  30.5B total, 3.4B active per token; compute dtype bfloat16 (auto)
     layout      world 16 = 2 nodes x 8 GPUs; ep 8, ep_fsdp 2; 16 data-parallel ranks
     batch       micro-batch 1 x 2 accumulation x 16 ranks = 32 rows of 4096 = 131,072 tokens per step, 1000 steps
-    lora        rank 16, alpha/r = 2; modules: all-linear; parameters: -; 13.4M trained in 192 linear modules and 0 expert tensors, the base frozen
+    lora        rank 16, alpha/r = 2; modules: all-linear; parameters: - (192 linear modules, 0 expert tensors); 13.4M trained, the base frozen
 
 Under sequence parallelism (``parallel.sp_size`` > 1) the layout counts data-parallel groups of ``sp`` ranks (each
 row split over one group) and the batch's accumulation is per group.
@@ -94,15 +94,10 @@ def startup_block(
             f"{t.global_batch_size} rows of {seq} = {t.global_batch_size * seq:,} tokens per step, {t.steps} steps",
         ),
     ]
-    if adapters is not None:
-        n_linear = sum(tgt.kind == "linear" for tgt in adapters.targets)
-        trained = sum(math.prod(shape) for shape in adapters.shapes.values())  # full shapes: the whole adapters
+    if adapters is not None:  # the adapters' full shapes: every rank's share together
+        trained = sum(math.prod(shape) for shape in adapters.shapes.values())
         lines.append(
-            (
-                "lora",
-                f"{adapters.options.describe().removeprefix('lora: ')}; {_count(trained)} trained in {n_linear} linear "
-                f"modules and {len(adapters.targets) - n_linear} expert tensors, the base frozen",
-            )
+            ("lora", f"{adapters.describe().removeprefix('lora: ')}; {_count(trained)} trained, the base frozen")
         )
     summary = data.summary()
     sources = cfg.data.source_list()
